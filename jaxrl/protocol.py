@@ -1,0 +1,46 @@
+"""What the rollout server asks of the inference engine, and what it gets back."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings.
+
+    temperature: >= 0; 0 means greedy. top_p: in (0, 1]; 1 disables nucleus sampling (Holtzman et al.
+    2019). top_k: number of highest-logit tokens kept; <= 0 disables it. max_tokens: sampled tokens per
+    turn (>= 1). stop_token_ids: sampling stops after emitting one of these (it is kept in the output).
+    seed: makes the request's samples reproducible; None draws from the engine's key.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+@dataclasses.dataclass
+class Completion:
+    """A finished request: sampled tokens, the logprob of each under the sampling distribution (after
+    temperature), why it stopped, and the policy version that produced each token."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: Literal["stop", "length"]
+    policy_versions: list[int]
+
+
+class GenerateBackend(Protocol):
+    """The engine side of the server: turns prompt token ids into a completion."""
+
+    model_name: str
+    max_model_len: int
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        """Raises ValueError for a request the engine cannot serve (e.g. prompt too long)."""
+        ...

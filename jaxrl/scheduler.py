@@ -1,0 +1,198 @@
+"""Continuous batching over the engine's decode slots, in a background thread.
+
+Between two decode steps the scheduler admits waiting requests into free slots (prefill in a length
+bucket, then insert), so a batch is never padded to its longest request; a slot is freed the moment
+its request stops. The only host/device synchronisation in the loop is reading each step's sampled
+tokens, which must be handed out anyway. `update_params` swaps the weights between two decode steps;
+requests in flight keep their KV cache and go on under the new weights, and every sampled token
+records the policy version that produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import threading
+
+import jax
+import numpy as np
+
+from jaxrl.engine import DecodeState, Engine, pad_prompt
+from jaxrl.model import Params
+from jaxrl.protocol import Completion, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+
+    def add(self, token: int, logprob: float, version: int) -> bool:
+        """Record a sampled token; True when the request is finished."""
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        self.versions.append(version)
+        return token in self.params.stop_token_ids or len(self.tokens) >= self.max_tokens
+
+    def finish(self) -> None:
+        stopped = bool(self.tokens) and self.tokens[-1] in self.params.stop_token_ids
+        done = Completion(self.tokens, self.logprobs, "stop" if stopped else "length", self.versions)
+        self.loop.call_soon_threadsafe(_resolve, self.future, done)
+
+    def fail(self, exc: BaseException) -> None:
+        self.loop.call_soon_threadsafe(_reject, self.future, exc)
+
+
+def _resolve(fut: asyncio.Future, value: Completion) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _reject(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
+
+
+class Scheduler:
+    """A `GenerateBackend` that serves requests from one `Engine` with continuous batching.
+
+    Args:
+        engine: the engine; its `max_concurrent_decodes` is the number of slots.
+        params: engine params `{"base", "lora"}`.
+        model_name: the name `/v1/models` reports.
+        seed: base PRNG seed for requests without their own `seed`.
+    """
+
+    def __init__(self, engine: Engine, params: Params, model_name: str, seed: int = 0) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.max_model_len = engine.max_seq_len
+        self.policy_version = 0
+        self._params = params
+        self._pending: tuple[Params, int] | None = None
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._slots: list[_Request | None] = [None] * engine.max_concurrent_decodes
+        self._state: DecodeState | None = None
+        self._cv = threading.Condition()
+        self._stop = False
+        self._base_key = jax.random.key(seed)
+        self._n_requests = 0
+        self.decode_steps = 0
+        self._thread = threading.Thread(target=self._run, name="jaxrl-scheduler", daemon=True)
+        self._thread.start()
+
+    # GenerateBackend ------------------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        """Queue a request and wait for its completion.
+
+        Raises:
+            ValueError: an empty prompt, or a prompt that leaves no room to sample in `max_seq_len`.
+        """
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        room = self.engine.max_seq_len - len(prompt_ids)
+        if room < 1:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in max_model_len "
+                             f"{self.engine.max_seq_len}")
+        loop = asyncio.get_running_loop()
+        req = _Request(list(prompt_ids), params, min(params.max_tokens, room), loop, loop.create_future())
+        with self._cv:
+            if self._stop:
+                raise RuntimeError("the scheduler is stopped")
+            self._waiting.append(req)
+            self._cv.notify()
+        return await req.future
+
+    # weights --------------------------------------------------------------------------------------
+    def update_params(self, params: Params, version: int) -> None:
+        """Use `params` from the next decode step on; tokens sampled after it report `version`."""
+        with self._cv:
+            self._pending = (params, version)
+            self._cv.notify()
+
+    def stop(self) -> None:
+        """Stop the loop; requests still queued or in flight fail with RuntimeError."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    @property
+    def active(self) -> int:
+        return sum(r is not None for r in self._slots)
+
+    # the loop -------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._state = self.engine.init_decode_state()
+            while True:
+                with self._cv:
+                    while not self._stop and not self._waiting and not self.active and self._pending is None:
+                        self._cv.wait()
+                    if self._stop:
+                        break
+                    if self._pending is not None:
+                        self._params, self.policy_version = self._pending
+                        self._pending = None
+                    admit = []
+                    while self._waiting and len(admit) < self._slots.count(None):
+                        admit.append(self._waiting.popleft())
+                for req in admit:
+                    self._admit(req)
+                if self.active:
+                    self._step()
+        except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear about it
+            log.exception("scheduler loop failed")
+            self._fail_all(exc)
+            return
+        self._fail_all(RuntimeError("the scheduler is stopped"))
+
+    def _key(self, req: _Request) -> jax.Array:
+        self._n_requests += 1
+        if req.params.seed is not None:
+            return jax.random.key(req.params.seed)
+        return jax.random.fold_in(self._base_key, self._n_requests)
+
+    def _admit(self, req: _Request) -> None:
+        try:
+            bucket = self.engine.bucket(len(req.prompt_ids))
+            prefix = self.engine.prefill(params=self._params, padded_tokens=pad_prompt(req.prompt_ids, bucket),
+                                         true_length=len(req.prompt_ids), sampling=req.params, key=self._key(req))
+            token, logprob = int(prefix.token[0]), float(prefix.logprob[0])
+        except Exception as exc:  # noqa: BLE001 - a bad request must not stop the loop
+            req.fail(exc)
+            return
+        if req.add(token, logprob, self.policy_version):
+            req.finish()
+            return
+        slot = self._slots.index(None)
+        self._state = self.engine.insert(prefix, self._state, slot)
+        self._slots[slot] = req
+
+    def _step(self) -> None:
+        truncate = any(r is not None and (r.params.top_p < 1.0 or r.params.top_k > 0) for r in self._slots)
+        self._state, result = self.engine.generate(self._params, self._state, truncate=truncate)
+        tokens, logprobs = np.asarray(result.tokens), np.asarray(result.logprobs)
+        self.decode_steps += 1
+        for slot, req in enumerate(self._slots):
+            if req is not None and req.add(int(tokens[slot]), float(logprobs[slot]), self.policy_version):
+                req.finish()
+                self._slots[slot] = None
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cv:
+            reqs = [r for r in self._slots if r is not None] + list(self._waiting)
+            self._slots = [None] * len(self._slots)
+            self._waiting.clear()
+        for r in reqs:
+            r.fail(exc)
