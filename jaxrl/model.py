@@ -206,14 +206,15 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """RMSNorm (Zhang & Sennrich 2019) over the last axis, computed in fp32, returned in x's dtype."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * w.astype(jnp.float32)).astype(x.dtype)
+    w = w.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + w.shape)
+    return (y * w).astype(x.dtype)
 
 
 def rope(x_BTXH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
     """Rotary position embedding (Su et al. 2021) in HF's rotate-half layout, any head count X."""
     h = x_BTXH.shape[-1]
     inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
-    ang_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+    ang_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_freq[None, None]
     cos = jnp.cos(ang_BTh)[:, :, None, :]
     sin = jnp.sin(ang_BTh)[:, :, None, :]
     x = x_BTXH.astype(jnp.float32)

@@ -36,13 +36,16 @@ RULES: Rules = {
 
 
 def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh with axes `MESH_AXES` of the given sizes (missing axes are 1).
+    """A mesh with axes `MESH_AXES` of the given sizes (missing axes are 1). When every size is 1 (the
+    default) and several devices are given, all of them go on `fsdp`.
 
     Raises:
         ValueError: the sizes' product differs from the number of devices.
     """
     sizes = tuple(int(shape.get(a, 1)) for a in MESH_AXES)
     devices = list(devices if devices is not None else jax.devices())
+    if math.prod(sizes) == 1:
+        sizes = (1, len(devices), 1, 1)
     if math.prod(sizes) != len(devices):
         raise ValueError(
             f"mesh {dict(zip(MESH_AXES, sizes, strict=True))} needs {math.prod(sizes)} devices, "

@@ -43,7 +43,7 @@ def make_optimizer(learning_rate: float, max_grad_norm: float = 1.0,
 class TrainState:
     """What training changes: the LoRA factors, the optimizer state (over {"base", "lora"}; the frozen base
     has none), and the number of optimizer steps taken (int32). The base weights live outside it, shared
-    with the rollout engine, and are never donated."""
+    with the rollout engine."""
 
     lora: Params
     opt_state: Any
@@ -132,7 +132,8 @@ class Trainer:
     remat: bool = False
 
     def __post_init__(self) -> None:
-        self._step = jax.jit(self._step_impl, donate_argnums=(0,))
+        # Nothing is donated: the rollout engine may still hold the previous LoRA while this step runs.
+        self._step = jax.jit(self._step_impl)
 
     def init_state(self, base: Params, lora: Params) -> TrainState:
         """A state at step 0 (arrays placed as they are)."""
@@ -148,7 +149,7 @@ class Trainer:
         return out
 
     def step(self, state: TrainState, base: Params, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        """One optimizer step on `batch`; `state` is donated, `base` is not. Metrics stay on device."""
+        """One optimizer step on `batch`. Metrics stay on device (read them late)."""
         return self._step(state, base, self.shard_batch(batch))
 
     def loss(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
