@@ -11,14 +11,15 @@ from __future__ import annotations
 import difflib
 import re
 import tomllib
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 ENV_ID = re.compile(r"[A-Za-z0-9._-]+/[A-Za-z0-9._-]+(@[A-Za-z0-9._-]+)?")
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_TARGETS: tuple[str, ...] = get_args(LoraTarget)
 
 
 class ConfigError(Exception):
@@ -27,7 +28,7 @@ class ConfigError(Exception):
 
     def __init__(self, source: str | Path, problems: list[tuple[str, str]]):
         self.source, self.problems = str(source), problems
-        super().__init__("\n".join(f"{self.source}: {k}: {r}" if k else f"{self.source}: {r}" for k, r in problems))
+        super().__init__("\n".join(f"{self.source}: {k + ': ' if k else ''}{r}" for k, r in problems))
 
 
 class _Invalid(ValueError):
@@ -39,19 +40,28 @@ class _Invalid(ValueError):
 
 
 class _Table(BaseModel):
+    """Base of every TOML table: unknown keys are errors and TOML types are not coerced."""
+
     model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
 
 
-def _all_or_positive(value: int) -> int:
-    if value == -1 or value >= 1:
-        return value
-    raise ValueError(f"must be -1 (all) or >= 1, got {value}")
+def _minus_one_or_positive(meaning: str) -> AfterValidator:
+    def check(value: int) -> int:
+        if value == -1 or value >= 1:
+            return value
+        raise ValueError(f"must be -1 ({meaning}) or >= 1, got {value}")
+
+    return AfterValidator(check)
 
 
-def _check_env_id(value: str) -> str:
+def _env_id(value: str) -> str:
     if not ENV_ID.fullmatch(value):
         raise ValueError(f"{value!r} is not in owner/name[@version] form")
     return value
+
+
+AllOrPositive = Annotated[int, _minus_one_or_positive("all")]
+EnvId = Annotated[str, AfterValidator(_env_id)]
 
 
 class SamplingConfig(_Table):
@@ -62,22 +72,16 @@ class SamplingConfig(_Table):
     temperature: float = Field(1.0, ge=0)
     """Sampling temperature, >= 0 (0 = greedy). Default 1.0."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling mass in (0, 1] (Holtzman et al. 2019); 1.0 = off. Default 1.0. Not in Hosted Training."""
-    top_k: int = -1
+    """Nucleus sampling mass in (0, 1] (Holtzman et al. 2019); 1.0 = off. Default 1.0. Not in Hosted
+    Training."""
+    top_k: Annotated[int, _minus_one_or_positive("off")] = -1
     """Keep only the k most likely tokens; -1 = off. Default -1. Not in Hosted Training."""
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, value: int) -> int:
-        if value == -1 or value >= 1:
-            return value
-        raise ValueError(f"must be -1 (off) or >= 1, got {value}")
 
 
 class EnvConfig(_Table):
     """`[[env]]`: one training environment."""
 
-    id: str
+    id: EnvId
     """Environments Hub id, `owner/name` with an optional `@version`. Required."""
     name: str | None = None
     """Display name, to tell apart copies of one environment with different args. Default: the id."""
@@ -88,10 +92,9 @@ class EnvConfig(_Table):
     harness: dict[str, Any] | None = None
     """verifiers v1 harness table, passed through unchanged. Default None."""
 
-    _id = field_validator("id")(_check_env_id)
-
     @property
     def display_name(self) -> str:
+        """`name`, else `id`: the label of this environment in logs and metrics."""
         return self.name or self.id
 
 
@@ -109,19 +112,16 @@ class WandbConfig(_Table):
 class EvalEnvConfig(_Table):
     """`[[eval.env]]`: one eval environment, with optional overrides of the `[eval]` defaults."""
 
-    id: str
+    id: EnvId
     """Environments Hub id, `owner/name` with an optional `@version`. Required."""
     name: str | None = None
     """Display name. Default: the id."""
     args: dict[str, Any] = {}
     """Keyword arguments for the environment's `load_environment()`. Default {}."""
-    num_examples: int | None = None
+    num_examples: AllOrPositive | None = None
     """Examples to evaluate (-1 = all). Default None: `eval.num_examples`."""
     rollouts_per_example: int | None = Field(None, ge=1)
     """Rollouts per eval example. Default None: `eval.rollouts_per_example`."""
-
-    _id = field_validator("id")(_check_env_id)
-    _num = field_validator("num_examples")(lambda v: v if v is None else _all_or_positive(v))
 
 
 class EvalConfig(_Table):
@@ -129,7 +129,7 @@ class EvalConfig(_Table):
 
     interval: int = Field(100, ge=1)
     """Evaluate every N training steps. Default 100."""
-    num_examples: int = -1
+    num_examples: AllOrPositive = -1
     """Examples per eval environment (-1 = all). Default -1."""
     rollouts_per_example: int = Field(1, ge=1)
     """Rollouts per eval example. Default 1."""
@@ -137,8 +137,6 @@ class EvalConfig(_Table):
     """Also evaluate the base (untrained) model. Default true."""
     env: list[EvalEnvConfig] = []
     """`[[eval.env]]` tables. Default []: evaluate on the training environments."""
-
-    _num = field_validator("num_examples")(_all_or_positive)
 
 
 class ValConfig(_Table):
@@ -156,7 +154,7 @@ class BufferConfig(_Table):
     """`[buffer]`: the rollout buffer and online difficulty filtering."""
 
     online_difficulty_filtering: bool = False
-    """Drop groups whose rewards are all equal and sample by difficulty. Default false."""
+    """Drop groups whose mean reward is exactly 0 or 1 and sample examples by difficulty. Default false."""
     easy_threshold: float = Field(0.8, ge=0, le=1)
     """Mean reward above which an example is "easy", in [0, 1]. Default 0.8."""
     hard_threshold: float = Field(0.2, ge=0, le=1)
@@ -167,7 +165,7 @@ class BufferConfig(_Table):
     """Fraction of hard examples kept for sampling, in [0, 1]. Default 0.0."""
     env_ratios: list[float] | None = None
     """Sampling weight of each `[[env]]`, one per env, >= 0 with a positive sum; multi-env only (ignored
-    with a single env). Default None: proportional to nothing, each env equally."""
+    with a single env). Default None: no weighting."""
     skip_verification: bool = False
     """Skip the reward verification step. Default false."""
     seed: int = 42
@@ -179,10 +177,8 @@ class CheckpointsConfig(_Table):
 
     interval: int = Field(10, ge=1)
     """Save a checkpoint every N steps. Default 10 (Hosted Training uses a cluster default)."""
-    keep_cloud: int = 5
+    keep_cloud: AllOrPositive = 5
     """Checkpoints kept under `jax.output_dir` (-1 = all). Default 5."""
-
-    _keep = field_validator("keep_cloud")(_all_or_positive)
 
 
 class AdaptersConfig(_Table):
@@ -190,10 +186,8 @@ class AdaptersConfig(_Table):
 
     interval: int = Field(0, ge=0)
     """Export the adapter every N steps (0 = only at the end of the run). Default 0."""
-    keep_last: int = 3
+    keep_last: AllOrPositive = 3
     """Adapters kept (-1 = all). Default 3."""
-
-    _keep = field_validator("keep_last")(_all_or_positive)
 
 
 class InfrastructureConfig(_Table):
@@ -278,23 +272,32 @@ class RunConfig(_Table):
     checkpoint_id: str | None = None
     """Checkpoint to warm-start from. Default None."""
     sampling: SamplingConfig = SamplingConfig()
+    """`[sampling]`. Default: all its defaults."""
     env: list[EnvConfig] = Field(min_length=1)
     """`[[env]]` training environments; at least one."""
     wandb: WandbConfig | None = None
+    """`[wandb]`. Default None: no W&B logging."""
     eval: EvalConfig | None = None
+    """`[eval]`. Default None: no online evaluation."""
     val: ValConfig | None = None
+    """`[val]`. Default None: no validation."""
     buffer: BufferConfig = BufferConfig()
+    """`[buffer]`. Default: all its defaults (no difficulty filtering)."""
     checkpoints: CheckpointsConfig = CheckpointsConfig()
+    """`[checkpoints]`. Default: all its defaults."""
     adapters: AdaptersConfig = AdaptersConfig()
+    """`[adapters]`. Default: all its defaults."""
     infrastructure: InfrastructureConfig = InfrastructureConfig()
+    """`[infrastructure]`. Default: all its defaults."""
     jax: JaxConfig = JaxConfig()
+    """`[jax]`, the one table Hosted Training does not have. Default: all its defaults."""
 
-    _source: Path | None = PrivateAttr(None)
+    _source: Path | None = None  # the file loaded, set by `load_config`; a pydantic private attribute
 
     @property
-    def source(self) -> str:
-        """The file this config was loaded from ("<config>" when built in code)."""
-        return str(self._source) if self._source else "<config>"
+    def source(self) -> Path:
+        """The file this config was loaded from, absolute (`<config>` when built in code)."""
+        return self._source or Path("<config>")
 
     @property
     def config_dir(self) -> Path:
@@ -354,9 +357,11 @@ def unsupported_fields(cfg: RunConfig) -> list[str]:
         *parents, last = path.split(".")
         for part in parents:
             obj = getattr(obj, part)
-        value, default = getattr(obj, last), type(obj).model_fields[last].get_default(call_default_factory=True)
+        value = getattr(obj, last)
+        default = type(obj).model_fields[last].get_default(call_default_factory=True)
         if isinstance(value, BaseModel) and isinstance(default, BaseModel):
-            found += [f"{path}.{k}" for k in type(value).model_fields if getattr(value, k) != getattr(default, k)]
+            found += [f"{path}.{k}" for k in type(value).model_fields
+                      if getattr(value, k) != getattr(default, k)]
         elif value != default:
             found.append(path)
     return sorted(found)
@@ -379,7 +384,7 @@ def load_config(path: str | Path) -> RunConfig:
     except ValidationError as exc:
         raise ConfigError(path, _problems(exc)) from None
     cfg._source = path.resolve()
-    env_files = [(cfg.config_dir / p).expanduser().resolve() for p in cfg.env_file]
+    env_files = [(cfg.config_dir / Path(p).expanduser()).resolve() for p in cfg.env_file]
     missing = [(f"env_file.{i}", f"file not found: {p}") for i, p in enumerate(env_files) if not p.is_file()]
     if missing:
         raise ConfigError(path, missing)
@@ -393,10 +398,11 @@ def resolve_model_path(cfg: RunConfig) -> str:
     key, where = ("jax.model_path", cfg.jax.model_path) if cfg.jax.model_path else ("model", cfg.model)
     if where.startswith("gs://"):
         return where
-    folder = (cfg.config_dir / where).expanduser()
+    folder = cfg.config_dir / Path(where).expanduser()
     if not folder.is_dir():
         hint = "" if key == "jax.model_path" else "; set [jax] model_path to a local Hugging Face checkpoint"
-        raise ConfigError(cfg.source, [(key, f"{where!r} is not a local folder (nothing is downloaded){hint}")])
+        reason = f"{where!r} is not a local folder (nothing is downloaded){hint}"
+        raise ConfigError(cfg.source, [(key, reason)])
     return str(folder.resolve())
 
 
@@ -404,43 +410,43 @@ def resolve_tokenizer_path(cfg: RunConfig) -> str:
     """The tokenizer folder: `jax.tokenizer_path` (relative to the config file), else the model's."""
     if cfg.jax.tokenizer_path is None:
         return resolve_model_path(cfg)
-    folder = (cfg.config_dir / cfg.jax.tokenizer_path).expanduser()
+    folder = cfg.config_dir / Path(cfg.jax.tokenizer_path).expanduser()
     if not folder.is_dir():
         raise ConfigError(cfg.source, [("jax.tokenizer_path", f"{cfg.jax.tokenizer_path!r} is not a folder")])
     return str(folder.resolve())
 
 
-def load_env_file(paths: list[str | Path] | tuple[str | Path, ...]) -> dict[str, str]:
+def load_env_file(paths: Iterable[str | Path] | str | Path) -> dict[str, str]:
     """Parse .env files into a dict, later files overriding earlier ones. Lines are `KEY=VALUE`, with an
     optional `export ` prefix; `#` starts a comment (inside unquoted values only after a space); values
     may be single quoted (literal) or double quoted (`\\n`, `\\"`, `\\\\` escapes). Raises ConfigError for
     a missing file or a malformed line."""
     values: dict[str, str] = {}
-    for path in paths:
+    for path in [paths] if isinstance(paths, str | Path) else paths:
         try:
             lines = Path(path).read_text(encoding="utf-8").splitlines()
         except FileNotFoundError:
             raise ConfigError(path, [("", "env file not found")]) from None
         for number, line in enumerate(lines, 1):
-            parsed = _env_line(line)
-            if isinstance(parsed, str):
-                raise ConfigError(path, [(f"line {number}", parsed)])
-            if parsed:
-                values[parsed[0]] = parsed[1]
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            try:
+                key, value = _env_line(line)
+            except ValueError as exc:
+                raise ConfigError(path, [(f"line {number}", str(exc))]) from None
+            values[key] = value
     return values
 
 
-_ENV_LINE = re.compile(r"\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_.]*)\s*=\s*(.*?)\s*")
+_ENV_LINE = re.compile(r"\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.*?)\s*")
 _ESCAPES = {"n": "\n", "t": "\t", '"': '"', "\\": "\\"}
 
 
-def _env_line(line: str) -> tuple[str, str] | None | str:
-    """(key, value), None for a blank or comment line, or the reason the line is malformed."""
-    if not line.strip() or line.lstrip().startswith("#"):
-        return None
+def _env_line(line: str) -> tuple[str, str]:
+    """(key, value) of one `KEY=VALUE` line; ValueError saying why when it is malformed."""
     match = _ENV_LINE.fullmatch(line)
     if match is None:
-        return "expected KEY=VALUE"
+        raise ValueError("expected KEY=VALUE")
     key, raw = match.groups()
     if not raw or raw[0] not in "'\"":
         return key, re.split(r"\s#", raw, maxsplit=1)[0].rstrip()
@@ -451,7 +457,7 @@ def _env_line(line: str) -> tuple[str, str] | None | str:
         i += 2 if escaped else 1
     rest = raw[i + 1:].strip()
     if i >= len(raw) or (rest and not rest.startswith("#")):
-        return f"unterminated or malformed {quote}-quoted value"
+        raise ValueError(f"unterminated or malformed {quote}-quoted value")
     return key, "".join(out)
 
 
@@ -467,10 +473,10 @@ def _problems(exc: ValidationError) -> list[tuple[str, str]]:
             problems.append((key, _unknown_key(err["loc"])))
         elif err["type"] == "missing":
             problems.append((key, "required key is missing"))
+        elif err["type"] == "value_error":  # raised by our own validators, which quote the value
+            problems.append((key, err["msg"].removeprefix("Value error, ")))
         else:
-            reason = err["msg"].removeprefix("Value error, ")
-            got = repr(err["input"])
-            problems.append((key, reason if got in reason else f"{reason}, got {got[:60]}"))
+            problems.append((key, f"{err['msg']}, got {repr(err['input'])[:60]}"))
     return problems
 
 
@@ -482,12 +488,108 @@ def _unknown_key(loc: tuple[str | int, ...]) -> str:
             table = _model_in(field.annotation) if field else None
     if table is None:
         return "unknown key"
+    if table is RunConfig and loc[-1] in JaxConfig.model_fields:
+        return f"unknown key (it belongs in the [jax] table: jax.{loc[-1]})"
     known = list(table.model_fields)
     close = difflib.get_close_matches(str(loc[-1]), known, n=1)
-    return f"unknown key (did you mean {close[0]!r}?)" if close else f"unknown key (known: {', '.join(known)})"
+    hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(known)}"
+    return f"unknown key ({hint})"
 
 
 def _model_in(annotation: Any) -> type[BaseModel] | None:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     return next((m for arg in get_args(annotation) if (m := _model_in(arg))), None)
+
+
+STARTER_TOML = '''\
+# A training run: the Prime Hosted Training schema (`prime rl run` reads this file too) plus an
+# optional [jax] table for local settings. Optional keys are shown commented out at their defaults.
+# Check it with `jaxrl validate rl.toml`; start it with `jaxrl run rl.toml`.
+
+model = "PrimeIntellect/Qwen3-0.6B-Reverse-Text-SFT"  # HF model id, or a local folder
+max_steps = 100                # training steps, one batch each
+batch_size = 128               # rollouts per batch, a multiple of rollouts_per_example
+rollouts_per_example = 8       # rollouts per example (the group size)
+
+# name = "my-run"              # display name
+# learning_rate = 1e-4         # LoRA learning rate
+# lora_alpha = 16              # LoRA updates are scaled by lora_alpha / [jax] lora_rank
+# env_file = ["secrets.env"]   # .env files with secrets, relative to this file
+
+[sampling]
+max_tokens = 512               # tokens sampled per turn, < [jax] seq_len
+# temperature = 1.0            # >= 0; 0 = greedy
+# top_p = 1.0                  # nucleus sampling; 1.0 = off (jaxrl only)
+# top_k = -1                   # keep the k most likely tokens; -1 = off (jaxrl only)
+
+[[env]]                        # one [[env]] table per training environment
+id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
+# name = "reverse-text"        # display name
+# args = { split = "train" }   # keyword arguments of load_environment()
+# taskset = {}                 # verifiers v1 taskset table, passed to the environment as is
+# harness = {}                 # verifiers v1 harness table, passed to the environment as is
+
+# [checkpoints]
+# interval = 10                # save every N steps (Hosted Training: cluster default)
+# keep_cloud = 5               # checkpoints kept (-1 = all)
+
+# [jax]                        # local settings; Hosted Training has no such table
+# model_path = "path/to/hf-checkpoint"  # local HF folder or gs:// URL; default: `model` as a path
+# tokenizer_path = "path/to/tokenizer"  # default: the model folder
+# mesh = { data = 1, fsdp = 1, tensor = 1, expert = 1 }  # device mesh; product = device count
+# seq_len = 4096               # tokens per trajectory (prompt and completions)
+# lora_rank = 16
+# lora_targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# dtype = "float32"            # base weights: "float32" or "bfloat16"
+# output_dir = "runs"          # checkpoints, adapters and metrics; a folder or gs:// URL
+# seed = 0
+# decode_slots = 32            # concurrent decodes in the rollout engine
+# remat = false                # recompute activations in the backward pass
+# host = "127.0.0.1"           # rollout server address
+# port = 0                     # rollout server port; 0 = a free one
+
+# Not supported by jaxrl yet: `jaxrl validate` accepts these, `jaxrl run` refuses them.
+# oversampling_factor = 2.0    # rollouts in flight per batch_size rollouts
+# max_async_level = 2          # policy versions a rollout may lag; >= oversampling_factor
+# trajectory_strategy = "interleaved"  # or "branching"
+# checkpoint_id = "cp_abc123"  # warm start
+#
+# [wandb]
+# project = "my-project"
+# entity = "my-team"
+# name = "my-run-name"
+#
+# [eval]
+# interval = 100               # evaluate every N steps
+# num_examples = -1            # -1 = all
+# rollouts_per_example = 1
+# eval_base_model = true
+# [[eval.env]]
+# id = "primeintellect/eval-env"
+# args = { split = "test" }
+# num_examples = 30            # overrides [eval]
+# rollouts_per_example = 4     # overrides [eval]
+#
+# [val]
+# num_examples = 64
+# rollouts_per_example = 1
+# interval = 5
+#
+# [buffer]
+# online_difficulty_filtering = false
+# easy_threshold = 0.8
+# hard_threshold = 0.2
+# easy_fraction = 0.0
+# hard_fraction = 0.0
+# env_ratios = [0.5, 0.5]      # one weight per [[env]]
+# skip_verification = false
+# seed = 42
+#
+# [adapters]
+# interval = 0                 # export every N steps; 0 = at the end only
+# keep_last = 3                # -1 = all
+#
+# [infrastructure]
+# compute_size = "M"           # "S", "M" or "L"
+'''

@@ -186,8 +186,8 @@ class Scheduler:
         self.decode_steps += 1
         for slot, req in enumerate(self._slots):
             if req is not None and req.add(int(tokens[slot]), float(logprobs[slot]), self.policy_version):
-                req.finish()
                 self._slots[slot] = None
+                req.finish()
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._cv:

@@ -9,3 +9,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir(tmp_path_factory):
+    """A real Qwen3 tokenizer folder (tokenizer.json + config), built offline once per session."""
+    from jaxrl.assets import build_tokenizer
+
+    return build_tokenizer(tmp_path_factory.mktemp("qwen3-tokenizer"))

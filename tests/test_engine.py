@@ -83,7 +83,7 @@ def test_temperature_zero_is_greedy():
 
 def test_prefill_insert_generate_match_full_forward():
     params = _params(lora_seed=1)
-    engine = Engine(CFG, make_mesh({}), max_concurrent_decodes=3, max_seq_len=48, lora_scale=0.5)
+    engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=3, max_seq_len=48, lora_scale=0.5)
     state = engine.init_decode_state()
     prompts = {0: [5, 7, 9, 11, 3], 2: list(range(1, 20))}
     out = {}
@@ -112,7 +112,7 @@ def _run(coro):
 
 def test_scheduler_serves_a_stream_of_mixed_requests_through_few_slots():
     params = _params(lora_seed=1)
-    engine = Engine(CFG, make_mesh({}), max_concurrent_decodes=3, max_seq_len=64, lora_scale=0.5)
+    engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=3, max_seq_len=64, lora_scale=0.5)
     sched = Scheduler(engine, params, "tiny")
     rng = np.random.default_rng(0)
     reqs = [(rng.integers(1, 96, size=int(rng.integers(1, 30))).tolist(), int(rng.integers(1, 12)))
@@ -139,7 +139,7 @@ def test_scheduler_serves_a_stream_of_mixed_requests_through_few_slots():
 
 def test_scheduler_seed_reproducible_and_stop_tokens():
     params = _params()
-    engine = Engine(CFG, make_mesh({}), max_concurrent_decodes=2, max_seq_len=32)
+    engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=2, max_seq_len=32)
     sched = Scheduler(engine, params, "tiny")
     try:
         a = _run(sched.generate([1, 2, 3], SamplingParams(max_tokens=10, seed=7)))
@@ -159,7 +159,7 @@ def test_scheduler_seed_reproducible_and_stop_tokens():
 
 def test_update_params_in_flight_keeps_request_and_records_versions():
     p0, p1 = _params(lora_seed=1), _params(lora_seed=2)
-    engine = Engine(CFG, make_mesh({}), max_concurrent_decodes=2, max_seq_len=96, lora_scale=0.5)
+    engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=2, max_seq_len=96, lora_scale=0.5)
     sched = Scheduler(engine, p0, "tiny")
 
     async def go():

@@ -1,0 +1,342 @@
+"""Loading verifiers environments and running rollout groups through them.
+
+An `[[env]]` entry names an installed verifiers v1 taskset package (`owner/name[@version]` imports
+module `name`, dashes as underscores). `load_env` builds it with verifiers' own loader
+(`resolve_env_config` + `load_environment`), and `run_group` plays one task `n` times through the
+env. One rollout goes:
+
+    Env.run_episode -> Agent.run -> Rollout (subprocess runtime: a scratch folder, no container)
+      -> ChatHarness.launch, in this process: POST {interception}/v1/chat/completions
+      -> verifiers' interception server -> TrainClient: Qwen3 renderer -> token ids
+      -> POST {base_url without /v1}/inference/v1/generate (jaxrl.server) -> token ids + logprobs
+      -> the trace's message graph -> Task.score (@vf.reward) -> Trace -> `Rollout`
+
+The default harness, `ChatHarness`, runs verifiers' plain chat loop in the trainer's process: the
+stock `null`/`bash` harnesses run theirs as a PEP 723 script through `uv sync --script`, which needs
+a package index and a process per rollout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import importlib
+import ssl
+import sys
+import types
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pydantic
+import renderers.client
+import verifiers.v1 as vf
+from renderers import Qwen3RendererConfig
+from verifiers.v1.dialects.chat import message_to_wire
+from verifiers.v1.errors import MODEL_TRANSPORT_ERROR_EXIT_CODE
+from verifiers.v1.utils.loaders import env_config_type, load_environment, resolve_env_config
+
+from jaxrl.protocol import SamplingParams
+
+HARNESS_ID = "jaxrl-chat"
+"""The in-process chat harness's verifiers id; verifiers imports it as module `jaxrl_chat`."""
+
+# The env var verifiers reads the engine's API key from; our server ignores keys, and naming one
+# other than the default PRIME_API_KEY keeps verifiers from reading the Prime CLI's config.
+API_KEY_VAR = "JAXRL_API_KEY"
+
+
+class ChatHarnessConfig(vf.HarnessConfig):
+    id: str = HARNESS_ID
+    request_timeout: float = pydantic.Field(3600.0, gt=0)
+    """Seconds one model call may take before the rollout fails."""
+
+
+class ChatHarness(vf.Harness[ChatHarnessConfig]):
+    """A plain chat loop run in this process: one model call per segment, no tools.
+
+    A multi-turn exchange (an env that answers as the user) resumes it on the conversation so far;
+    verifiers keeps that one branch whose prompt extends token for token.
+    """
+
+    APPENDS_SYSTEM_PROMPT = True
+    SUPPORTS_RESUME = True
+    EXECUTES_CODE = False
+    NEEDS_CONTAINER = False
+
+    async def launch(
+        self,
+        ctx: vf.ModelContext,
+        trace: vf.Trace,
+        runtime: vf.Runtime,
+        endpoint: str,
+        secret: str,
+        mcp_urls: dict[str, str],
+        data: vf.TaskData,
+    ) -> vf.ProgramResult:
+        system, prompt = self.resolve_prompt(data)
+        messages: list[dict] = [{"role": "system", "content": system}] if system else []
+        if isinstance(prompt, str):
+            messages.append({"role": "user", "content": prompt})
+        elif prompt:
+            messages.extend(message_to_wire(m) for m in prompt)
+        # Every model call goes through the interception endpoint (the harness contract): it
+        # records the turn on the trace and applies the rollout's model and sampling.
+        try:
+            timeout = httpx.Timeout(self.config.request_timeout, connect=10)
+            async with httpx.AsyncClient(timeout=timeout, verify=_ssl_context()) as c:
+                response = await c.post(
+                    f"{endpoint.rstrip('/')}/chat/completions",
+                    json={"model": ctx.model, "messages": messages},
+                    headers={"Authorization": f"Bearer {secret}"},
+                )
+        except httpx.TransportError as e:
+            return vf.ProgramResult(MODEL_TRANSPORT_ERROR_EXIT_CODE, "", f"model call failed: {e!r}")
+        if response.status_code != 200:
+            return vf.ProgramResult(1, "", f"model call failed ({response.status_code}): {response.text}")
+        return vf.ProgramResult(0, response.text, "")
+
+
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    # Built once: loading the CA bundle costs about 25 ms, which a client per call would pay.
+    return ssl.create_default_context()
+
+
+# verifiers resolves a harness id to an importable module exporting one Harness subclass via
+# `__all__` (`jaxrl-chat` -> `jaxrl_chat`); a dotted id such as `jaxrl.envs` cannot be used because
+# its loader first probes `verifiers.v1.harnesses.<id>`, which fails on a dotted name.
+_plugin = types.ModuleType("jaxrl_chat", "verifiers harness plugin: jaxrl.envs.ChatHarness")
+_plugin.ChatHarness = ChatHarness  # type: ignore[attr-defined]
+_plugin.__all__ = ["ChatHarness"]
+sys.modules.setdefault("jaxrl_chat", _plugin)
+
+
+class EnvLoadError(ValueError):
+    """An `[[env]]` entry that cannot be loaded: its message names the id and the module."""
+
+
+@dataclasses.dataclass
+class LoadedEnv:
+    """A verifiers env and its materialised task lists.
+
+    `tasks` is the train split (`tasks[i].data.idx == i`); `eval_tasks` the eval split, empty when the
+    taskset has none (by convention, a taskset config field `split` that accepts "eval").
+    """
+
+    id: str
+    module: str
+    env: vf.Env
+    tasks: list[vf.Task]
+    eval_tasks: list[vf.Task]
+
+    @property
+    def name(self) -> str:
+        """The id without owner and version: "jaxrl/reverse-text@0.1" -> "reverse-text"."""
+        return self.id.rsplit("/", 1)[-1].split("@", 1)[0]
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[LoadedEnv]:
+        """Holds the env's shared serving resources (one interception server and engine client for
+        all its rollouts) while `run_group` calls run inside; without it, each rollout starts its own
+        (about 4x slower per rollout on 2 cores). Enter it once per env at a time, in the event loop
+        that runs the groups."""
+        async with self.env.serving():
+            yield self
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One trace, as the trainer consumes it.
+
+    token_ids: prompt + completion tokens of the trace's last branch (for a multi-turn trace, every
+    turn's prompt and reply in order). loss_mask: True exactly on sampled tokens. logprobs: the
+    engine's logprob of each sampled token, 0.0 on prompt tokens. reward: the taskset's weighted
+    reward sum. is_truncated: a length-capped last reply or a turn/token limit. ok: verifiers'
+    `trace.ok` and at least one sampled token; a failed rollout has empty lists and `error` set.
+    """
+
+    token_ids: list[int]
+    loss_mask: list[bool]
+    logprobs: list[float]
+    reward: float
+    is_truncated: bool
+    ok: bool
+    error: str | None
+    env_name: str
+    example_id: int | None
+
+
+def module_name(env_id: str) -> str:
+    """The module verifiers imports for `env_id`: "owner/my-env@1.0" -> "my_env"."""
+    return env_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
+
+
+def _env_config(env_id: str, args: dict, taskset: dict, harness: dict) -> dict:
+    """Raw verifiers env config for an `[[env]]` entry.
+
+    `args` (the classic `load_environment()` arguments) and `[env.taskset]` both configure the v1
+    taskset, the latter winning. `[env.harness]` keys that verifiers 0.4 keeps on the agent seat
+    (`max_turns`, `timeout`, `sampling`, `runtime`, ...) go to every seat of the env; the rest
+    configure the harness, `ChatHarness` unless an `id` names another.
+    """
+    seat_keys = set(vf.AgentConfig.model_fields) - {"harness", "model", "client"}
+    seat = {k: v for k, v in harness.items() if k in seat_keys}
+    seat.setdefault("runtime", {"type": "subprocess"})
+    seat["harness"] = {"id": HARNESS_ID} | {k: v for k, v in harness.items() if k not in seat_keys}
+    fields = env_config_type(env_id).model_fields
+    seats = [name for name, field in fields.items() if isinstance(field.default, vf.AgentConfig)]
+    return {"taskset": {**args, **taskset, "id": env_id}} | {name: seat for name in seats}
+
+
+def _materialise(taskset: vf.Taskset, env_id: str) -> list[vf.Task]:
+    if not taskset.bounded:
+        raise EnvLoadError(f"environment {env_id!r}: its taskset is infinite; bound it (e.g. num_examples)")
+    return list(taskset)
+
+
+def load_env(
+    env_id: str, args: dict | None = None, taskset: dict | None = None, harness: dict | None = None
+) -> LoadedEnv:
+    """Loads an `[[env]]` entry through verifiers' v1 loader and materialises its tasks.
+
+    Raises EnvLoadError (naming the id and the module) when the module is not importable, exports no
+    Taskset/Env subclass, rejects the config, or loads no train task.
+    """
+    args, taskset, harness = dict(args or {}), dict(taskset or {}), dict(harness or {})
+    module = module_name(env_id)
+    where = f"environment {env_id!r} (module {module!r})"
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise EnvLoadError(f"{where} is not importable; install its package (pip install -e ...): {e}") from e
+    except Exception as e:  # noqa: BLE001 - an env package that fails while importing
+        raise EnvLoadError(f"{where} failed to import: {type(e).__name__}: {e}") from e
+    try:
+        config = resolve_env_config(_env_config(env_id, args, taskset, harness))
+        env = load_environment(config)
+    except pydantic.ValidationError as e:
+        raise EnvLoadError(f"{where}: invalid config: {e}") from e
+    except (ImportError, AttributeError, TypeError, ValueError) as e:
+        raise EnvLoadError(f"{where} exports nothing verifiers can load: {e}") from e
+    tasks = _materialise(env.taskset, env_id)
+    if not tasks:
+        raise EnvLoadError(f"{where}: the taskset loaded no task")
+    eval_tasks: list[vf.Task] = []
+    taskset_cls = type(config.taskset)
+    if "split" in taskset_cls.model_fields:
+        try:
+            eval_config = taskset_cls.model_validate({**config.taskset.model_dump(), "split": "eval"})
+        except pydantic.ValidationError:
+            eval_config = None
+        if eval_config is not None and eval_config != config.taskset:
+            eval_tasks = _materialise(type(env.taskset)(eval_config), env_id)
+    return LoadedEnv(id=env_id, module=module, env=env, tasks=tasks, eval_tasks=eval_tasks)
+
+
+def model_context(
+    base_url: str, model_name: str, tokenizer_path: str | Path, sampling: SamplingParams, seed_offset: int = 0
+) -> vf.ModelContext:
+    """The verifiers model context of a rollout against our server at `base_url` (".../v1").
+
+    The Qwen3 renderer is named explicitly, thinking off: given a local tokenizer folder, verifiers'
+    automatic choice would fall back to a default renderer without Qwen3's tool-call parsing.
+    `sampling.stop_token_ids` is not forwarded: the renderer always sends its own (`<|im_end|>`,
+    `<|endoftext|>`). A seeded request gets `seed + seed_offset`, so a group's rollouts differ.
+    """
+    client = vf.TrainClientConfig(
+        base_url=base_url,
+        api_key_var=API_KEY_VAR,
+        renderer=Qwen3RendererConfig(enable_thinking=False),
+        renderer_model_name=str(tokenizer_path),
+    )
+    fields: dict[str, Any] = {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "max_tokens": sampling.max_tokens,
+    }
+    if sampling.top_k > 0:
+        fields["top_k"] = sampling.top_k
+    if sampling.seed is not None:
+        fields["seed"] = sampling.seed + seed_offset
+    return vf.ModelContext(model=model_name, client=client, sampling=vf.SamplingConfig(**fields))
+
+
+def trace_rollout(trace: vf.Trace, env_name: str) -> Rollout:
+    """The `Rollout` of a finished trace (its last trainable branch)."""
+    branches = [b for b in trace.branches if b.trainable]
+    branch = branches[-1] if branches else None
+    mask = branch.sampled_mask if branch is not None else []
+    error = trace.errors[-1].message if trace.errors else None
+    ok = trace.ok and any(mask)
+    if not ok and error is None:
+        error = "the trace has no sampled token" if trace.ok else f"trace failed: {trace.stop_condition}"
+    return Rollout(
+        token_ids=branch.token_ids if ok else [],
+        loss_mask=mask if ok else [],
+        logprobs=branch.logprobs if ok else [],
+        reward=trace.reward,
+        is_truncated=trace.is_truncated,
+        ok=ok,
+        error=error,
+        env_name=env_name,
+        example_id=trace.task.data.idx,
+    )
+
+
+def _failed(episode: vf.Episode, env_name: str) -> Rollout:
+    error = episode.errors[-1].message if episode.errors else "the episode produced no trace"
+    return Rollout([], [], [], 0.0, False, False, error, env_name, episode.task.data.idx)
+
+
+async def run_group(
+    env: LoadedEnv,
+    task: vf.Task | int,
+    n_rollouts: int,
+    *,
+    base_url: str,
+    model_name: str,
+    tokenizer_path: str | Path,
+    sampling: SamplingParams,
+) -> list[Rollout]:
+    """Plays `task` (or `env.tasks[task]`) `n_rollouts` times concurrently; one `Rollout` per trainable
+    trace, in episode order (one per episode for a single-agent env).
+
+    A rollout that fails (model call, harness, reward function, ...) comes back with ok=False and its
+    error, never as an exception. Raises IndexError for a task index out of range.
+    """
+    if isinstance(task, int):
+        task = env.tasks[task]
+    _rebind_renderers_lock()
+    episodes = await asyncio.gather(
+        *(
+            env.env.run_episode(task, model_context(base_url, model_name, tokenizer_path, sampling, i))
+            for i in range(n_rollouts)
+        )
+    )
+    return [r for episode in episodes for r in _episode_rollouts(episode, env.name)]
+
+
+def _rebind_renderers_lock() -> None:
+    """renderers 0.1.12 guards its one-time `GET /v1/models` lookup with a module-level asyncio.Lock
+    (renderers/client.py:68), which binds to the first event loop that waits on it; in any later loop
+    a contended lookup then fails every waiting rollout ("bound to a different event loop"). Give a
+    new loop a fresh lock."""
+    lock = getattr(renderers.client, "_max_prompt_len_lock", None)
+    bound = getattr(lock, "_loop", None)
+    if isinstance(lock, asyncio.Lock) and bound is not None and bound is not asyncio.get_running_loop():
+        renderers.client._max_prompt_len_lock = asyncio.Lock()
+
+
+def _episode_rollouts(episode: vf.Episode, env_name: str) -> Sequence[Rollout]:
+    traces = [t for t in episode.traces if t.agent is None or t.agent.trainable]
+    if not traces:
+        return [_failed(episode, env_name)]
+    rollouts = [trace_rollout(t, env_name) for t in traces]
+    if episode.errors:  # the env's own run()/finalize() failed after these traces finished
+        for r in rollouts:
+            r.ok, r.error = False, r.error or episode.errors[-1].message
+    return rollouts

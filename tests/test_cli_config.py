@@ -1,0 +1,213 @@
+"""The `jaxrl validate`, `init` and `run` commands as a user meets them: exit codes and messages."""
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from jaxrl.cli import app
+from jaxrl.config import STARTER_TOML, ConfigError, RunConfig, load_config
+
+ROOT = Path(__file__).parent.parent
+EXAMPLES = sorted((ROOT / "configs" / "examples").glob("*.toml"))
+MINIMAL = """\
+model = "PrimeIntellect/Qwen3-0.6B-Reverse-Text-SFT"
+max_steps = 100
+batch_size = 128
+rollouts_per_example = 8
+
+[sampling]
+max_tokens = 2048
+
+[[env]]
+id = "primeintellect/reverse-text"
+"""
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def jaxrl(*args: str) -> subprocess.CompletedProcess:
+    """The command in a fresh interpreter, as a shell runs it (so a traceback would show)."""
+    code = "from jaxrl.cli import app; app(prog_name='jaxrl')"
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_validate_every_seed_example(path):
+    result = invoke("validate", path)
+    assert result.exit_code == 0, result.output
+    resolved = json.loads(result.stdout)
+    assert resolved == load_config(path).model_dump(mode="json")
+    assert resolved["jax"]["seq_len"] == 4096 and resolved["checkpoints"]["interval"] == 10
+
+
+def test_validate_warns_about_each_unsupported_field():
+    result = invoke("validate", ROOT / "configs" / "examples" / "full.toml")
+    assert result.exit_code == 0
+    warnings = [line for line in result.stderr.splitlines() if "not supported yet" in line]
+    assert warnings == [f"warning: not supported yet: {f}" for f in
+                        ["buffer.online_difficulty_filtering", "eval", "max_async_level", "val", "wandb"]]
+
+
+def test_validate_says_where_the_weights_are(tmp_path):
+    result = invoke("validate", ROOT / "configs" / "examples" / "minimal.toml")
+    assert "not supported yet" not in result.stderr
+    assert "model: 'PrimeIntellect/Qwen3-0.6B-Reverse-Text-SFT' is not a local folder" in result.stderr
+    (tmp_path / "qwen").mkdir()
+    (tmp_path / "rl.toml").write_text(MINIMAL + '[jax]\nmodel_path = "qwen"\n')
+    result = invoke("validate", tmp_path / "rl.toml")
+    assert result.exit_code == 0
+    assert f"model weights: {(tmp_path / 'qwen').resolve()}" in result.stderr
+
+
+def test_validate_reports_every_error_and_exits_2(tmp_path):
+    path = tmp_path / "rl.toml"
+    text = MINIMAL.replace("primeintellect/reverse-text", "foo")
+    path.write_text(text.replace("2048", "8\ntemprature = 1"))
+    result = invoke("validate", path)
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"{path}: sampling.temprature: unknown key (did you mean 'temperature'?)",
+        f"{path}: env.0.id: 'foo' is not in owner/name[@version] form",
+    ]
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    (MINIMAL.replace("batch_size = 128", "batch_size = 100"),
+     "batch_size: 100 is not divisible by rollouts_per_example (8)"),
+    (MINIMAL.replace("max_steps = 100", "max_steps = "),
+     "invalid TOML: Invalid value (at line 2, column 13)"),
+    (MINIMAL + "[jax]\nmesh = { data = 0 }\n",
+     "jax.mesh.data: Input should be greater than or equal to 1, got 0"),
+    ('env_file = ["missing.env"]\n' + MINIMAL, "env_file.0: file not found: "),
+])
+def test_validate_errors_without_traceback(tmp_path, text, message):
+    path = tmp_path / "rl.toml"
+    path.write_text(text)
+    result = jaxrl("validate", path)
+    assert result.returncode == 2
+    assert f"{path}: {message}" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_validate_missing_file(tmp_path):
+    result = jaxrl("validate", tmp_path / "nope.toml")
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"{tmp_path / 'nope.toml'}: file not found"
+
+
+def test_validate_malformed_env_file(tmp_path):
+    (tmp_path / "secrets.env").write_text("OK=1\nthis is not a pair\n")
+    (tmp_path / "rl.toml").write_text('env_file = ["secrets.env"]\n' + MINIMAL)
+    result = invoke("validate", tmp_path / "rl.toml")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"{(tmp_path / 'secrets.env').resolve()}: line 2: expected KEY=VALUE"
+
+
+def test_validate_does_not_import_jax():
+    code = ("import sys; from jaxrl.cli import app; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'optax', 'torch')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                            timeout=60)
+    assert result.stdout.strip() == "[]", result.stderr
+
+
+def test_init_writes_a_valid_starter(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke("init")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "rl.toml").read_text() == STARTER_TOML
+    assert invoke("validate", "rl.toml").exit_code == 0
+    assert "not supported yet" not in invoke("validate", "rl.toml").stderr
+
+
+def test_init_refuses_to_overwrite_without_force(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text("# my own config\n")
+    result = invoke("init", path)
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"{path} already exists; pass --force to overwrite it"
+    assert path.read_text() == "# my own config\n"
+    assert invoke("init", path, "--force").exit_code == 0
+    assert path.read_text() == STARTER_TOML
+
+
+@pytest.fixture
+def fake_runner(monkeypatch):
+    """Stands in for `jaxrl.runner` (which imports JAX); records the configs it is asked to run."""
+    module = types.ModuleType("jaxrl.runner")
+    module.calls = []
+    module.run = module.calls.append
+    monkeypatch.setitem(sys.modules, "jaxrl.runner", module)
+    return module
+
+
+def test_run_refuses_unsupported_fields(tmp_path, fake_runner):
+    path = tmp_path / "rl.toml"
+    path.write_text(MINIMAL.replace("max_steps = 100", 'max_steps = 100\ntrajectory_strategy = "branching"')
+                    + "[eval]\n[buffer]\nseed = 1\n")
+    result = invoke("run", path)
+    assert result.exit_code == 2
+    assert result.stderr.splitlines()[1:] == [
+        "not supported yet: buffer.seed", "not supported yet: eval", "not supported yet: trajectory_strategy"]
+    assert "refusing to start" in result.stderr.splitlines()[0]
+    assert fake_runner.calls == []
+
+
+def test_run_refusal_has_no_traceback():
+    result = jaxrl("run", ROOT / "configs" / "examples" / "full.toml")
+    assert result.returncode == 2
+    assert "not supported yet: wandb" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_run_bad_config_has_no_traceback(tmp_path):
+    path = tmp_path / "rl.toml"
+    path.write_text(MINIMAL.replace("2048", "-1"))
+    result = jaxrl("run", path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"{path}: sampling.max_tokens: Input should be greater than or equal to 1, got -1")
+    assert "Traceback" not in result.stdout
+
+
+def test_run_hands_the_config_to_the_runner(tmp_path, fake_runner):
+    (tmp_path / "secrets.env").write_text("JAXRL_TEST_SECRET=s3cret\n")
+    path = tmp_path / "rl.toml"
+    path.write_text('env_file = ["secrets.env"]\n' + MINIMAL)
+    result = invoke("run", path)
+    assert result.exit_code == 0, result.output
+    (cfg,) = fake_runner.calls
+    assert isinstance(cfg, RunConfig) and cfg.source == path.resolve()
+    assert cfg.env_file == [str((tmp_path / "secrets.env").resolve())]
+
+
+def test_run_checks_env_files_before_starting(tmp_path, fake_runner):
+    (tmp_path / "secrets.env").write_text('KEY="unterminated\n')
+    path = tmp_path / "rl.toml"
+    path.write_text('env_file = ["secrets.env"]\n' + MINIMAL)
+    result = invoke("run", path)
+    assert result.exit_code == 2
+    assert "secrets.env: line 1: unterminated" in result.stderr
+    assert fake_runner.calls == []
+
+
+def test_run_reports_config_errors_from_the_runner(tmp_path, fake_runner):
+    def run(cfg: RunConfig) -> None:
+        raise ConfigError(cfg.source, [("jax.mesh", "4 devices wanted, 1 found")])
+
+    fake_runner.run = run
+    path = tmp_path / "rl.toml"
+    path.write_text(MINIMAL)
+    result = invoke("run", path)
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"{path.resolve()}: jax.mesh: 4 devices wanted, 1 found"

@@ -1,0 +1,491 @@
+"""jaxrl.config: the Hosted Training schema, its rules, error messages, .env files and the starter."""
+
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import BaseModel
+
+from jaxrl.config import (
+    NOT_SUPPORTED_YET,
+    STARTER_TOML,
+    ConfigError,
+    RunConfig,
+    load_config,
+    load_env_file,
+    resolve_model_path,
+    resolve_tokenizer_path,
+    unsupported_fields,
+)
+
+EXAMPLES = sorted((Path(__file__).parent.parent / "configs" / "examples").glob("*.toml"))
+MINIMAL = """\
+model = "PrimeIntellect/Qwen3-0.6B-Reverse-Text-SFT"
+max_steps = 100
+batch_size = 128
+rollouts_per_example = 8
+
+[sampling]
+max_tokens = 2048
+
+[[env]]
+id = "primeintellect/reverse-text"
+"""
+
+
+def top(line: str, text: str = MINIMAL) -> str:
+    """`text` with the top-level `line` first, replacing that key's line if there is one."""
+    key = line.split("=")[0].strip()
+    return line + "\n" + re.sub(rf"^{key} = .*\n", "", text, count=1, flags=re.M)
+
+
+def write(tmp_path: Path, text: str, name: str = "rl.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def problems(tmp_path: Path, text: str) -> list[str]:
+    """The ConfigError lines of a config file, with the file's path taken off the front."""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    lines = str(info.value).splitlines()
+    assert all(line.startswith(f"{path}: ") for line in lines)
+    return [line.removeprefix(f"{path}: ") for line in lines]
+
+
+def test_seed_examples_are_all_here():
+    names = {p.stem for p in EXAMPLES}
+    assert names == {"minimal", "env-args", "multi-env", "eval", "validation", "buffer", "wandb", "env-files",
+                     "full"}
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_seed_examples_load(path):
+    cfg = load_config(path)
+    assert cfg.model == "PrimeIntellect/Qwen3-0.6B-Reverse-Text-SFT"
+    assert cfg.config_dir == path.parent.resolve()
+    assert all(Path(f).is_absolute() and Path(f).is_file() for f in cfg.env_file)
+
+
+def test_defaults_follow_the_reference(tmp_path):
+    cfg = load_config(write(tmp_path, 'model = "m"\n[[env]]\nid = "o/n"\n'))
+    assert (cfg.max_steps, cfg.batch_size, cfg.rollouts_per_example) == (100, 128, 8)
+    assert (cfg.learning_rate, cfg.lora_alpha) == (1e-4, 16)
+    assert (cfg.oversampling_factor, cfg.max_async_level) == (2.0, 2)
+    assert cfg.trajectory_strategy == "interleaved" and cfg.env_file == [] and cfg.checkpoint_id is None
+    assert (cfg.sampling.max_tokens, cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k) == (
+        None, 1.0, 1.0, -1)
+    assert cfg.eval is None and cfg.val is None and cfg.wandb is None
+    assert cfg.buffer.model_dump() == {
+        "online_difficulty_filtering": False, "easy_threshold": 0.8, "hard_threshold": 0.2,
+        "easy_fraction": 0.0, "hard_fraction": 0.0, "env_ratios": None, "skip_verification": False,
+        "seed": 42}
+    assert (cfg.checkpoints.interval, cfg.checkpoints.keep_cloud) == (10, 5)
+    assert (cfg.adapters.interval, cfg.adapters.keep_last) == (0, 3)
+    assert cfg.infrastructure.compute_size == "M"
+    assert cfg.jax.model_dump() == {
+        "model_path": None, "tokenizer_path": None, "mesh": {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1},
+        "seq_len": 4096, "lora_rank": 16,
+        "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "dtype": "float32", "output_dir": "runs", "seed": 0, "decode_slots": 32, "remat": False,
+        "host": "127.0.0.1", "port": 0}
+
+
+def test_eval_defaults_and_overrides(tmp_path):
+    cfg = load_config(EXAMPLES[[p.stem for p in EXAMPLES].index("eval")])
+    assert cfg.eval.interval == 100 and cfg.eval.eval_base_model is True
+    assert cfg.eval.env[0].model_dump() == {
+        "id": "your-username/eval-env", "name": None, "args": {"split": "test"}, "num_examples": 30,
+        "rollouts_per_example": 4}
+    cfg = load_config(write(tmp_path, MINIMAL + "[eval]\n[val]\n"))
+    assert (cfg.eval.num_examples, cfg.eval.rollouts_per_example, cfg.eval.env) == (-1, 1, [])
+    assert (cfg.val.num_examples, cfg.val.rollouts_per_example, cfg.val.interval) == (64, 1, 5)
+
+
+def test_every_field_is_documented():
+    def walk(model: type[BaseModel]):
+        for name, field in model.model_fields.items():
+            yield model, name, field
+            for sub in (field.annotation, *getattr(field.annotation, "__args__", ())):
+                if isinstance(sub, type) and issubclass(sub, BaseModel):
+                    yield from walk(sub)
+
+    undocumented = [f"{m.__name__}.{n}" for m, n, f in walk(RunConfig) if not f.description]
+    assert undocumented == []
+
+
+def test_v1_taskset_and_harness_pass_through(tmp_path):
+    text = MINIMAL + '[env.taskset]\nsplit = "train"\n[env.harness]\nmax_turns = 3\n'
+    cfg = load_config(write(tmp_path, text))
+    assert cfg.env[0].taskset == {"split": "train"} and cfg.env[0].harness == {"max_turns": 3}
+    assert cfg.env[0].display_name == "primeintellect/reverse-text"
+
+
+NO_ENV = MINIMAL.replace('[[env]]\nid = "primeintellect/reverse-text"\n', "")
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (top("batch_size = 100"), "batch_size: 100 is not divisible by rollouts_per_example (8)"),
+    (MINIMAL.replace("max_tokens = 2048", "max_tokens = 2048\ntemperature = -0.5"),
+     "sampling.temperature: Input should be greater than or equal to 0, got -0.5"),
+    (MINIMAL.replace("primeintellect/reverse-text", "foo"),
+     "env.0.id: 'foo' is not in owner/name[@version] form"),
+    (MINIMAL.replace("max_tokens = 2048", "max_tokens = 4096"),
+     "sampling.max_tokens: 4096 must be < jax.seq_len (4096); raise [jax] seq_len"),
+    (top("max_async_level = 1"), "max_async_level: 1 must be >= oversampling_factor (2.0)"),
+    (top("oversampling_factor = 2.5"), "max_async_level: 2 must be >= oversampling_factor (2.5)"),
+    (top("max_steps = 0"), "max_steps: Input should be greater than or equal to 1, got 0"),
+    (top("rollouts_per_example = -8"),
+     "rollouts_per_example: Input should be greater than or equal to 1, got -8"),
+    (top("learning_rate = 0.0"), "learning_rate: Input should be greater than 0, got 0.0"),
+    (top("oversampling_factor = 0.5"),
+     "oversampling_factor: Input should be greater than or equal to 1, got 0.5"),
+    (MINIMAL.replace("max_tokens = 2048", "max_tokens = 0"),
+     "sampling.max_tokens: Input should be greater than or equal to 1, got 0"),
+    (MINIMAL.replace("max_tokens = 2048", "top_k = 0"), "sampling.top_k: must be -1 (off) or >= 1, got 0"),
+    (MINIMAL.replace("max_tokens = 2048", "top_p = 0.0"),
+     "sampling.top_p: Input should be greater than 0, got 0.0"),
+    (MINIMAL.replace('id = "primeintellect/reverse-text"', 'name = "x"'),
+     "env.0.id: required key is missing"),
+    (NO_ENV, "env: required key is missing"),
+    (top("env = []", NO_ENV), "env: List should have at least 1 item after validation, not 0, got []"),
+    (re.sub("^model = .*\n", "", MINIMAL), "model: required key is missing"),
+])
+def test_rule_violations_name_the_key(tmp_path, text, expected):
+    assert problems(tmp_path, text) == [expected]
+
+
+GE = "Input should be greater than or equal to"
+LE = "Input should be less than or equal to"
+
+
+@pytest.mark.parametrize(("table", "expected"), [
+    ("[buffer]\neasy_threshold = 0.3\nhard_threshold = 0.5",
+     "buffer.hard_threshold: 0.5 must be <= easy_threshold (0.3)"),
+    ("[buffer]\neasy_threshold = 1.5", f"buffer.easy_threshold: {LE} 1, got 1.5"),
+    ("[buffer]\nhard_threshold = -0.1", f"buffer.hard_threshold: {GE} 0, got -0.1"),
+    ("[buffer]\neasy_fraction = 1.01", f"buffer.easy_fraction: {LE} 1, got 1.01"),
+    ("[buffer]\nhard_fraction = -1.0", f"buffer.hard_fraction: {GE} 0, got -1.0"),
+    ("[buffer]\nenv_ratios = [0.0]", "buffer.env_ratios: entries must be >= 0 with a positive sum"),
+    ("[buffer]\nenv_ratios = [-1.0, 2.0]", "buffer.env_ratios: entries must be >= 0 with a positive sum"),
+    ("[checkpoints]\nkeep_cloud = 0", "checkpoints.keep_cloud: must be -1 (all) or >= 1, got 0"),
+    ("[checkpoints]\ninterval = 0", f"checkpoints.interval: {GE} 1, got 0"),
+    ("[adapters]\nkeep_last = -2", "adapters.keep_last: must be -1 (all) or >= 1, got -2"),
+    ("[adapters]\ninterval = -1", f"adapters.interval: {GE} 0, got -1"),
+    ('[infrastructure]\ncompute_size = "XL"',
+     "infrastructure.compute_size: Input should be 'S', 'M' or 'L', got 'XL'"),
+    ("[eval]\nnum_examples = 0", "eval.num_examples: must be -1 (all) or >= 1, got 0"),
+    ('[eval]\n[[eval.env]]\nid = "bad"', "eval.env.0.id: 'bad' is not in owner/name[@version] form"),
+    ('[eval]\n[[eval.env]]\nid = "o/n"\nrollouts_per_example = 0',
+     f"eval.env.0.rollouts_per_example: {GE} 1, got 0"),
+    ("[val]\ninterval = 0", f"val.interval: {GE} 1, got 0"),
+    ("[jax.mesh]\ntensor = 0", f"jax.mesh.tensor: {GE} 1, got 0"),
+    ('[jax]\nlora_targets = ["qkv"]',
+     "jax.lora_targets.0: Input should be 'q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj' or "
+     "'down_proj', got 'qkv'"),
+    ('[jax]\nlora_targets = ["q_proj", "q_proj"]', "jax.lora_targets: lists a projection twice"),
+    ("[jax]\nlora_targets = []",
+     "jax.lora_targets: List should have at least 1 item after validation, not 0, got []"),
+    ('[jax]\ndtype = "float16"', "jax.dtype: Input should be 'float32' or 'bfloat16', got 'float16'"),
+    ("[jax]\nport = 70000", f"jax.port: {LE} 65535, got 70000"),
+    ("[jax]\ndecode_slots = 0", f"jax.decode_slots: {GE} 1, got 0"),
+    ("[jax]\nseq_len = 1", f"jax.seq_len: {GE} 2, got 1"),
+])
+def test_table_rules(tmp_path, table, expected):
+    assert problems(tmp_path, MINIMAL + table + "\n") == [expected]
+
+
+def test_env_ratios_must_match_the_envs_when_there_are_several(tmp_path):
+    two_envs = MINIMAL + '[[env]]\nid = "primeintellect/alphabet-sort"\n'
+    assert problems(tmp_path, two_envs + "[buffer]\nenv_ratios = [0.2, 0.3, 0.5]\n") == [
+        "buffer.env_ratios: has 3 entries for 2 [[env]] tables"]
+    cfg = load_config(write(tmp_path, two_envs + "[buffer]\nenv_ratios = [1.0, 3.0]\n"))
+    assert cfg.buffer.env_ratios == [1.0, 3.0]
+    # The seeds' buffer example gives two ratios for a single env: "multi-env only", so ignored there.
+    assert load_config(write(tmp_path, MINIMAL + "[buffer]\nenv_ratios = [0.5, 0.5]\n")).buffer.env_ratios
+
+
+def test_seq_len_can_be_raised_for_long_completions(tmp_path):
+    cfg = load_config(write(tmp_path, MINIMAL.replace("2048", "6000") + "[jax]\nseq_len = 8192\n"))
+    assert (cfg.sampling.max_tokens, cfg.jax.seq_len) == (6000, 8192)
+
+
+@pytest.mark.parametrize("env_id", ["a/b", "primeintellect/reverse-text", "A.b_c-1/x.y-z_2@0.1.2", "o/n@v2"])
+def test_good_env_ids(tmp_path, env_id):
+    cfg = load_config(write(tmp_path, MINIMAL.replace("primeintellect/reverse-text", env_id)))
+    assert cfg.env[0].id == env_id
+
+
+@pytest.mark.parametrize("env_id", ["reverse-text", "a/b/c", "/b", "a/", "a/b@", "a b/c", "a/b@1@2", "é/b"])
+def test_bad_env_ids(tmp_path, env_id):
+    text = MINIMAL.replace("primeintellect/reverse-text", env_id)
+    assert problems(tmp_path, text) == [f"env.0.id: {env_id!r} is not in owner/name[@version] form"]
+
+
+def test_every_field_problem_is_listed(tmp_path):
+    text = MINIMAL.replace("max_steps = 100", 'max_steps = "100"').replace("2048", "2048\ntemperature = -1.0")
+    text = text.replace("primeintellect/reverse-text", "nope") + "[jax]\nmesh = { data = 0 }\n"
+    assert problems(tmp_path, text) == [
+        "max_steps: Input should be a valid integer, got '100'",
+        "sampling.temperature: Input should be greater than or equal to 0, got -1.0",
+        "env.0.id: 'nope' is not in owner/name[@version] form",
+        "jax.mesh.data: Input should be greater than or equal to 1, got 0",
+    ]
+
+
+def test_every_cross_field_problem_is_listed(tmp_path):
+    text = MINIMAL.replace("batch_size = 128", "batch_size = 12\nmax_async_level = 1").replace("2048", "5000")
+    assert problems(tmp_path, text + "[buffer]\nhard_threshold = 0.9\n") == [
+        "batch_size: 12 is not divisible by rollouts_per_example (8)",
+        "max_async_level: 1 must be >= oversampling_factor (2.0)",
+        "sampling.max_tokens: 5000 must be < jax.seq_len (4096); raise [jax] seq_len",
+        "buffer.hard_threshold: 0.9 must be <= easy_threshold (0.8)",
+    ]
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (top("learning_rat = 1e-4"), "learning_rat: unknown key (did you mean 'learning_rate'?)"),
+    (top("seq_len = 4096"), "seq_len: unknown key (it belongs in the [jax] table: jax.seq_len)"),
+    (MINIMAL.replace("max_tokens = 2048", "max_tokens = 8\ntemprature = 0.7"),
+     "sampling.temprature: unknown key (did you mean 'temperature'?)"),
+    (MINIMAL + '[[env]]\nid = "o/n"\narg = { a = 1 }\n', "env.1.arg: unknown key (did you mean 'args'?)"),
+    (MINIMAL + "[jax]\nlora_rnak = 8\n", "jax.lora_rnak: unknown key (did you mean 'lora_rank'?)"),
+    (MINIMAL + "[jax.mesh]\npipeline = 2\n",
+     "jax.mesh.pipeline: unknown key (known: data, fsdp, tensor, expert)"),
+    (MINIMAL + "[buffer]\nseeds = 1\n", "buffer.seeds: unknown key (did you mean 'seed'?)"),
+    (MINIMAL + "[eval]\nintervals = 5\n", "eval.intervals: unknown key (did you mean 'interval'?)"),
+    (MINIMAL + '[[eval.env]]\nid = "o/n"\nnum_example = 3\n',
+     "eval.env.0.num_example: unknown key (did you mean 'num_examples'?)"),
+    (MINIMAL + "[val]\nevery = 5\n",
+     "val.every: unknown key (known: num_examples, rollouts_per_example, interval)"),
+    (MINIMAL + "[wandb]\nteam = 'x'\n", "wandb.team: unknown key (known: project, entity, name)"),
+    (MINIMAL + "[checkpoints]\nkeep = 3\n", "checkpoints.keep: unknown key (known: interval, keep_cloud)"),
+    (MINIMAL + "[adapters]\nkeep_lasts = 3\n",
+     "adapters.keep_lasts: unknown key (did you mean 'keep_last'?)"),
+    (MINIMAL + "[infrastructure]\ngpus = 8\n", "infrastructure.gpus: unknown key (known: compute_size)"),
+    (MINIMAL + "[trainer]\nlr = 1.0\n",
+     "trainer: unknown key (known: " + ", ".join(RunConfig.model_fields) + ")"),
+])
+def test_unknown_keys_are_errors(tmp_path, text, expected):
+    assert problems(tmp_path, text) == [expected]
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (top('batch_size = "128"'), "batch_size: Input should be a valid integer, got '128'"),
+    (top("max_steps = 10.0"), "max_steps: Input should be a valid integer, got 10.0"),
+    (top("lora_alpha = true"), "lora_alpha: Input should be a valid integer, got True"),
+    (top('learning_rate = "1e-4"'), "learning_rate: Input should be a valid number, got '1e-4'"),
+    (top('env_file = "secrets.env"'), "env_file: Input should be a valid list, got 'secrets.env'"),
+    (top("name = 3"), "name: Input should be a valid string, got 3"),
+    (top('trajectory_strategy = "depth-first"'),
+     "trajectory_strategy: Input should be 'interleaved' or 'branching', got 'depth-first'"),
+    (top("sampling = 3", MINIMAL.replace("[sampling]\nmax_tokens = 2048\n", "")),
+     "sampling: Input should be a valid dictionary or instance of SamplingConfig, got 3"),
+])
+def test_wrong_types_are_errors(tmp_path, text, expected):
+    assert problems(tmp_path, text) == [expected]
+
+
+def test_wrong_types_inside_tables(tmp_path):
+    assert problems(tmp_path, MINIMAL + 'args = "split=train"\n') == [
+        "env.0.args: Input should be a valid dictionary, got 'split=train'"]
+    assert problems(tmp_path, MINIMAL + '[eval]\neval_base_model = "yes"\n') == [
+        "eval.eval_base_model: Input should be a valid boolean, got 'yes'"]
+    text = MINIMAL.replace('[[env]]\nid = "primeintellect/reverse-text"\n', '[env]\nid = "o/n"\n')
+    assert problems(tmp_path, text) == ["env: Input should be a valid list, got {'id': 'o/n'}"]
+
+
+def test_int_is_accepted_for_floats(tmp_path):
+    cfg = load_config(write(tmp_path, "learning_rate = 1\noversampling_factor = 1\n" + MINIMAL))
+    assert cfg.learning_rate == 1.0 and cfg.oversampling_factor == 1.0
+
+
+def test_malformed_toml_names_file_line_and_column(tmp_path):
+    (line,) = problems(tmp_path, MINIMAL.replace("max_steps = 100", "max_steps = "))
+    assert line.startswith("invalid TOML: ")
+    assert re.search(r"\(at line 2, column \d+\)", line)
+    (line,) = problems(tmp_path, MINIMAL + "[sampling]\n")
+    assert line == "invalid TOML: Cannot declare ('sampling',) twice (at line 11, column 10)"
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"nope\.toml: file not found$"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_env_files_resolve_against_the_config_folder(tmp_path, monkeypatch):
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "secrets.env").write_text("A=1\n")
+    path = write(tmp_path / "conf", 'env_file = ["secrets.env"]\n' + MINIMAL)
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(Path("conf/rl.toml"))
+    assert cfg.env_file == [str(tmp_path.resolve() / "conf" / "secrets.env")]
+    assert cfg.config_dir == path.parent.resolve() and cfg.source == path.resolve()
+    dumped = cfg.model_dump()
+    assert "config_dir" not in dumped and "_source" not in dumped and "source" not in dumped
+    assert load_env_file(cfg.env_file) == {"A": "1"}
+
+
+def test_missing_env_file_names_the_entry(tmp_path):
+    (tmp_path / "here.env").write_text("A=1\n")
+    lines = problems(tmp_path, 'env_file = ["here.env", "gone.env"]\n' + MINIMAL)
+    assert lines == [f"env_file.1: file not found: {tmp_path.resolve() / 'gone.env'}"]
+
+
+def test_load_env_file_syntax(tmp_path):
+    first = write(tmp_path, """\
+# a comment
+
+PLAIN=value
+SPACED = spaced value   # trailing comment
+export EXPORTED=yes
+SINGLE='single # quoted'
+DOUBLE="line\\none \\"quoted\\" # kept"   # comment
+HASH=a#b
+EMPTY=
+URL=https://example.com/?a=b
+""", "a.env")
+    second = write(tmp_path, "PLAIN=override\n", "b.env")
+    assert load_env_file([first, second]) == {
+        "PLAIN": "override", "SPACED": "spaced value", "EXPORTED": "yes", "SINGLE": "single # quoted",
+        "DOUBLE": 'line\none "quoted" # kept', "HASH": "a#b", "EMPTY": "", "URL": "https://example.com/?a=b"}
+
+
+def test_load_env_file_literal_single_quotes(tmp_path):
+    path = write(tmp_path, "KEY='a \\n b # c'\n", "x.env")
+    assert load_env_file([path]) == {"KEY": "a \\n b # c"}
+
+
+@pytest.mark.parametrize(("text", "reason"), [
+    ("GOOD=1\nno equals sign\n", "line 2: expected KEY=VALUE"),
+    ("1BAD=1\n", "line 1: expected KEY=VALUE"),
+    ('KEY="unterminated\n', 'line 1: unterminated or malformed "-quoted value'),
+    ("KEY='a' b\n", "line 1: unterminated or malformed '-quoted value"),
+])
+def test_load_env_file_errors(tmp_path, text, reason):
+    path = write(tmp_path, text, "bad.env")
+    with pytest.raises(ConfigError) as info:
+        load_env_file([path])
+    assert str(info.value) == f"{path}: {reason}"
+
+
+def test_load_env_file_missing(tmp_path):
+    with pytest.raises(ConfigError, match=r"gone\.env: env file not found"):
+        load_env_file([tmp_path / "gone.env"])
+
+
+# Characters that neither end a line (str.splitlines) nor are control characters.
+VALUE_CHARS = st.characters(blacklist_categories=("Cs", "Cc", "Zl", "Zp"))
+
+
+@given(key=st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,20}", fullmatch=True),
+       value=st.text(VALUE_CHARS | st.sampled_from("\n\t"), max_size=40))
+def test_double_quoted_env_values_round_trip(tmp_path_factory, key, value):
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t")
+    path = tmp_path_factory.mktemp("env") / "x.env"
+    path.write_text(f'export {key}="{escaped}"  # note\n', encoding="utf-8")
+    assert load_env_file([path]) == {key: value}
+
+
+@given(batch_size=st.integers(1, 4096), rollouts=st.integers(1, 256))
+def test_batch_size_valid_iff_divisible(batch_size, rollouts):
+    data = {"model": "m", "batch_size": batch_size, "rollouts_per_example": rollouts, "env": [{"id": "o/n"}]}
+    try:
+        RunConfig.model_validate(data)
+        valid = True
+    except ValueError as exc:
+        assert "is not divisible by rollouts_per_example" in str(exc)
+        valid = False
+    assert valid == (batch_size % rollouts == 0)
+
+
+EXPECTED_UNSUPPORTED = {
+    "minimal": [], "env-args": [], "multi-env": [], "env-files": [], "eval": ["eval"], "validation": ["val"],
+    "buffer": ["buffer.env_ratios", "buffer.online_difficulty_filtering"], "wandb": ["wandb"],
+    "full": ["buffer.online_difficulty_filtering", "eval", "max_async_level", "val", "wandb"],
+}
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_unsupported_fields_of_the_examples(path):
+    assert unsupported_fields(load_config(path)) == EXPECTED_UNSUPPORTED[path.stem]
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (top('trajectory_strategy = "interleaved"'), []),
+    (top('trajectory_strategy = "branching"'), ["trajectory_strategy"]),
+    (top("oversampling_factor = 1.5"), ["oversampling_factor"]),
+    (top('checkpoint_id = "cp_abc123"'), ["checkpoint_id"]),
+    (MINIMAL + '[infrastructure]\ncompute_size = "M"\n', []),
+    (MINIMAL + '[infrastructure]\ncompute_size = "L"\n', ["infrastructure.compute_size"]),
+    (MINIMAL + "[buffer]\nseed = 42\neasy_threshold = 0.8\n", []),
+    (MINIMAL + "[buffer]\nseed = 7\nskip_verification = true\n", ["buffer.seed", "buffer.skip_verification"]),
+    (MINIMAL + "[adapters]\ninterval = 0\n", []),
+    (MINIMAL + "[adapters]\nkeep_last = -1\n", ["adapters.keep_last"]),
+    (MINIMAL + "[eval]\n", ["eval"]),
+    (MINIMAL + "[val]\n", ["val"]),
+    (MINIMAL + "[wandb]\n", ["wandb"]),
+    (MINIMAL + "[checkpoints]\ninterval = 5\nkeep_cloud = -1\n", []),
+    (top("name = 'x'\nlearning_rate = 1e-5\nlora_alpha = 32") + "[jax]\nseq_len = 8192\nremat = true\n", []),
+])
+def test_unsupported_fields(tmp_path, text, expected):
+    assert unsupported_fields(load_config(write(tmp_path, text))) == expected
+
+
+def test_not_supported_yet_names_real_fields():
+    for path in NOT_SUPPORTED_YET:
+        model: type[BaseModel] = RunConfig
+        *parents, last = path.split(".")
+        for part in parents:
+            model = model.model_fields[part].annotation
+        assert last in model.model_fields, path
+
+
+def test_resolve_model_path(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "tok").mkdir()
+    cfg = load_config(write(tmp_path, MINIMAL.replace("PrimeIntellect/Qwen3-0.6B-Reverse-Text-SFT", "ckpt")))
+    assert resolve_model_path(cfg) == str((tmp_path / "ckpt").resolve()) == resolve_tokenizer_path(cfg)
+    cfg = load_config(write(tmp_path, MINIMAL + '[jax]\nmodel_path = "ckpt"\ntokenizer_path = "tok"\n'))
+    assert resolve_model_path(cfg) == str((tmp_path / "ckpt").resolve())
+    assert resolve_tokenizer_path(cfg) == str((tmp_path / "tok").resolve())
+    cfg = load_config(write(tmp_path, MINIMAL + '[jax]\nmodel_path = "gs://bucket/qwen3"\n'))
+    assert resolve_model_path(cfg) == "gs://bucket/qwen3"
+
+
+def test_resolve_model_path_errors(tmp_path):
+    cfg = load_config(write(tmp_path, MINIMAL))
+    with pytest.raises(ConfigError) as info:
+        resolve_model_path(cfg)
+    assert str(info.value) == (
+        f"{cfg.source}: model: 'PrimeIntellect/Qwen3-0.6B-Reverse-Text-SFT' is not a local folder "
+        "(nothing is downloaded); set [jax] model_path to a local Hugging Face checkpoint")
+    cfg = load_config(write(tmp_path, MINIMAL + '[jax]\nmodel_path = "missing"\n'))
+    with pytest.raises(ConfigError, match=r": jax\.model_path: 'missing' is not a local folder"):
+        resolve_model_path(cfg)
+
+
+def test_starter_toml_is_valid_and_shows_every_field(tmp_path):
+    cfg = load_config(write(tmp_path, STARTER_TOML))
+    assert unsupported_fields(cfg) == []
+    shown = set(re.findall(r"^#? ?(\w+) = ", STARTER_TOML, re.M))
+    shown |= set(re.findall(r"^#? ?\[\[?([\w.]+)\]", STARTER_TOML, re.M))
+    shown |= set(re.findall(r"(\w+) = \d", STARTER_TOML))  # the inline mesh table
+
+    def leaves(model: type[BaseModel]):
+        for name, field in model.model_fields.items():
+            yield name
+            for sub in (field.annotation, *getattr(field.annotation, "__args__", ())):
+                if isinstance(sub, type) and issubclass(sub, BaseModel):
+                    yield from leaves(sub)
+
+    assert set(leaves(RunConfig)) - shown - {"env"} == set()
+
+
+def test_load_env_file_takes_one_path_too(tmp_path):
+    assert load_env_file(write(tmp_path, "A=1\n", "one.env")) == {"A": "1"}
+    assert load_env_file([]) == {}

@@ -1,0 +1,217 @@
+"""The rollout server over a real uvicorn socket: wire format, verifiers' train client, 400s."""
+
+import asyncio
+
+import httpx
+import pytest
+from renderers import Qwen3RendererConfig
+from verifiers.v1 import SamplingConfig, TrainClientConfig
+from verifiers.v1.clients.train import TrainClient
+from verifiers.v1.dialects import ChatDialect
+
+from jaxrl.protocol import Completion, SamplingParams
+from jaxrl.server import GENERATE_ROUTE, start_server
+
+MODEL = "test-model"
+MAX_MODEL_LEN = 256
+RAISE_ID = 999_999  # a prompt containing it makes the backend fail (not a bad request)
+NAN_ID = 999_998  # a prompt containing it makes the backend return a NaN logprob
+IM_END = 151_645
+STOP_IDS = (IM_END, 151_643)  # what Qwen3's renderer sends: <|im_end|>, <|endoftext|>
+
+
+class ReverseBackend:
+    """Emits the prompt reversed until a stop token (kept) or `max_tokens`; token i gets logprob
+    -0.5 - i / 100."""
+
+    model_name = MODEL
+    max_model_len = MAX_MODEL_LEN
+
+    def __init__(self):
+        self.calls: list[tuple[list[int], SamplingParams]] = []
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        self.calls.append((prompt_ids, params))
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens is too long")
+        if RAISE_ID in prompt_ids:
+            raise RuntimeError("engine exploded")
+        out: list[int] = []
+        finish = "length"
+        for token in reversed(prompt_ids):
+            if len(out) == params.max_tokens:
+                break
+            out.append(token)
+            if token in params.stop_token_ids:
+                finish = "stop"
+                break
+        logprobs = [-0.5 - i / 100 for i in range(len(out))]
+        if NAN_ID in prompt_ids:
+            logprobs[0] = float("nan")
+        return Completion(out, logprobs, finish, [0] * len(out))
+
+
+def expected_logprobs(n: int) -> list[float]:
+    return [-0.5 - i / 100 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return ReverseBackend()
+
+
+@pytest.fixture(scope="module")
+def server(backend):
+    handle = start_server(backend)
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture
+def root(server):
+    return f"http://127.0.0.1:{server.port}"
+
+
+def test_handle(server):
+    assert server.base_url == f"http://127.0.0.1:{server.port}/v1"
+    assert server.port > 0
+
+
+def test_generate_wire_format(root, backend):
+    # The body verifiers' train client sends (renderers.client.generate): sampling from the rollout's
+    # SamplingConfig, plus the renderer's stop ids, logprobs=1 and skip_special_tokens=False.
+    body = {
+        "model": MODEL,
+        "token_ids": [11, 12, 13, 14],
+        "sampling_params": {
+            "temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 7, "max_tokens": 3,
+            "stop_token_ids": list(STOP_IDS), "logprobs": 1, "skip_special_tokens": False,
+        },
+    }
+    r = httpx.post(root + GENERATE_ROUTE, json=body, headers={"X-Session-ID": "trace-1"})
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert set(data) == {"request_id", "prompt_token_ids", "choices", "usage"}
+    assert isinstance(data["request_id"], str) and data["request_id"]
+    assert data["prompt_token_ids"] == [11, 12, 13, 14]
+    assert data["choices"] == [{
+        "index": 0,
+        "token_ids": [14, 13, 12],
+        "logprobs": {"content": [
+            {"token": "token_id:14", "logprob": -0.5},
+            {"token": "token_id:13", "logprob": -0.51},
+            {"token": "token_id:12", "logprob": -0.52},
+        ]},
+        "finish_reason": "length",
+    }]
+    assert data["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    assert backend.calls[-1] == (
+        [11, 12, 13, 14],
+        SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_tokens=3, stop_token_ids=STOP_IDS, seed=7),
+    )
+
+
+def test_generate_stop_and_defaults(root, backend):
+    r = httpx.post(root + GENERATE_ROUTE, json={"token_ids": [1, IM_END, 2, 3], "sampling_params": {
+        "stop_token_ids": [IM_END], "max_tokens": 10, "routed_experts_prompt_start": 0, "n": 1}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == [3, 2, IM_END]
+    assert choice["finish_reason"] == "stop"
+    # Without sampling_params: SamplingParams' defaults, max_tokens = the room left in the context.
+    r = httpx.post(root + GENERATE_ROUTE, json={"token_ids": [5, 6]})
+    assert r.status_code == 200, r.text
+    assert backend.calls[-1][1] == SamplingParams(max_tokens=MAX_MODEL_LEN - 2)
+
+
+def test_models_and_health(server, root):
+    models = httpx.get(server.base_url + "/models").json()
+    assert models["object"] == "list"
+    [card] = models["data"]
+    assert (card["id"], card["object"], card["max_model_len"]) == (MODEL, "model", MAX_MODEL_LEN)
+    health = httpx.get(root + "/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        (b"{not json", "invalid JSON"),
+        (b"\xff\xfe", "invalid JSON"),
+        ([1, 2], "JSON object"),
+        ({"model": MODEL}, "token_ids is required"),
+        ({"token_ids": []}, "non-empty"),
+        ({"token_ids": "1 2"}, "non-empty list"),
+        ({"token_ids": [1, 2.5]}, "integers"),
+        ({"token_ids": [1, "2"]}, "integers"),
+        ({"token_ids": [True]}, "integers"),
+        ({"token_ids": [-1]}, "integers"),
+        ({"token_ids": [1], "sampling_params": {"temperature": -0.1}}, "temperature"),
+        ({"token_ids": [1], "sampling_params": {"temperature": "hot"}}, "temperature"),
+        ({"token_ids": [1], "sampling_params": {"max_tokens": 0}}, "max_tokens"),
+        ({"token_ids": [1], "sampling_params": {"max_tokens": 2.0}}, "max_tokens"),
+        ({"token_ids": [1], "sampling_params": {"top_p": 0}}, "top_p"),
+        ({"token_ids": [1], "sampling_params": {"top_k": 1.5}}, "top_k"),
+        ({"token_ids": [1], "sampling_params": {"seed": "x"}}, "seed"),
+        ({"token_ids": [1], "sampling_params": {"stop_token_ids": [1.5]}}, "stop_token_ids"),
+        ({"token_ids": [1], "sampling_params": {"logprobs": 5}}, "logprobs"),
+        ({"token_ids": [1], "sampling_params": {"min_p": 0.1}}, "min_p"),
+        ({"token_ids": [1], "sampling_params": {"beam_width": 4}}, "beam_width"),
+        ({"token_ids": [1], "sampling_params": [1]}, "object"),
+        ({"token_ids": [1], "features": {}}, "features"),
+        ({"token_ids": list(range(MAX_MODEL_LEN)), "sampling_params": {"max_tokens": 1}}, "too long"),
+        ({"token_ids": list(range(MAX_MODEL_LEN))}, "fills the context"),
+    ],
+)
+def test_bad_requests_are_400(root, body, needle):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(root + GENERATE_ROUTE, **kwargs)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert needle in message
+    assert httpx.get(root + "/health").status_code == 200
+
+
+def test_other_errors(root):
+    r = httpx.post(root + GENERATE_ROUTE, json={"model": "other", "token_ids": [1]})
+    assert r.status_code == 404 and "other" in r.json()["error"]["message"]
+    r = httpx.post(root + GENERATE_ROUTE, json={"token_ids": [1, RAISE_ID]})
+    assert r.status_code == 500 and "engine exploded" in r.json()["error"]["message"]
+    r = httpx.post(root + GENERATE_ROUTE, json={"token_ids": [1, NAN_ID]})
+    assert r.status_code == 500 and "non-finite" in r.json()["error"]["message"]
+    r = httpx.get(root + GENERATE_ROUTE)
+    assert r.status_code == 405 and "error" in r.json()
+    r = httpx.get(root + "/nowhere")
+    assert r.status_code == 404 and "error" in r.json()
+    assert httpx.get(root + "/health").status_code == 200
+
+
+def test_verifiers_train_client_accepts_responses(server, backend, qwen3_tokenizer_dir):
+    """verifiers' own client renders the chat, posts it, and parses our response without complaint."""
+    config = TrainClientConfig(
+        base_url=server.base_url,
+        api_key_var="JAXRL_TEST_KEY",
+        renderer=Qwen3RendererConfig(enable_thinking=False),
+        renderer_model_name=str(qwen3_tokenizer_dir),
+    )
+
+    async def ask():
+        client = TrainClient(config)
+        try:
+            return await client.get_response(
+                ChatDialect(),
+                {"model": MODEL, "messages": [{"role": "user", "content": "Say hi"}]},
+                SamplingConfig(temperature=0.5, max_tokens=4, top_k=3, seed=1),
+                session_id="trace-2",
+            )
+        finally:
+            await client.close()
+
+    response = asyncio.run(ask())
+    prompt_ids, params = backend.calls[-1]
+    tokens = response.tokens
+    assert tokens.prompt_ids == prompt_ids
+    assert tokens.completion_ids == prompt_ids[::-1][:4]
+    assert tokens.completion_logprobs == pytest.approx(expected_logprobs(4))
+    assert response.finish_reason == "length"
+    assert params == SamplingParams(temperature=0.5, top_k=3, max_tokens=4, stop_token_ids=STOP_IDS, seed=1)
