@@ -23,7 +23,7 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str, keep: int = 5) -> None:
-        policy = policies.PreserveAll() if keep < 0 else policies.LatestN(n=keep)
+        policy = policies.LatestN(n=None if keep < 0 else keep)
         options = ocp.CheckpointManagerOptions(preservation_policy=policy, create=True)
         self.directory = directory
         self._mngr = ocp.CheckpointManager(directory, options=options)

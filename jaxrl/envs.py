@@ -192,10 +192,13 @@ def _env_config(env_id: str, args: dict, taskset: dict, harness: dict) -> dict:
     return {"taskset": {**args, **taskset, "id": env_id}} | {name: seat for name in seats}
 
 
-def _materialise(taskset: vf.Taskset, env_id: str) -> list[vf.Task]:
+def _materialise(taskset: vf.Taskset, where: str) -> list[vf.Task]:
     if not taskset.bounded:
-        raise EnvLoadError(f"environment {env_id!r}: its taskset is infinite; bound it (e.g. num_examples)")
-    return list(taskset)
+        raise EnvLoadError(f"{where}: its taskset is infinite; bound it in its config")
+    try:
+        return list(taskset)
+    except Exception as e:  # noqa: BLE001 - a taskset whose load() fails, with any error
+        raise EnvLoadError(f"{where}: loading its tasks failed: {type(e).__name__}: {e}") from e
 
 
 def load_env(
@@ -204,7 +207,7 @@ def load_env(
     """Loads an `[[env]]` entry through verifiers' v1 loader and materialises its tasks.
 
     Raises EnvLoadError (naming the id and the module) when the module is not importable, exports no
-    Taskset/Env subclass, rejects the config, or loads no train task.
+    Taskset/Env subclass, rejects the config, or fails to load or loads no train task.
     """
     args, taskset, harness = dict(args or {}), dict(taskset or {}), dict(harness or {})
     module = module_name(env_id)
@@ -221,8 +224,8 @@ def load_env(
     except pydantic.ValidationError as e:
         raise EnvLoadError(f"{where}: invalid config: {e}") from e
     except (ImportError, AttributeError, TypeError, ValueError) as e:
-        raise EnvLoadError(f"{where} exports nothing verifiers can load: {e}") from e
-    tasks = _materialise(env.taskset, env_id)
+        raise EnvLoadError(f"{where} could not be loaded: {e}") from e
+    tasks = _materialise(env.taskset, where)
     if not tasks:
         raise EnvLoadError(f"{where}: the taskset loaded no task")
     eval_tasks: list[vf.Task] = []
@@ -233,7 +236,7 @@ def load_env(
         except pydantic.ValidationError:
             eval_config = None
         if eval_config is not None and eval_config != config.taskset:
-            eval_tasks = _materialise(type(env.taskset)(eval_config), env_id)
+            eval_tasks = _materialise(type(env.taskset)(eval_config), where)
     return LoadedEnv(id=env_id, module=module, env=env, tasks=tasks, eval_tasks=eval_tasks)
 
 
@@ -265,31 +268,27 @@ def model_context(
     return vf.ModelContext(model=model_name, client=client, sampling=vf.SamplingConfig(**fields))
 
 
-def trace_rollout(trace: vf.Trace, env_name: str) -> Rollout:
-    """The `Rollout` of a finished trace (its last trainable branch)."""
+def trace_rollout(trace: vf.Trace, env_name: str, failure: str | None = None) -> Rollout:
+    """The `Rollout` of a finished trace (its last trainable branch); `failure` fails it regardless
+    (an episode-level error)."""
     branches = [b for b in trace.branches if b.trainable]
     branch = branches[-1] if branches else None
     mask = branch.sampled_mask if branch is not None else []
-    error = trace.errors[-1].message if trace.errors else None
-    ok = trace.ok and any(mask)
+    ok = trace.ok and any(mask) and failure is None
+    error = failure or (trace.errors[-1].message if trace.errors else None)
     if not ok and error is None:
         error = "the trace has no sampled token" if trace.ok else f"trace failed: {trace.stop_condition}"
     return Rollout(
-        token_ids=branch.token_ids if ok else [],
+        token_ids=branch.token_ids if ok and branch else [],
         loss_mask=mask if ok else [],
-        logprobs=branch.logprobs if ok else [],
+        logprobs=branch.logprobs if ok and branch else [],
         reward=trace.reward,
         is_truncated=trace.is_truncated,
         ok=ok,
-        error=error,
+        error=None if ok else error,
         env_name=env_name,
         example_id=trace.task.data.idx,
     )
-
-
-def _failed(episode: vf.Episode, env_name: str) -> Rollout:
-    error = episode.errors[-1].message if episode.errors else "the episode produced no trace"
-    return Rollout([], [], [], 0.0, False, False, error, env_name, episode.task.data.idx)
 
 
 async def run_group(
@@ -333,10 +332,9 @@ def _rebind_renderers_lock() -> None:
 
 def _episode_rollouts(episode: vf.Episode, env_name: str) -> Sequence[Rollout]:
     traces = [t for t in episode.traces if t.agent is None or t.agent.trainable]
+    # An episode error is the env's own run()/finalize() failing, possibly after some traces finished.
+    failure = episode.errors[-1].message if episode.errors else None
     if not traces:
-        return [_failed(episode, env_name)]
-    rollouts = [trace_rollout(t, env_name) for t in traces]
-    if episode.errors:  # the env's own run()/finalize() failed after these traces finished
-        for r in rollouts:
-            r.ok, r.error = False, r.error or episode.errors[-1].message
-    return rollouts
+        error = failure or "the episode produced no trace"
+        return [Rollout([], [], [], 0.0, False, False, error, env_name, episode.task.data.idx)]
+    return [trace_rollout(t, env_name, failure) for t in traces]

@@ -132,9 +132,9 @@ def test_kv_cache_decode_matches_full_forward(checkpoint):
 def test_bf16_checkpoint(tmp_path):
     """A bf16 checkpoint loads exactly (bf16 -> fp32 is exact) and, run in bf16, stays near fp32.
 
-    Tolerance: bf16 keeps 8 significant bits (relative error 2^-9 per rounding); over 2 layers and the
-    bf16 attention/MLP matmuls the logits (std about 1 here) drift by a few hundredths, so the bound is
-    0.1 absolute, while the argmax token must agree almost everywhere.
+    Tolerance: bf16 keeps 8 significant bits (relative error 2^-9 per rounding); over 2 layers of bf16
+    matmuls the logits (up to about 3.5 here) drift by a few hundredths (0.063 measured), so the bound
+    is 0.1 absolute, and the argmax token must agree at 90% of the positions (23 of 24 measured).
     """
     m = _hf_model(tie=False, heads=4, kv_heads=2)
     want = _torch_logits(m)
@@ -157,7 +157,7 @@ def test_bf16_checkpoint(tmp_path):
 
 def test_save_hf_keeps_bf16(tmp_path):
     cfg = _tiny_cfg()
-    params = model.init_params(cfg, jax.random.key(1), jnp.bfloat16)
+    params = _random_params(cfg, jnp.bfloat16)
     hf.save_hf(tmp_path, cfg, params)
     assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
     m = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path)
@@ -174,10 +174,17 @@ def _tiny_cfg(tie: bool = False) -> model.ModelConfig:
                              num_kv_heads=1, head_dim=8, tie_word_embeddings=tie)
 
 
+def _random_params(cfg: model.ModelConfig, dtype=np.float32) -> model.Params:
+    """numpy weights of `param_specs(cfg)` (model.init_params would spend seconds compiling its RNG)."""
+    rng = np.random.default_rng(0)
+    return jax.tree.map(lambda s: rng.normal(0.0, 0.02, s.shape(cfg.dims())).astype(dtype),
+                        model.param_specs(cfg), is_leaf=model.is_spec)
+
+
 @pytest.fixture
 def tiny_checkpoint(tmp_path) -> Path:
     cfg = _tiny_cfg()
-    hf.save_hf(tmp_path, cfg, model.init_params(cfg, jax.random.key(0)))
+    hf.save_hf(tmp_path, cfg, _random_params(cfg))
     return tmp_path
 
 
@@ -215,7 +222,7 @@ def test_error_missing_weights(tiny_checkpoint):
 
 def test_error_missing_shard(tmp_path):
     cfg = _tiny_cfg()
-    files = hf.save_hf(tmp_path, cfg, model.init_params(cfg, jax.random.key(0)), max_shard_bytes=4096)
+    files = hf.save_hf(tmp_path, cfg, _random_params(cfg), max_shard_bytes=4096)
     files[-1].unlink()
     with pytest.raises(FileNotFoundError, match=files[-1].name):
         hf.load_hf(tmp_path)
@@ -254,7 +261,7 @@ def test_error_unexpected_tensor(tiny_checkpoint):
 
 def test_tied_checkpoint_may_carry_lm_head(tmp_path):
     cfg = _tiny_cfg(tie=True)
-    params = model.init_params(cfg, jax.random.key(0))
+    params = _random_params(cfg)
     hf.save_hf(tmp_path, cfg, params)
 
     def edit(t):
@@ -268,7 +275,7 @@ def test_tied_checkpoint_may_carry_lm_head(tmp_path):
 
 def test_save_hf_rejects_wrong_params(tmp_path):
     cfg = _tiny_cfg()
-    params = model.init_params(cfg, jax.random.key(0))
+    params = _random_params(cfg)
     with pytest.raises(ValueError, match="layers/wq has shape"):
         hf.save_hf(tmp_path, cfg, {**params, "layers": {**params["layers"], "wq": params["layers"]["wk"]}})
     with pytest.raises(ValueError, match="lack the weight unembed"):
@@ -277,7 +284,7 @@ def test_save_hf_rejects_wrong_params(tmp_path):
 
 def test_save_hf_replaces_stale_shards(tmp_path):
     cfg = _tiny_cfg()
-    params = model.init_params(cfg, jax.random.key(0))
+    params = _random_params(cfg)
     hf.save_hf(tmp_path, cfg, params, max_shard_bytes=4096)
     hf.save_hf(tmp_path, cfg, params)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
@@ -285,7 +292,7 @@ def test_save_hf_replaces_stale_shards(tmp_path):
 
 def test_sharded_files_respect_the_limit(tmp_path):
     cfg = _tiny_cfg()
-    files = hf.save_hf(tmp_path, cfg, model.init_params(cfg, jax.random.key(0)), max_shard_bytes=4096)
+    files = hf.save_hf(tmp_path, cfg, _random_params(cfg), max_shard_bytes=4096)
     index = json.loads((tmp_path / hf.INDEX_FILE).read_text())
     assert sorted(set(index["weight_map"].values())) == [f.name for f in files]
     biggest = max(math.prod(s.shape(cfg.dims())[1:]) for s in model.param_specs(cfg)["layers"].values()) * 4

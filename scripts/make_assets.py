@@ -1,0 +1,47 @@
+"""Build the offline Qwen3 assets: `assets/qwen3-tiny` (random tiny Qwen3 + the real tokenizer).
+
+    python scripts/make_assets.py                     # assets/qwen3-tiny, unless already complete
+    python scripts/make_assets.py --force             # rebuild it
+    python scripts/make_assets.py --tokenizer-only DIR  # just the tokenizer files, into DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+# Run from a checkout without installing the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jaxrl import assets  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", type=Path, default=Path("assets"), help="assets folder (default: assets)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")
+    parser.add_argument("--tokenizer-only", type=Path, metavar="DIR", help="write only the tokenizer to DIR")
+    args = parser.parse_args(argv)
+
+    start = time.perf_counter()
+    if args.tokenizer_only is not None:
+        folder = assets.build_tokenizer(args.tokenizer_only)
+    else:
+        target = args.root / assets.TINY_MODEL_DIR
+        if args.force and target.exists():
+            shutil.rmtree(target)
+        was_complete = assets.is_complete(target)
+        folder = assets.ensure_tiny_assets(args.root)
+        if was_complete:
+            print(f"{folder} is already complete (use --force to rebuild)")
+    for path in sorted(folder.iterdir()):
+        print(f"  {path}  {path.stat().st_size / 1e6:.2f} MB")
+    print(f"done in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

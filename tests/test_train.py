@@ -1,0 +1,125 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl import model
+from jaxrl.checkpoint import Checkpointer
+from jaxrl.model import LORA_TARGETS, ModelConfig
+from jaxrl.sharding import make_mesh, spec_shardings
+from jaxrl.train import Trainer, make_batch, make_optimizer, token_logprobs
+
+CFG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8)
+TARGETS = tuple(LORA_TARGETS)
+
+
+def _setup(mesh):
+    base = model.init_params(CFG, jax.random.key(0))
+    base = jax.device_put(base, spec_shardings(model.param_specs(CFG), CFG.dims(), mesh))
+    lora = model.init_lora(CFG, 4, TARGETS, jax.random.key(1))
+    lora = jax.device_put(lora, spec_shardings(model.lora_specs(CFG, 4, TARGETS), {**CFG.dims(), "R": 4}, mesh))
+    trainer = Trainer(CFG, mesh, make_optimizer(1e-2), lora_scale=2.0)
+    return base, trainer, trainer.init_state(base, lora)
+
+
+def _batch(seed=0, b=8, t=24):
+    rng = np.random.default_rng(seed)
+    samples = []
+    for _ in range(b):
+        n = int(rng.integers(8, t))
+        ids = rng.integers(0, 128, n).tolist()
+        prompt = int(rng.integers(2, n - 2))
+        mask = [i >= prompt for i in range(n)]
+        lps = [float(-rng.uniform(3, 6)) if m else 0.0 for m in mask]
+        samples.append((ids, mask, lps))
+    adv = rng.normal(size=b).astype(np.float32)
+    return make_batch(samples, adv, temperature=1.0, pad_to=32)
+
+
+def test_make_batch_shifts_and_masks():
+    b = make_batch([([1, 2, 3, 4], [False, False, True, True], [0, 0, -1.0, -2.0])], np.array([0.5]), 0.7, 6)
+    assert b.inputs.tolist() == [[1, 2, 3, 0, 0]]
+    assert b.targets.tolist() == [[2, 3, 4, 0, 0]]
+    assert b.loss_mask.tolist() == [[False, True, True, False, False]]
+    assert b.inference_logprobs.tolist() == [[0, -1.0, -2.0, 0, 0]]
+
+
+def test_base_weights_bit_identical_and_stateless_in_optimizer():
+    mesh = make_mesh({}, jax.devices()[:1])
+    base, trainer, state = _setup(mesh)
+    before = jax.tree.map(np.array, base)
+    lora0 = jax.tree.map(np.array, state.lora)
+    for i in range(3):
+        state, metrics = trainer.step(state, base, _batch(i))
+    assert int(state.step) == 3 and float(metrics["optim/skipped"]) == 0
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b)), before, base)
+    changed = jax.tree.map(lambda a, b: not np.array_equal(a, np.asarray(b)), lora0, state.lora)
+    assert all(jax.tree.leaves(changed))
+    # optimizer state: Adam moments for every LoRA leaf, nothing for base weights
+    n_lora = len(jax.tree.leaves(state.lora))
+    frozen_state = state.opt_state.inner_states["frozen"]
+    assert jax.tree.leaves(frozen_state) == []
+    assert len(jax.tree.leaves(state.opt_state.inner_states["lora"])) == 2 * n_lora + 1  # mu, nu, count
+
+
+def test_token_logprobs_match_full_softmax():
+    base = model.init_params(CFG, jax.random.key(0))
+    h = jax.random.normal(jax.random.key(2), (3, 100, 32))
+    y = jax.random.randint(jax.random.key(3), (3, 100), 0, 128)
+    temp = jnp.array([1.0, 0.5, 0.0])
+    lp, ent = token_logprobs(base, h, y, temp)
+    logits = jnp.einsum("BTD,DV->BTV", h, base["embed"].T) / jnp.array([1.0, 0.5, 1.0])[:, None, None]
+    full = jax.nn.log_softmax(logits, axis=-1)
+    np.testing.assert_allclose(lp, jnp.take_along_axis(full, y[..., None], -1)[..., 0], atol=1e-5)
+    np.testing.assert_allclose(ent, -(jnp.exp(full) * full).sum(-1), atol=1e-4)
+
+
+def test_sharded_train_step_matches_single_device():
+    results = []
+    for shape, n in (({}, 1), ({"data": 2, "fsdp": 2, "tensor": 2}, 8)):
+        mesh = make_mesh(shape, jax.devices()[:n])
+        base, trainer, state = _setup(mesh)
+        for i in range(2):
+            state, metrics = trainer.step(state, base, _batch(i))
+        results.append((jax.tree.map(np.asarray, state.lora), {k: float(v) for k, v in metrics.items()}))
+        if n == 8:
+            assert len(jax.tree.leaves(state.lora)[0].sharding.device_set) == 8
+    (l0, m0), (l1, m1) = results
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), l0, l1)
+    for k in m0:
+        np.testing.assert_allclose(m0[k], m1[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_non_finite_loss_skips_the_step():
+    mesh = make_mesh({}, jax.devices()[:1])
+    base, trainer, state = _setup(mesh)
+    bad = _batch(0)
+    bad.inference_logprobs[bad.loss_mask] = np.nan
+    lora0 = jax.tree.map(np.array, state.lora)
+    state, metrics = trainer.step(state, base, bad)
+    assert float(metrics["optim/skipped"]) == 1.0 and int(state.step) == 0
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b)), lora0, state.lora)
+
+
+def test_checkpoint_round_trip_and_retention(tmp_path):
+    mesh = make_mesh({}, jax.devices()[:1])
+    base, trainer, state = _setup(mesh)
+    ckpt = Checkpointer(str(tmp_path / "ck"), keep=2)
+    for step in range(1, 4):
+        state, _ = trainer.step(state, base, _batch(step))
+        ckpt.save(step, state, {"step": step, "examples_drawn": [step]})
+    ckpt.wait()
+    assert ckpt.all_steps() == [2, 3]
+    fresh = trainer.init_state(base, model.init_lora(CFG, 4, TARGETS, jax.random.key(9)))
+    restored, meta = ckpt.restore(3, fresh)
+    assert meta == {"step": 3, "examples_drawn": [3]} and int(restored.step) == 3
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), state.lora, restored.lora)
+    same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), state.opt_state,
+                        restored.opt_state)
+    assert all(jax.tree.leaves(same))
+    ckpt.close()
+    keep_all = Checkpointer(str(tmp_path / "all"), keep=-1)
+    for step in range(1, 5):
+        keep_all.save(step, state, {"step": step})
+    keep_all.close()
+    assert Checkpointer(str(tmp_path / "all"), keep=-1).all_steps() == [1, 2, 3, 4]
