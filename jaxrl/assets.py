@@ -151,6 +151,7 @@ def build_tokenizer(out_dir: str | Path) -> Path:
     Returns:
         `out_dir`.
     """
+    # imported here: transformers costs about 1 s to import, and only building a tokenizer needs it
     from tokenizers import AddedToken, normalizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter

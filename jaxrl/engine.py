@@ -185,7 +185,7 @@ class Engine:
         raise ValueError(f"prompt of {length} tokens exceeds the engine's {self.max_prefill_length}")
 
     def prefill(self, *, params: Params, existing_prefix: Prefix | None = None, padded_tokens: jax.Array,
-                true_length: int, sampling: SamplingParams = SamplingParams(),
+                true_length: int, sampling: SamplingParams | None = None,
                 key: jax.Array | None = None) -> Prefix:
         """Run a right-padded prompt `padded_tokens` int32 [T_bucket] of `true_length` real tokens.
 
@@ -195,6 +195,7 @@ class Engine:
         if existing_prefix is not None:
             raise NotImplementedError("prefill on top of an existing prefix is not supported")
         key = jax.random.key(0) if key is None else key
+        sampling = sampling or SamplingParams()
         truncate = sampling.top_p < 1.0 or sampling.top_k > 0
         return self._prefill(params, jnp.asarray(padded_tokens, jnp.int32), jnp.int32(true_length),
                              SlotSampling.of(sampling), key, truncate=truncate)

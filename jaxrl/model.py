@@ -308,7 +308,8 @@ def forward(
     if cache is None:
         key_pos_BS = positions_BT
     else:
-        key_pos_BS = jnp.broadcast_to(jnp.arange(cache["k"].shape[2], dtype=positions_BT.dtype), (b, cache["k"].shape[2]))
+        s = cache["k"].shape[2]
+        key_pos_BS = jnp.broadcast_to(jnp.arange(s, dtype=positions_BT.dtype), (b, s))
     lora_layers = None if lora is None else lora["layers"]
 
     def body(x, xs):

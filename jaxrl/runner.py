@@ -96,7 +96,7 @@ def run(cfg: RunConfig, console: Console | None = None) -> Path:
     state = trainer.init_state(base, lora)
     ckpt = Checkpointer(str((run_dir / "checkpoints").resolve()), keep=cfg.checkpoints.keep_cloud)
     loaded = [envs.load_env(e.id, e.args, e.taskset, e.harness) for e in cfg.env]
-    sampler = ExampleSampler([envs.num_examples(env) for env in loaded], cfg.buffer.seed)
+    sampler = ExampleSampler([len(env.tasks) for env in loaded], cfg.buffer.seed)
     start = 0
     if (latest := ckpt.latest_step()) is not None:
         state, meta = ckpt.restore(latest, state)
@@ -116,11 +116,14 @@ def run(cfg: RunConfig, console: Console | None = None) -> Path:
     sampling = SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                               top_k=cfg.sampling.top_k,
                               max_tokens=cfg.sampling.max_tokens or jcfg.seq_len - 1)
-    client = envs.ClientConfig(base_url=server.base_url, model_name=cfg.model, tokenizer_path=tokenizer_path)
+    client = {"base_url": server.base_url, "model_name": cfg.model, "tokenizer_path": tokenizer_path}
     logger = MetricsLogger(run_dir, cfg.max_steps, start, console)
     groups = cfg.batch_size // cfg.rollouts_per_example
     loop = asyncio.new_event_loop()  # one loop for the run: verifiers' HTTP clients outlive a step
+    serving = contextlib.AsyncExitStack()
     try:
+        for env in loaded:  # one interception server and client per env for the whole run
+            loop.run_until_complete(serving.enter_async_context(env.serving()))
         for step in range(start, cfg.max_steps):
             t_step = time.perf_counter()
             jobs = []
@@ -154,6 +157,7 @@ def run(cfg: RunConfig, console: Console | None = None) -> Path:
                                             "policy_version": step + 1})
     finally:
         logger.close()
+        loop.run_until_complete(serving.aclose())
         loop.close()
         server.stop()
         scheduler.stop()
@@ -169,11 +173,10 @@ def _advantages(group: list[envs.Rollout]) -> np.ndarray:
     return rl.group_advantages(rewards, rewards.size) if rewards.size else rewards
 
 
-async def _rollouts(loaded: list[Any], cfg: RunConfig, jobs: list[tuple[int, int]], client: envs.ClientConfig,
-                    sampling: SamplingParams) -> list[list[envs.Rollout]]:
+async def _rollouts(loaded: list[envs.LoadedEnv], cfg: RunConfig, jobs: list[tuple[int, int]],
+                    client: dict[str, Any], sampling: SamplingParams) -> list[list[envs.Rollout]]:
     return await asyncio.gather(*[
-        envs.run_group(loaded[env_i], example, cfg.rollouts_per_example, client=client, sampling=sampling,
-                       env_name=cfg.env[env_i].display_name)
+        envs.run_group(loaded[env_i], example, cfg.rollouts_per_example, sampling=sampling, **client)
         for env_i, example in jobs
     ])
 
