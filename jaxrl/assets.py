@@ -176,18 +176,24 @@ def build_tokenizer(out_dir: str | Path) -> Path:
 
 
 def build_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 4,
-                     kv_heads: int = 2, head_dim: int = 16, mlp: int = 192, tie: bool = True) -> Path:
+                     kv_heads: int = 2, head_dim: int = 16, mlp: int = 192, tie: bool = True,
+                     embed_std: float = 0.25) -> Path:
     """Write a complete HF folder for a random Qwen3 with the real vocabulary (151,936 rows).
 
-    The weights come from `jaxrl.model.init_params` (normal std 0.02, norms 1) with `jax.random.key(seed)`
-    and are stored as fp32 by `jaxrl.hf.save_hf`; the tokenizer files come from `build_tokenizer`.
+    The weights come from `jaxrl.model.init_params` (normal std 0.02, norms 1) with `jax.random.key(seed)`,
+    except the (tied) embedding, drawn with std `embed_std`: with HF's 0.02, a 64-wide model's logits have
+    std about 0.16 and its next-token distribution is uniform over 151,936 tokens, beyond what a LoRA can
+    reshape; with 0.25 the logits have std about 2, diverse yet learnable. Stored as fp32 by
+    `jaxrl.hf.save_hf`; the tokenizer files come from `build_tokenizer`.
 
     Returns:
         `out_dir`.
     """
     cfg = ModelConfig(vocab_size=VOCAB_ROWS, hidden_size=hidden, intermediate_size=mlp, num_layers=layers,
                       num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, tie_word_embeddings=tie)
-    hf.save_hf(out_dir, cfg, init_params(cfg, jax.random.key(seed)))
+    params = init_params(cfg, jax.random.key(seed))
+    params["embed"] = params["embed"] * (embed_std / 0.02)
+    hf.save_hf(out_dir, cfg, params)
     return build_tokenizer(out_dir)
 
 

@@ -23,7 +23,7 @@ from rich.console import Console
 
 from jaxrl import envs, hf, rl
 from jaxrl.checkpoint import Checkpointer
-from jaxrl.config import RunConfig, load_env_file, resolve_model_path, resolve_tokenizer_path
+from jaxrl.config import ConfigError, RunConfig, load_env_file, resolve_model_path, resolve_tokenizer_path
 from jaxrl.engine import Engine
 from jaxrl.metrics import MetricsLogger
 from jaxrl.model import init_lora, lora_specs, param_specs
@@ -82,7 +82,10 @@ def run(cfg: RunConfig, console: Console | None = None) -> Path:
     dtype = jnp.bfloat16 if jcfg.dtype == "bfloat16" else jnp.float32
     model_path, tokenizer_path = resolve_model_path(cfg), resolve_tokenizer_path(cfg)
     t0 = time.perf_counter()
-    mcfg, base = hf.load_hf(model_path, dtype=dtype)
+    try:
+        mcfg, base = hf.load_hf(model_path, dtype=dtype)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(cfg.source, [("jax.model_path" if jcfg.model_path else "model", str(exc))]) from None
     base = jax.device_put(base, spec_shardings(param_specs(mcfg), mcfg.dims(), mesh))
     targets = tuple(jcfg.lora_targets)
     lora_sh = spec_shardings(lora_specs(mcfg, jcfg.lora_rank, targets), {**mcfg.dims(), "R": jcfg.lora_rank}, mesh)
@@ -95,7 +98,12 @@ def run(cfg: RunConfig, console: Console | None = None) -> Path:
     trainer = Trainer(mcfg, mesh, make_optimizer(cfg.learning_rate), lora_scale=lora_scale, remat=jcfg.remat)
     state = trainer.init_state(base, lora)
     ckpt = Checkpointer(str((run_dir / "checkpoints").resolve()), keep=cfg.checkpoints.keep_cloud)
-    loaded = [envs.load_env(e.id, e.args, e.taskset, e.harness) for e in cfg.env]
+    loaded = []
+    for i, e in enumerate(cfg.env):
+        try:
+            loaded.append(envs.load_env(e.id, e.args, e.taskset, e.harness))
+        except envs.EnvLoadError as exc:
+            raise ConfigError(cfg.source, [(f"env.{i}.id", str(exc))]) from None
     sampler = ExampleSampler([len(env.tasks) for env in loaded], cfg.buffer.seed)
     start = 0
     if (latest := ckpt.latest_step()) is not None:

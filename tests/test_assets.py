@@ -136,7 +136,8 @@ def test_tiny_model_is_reproducible(tiny, tmp_path):
     cfg = hf.load_config(tiny)
     params = model.init_params(cfg, jax.random.key(0))
     _, loaded = hf.load_hf(tiny)
-    np.testing.assert_array_equal(np.asarray(loaded["embed"]), np.asarray(params["embed"]))
+    np.testing.assert_array_equal(np.asarray(loaded["embed"]), np.asarray(params["embed"] * (0.25 / 0.02)))
+    np.testing.assert_array_equal(np.asarray(loaded["layers"]["wq"]), np.asarray(params["layers"]["wq"]))
 
 
 def test_ensure_is_idempotent_and_replaces_unfinished_builds(tmp_path, monkeypatch):

@@ -1,0 +1,3 @@
+from jaxrl.cli import app
+
+app()

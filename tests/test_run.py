@@ -1,0 +1,96 @@
+"""The main job end to end, through the real CLI in a subprocess: tiny Qwen3, a shipped verifiers
+environment, the in-process rollout server, LoRA training, checkpoints and resume."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxrl import assets
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    return assets.ensure_tiny_assets(REPO / "assets").resolve()
+
+
+def _config(tmp_path: Path, model: Path, *, max_steps: int, extra: str = "", jax_extra: str = "") -> Path:
+    path = tmp_path / "rl.toml"
+    path.write_text(f"""
+name = "e2e"
+model = "jaxrl/qwen3-tiny"
+max_steps = {max_steps}
+batch_size = 8
+rollouts_per_example = 4
+learning_rate = 1e-2
+{extra}
+
+[sampling]
+max_tokens = 8
+
+[[env]]
+id = "jaxrl/lowercase"
+
+[checkpoints]
+interval = 2
+
+[jax]
+model_path = "{model}"
+output_dir = "{tmp_path / 'runs'}"
+seq_len = 128
+lora_rank = 4
+decode_slots = 8
+{jax_extra}
+""")
+    return path
+
+
+def _jaxrl(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "jaxrl", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_run_trains_checkpoints_and_resumes(tmp_path, tiny_model_dir):
+    cfg = _config(tmp_path, tiny_model_dir, max_steps=3)
+    first = _jaxrl("run", str(cfg))
+    assert first.returncode == 0, first.stdout + first.stderr
+    run_dir = tmp_path / "runs" / "e2e"
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert 0.0 <= r["reward/mean"] <= 1.0 and r["rollouts/failed"] == 0
+        assert r["seq_len"] > 8 and r["tokens_per_s"] > 0 and abs(r["policy/kl"]) < 1e-3
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == [2, 3]
+
+    again = _jaxrl("run", str(cfg))  # same run, already complete
+    assert again.returncode == 0 and "already complete" in again.stdout
+
+    cfg = _config(tmp_path, tiny_model_dir, max_steps=5)
+    resumed = _jaxrl("run", str(cfg))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resuming from checkpoint step 3" in resumed.stdout
+    assert [r["step"] for r in _metrics(run_dir)] == [1, 2, 3, 4, 5]
+
+
+def test_run_on_a_2x2x2_mesh(tmp_path, tiny_model_dir):
+    cfg = _config(tmp_path, tiny_model_dir, max_steps=1, jax_extra="mesh = { data = 2, fsdp = 2, tensor = 2 }")
+    out = _jaxrl("run", str(cfg))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "'data': 2, 'fsdp': 2, 'tensor': 2" in out.stdout
+    assert _metrics(tmp_path / "runs" / "e2e")[0]["rollouts/failed"] == 0
+
+
+def test_run_refuses_a_missing_model_without_traceback(tmp_path):
+    cfg = _config(tmp_path, tmp_path / "nowhere", max_steps=1)
+    out = _jaxrl("run", str(cfg))
+    assert out.returncode == 2
+    assert "jax.model_path" in out.stderr + out.stdout and "Traceback" not in out.stderr + out.stdout
