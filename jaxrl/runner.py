@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -138,7 +139,10 @@ def run(cfg: RunConfig, console: Console | None = None) -> Path:
             for g in range(groups):
                 env_i = (step * groups + g) % len(loaded)
                 jobs.append((env_i, sampler.next(env_i)))
-            rollouts = loop.run_until_complete(_rollouts(loaded, cfg, jobs, client, sampling))
+            # Each rollout gets its own seed from (run seed, step, group, index), so a run (and its resume)
+            # samples the same tokens whatever order requests reach the engine in.
+            first_seed = (jcfg.seed * 1_000_003 + step * groups) * cfg.rollouts_per_example
+            rollouts = loop.run_until_complete(_rollouts(loaded, cfg, jobs, client, sampling, first_seed))
             t_rollout = time.perf_counter() - t_step
             metrics = _train_step_metrics(rollouts, cfg, [cfg.env[i].display_name for i, _ in jobs])
             kept = [r for group in rollouts for r in group if r.ok]
@@ -182,10 +186,12 @@ def _advantages(group: list[envs.Rollout]) -> np.ndarray:
 
 
 async def _rollouts(loaded: list[envs.LoadedEnv], cfg: RunConfig, jobs: list[tuple[int, int]],
-                    client: dict[str, Any], sampling: SamplingParams) -> list[list[envs.Rollout]]:
+                    client: dict[str, Any], sampling: SamplingParams, first_seed: int) -> list[list[envs.Rollout]]:
+    n = cfg.rollouts_per_example
     return await asyncio.gather(*[
-        envs.run_group(loaded[env_i], example, cfg.rollouts_per_example, sampling=sampling, **client)
-        for env_i, example in jobs
+        envs.run_group(loaded[env_i], example, n, sampling=dataclasses.replace(sampling, seed=first_seed + g * n),
+                       **client)
+        for g, (env_i, example) in enumerate(jobs)
     ])
 
 
