@@ -72,7 +72,7 @@ def _std(x: np.ndarray) -> float:
 
 def run(cfg: RunConfig, console: Console | None = None) -> Path:
     """Train `cfg` to `max_steps`; return the run folder. See the module docstring."""
-    console = console or Console()
+    console = console or Console(soft_wrap=True)
     run_dir = run_dir_of(cfg)
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     secrets = load_env_file(cfg.env_file)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import struct
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl import model, rl
 from jaxrl.model import ModelConfig, Params
@@ -138,7 +138,12 @@ class Trainer:
     def init_state(self, base: Params, lora: Params) -> TrainState:
         """A state at step 0 (arrays placed as they are)."""
         opt_state = self.tx.init({"base": base, "lora": lora})
-        return TrainState(lora=lora, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        # Scalars (Adam's count, the step) are born on one device; put every leaf on the mesh so that a
+        # restored state and a fresh one are placed alike.
+        opt_state = jax.tree.map(
+            lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated), opt_state)
+        return TrainState(lora=lora, opt_state=opt_state, step=jax.device_put(jnp.zeros((), jnp.int32), replicated))
 
     def shard_batch(self, batch: Batch) -> dict[str, jax.Array]:
         """Place a host batch on the mesh, batch axis over (data, fsdp)."""
