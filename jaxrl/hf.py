@@ -8,10 +8,13 @@ keeps each weight as [in..., out...] with heads split out (`jaxrl.model.param_sp
     model.embed_tokens.weight                [V, D]    -> embed       [V, D]
     model.layers.{i}.self_attn.q_proj.weight [N*H, D]  -> wq          [L, D, N, H]
     model.layers.{i}.self_attn.o_proj.weight [D, N*H]  -> wo          [L, N, H, D]
-    model.layers.{i}.mlp.down_proj.weight    [D, F]    -> w_down      [L, F, D]
+    model.layers.{i}.mlp.down_proj.weight    [D, F]    -> mlp/w_down  [Q, F, D]  (layers with a dense MLP)
+    model.layers.{i}.mlp.gate.weight         [E, D]    -> moe/router  [U, D, E]  (layers with an MoE block)
+    model.layers.{i}.mlp.experts.{e}.up_proj.weight [I, D] -> moe/w_up [U, E, D, I]
     lm_head.weight                           [V, D]    -> unembed     [D, V]   (untied models only)
 
-and so on for every weight in `_TOP` and `_LAYER` below.
+and so on for every weight in the tables below. Checkpoints store each expert separately (as
+transformers 5 still saves them); jaxrl stacks them on an `E` axis.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ _TOP: dict[str, tuple[str, str]] = {
     "final_norm": ("model.norm.weight", ""),
     "unembed": ("lm_head.weight", "D"),
 }
-_LAYER: dict[str, tuple[str, str]] = {
+_GROUPS: dict[str, dict[str, tuple[str, str]]] = {}
+_GROUPS["layers"] = {
     "attn_norm": ("model.layers.{i}.input_layernorm.weight", ""),
     "wq": ("model.layers.{i}.self_attn.q_proj.weight", "D"),
     "wk": ("model.layers.{i}.self_attn.k_proj.weight", "D"),
@@ -51,9 +55,17 @@ _LAYER: dict[str, tuple[str, str]] = {
     "q_norm": ("model.layers.{i}.self_attn.q_norm.weight", ""),
     "k_norm": ("model.layers.{i}.self_attn.k_norm.weight", ""),
     "mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", ""),
+}
+_GROUPS["mlp"] = {
     "w_gate": ("model.layers.{i}.mlp.gate_proj.weight", "D"),
     "w_up": ("model.layers.{i}.mlp.up_proj.weight", "D"),
     "w_down": ("model.layers.{i}.mlp.down_proj.weight", "F"),
+}
+_GROUPS["moe"] = {
+    "router": ("model.layers.{i}.mlp.gate.weight", "D"),
+    "w_gate": ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "D"),
+    "w_up": ("model.layers.{i}.mlp.experts.{e}.up_proj.weight", "D"),
+    "w_down": ("model.layers.{i}.mlp.experts.{e}.down_proj.weight", "I"),
 }
 
 # Tensors some Qwen3 checkpoints carry that the model does not use.
@@ -67,13 +79,14 @@ _SAFETENSORS_DTYPES: dict[str, Any] = {
 
 @dataclasses.dataclass(frozen=True)
 class _Tensor:
-    """One jaxrl weight and the HF tensor (or one tensor per layer) that stores it."""
+    """One jaxrl weight and the HF tensors that store it: one per (layer, expert) index when stacked."""
 
     key: tuple[str, ...]  # path in the params pytree
-    hf_name: str  # "{i}" stands for the layer index when `stacked`
-    shape: tuple[int, ...]  # our shape, per layer when `stacked`
+    hf_name: str  # "{i}" stands for the layer index, "{e}" for the expert index
+    shape: tuple[int, ...]  # our shape of one HF tensor (without the stack axes)
     n_in: int  # leading axes of `shape` that HF stores last (a Linear's input); 0: same layout
-    stacked: bool
+    layers: tuple[int, ...] | None  # layer index of each entry of the leading stack axis; None: unstacked
+    experts: int = 0  # > 0: a second stack axis with one HF tensor per expert
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
@@ -81,8 +94,20 @@ class _Tensor:
             return self.shape
         return math.prod(self.shape[self.n_in:]), math.prod(self.shape[: self.n_in])
 
-    def names(self, num_layers: int) -> list[str]:
-        return [self.hf_name.format(i=i) for i in range(num_layers)] if self.stacked else [self.hf_name]
+    @property
+    def stack_shape(self) -> tuple[int, ...]:
+        """Our leading stack axes: (), (layers,) or (layers, experts)."""
+        if self.layers is None:
+            return ()
+        return (len(self.layers), self.experts) if self.experts else (len(self.layers),)
+
+    def entries(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(HF name, index into our stack axes) of every HF tensor of this weight."""
+        if self.layers is None:
+            return [(self.hf_name, ())]
+        experts = range(self.experts) if self.experts else [None]
+        return [(self.hf_name.format(i=i, e=e), (j,) if e is None else (j, e))
+                for j, i in enumerate(self.layers) for e in experts]
 
     def to_ours(self, t: np.ndarray) -> np.ndarray:
         return t.T.reshape(self.shape) if self.n_in else t
@@ -92,12 +117,12 @@ class _Tensor:
 
 
 class _Stored(NamedTuple):
-    """One HF tensor to write: `weight` (layer `layer` of it when stacked) in `dtype`."""
+    """One HF tensor to write: entry `index` of `weight`'s stack axes, in `dtype`."""
 
     name: str
     tensor: _Tensor
     weight: Any
-    layer: int | None
+    index: tuple[int, ...]
     dtype: np.dtype
 
     @property
@@ -105,25 +130,27 @@ class _Stored(NamedTuple):
         return math.prod(self.tensor.hf_shape) * self.dtype.itemsize
 
     def array(self) -> np.ndarray:
-        w = np.asarray(self.weight if self.layer is None else self.weight[self.layer])
+        w = np.asarray(self.weight[self.index] if self.index else self.weight)
         return np.ascontiguousarray(self.tensor.to_hf(w), dtype=self.dtype)
 
 
 def _layout(cfg: ModelConfig) -> list[_Tensor]:
-    """Every weight of `param_specs(cfg)` with its HF name and layouts."""
+    """Every weight of `param_specs(cfg)` with its HF names and layouts."""
     dims = cfg.dims()
-    specs = param_specs(cfg)
+    layer_ids = {"layers": tuple(range(cfg.num_layers)), "mlp": cfg.mlp_layers, "moe": cfg.moe_layers}
     out = []
-    for name, spec in specs.items():
-        if name == "layers":
-            for lname, lspec in spec.items():
-                hf_name, fan_in = _LAYER[lname]
-                assert lspec.letters[1:].startswith(fan_in), (lname, lspec.letters, fan_in)
-                out.append(_Tensor(("layers", lname), hf_name, lspec.shape(dims)[1:], len(fan_in), True))
-        else:
+    for name, spec in param_specs(cfg).items():
+        if name not in _GROUPS:
             hf_name, fan_in = _TOP[name]
             assert spec.letters.startswith(fan_in), (name, spec.letters, fan_in)
-            out.append(_Tensor((name,), hf_name, spec.shape(dims), len(fan_in), False))
+            out.append(_Tensor((name,), hf_name, spec.shape(dims), len(fan_in), None))
+            continue
+        for wname, wspec in spec.items():
+            hf_name, fan_in = _GROUPS[name][wname]
+            n_stack = 2 if "{e}" in hf_name else 1
+            assert wspec.letters[n_stack:].startswith(fan_in), (wname, wspec.letters, fan_in)
+            out.append(_Tensor((name, wname), hf_name, wspec.shape(dims)[n_stack:], len(fan_in), layer_ids[name],
+                               cfg.num_experts if n_stack == 2 else 0))
     return out
 
 
@@ -222,7 +249,7 @@ def load_hf(folder: str | Path, dtype: Any = jnp.float32, *,
     tensors = _open_weights(folder)
     layout = _layout(cfg)
 
-    expected = {n for t in layout for n in t.names(cfg.num_layers)}
+    expected = {n for t in layout for n, _ in t.entries()}
     missing = sorted(expected - tensors.keys())
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -235,20 +262,19 @@ def load_hf(folder: str | Path, dtype: Any = jnp.float32, *,
                          f"model with this config.json ({len(unused)} in all)")
 
     np_dtype = np.dtype(dtype)
-    params: Params = {"layers": {}}
+    params: Params = {}
     for t in layout:
-        names = t.names(cfg.num_layers)
-        host = np.empty(((len(names),) if t.stacked else ()) + t.shape, np_dtype)
-        for i, name in enumerate(names):
+        host = np.empty(t.stack_shape + t.shape, np_dtype)
+        for name, index in t.entries():
             src = tensors[name]
             if tuple(src.shape) != t.hf_shape:
                 raise ValueError(f"checkpoint {folder}: tensor {name!r} has shape {tuple(src.shape)}, "
                                  f"expected {t.hf_shape} from config.json")
-            host[i if t.stacked else ...] = t.to_ours(src)
+            host[index] = t.to_ours(src)
         sharding = None if shardings is None else _at(shardings, t.key)
         value = jax.device_put(host, sharding)
-        if t.stacked:
-            params["layers"][t.key[1]] = value
+        if len(t.key) == 2:
+            params.setdefault(t.key[0], {})[t.key[1]] = value
         else:
             params[t.key[0]] = value
         del host
@@ -281,12 +307,12 @@ def save_hf(folder: str | Path, cfg: ModelConfig, params: Params, *, max_shard_b
             w = _at(params, t.key)
         except KeyError:
             raise ValueError(f"params lack the weight {'/'.join(t.key)}") from None
-        want = ((cfg.num_layers,) if t.stacked else ()) + t.shape
+        want = t.stack_shape + t.shape
         if tuple(w.shape) != want:
             raise ValueError(f"params weight {'/'.join(t.key)} has shape {tuple(w.shape)}, expected {want}")
         out_dtype = np.dtype(dtype if dtype is not None else w.dtype)
-        layers = range(cfg.num_layers) if t.stacked else [None]
-        entries += [_Stored(t.hf_name.format(i=i), t, w, i, out_dtype) for i in layers]
+        w = np.asarray(w)  # one device-to-host copy per weight, not one per layer and expert
+        entries += [_Stored(name, t, w, index, out_dtype) for name, index in t.entries()]
 
     shards: list[list[_Stored]] = [[]]
     shard_bytes = 0

@@ -1,15 +1,18 @@
-"""Qwen3 (dense) in JAX over a params pytree, with LoRA and a KV cache.
+"""Qwen3 and Qwen3-MoE in JAX over a params pytree, with LoRA and a KV cache.
 
 Letters used in names and einsums:
   B batch   T query positions   S key positions (KV cache length)   L layers
   D model   N query heads       K kv heads       G query heads per kv head (N // K)
   H head    F MLP hidden        V vocabulary     R LoRA rank
+  E experts I expert MLP hidden Q layers with a dense MLP   U layers with an MoE block (Q + U = L)
 
-The architecture follows transformers' `Qwen3ForCausalLM` (RMSNorm before attention and MLP, RMSNorm
-on every query and key head before RoPE, grouped-query attention, SwiGLU MLP). Each weight is declared
-once in `param_specs`; initialisation (`init_params`), shardings (`jaxrl.sharding`) and checkpoint
-restore targets are derived from that one declaration. Layers are stacked on a leading `L` axis and run
-with `jax.lax.scan`, so compile time does not grow with depth.
+The architecture follows transformers' `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` (RMSNorm before
+attention and MLP, RMSNorm on every query and key head before RoPE, grouped-query attention, a SwiGLU
+MLP or a top-k mixture of SwiGLU experts, `jaxrl.moe`). Each weight is declared once in `param_specs`;
+initialisation (`init_params`), shardings (`jaxrl.sharding`) and checkpoint restore targets are derived
+from that one declaration. The params have three stacks: `layers` (attention and norms, [L, ...]),
+`mlp` (dense MLPs, [Q, ...]) and `moe` (router and experts, [U, ...]). A model whose layers are all of
+one kind runs them with `jax.lax.scan` (compile time flat in depth); a mixed stack is unrolled.
 """
 
 from __future__ import annotations
@@ -20,19 +23,23 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxrl import moe
+from jaxrl.spec import ParamSpec, is_spec
 
 Params = dict[str, Any]
 KVCache = dict[str, jax.Array]  # {"k": [L,B,S,K,H], "v": [L,B,S,K,H]}
 
-# HF projection name -> (our weight name, input letters, output letters)
-LORA_TARGETS: dict[str, tuple[str, str, str]] = {
-    "q_proj": ("wq", "D", "NH"),
-    "k_proj": ("wk", "D", "KH"),
-    "v_proj": ("wv", "D", "KH"),
-    "o_proj": ("wo", "NH", "D"),
-    "gate_proj": ("w_gate", "D", "F"),
-    "up_proj": ("w_up", "D", "F"),
-    "down_proj": ("w_down", "F", "D"),
+# HF projection name -> (our weight name, how many of its non-stack axes are the projection's input)
+LORA_TARGETS: dict[str, tuple[str, int]] = {
+    "q_proj": ("wq", 1),
+    "k_proj": ("wk", 1),
+    "v_proj": ("wv", 1),
+    "o_proj": ("wo", 2),
+    "gate_proj": ("w_gate", 1),
+    "up_proj": ("w_up", 1),
+    "down_proj": ("w_down", 1),
 }
 
 
@@ -51,6 +58,12 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 40960
+    num_experts: int = 0  # 0: a dense Qwen3
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -60,10 +73,20 @@ class ModelConfig:
             ValueError: the architecture is not Qwen3, or a required key is missing.
         """
         model_type = hf.get("model_type")
-        if model_type != "qwen3":
-            raise ValueError(f"model_type {model_type!r} is not supported (expected 'qwen3')")
+        if model_type not in ("qwen3", "qwen3_moe"):
+            raise ValueError(f"model_type {model_type!r} is not supported (expected 'qwen3' or 'qwen3_moe')")
         try:
             n_heads = hf["num_attention_heads"]
+            moe = {}
+            if model_type == "qwen3_moe":
+                moe = dict(
+                    num_experts=int(hf.get("num_experts", hf.get("num_local_experts", 0))),
+                    num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                    moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                    decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+                    mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+                )
             return cls(
                 vocab_size=hf["vocab_size"],
                 hidden_size=hf["hidden_size"],
@@ -76,15 +99,40 @@ class ModelConfig:
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
+                **moe,
             )
         except KeyError as e:
             raise ValueError(f"config.json lacks the key {e.args[0]!r}") from None
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def layer_is_moe(self, i: int) -> bool:
+        """Whether layer `i` has an MoE block (transformers' Qwen3MoeDecoderLayer rule)."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.layer_is_moe(i))
+
+    @property
+    def mlp_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if not self.layer_is_moe(i))
+
     def to_hf(self) -> dict[str, Any]:
         """The HF `config.json` dict that `from_hf` reads back into this config."""
+        moe = {}
+        if self.is_moe:
+            moe = {
+                "num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
+                "decoder_sparse_step": self.decoder_sparse_step, "mlp_only_layers": list(self.mlp_only_layers),
+            }
         return {
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
+            "architectures": ["Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"],
+            "model_type": "qwen3_moe" if self.is_moe else "qwen3",
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -101,6 +149,7 @@ class ModelConfig:
             "torch_dtype": "float32",
             "bos_token_id": 151643,
             "eos_token_id": 151645,
+            **moe,
         }
 
     def dims(self) -> dict[str, int]:
@@ -108,22 +157,9 @@ class ModelConfig:
         return {
             "V": self.vocab_size, "D": self.hidden_size, "F": self.intermediate_size, "L": self.num_layers,
             "N": self.num_heads, "K": self.num_kv_heads, "H": self.head_dim,
+            "E": self.num_experts, "I": self.moe_intermediate_size,
+            "Q": len(self.mlp_layers), "U": len(self.moe_layers),
         }
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamSpec:
-    """One weight: its shape letters, logical axis names (one per letter) and initialiser.
-
-    `init` is "normal" (std 0.02, as HF's `initializer_range`), "ones" or "zeros".
-    """
-
-    letters: str
-    axes: tuple[str | None, ...]
-    init: str = "normal"
-
-    def shape(self, dims: dict[str, int]) -> tuple[int, ...]:
-        return tuple(dims[c] for c in self.letters)
 
 
 def param_specs(cfg: ModelConfig) -> dict[str, Any]:
@@ -137,42 +173,55 @@ def param_specs(cfg: ModelConfig) -> dict[str, Any]:
         "q_norm": ParamSpec("LH", ("layers", "head_dim"), "ones"),
         "k_norm": ParamSpec("LH", ("layers", "head_dim"), "ones"),
         "mlp_norm": ParamSpec("LD", ("layers", "embed"), "ones"),
-        "w_gate": ParamSpec("LDF", ("layers", "embed", "mlp")),
-        "w_up": ParamSpec("LDF", ("layers", "embed", "mlp")),
-        "w_down": ParamSpec("LFD", ("layers", "mlp", "embed")),
     }
     specs: dict[str, Any] = {
         "embed": ParamSpec("VD", ("vocab", "embed")),
         "layers": layers,
         "final_norm": ParamSpec("D", ("embed",), "ones"),
     }
+    if cfg.mlp_layers:
+        specs["mlp"] = {
+            "w_gate": ParamSpec("QDF", ("layers", "embed", "mlp")),
+            "w_up": ParamSpec("QDF", ("layers", "embed", "mlp")),
+            "w_down": ParamSpec("QFD", ("layers", "mlp", "embed")),
+        }
+    if cfg.moe_layers:
+        specs["moe"] = {
+            "router": ParamSpec("UDE", ("layers", "embed", None)),
+            "w_gate": ParamSpec("UEDI", ("layers", *moe.EXPERT_AXES["w_gate"])),
+            "w_up": ParamSpec("UEDI", ("layers", *moe.EXPERT_AXES["w_up"])),
+            "w_down": ParamSpec("UEID", ("layers", *moe.EXPERT_AXES["w_down"])),
+        }
     if not cfg.tie_word_embeddings:
         specs["unembed"] = ParamSpec("DV", ("embed", "vocab"))
     return specs
 
 
 def lora_specs(cfg: ModelConfig, rank: int, targets: tuple[str, ...]) -> dict[str, Any]:
-    """Declarations of the LoRA factors: for each HF target `t`, `a` [L, in, R] and `b` [L, R, out].
+    """Declarations of the LoRA factors, derived from the base weights they adapt.
 
-    `b` starts at zero so a fresh adapter leaves the model unchanged (LoRA, Hu et al. 2021, sec. 4.1).
+    For a target weight with stack letters P (`L`, `Q`, or `U` plus `E` for experts, one adapter per
+    expert), input letters X and output letters Y, `a` is [P, X, R] and `b` is [P, R, Y], in the groups
+    (`layers`, `mlp`, `moe`) that hold the weight; `gate_proj`/`up_proj`/`down_proj` adapt both dense
+    MLPs and experts. `b` starts at zero so a fresh adapter leaves the model unchanged (LoRA, Hu et al.
+    2021, sec. 4.1); the axes of `a`/`b` are the base weight's, so they shard alike.
     """
-    specs = {}
+    base = param_specs(cfg)
+    out: dict[str, Any] = {}
     for t in targets:
-        name, fan_in, fan_out = LORA_TARGETS[t]
-        specs[name] = {
-            "a": ParamSpec("L" + fan_in + "R", ("layers", *_lora_axes(fan_in), None), "normal"),
-            "b": ParamSpec("LR" + fan_out, ("layers", None, *_lora_axes(fan_out)), "zeros"),
-        }
-    return {"layers": specs}
-
-
-def _lora_axes(letters: str) -> tuple[str | None, ...]:
-    names = {"D": "embed", "F": "mlp", "N": "heads", "K": "kv_heads", "H": "head_dim"}
-    return tuple(names[c] for c in letters)
-
-
-def is_spec(x: Any) -> bool:
-    return isinstance(x, ParamSpec)
+        name, n_in = LORA_TARGETS[t]
+        for group in ("layers", "mlp", "moe"):
+            if name not in base.get(group, {}):
+                continue
+            spec = base[group][name]
+            p = 2 if group == "moe" else 1
+            pre, x, y = spec.letters[:p], spec.letters[p:p + n_in], spec.letters[p + n_in:]
+            ax_pre, ax_x, ax_y = spec.axes[:p], spec.axes[p:p + n_in], spec.axes[p + n_in:]
+            out.setdefault(group, {})[name] = {
+                "a": ParamSpec(pre + x + "R", (*ax_pre, *ax_x, None), "normal"),
+                "b": ParamSpec(pre + "R" + y, (*ax_pre, None, *ax_y), "zeros"),
+            }
+    return out
 
 
 def init_from_specs(specs: Any, dims: dict[str, int], key: jax.Array, dtype: Any) -> Any:
@@ -232,8 +281,8 @@ def _lora_delta(x: jax.Array, ab: dict[str, jax.Array] | None, scale: float, out
     return (scale * delta).reshape(*x.shape[:2], *out_shape).astype(x.dtype)
 
 
-def _layer(cfg: ModelConfig, lora_scale: float, x_BTD, positions_BT, w, lw, k_cache, v_cache, key_pos_BS):
-    """One decoder layer. Returns the new residual stream and this layer's full key/value cache."""
+def _attention(cfg: ModelConfig, lora_scale: float, x_BTD, positions_BT, w, lw, k_cache, v_cache, key_pos_BS):
+    """Attention with its residual. Returns the new residual stream and this layer's key/value cache."""
     b, t, _ = x_BTD.shape
     nk, g, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     lw = lw or {}
@@ -263,16 +312,85 @@ def _layer(cfg: ModelConfig, lora_scale: float, x_BTD, positions_BT, w, lw, k_ca
     attn_BTNH = attn_BTKGH.reshape(b, t, cfg.num_heads, hd)
     out_BTD = jnp.einsum("BTNH,NHD->BTD", attn_BTNH, w["wo"]) + _lora_delta(attn_BTNH, lw.get("wo"), lora_scale,
                                                                              (cfg.hidden_size,))
-    x_BTD = x_BTD + out_BTD
+    return x_BTD + out_BTD, k_BSKH, v_BSKH
 
-    h_BTD = rms_norm(x_BTD, w["mlp_norm"], cfg.rms_norm_eps)
+
+def _mlp(cfg: ModelConfig, lora_scale: float, h_BTD, w, lw) -> jax.Array:
+    """The dense SwiGLU MLP (no residual)."""
+    lw = lw or {}
     f = (cfg.intermediate_size,)
     gate_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, w["w_gate"]) + _lora_delta(h_BTD, lw.get("w_gate"), lora_scale, f)
     up_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, w["w_up"]) + _lora_delta(h_BTD, lw.get("w_up"), lora_scale, f)
     act_BTF = jax.nn.silu(gate_BTF) * up_BTF
-    down_BTD = jnp.einsum("BTF,FD->BTD", act_BTF, w["w_down"]) + _lora_delta(act_BTF, lw.get("w_down"), lora_scale,
-                                                                            (cfg.hidden_size,))
-    return x_BTD + down_BTD, k_BSKH, v_BSKH
+    return jnp.einsum("BTF,FD->BTD", act_BTF, w["w_down"]) + _lora_delta(act_BTF, lw.get("w_down"), lora_scale,
+                                                                         (cfg.hidden_size,))
+
+
+def _decoder_layer(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | None, x_BTD, positions_BT,
+                   key_pos_BS, xs):
+    """One decoder layer of `kind` ("mlp" or "moe"); `xs` holds its weights, LoRA and cache slices."""
+    w, lw, mw, mlw, kc, vc = xs
+    x_BTD, k, v = _attention(cfg, lora_scale, x_BTD, positions_BT, w, lw, kc, vc, key_pos_BS)
+    h_BTD = rms_norm(x_BTD, w["mlp_norm"], cfg.rms_norm_eps)
+    if kind == "mlp":
+        out_BTD = _mlp(cfg, lora_scale, h_BTD, mw, mlw)
+    else:
+        experts = {n: mw[n] for n in moe.EXPERT_AXES}
+        out_BTD = moe.moe_block(h_BTD, mw["router"], experts, mlw, top_k=cfg.num_experts_per_tok,
+                                norm_topk_prob=cfg.norm_topk_prob, lora_scale=lora_scale, mesh=mesh)
+    return x_BTD + out_BTD, k, v
+
+
+def decoder_stack(
+    cfg: ModelConfig,
+    params: Params,
+    tokens_BT: jax.Array,
+    positions_BT: jax.Array,
+    *,
+    lora: Params | None = None,
+    lora_scale: float = 0.0,
+    cache: KVCache | None = None,
+    remat: bool = False,
+    mesh: Mesh | None = None,
+    scan_layers: bool = True,
+) -> tuple[jax.Array, KVCache, jax.Array]:
+    """`forward` before the final norm, plus every layer's output: returns (residual stream [B, T, D],
+    cache, layer outputs [L, B, T, D]). Arguments as in `forward`."""
+    x_BTD = params["embed"][tokens_BT]
+    b = tokens_BT.shape[0]
+    if cache is None:
+        key_pos_BS = positions_BT
+    else:
+        s = cache["k"].shape[2]
+        key_pos_BS = jnp.broadcast_to(jnp.arange(s, dtype=positions_BT.dtype), (b, s))
+    lora = lora or {}
+    kc, vc = (None, None) if cache is None else (cache["k"], cache["v"])
+    kinds = ["moe" if cfg.layer_is_moe(i) else "mlp" for i in range(cfg.num_layers)]
+
+    def body_of(kind):
+        def body(x, xs):
+            x, k, v = _decoder_layer(cfg, kind, lora_scale, mesh, x, positions_BT, key_pos_BS, xs)
+            return x, (k, v, x)
+        return jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable) if remat else body
+
+    if scan_layers and len(set(kinds)) == 1:
+        kind = kinds[0]
+        xs = (params["layers"], lora.get("layers"), params[kind], lora.get(kind), kc, vc)
+        x_BTD, (k_L, v_L, h_L) = jax.lax.scan(body_of(kind), x_BTD, xs)
+        return x_BTD, {"k": k_L, "v": v_L}, h_L
+
+    bodies = {kind: body_of(kind) for kind in set(kinds)}
+    seen = {"mlp": 0, "moe": 0}
+    outs = []
+    for i, kind in enumerate(kinds):
+        j = seen[kind]
+        seen[kind] += 1
+        xs = jax.tree.map(lambda a, i=i: a[i], (params["layers"], lora.get("layers"), None, None, kc, vc))
+        group = jax.tree.map(lambda a, j=j: a[j], (params[kind], lora.get(kind)))
+        x_BTD, out = bodies[kind](x_BTD, (xs[0], xs[1], *group, xs[4], xs[5]))
+        outs.append(out)
+    k_L, v_L, h_L = (jnp.stack(z) for z in zip(*outs, strict=True))
+    return x_BTD, {"k": k_L, "v": v_L}, h_L
 
 
 def forward(
@@ -285,6 +403,8 @@ def forward(
     lora_scale: float = 0.0,
     cache: KVCache | None = None,
     remat: bool = False,
+    mesh: Mesh | None = None,
+    scan_layers: bool = True,
 ) -> tuple[jax.Array, KVCache]:
     """Run the decoder stack; return final-norm hidden states and the key/value cache.
 
@@ -298,31 +418,21 @@ def forward(
             [L, B, S, K, H] where index s holds position s: the chunk is written at `positions_BT` and
             attends to every cache entry at a position <= its own (decode).
         remat: rematerialise each layer's activations in the backward pass.
+        mesh: the device mesh the params live on; MoE blocks are expert parallel when its `expert` axis
+            is larger than 1 (`jaxrl.moe.moe_block`). None: no expert parallelism.
+        scan_layers: run a stack whose layers are all of one kind with `lax.scan` (compile time flat in
+            depth); False unrolls it (as a mixed dense/MoE stack always is).
 
     Returns:
         hidden_BTD in the params' dtype, and {"k","v"}: [L, B, T, K, H] (no cache given) or the
         updated [L, B, S, K, H] cache.
+
+    Raises:
+        ValueError: the expert count is not a multiple of the mesh's `expert` axis.
     """
-    x_BTD = params["embed"][tokens_BT]
-    b = tokens_BT.shape[0]
-    if cache is None:
-        key_pos_BS = positions_BT
-    else:
-        s = cache["k"].shape[2]
-        key_pos_BS = jnp.broadcast_to(jnp.arange(s, dtype=positions_BT.dtype), (b, s))
-    lora_layers = None if lora is None else lora["layers"]
-
-    def body(x, xs):
-        w, lw, kc, vc = xs
-        x, k, v = _layer(cfg, lora_scale, x, positions_BT, w, lw, kc, vc, key_pos_BS)
-        return x, (k, v)
-
-    if remat:
-        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-    xs = (params["layers"], lora_layers,
-          None if cache is None else cache["k"], None if cache is None else cache["v"])
-    x_BTD, (k_L, v_L) = jax.lax.scan(body, x_BTD, xs)
-    return rms_norm(x_BTD, params["final_norm"], cfg.rms_norm_eps), {"k": k_L, "v": v_L}
+    x_BTD, cache, _ = decoder_stack(cfg, params, tokens_BT, positions_BT, lora=lora, lora_scale=lora_scale,
+                                    cache=cache, remat=remat, mesh=mesh, scan_layers=scan_layers)
+    return rms_norm(x_BTD, params["final_norm"], cfg.rms_norm_eps), cache
 
 
 def unembed_matrix(params: Params) -> jax.Array:

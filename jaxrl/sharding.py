@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl.model import ParamSpec, is_spec
+from jaxrl.spec import ParamSpec, is_spec
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
