@@ -178,7 +178,8 @@ class CheckpointsConfig(_Table):
     interval: int = Field(10, ge=1)
     """Save a checkpoint every N steps. Default 10 (Hosted Training uses a cluster default)."""
     keep_cloud: AllOrPositive = 5
-    """Checkpoints kept under `jax.output_dir` (-1 = all). Default 5."""
+    """Most recent checkpoints kept, locally or on `gs://` (-1 = all); older ones are deleted once a newer
+    one is complete. Default 5."""
 
 
 class AdaptersConfig(_Table):
@@ -230,8 +231,14 @@ class JaxConfig(_Table):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the frozen base weights and activations; LoRA and optimizer state stay float32."""
     output_dir: str = "runs"
-    """Folder (relative to the working directory) or `gs://` URL for checkpoints, adapters and metrics.
-    Default "runs"."""
+    """Local folder (relative to the working directory) of each run's metrics and, unless
+    `checkpoint_dir` is set, checkpoints: `<output_dir>/<name>/`. Default "runs"."""
+    checkpoint_dir: str | None = None
+    """Folder or `gs://bucket/path` URL for checkpoints: `<checkpoint_dir>/<name>/<step>`. Default None:
+    `<output_dir>/<name>/checkpoints`."""
+    rollout_timeout: float = Field(600.0, gt=0)
+    """Seconds one rollout (its model calls, environment and reward) may take; a slower one is dropped
+    and counted as failed. Default 600."""
     seed: int = 0
     """Seed of LoRA initialisation and sampling. Default 0."""
     decode_slots: int = Field(32, ge=1)
@@ -269,8 +276,12 @@ class RunConfig(_Table):
     """Max policy versions a rollout may lag the trainer; >= `oversampling_factor`. Default 2."""
     env_file: list[str] = []
     """.env files with secrets, relative to the config file (absolute after `load_config`). Default []."""
-    checkpoint_id: str | None = None
-    """Checkpoint to warm-start from. Default None."""
+    checkpoint_id: str | None = Field(None, min_length=1)
+    """Checkpoint whose LoRA weights a new run starts from (optimizer, step and data position start
+    fresh): `"<run>"` (its latest checkpoint) or `"<run>/<step>"`, a run under the same checkpoint root,
+    or a path (absolute, `./`/`../` relative to this file, or `gs://`) to a run's checkpoint folder or
+    to one step's folder. It must be of the same model and LoRA shape. Ignored when the run already
+    has checkpoints of its own (it resumes from them). Default None."""
     sampling: SamplingConfig = SamplingConfig()
     """`[sampling]`. Default: all its defaults."""
     env: list[EnvConfig] = Field(min_length=1)
@@ -326,6 +337,9 @@ class RunConfig(_Table):
                                                       f"{len(self.env)} [[env]] tables"))
             if any(r < 0 for r in buf.env_ratios) or sum(buf.env_ratios) <= 0:
                 problems.append(("buffer.env_ratios", "entries must be >= 0 with a positive sum"))
+        if self.jax.output_dir.startswith("gs://"):
+            problems.append(("jax.output_dir", "must be a local folder (metrics are written there); "
+                                               "put checkpoints on gs:// with [jax] checkpoint_dir"))
         if len(set(self.jax.lora_targets)) != len(self.jax.lora_targets):
             problems.append(("jax.lora_targets", "lists a projection twice"))
         if problems:
@@ -338,7 +352,6 @@ NOT_SUPPORTED_YET: frozenset[str] = frozenset({
     "oversampling_factor",
     "max_async_level",
     "trajectory_strategy",
-    "checkpoint_id",
     "eval",
     "val",
     "buffer",
@@ -516,6 +529,7 @@ rollouts_per_example = 8       # rollouts per example (the group size)
 # learning_rate = 1e-4         # LoRA learning rate
 # lora_alpha = 16              # LoRA updates are scaled by lora_alpha / [jax] lora_rank
 # env_file = ["secrets.env"]   # .env files with secrets, relative to this file
+# checkpoint_id = "other-run/200"  # warm start from another run's LoRA: "run", "run/step" or a path
 
 [sampling]
 max_tokens = 512               # tokens sampled per turn, < [jax] seq_len
@@ -542,7 +556,9 @@ id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
 # lora_rank = 16
 # lora_targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # dtype = "float32"            # base weights: "float32" or "bfloat16"
-# output_dir = "runs"          # checkpoints, adapters and metrics; a folder or gs:// URL
+# output_dir = "runs"          # metrics (and checkpoints) under <output_dir>/<name>; a local folder
+# checkpoint_dir = "gs://bucket/ckpts"  # checkpoints under <checkpoint_dir>/<name>; folder or gs:// URL
+# rollout_timeout = 600        # seconds per rollout; a slower one is dropped and counted as failed
 # seed = 0
 # decode_slots = 32            # concurrent decodes in the rollout engine
 # remat = false                # recompute activations in the backward pass
@@ -553,7 +569,6 @@ id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
 # oversampling_factor = 2.0    # rollouts in flight per batch_size rollouts
 # max_async_level = 2          # policy versions a rollout may lag; >= oversampling_factor
 # trajectory_strategy = "interleaved"  # or "branching"
-# checkpoint_id = "cp_abc123"  # warm start
 #
 # [wandb]
 # project = "my-project"

@@ -91,8 +91,8 @@ def test_defaults_follow_the_reference(tmp_path):
         "model_path": None, "tokenizer_path": None, "mesh": {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1},
         "seq_len": 4096, "lora_rank": 16,
         "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        "dtype": "float32", "output_dir": "runs", "seed": 0, "decode_slots": 32, "remat": False,
-        "host": "127.0.0.1", "port": 0}
+        "dtype": "float32", "output_dir": "runs", "checkpoint_dir": None, "rollout_timeout": 600.0, "seed": 0,
+        "decode_slots": 32, "remat": False, "host": "127.0.0.1", "port": 0}
 
 
 def test_eval_defaults_and_overrides(tmp_path):
@@ -419,7 +419,7 @@ def test_unsupported_fields_of_the_examples(path):
     (top('trajectory_strategy = "interleaved"'), []),
     (top('trajectory_strategy = "branching"'), ["trajectory_strategy"]),
     (top("oversampling_factor = 1.5"), ["oversampling_factor"]),
-    (top('checkpoint_id = "cp_abc123"'), ["checkpoint_id"]),
+    (top('checkpoint_id = "cp_abc123"'), []),
     (MINIMAL + '[infrastructure]\ncompute_size = "M"\n', []),
     (MINIMAL + '[infrastructure]\ncompute_size = "L"\n', ["infrastructure.compute_size"]),
     (MINIMAL + "[buffer]\nseed = 42\neasy_threshold = 0.8\n", []),
