@@ -25,7 +25,7 @@ Rules = Mapping[str, tuple[str, ...]]
 
 # Training and rollout share one table today so the engine reads the trainer's weights by reference.
 RULES: Rules = {
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),
     "embed": ("fsdp",),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),

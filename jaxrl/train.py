@@ -164,7 +164,7 @@ class Trainer:
         b, t = batch["inputs"].shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         hidden, _ = model.forward(self.cfg, params["base"], batch["inputs"], positions, lora=params["lora"],
-                                  lora_scale=self.lora_scale, remat=self.remat)
+                                  lora_scale=self.lora_scale, remat=self.remat, mesh=self.mesh)
         logp, entropy = token_logprobs(params["base"], hidden, batch["targets"], batch["temperature"])
         loss, metrics = rl.policy_loss(logp, batch["inference_logprobs"], batch["advantages"],
                                        batch["loss_mask"], self.loss_cfg)
