@@ -213,7 +213,7 @@ class Engine:
     # jitted bodies --------------------------------------------------------------------------------
     def _forward(self, params, tokens_BT, positions_BT, cache=None):
         return model.forward(self.cfg, params["base"], tokens_BT, positions_BT, lora=params.get("lora"),
-                             lora_scale=self.lora_scale, cache=cache)
+                             lora_scale=self.lora_scale, cache=cache, mesh=self.mesh)
 
     def _prefill_impl(self, params, tokens_T, true_length, sampling, key, *, truncate):
         t = tokens_T.shape[0]
