@@ -138,6 +138,7 @@ GENERATION_CONFIG = {
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 TINY_MODEL_DIR = "qwen3-tiny"
+TINY_MOE_DIR = "qwen3-tiny-moe"
 
 
 def build_tokenizer(out_dir: str | Path) -> Path:
@@ -177,8 +178,10 @@ def build_tokenizer(out_dir: str | Path) -> Path:
 
 def build_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 4,
                      kv_heads: int = 2, head_dim: int = 16, mlp: int = 192, tie: bool = True,
-                     embed_std: float = 0.25) -> Path:
-    """Write a complete HF folder for a random Qwen3 with the real vocabulary (151,936 rows).
+                     embed_std: float = 0.25, experts: int = 0, top_k: int = 2, expert_mlp: int = 96) -> Path:
+    """Write a complete HF folder for a random Qwen3 with the real vocabulary (151,936 rows); with
+    `experts` > 0 a Qwen3-MoE whose every layer routes to `top_k` of `experts` SwiGLU experts of width
+    `expert_mlp` (renormalised top-k probabilities, as Qwen3-30B-A3B).
 
     The weights come from `jaxrl.model.init_params` (normal std 0.02, norms 1) with `jax.random.key(seed)`,
     except the (tied) embedding, drawn with std `embed_std`: with HF's 0.02, a 64-wide model's logits have
@@ -189,8 +192,10 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, la
     Returns:
         `out_dir`.
     """
+    moe = dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_mlp,
+               norm_topk_prob=True) if experts else {}
     cfg = ModelConfig(vocab_size=VOCAB_ROWS, hidden_size=hidden, intermediate_size=mlp, num_layers=layers,
-                      num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, tie_word_embeddings=tie)
+                      num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, tie_word_embeddings=tie, **moe)
     params = init_params(cfg, jax.random.key(seed))
     params["embed"] = params["embed"] * (embed_std / 0.02)
     hf.save_hf(out_dir, cfg, params)
@@ -205,8 +210,9 @@ def is_complete(folder: str | Path) -> bool:
     return has_weights and all((folder / n).is_file() for n in names)
 
 
-def ensure_tiny_assets(root: str | Path = "assets") -> Path:
-    """`root/qwen3-tiny` from `build_tiny_model` (defaults), built unless already complete.
+def ensure_tiny_assets(root: str | Path = "assets", *, moe: bool = False) -> Path:
+    """`root/qwen3-tiny` from `build_tiny_model` (defaults), or with `moe` `root/qwen3-tiny-moe` (4 experts,
+    top-2), built unless already complete.
 
     The folder is built beside its final place and renamed into it, so an interrupted build never
     looks complete and concurrent callers keep whichever finished first.
@@ -214,14 +220,15 @@ def ensure_tiny_assets(root: str | Path = "assets") -> Path:
     Returns:
         The model folder.
     """
-    folder = Path(root) / TINY_MODEL_DIR
+    name = TINY_MOE_DIR if moe else TINY_MODEL_DIR
+    folder = Path(root) / name
     if is_complete(folder):
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{TINY_MODEL_DIR}-", dir=folder.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
     staging.chmod(0o755)
     try:
-        build_tiny_model(staging)
+        build_tiny_model(staging, **({"experts": 4, "top_k": 2} if moe else {}))
         if folder.exists() and not is_complete(folder):
             shutil.rmtree(folder)  # the remains of a build that did not finish
         try:

@@ -1,6 +1,7 @@
-"""Build the offline Qwen3 assets: `assets/qwen3-tiny` (random tiny Qwen3 + the real tokenizer).
+"""Build the offline Qwen3 assets: `assets/qwen3-tiny` and `assets/qwen3-tiny-moe` (random tiny Qwen3 and
+Qwen3-MoE, each with the real tokenizer).
 
-    python scripts/make_assets.py                     # assets/qwen3-tiny, unless already complete
+    python scripts/make_assets.py                     # both, unless already complete
     python scripts/make_assets.py --force             # rebuild it
     python scripts/make_assets.py --tokenizer-only DIR  # just the tokenizer files, into DIR
 """
@@ -29,16 +30,20 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     if args.tokenizer_only is not None:
         folder = assets.build_tokenizer(args.tokenizer_only)
+        folders = [folder]
     else:
-        target = args.root / assets.TINY_MODEL_DIR
-        if args.force and target.exists():
-            shutil.rmtree(target)
-        was_complete = assets.is_complete(target)
-        folder = assets.ensure_tiny_assets(args.root)
-        if was_complete:
-            print(f"{folder} is already complete (use --force to rebuild)")
-    for path in sorted(folder.iterdir()):
-        print(f"  {path}  {path.stat().st_size / 1e6:.2f} MB")
+        folders = []
+        for moe, name in ((False, assets.TINY_MODEL_DIR), (True, assets.TINY_MOE_DIR)):
+            target = args.root / name
+            if args.force and target.exists():
+                shutil.rmtree(target)
+            was_complete = assets.is_complete(target)
+            folders.append(assets.ensure_tiny_assets(args.root, moe=moe))
+            if was_complete:
+                print(f"{target} is already complete (use --force to rebuild)")
+    for folder in folders:
+        for path in sorted(folder.iterdir()):
+            print(f"  {path}  {path.stat().st_size / 1e6:.2f} MB")
     print(f"done in {time.perf_counter() - start:.1f} s")
     return 0
 

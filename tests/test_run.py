@@ -2,6 +2,7 @@
 environment, the in-process rollout server, LoRA training, checkpoints and resume."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -112,3 +113,16 @@ def test_lowercase_is_learned(tmp_path, tiny_model_dir):
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     print(f"reward/mean: first 3 steps {first:.3f}, last 3 steps {last:.3f}: {rewards}")
     assert last > first + 0.1
+
+
+def test_moe_run_with_expert_parallelism(tmp_path):
+    """The main job on a tiny Qwen3-MoE with 2-way expert parallelism trains, checkpoints and logs."""
+    moe_dir = assets.ensure_tiny_assets(REPO / "assets", moe=True).resolve()
+    cfg = _config(tmp_path, moe_dir, max_steps=2, jax_extra="mesh = { expert = 2 }")
+    proc = _jaxrl("run", str(cfg), devices=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "'expert': 2" in proc.stdout
+    rows = _metrics(tmp_path / "runs" / "e2e")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(math.isfinite(r["loss"]) and r["optim/grad_norm"] > 0 for r in rows)
+    assert (tmp_path / "runs" / "e2e" / "checkpoints" / "2").is_dir()
