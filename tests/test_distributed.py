@@ -1,0 +1,163 @@
+"""Multi-host runtime: `jaxrl.distributed` settings from the environment, and a real two-process run
+(2 processes x 4 emulated CPU devices on 127.0.0.1, gloo collectives) whose sharded train steps give the
+same loss and LoRA as one process with 8 devices."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl import distributed, model
+from jaxrl.model import LORA_TARGETS, ModelConfig
+from jaxrl.sharding import array_sharding, make_mesh, spec_shardings
+from jaxrl.train import Batch, Trainer, make_batch, make_optimizer
+
+CFG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8)
+TARGETS = tuple(LORA_TARGETS)
+MESH = {"data": 2, "fsdp": 2, "tensor": 2}  # data spans the two hosts; fsdp x tensor lies within one
+STEPS = 2
+
+
+def _batch(seed: int, b: int = 8, t: int = 24) -> Batch:
+    rng = np.random.default_rng(seed)
+    samples = []
+    for _ in range(b):
+        n = int(rng.integers(8, t))
+        prompt = int(rng.integers(2, n - 2))
+        mask = [i >= prompt for i in range(n)]
+        samples.append((rng.integers(0, 128, n).tolist(), mask, [-4.0 if m else 0.0 for m in mask]))
+    return make_batch(samples, rng.normal(size=b).astype(np.float32), temperature=1.0, pad_to=32)
+
+
+def _train() -> dict:
+    """STEPS train steps of the tiny model on a MESH over every device of every process, twice from the same
+    start: "replicated" gives every process the whole of each batch; "host_local" gives each process only
+    its rows, as a host that ran its own rollouts has. Each: the last step's metrics and the final LoRA."""
+    mesh = make_mesh(MESH)
+    # Weights are born sharded (one jitted init) rather than put leaf by leaf from one device: across
+    # processes each such transfer is a collective, and it took 20 s here.
+    base = jax.jit(lambda k: model.init_params(CFG, k),
+                   out_shardings=spec_shardings(model.param_specs(CFG), CFG.dims(), mesh))(jax.random.key(0))
+    lora_sh = spec_shardings(model.lora_specs(CFG, 4, TARGETS), {**CFG.dims(), "R": 4}, mesh)
+    lora = jax.jit(lambda k: model.init_lora(CFG, 4, TARGETS, k), out_shardings=lora_sh)(jax.random.key(1))
+    trainer = Trainer(CFG, mesh, make_optimizer(1e-2), lora_scale=2.0)
+    out = {}
+    for mode in ("replicated", "host_local"):
+        state = trainer.init_state(base, lora)
+        for i in range(STEPS):
+            batch = _batch(i)
+            if mode == "host_local":
+                n, p = batch.inputs.shape[0] // jax.process_count(), jax.process_index()
+                batch = Batch(**{
+                    name: distributed.global_batch(
+                        arr[p * n:(p + 1) * n], array_sharding(("batch",) + (None,) * (arr.ndim - 1), arr.shape, mesh))
+                    for name, arr in vars(batch).items()})
+            state, metrics = trainer.step(state, base, batch)
+        out[mode] = {"metrics": {k: float(v) for k, v in metrics.items()},
+                     "lora": [x.tolist() for x in jax.tree.leaves(distributed.to_host(state.lora))],
+                     "lora_devices": len(jax.tree.leaves(state.lora)[0].sharding.device_set)}
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> tuple[dict, list[dict]]:
+    """(this process's result on 8 devices with one controller, the results of this file run as a worker in
+    2 processes x 4 CPU devices). The workers compile while this process does, to save wall time."""
+    out = tmp_path_factory.mktemp("dist")
+    port = _free_port()
+    procs = []
+    for pid in range(2):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+        env |= {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+                "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
+                "JAX_PROCESS_ID": str(pid)}
+        procs.append(subprocess.Popen([sys.executable, __file__, str(out / f"{pid}.json")], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        single = _train()["replicated"]
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log
+    return single, [json.loads((out / f"{pid}.json").read_text()) for pid in range(2)]
+
+
+@pytest.mark.parametrize("mode", ["replicated", "host_local"])
+def test_two_processes_match_one_process(results, mode):
+    single, pair = results
+    assert single["lora_devices"] == 8
+    for r in pair:
+        got = r[mode]
+        assert got["lora_devices"] == 8 and r["process_count"] == 2 and r["local_devices"] == 4
+        for k, v in single["metrics"].items():
+            np.testing.assert_allclose(got["metrics"][k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+        for a, b in zip(got["lora"], single["lora"], strict=True):
+            np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-6)
+    assert [r["primary"] for r in pair] == [True, False]
+
+
+def test_from_env_jax_variables():
+    env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.2:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+    assert distributed.from_env(env, tpu_vm=False) == distributed.Setup("10.0.0.2:1234", 4, 3,
+                                                                         source="JAX_* variables")
+    with pytest.raises(ValueError, match="JAX_PROCESS_ID must be set"):
+        distributed.from_env({k: v for k, v in env.items() if k != "JAX_PROCESS_ID"}, tpu_vm=False)
+    with pytest.raises(ValueError, match="not in \\[0, 4\\)"):
+        distributed.from_env(env | {"JAX_PROCESS_ID": "4"}, tpu_vm=False)
+    with pytest.raises(ValueError, match="not an integer"):
+        distributed.from_env(env | {"JAX_NUM_PROCESSES": "four"}, tpu_vm=False)
+    with pytest.raises(ValueError, match="host:port"):
+        distributed.from_env(env | {"JAX_COORDINATOR_ADDRESS": "10.0.0.2"}, tpu_vm=False)
+
+
+def test_from_env_gcp_batch(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("10.128.0.7 job-0\n10.128.0.9 job-1\n")
+    env = {"BATCH_TASK_INDEX": "1", "BATCH_TASK_COUNT": "2", "BATCH_HOSTS_FILE": str(hosts)}
+    assert distributed.from_env(env, tpu_vm=False) == distributed.Setup("10.128.0.7:8476", 2, 1,
+                                                                         source="GCP Batch")
+    assert distributed.from_env(env | {"JAXRL_COORDINATOR_PORT": "9000"}, tpu_vm=False).coordinator_address \
+        == "10.128.0.7:9000"
+    assert distributed.from_env({"BATCH_TASK_INDEX": "0", "BATCH_TASK_COUNT": "1"}, tpu_vm=False) is None
+    with pytest.raises(ValueError, match="requireHostsFile"):
+        distributed.from_env({"BATCH_TASK_INDEX": "0", "BATCH_TASK_COUNT": "2"}, tpu_vm=False)
+
+
+def test_from_env_tpu_vm_and_plain_host(tmp_path):
+    assert distributed.from_env({}, tpu_vm=True) == distributed.Setup(auto_detect=True, source="Cloud TPU metadata")
+    assert distributed.from_env({}, tpu_vm=False) is None
+    assert not distributed.on_tpu_vm(str(tmp_path))
+    (tmp_path / "vfio").mkdir()
+    (tmp_path / "vfio" / "0").touch()
+    assert distributed.on_tpu_vm(str(tmp_path))
+    (tmp_path / "accel0").touch()
+    assert distributed.on_tpu_vm(str(tmp_path))
+    distributed.initialize(None)  # a plain host: nothing to join
+    assert jax.process_count() == 1 and distributed.is_primary()
+    distributed.barrier("single")
+
+
+if __name__ == "__main__":  # a worker of `two_process_results`
+    distributed.initialize(distributed.from_env())
+    results = {"process_count": jax.process_count(), "local_devices": jax.local_device_count(),
+               "primary": distributed.is_primary(),
+               **_train()}
+    distributed.barrier("done")
+    Path(sys.argv[1]).write_text(json.dumps(results))
