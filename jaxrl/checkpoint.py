@@ -18,10 +18,11 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
 from jaxrl import gcs
+from jaxrl.recovery import RunError
 from jaxrl.train import TrainState
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RunError):
     """A checkpoint that could not be written or read. The message names the step, the folder, the
     last complete checkpoint in it and the cause; the run's local files are left as they are."""
 

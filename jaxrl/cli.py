@@ -79,9 +79,13 @@ def run(path: ConfigPath) -> None:
         lines = [f"not supported yet: {field}" for field in unsupported]
         raise _fail(f"{path}: refusing to start; remove these settings or set them to their defaults:\n"
                     + "\n".join(lines))
+    from jaxrl.recovery import RunError
     from jaxrl.runner import run as run_training  # heavy (JAX); kept off the validate/init path
 
     try:
         run_training(cfg)  # it loads the `env_file` secrets into the environment
     except ConfigError as exc:
         raise _fail(str(exc)) from None
+    except RunError as exc:  # a checkpoint that cannot be written, failing environments, preemption
+        err.print(f"jaxrl run: {exc}", markup=False)
+        raise typer.Exit(code=exc.exit_code) from None

@@ -4,7 +4,10 @@ Each step: pick `batch_size / rollouts_per_example` examples, run `rollouts_per_
 through the verifiers environment against the in-process rollout server, turn rewards into group
 advantages, take one optimizer step on the LoRA, hand the new LoRA to the engine (policy version =
 step), log, and checkpoint every `[checkpoints].interval` steps. Starting the same run again (same
-output folder and name) resumes from its last complete checkpoint.
+output folder and name) resumes from its last complete checkpoint, with the same step numbering, data
+position and sampling seeds, so it reproduces the uninterrupted run. SIGTERM or SIGINT (preemption)
+checkpoints the last complete step and exits; rollouts in flight are dropped and redone on resume.
+Failing rollouts are dropped and counted (`jaxrl.rollouts`); a run whose rollouts mostly fail stops.
 """
 
 from __future__ import annotations
@@ -22,23 +25,30 @@ import jax.numpy as jnp
 import numpy as np
 from rich.console import Console
 
-from jaxrl import envs, hf, rl
-from jaxrl.checkpoint import Checkpointer
+from jaxrl import envs, hf, rollouts
+from jaxrl.checkpoint import Checkpointer, CheckpointError
 from jaxrl.config import ConfigError, RunConfig, load_env_file, resolve_model_path, resolve_tokenizer_path
 from jaxrl.engine import Engine
 from jaxrl.metrics import MetricsLogger
 from jaxrl.model import init_lora, lora_specs, param_specs
 from jaxrl.protocol import SamplingParams
+from jaxrl.recovery import (
+    Preempted,
+    RunError,
+    checkpoint_dir_of,
+    identity_mismatch,
+    model_identity,
+    redact,
+    resolve_checkpoint_id,
+    run_dir_of,
+    secret_values,
+    stop_on_signals,
+    trim_metrics,
+)
 from jaxrl.scheduler import Scheduler
 from jaxrl.server import start_server
 from jaxrl.sharding import make_mesh, spec_shardings
-from jaxrl.train import Trainer, make_batch, make_optimizer
-
-
-def run_dir_of(cfg: RunConfig) -> Path:
-    """`<jax.output_dir>/<name>`; the name is `name`, else the config file's stem."""
-    name = cfg.name or cfg.source.stem
-    return Path(cfg.jax.output_dir).expanduser() / name.replace("/", "_")
+from jaxrl.train import Trainer, TrainState, make_batch, make_optimizer
 
 
 def pad_length(n: int, seq_len: int) -> int:
@@ -66,18 +76,36 @@ class ExampleSampler:
         return int(order[pos])
 
 
-def _std(x: np.ndarray) -> float:
-    return float(x.std()) if x.size else 0.0
-
 
 def run(cfg: RunConfig, console: Console | None = None) -> Path:
-    """Train `cfg` to `max_steps`; return the run folder. See the module docstring."""
-    console = console or Console(soft_wrap=True)
-    run_dir = run_dir_of(cfg)
-    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-    secrets = load_env_file(cfg.env_file)
-    os.environ.update(secrets)
+    """Train `cfg` to `max_steps`, resuming from the run's last complete checkpoint when there is one;
+    return the run folder. See the module docstring. Secrets (`env_file` values, secret-named
+    environment variables) are replaced by `***` in the messages of the errors below.
 
+    Raises:
+        ConfigError: the model folder is missing or unreadable, an environment cannot be loaded, or
+            `checkpoint_id` names no checkpoint or one of another model.
+        CheckpointError: a checkpoint cannot be written or read (storage down, disk full, another
+            model's checkpoint in this run's folder); the run's local files are kept.
+        RunError: most rollouts failed (`jaxrl.rollouts.failure_verdict`).
+        Preempted: SIGTERM or SIGINT; a checkpoint of the last complete step was saved first.
+    """
+    console = console or Console(soft_wrap=True)
+    env_values = load_env_file(cfg.env_file)
+    os.environ.update(env_values)
+    secrets = secret_values(env_values)
+    try:
+        return _run(cfg, console)
+    except (RunError, ConfigError) as exc:
+        exc.args = tuple(redact(str(a), secrets) if isinstance(a, str) else a for a in exc.args)
+        if isinstance(exc, ConfigError):
+            exc.problems = [(k, redact(r, secrets)) for k, r in exc.problems]
+        raise
+
+
+def _run(cfg: RunConfig, console: Console) -> Path:
+    run_dir = run_dir_of(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
     jcfg = cfg.jax
     mesh = make_mesh(jcfg.mesh.model_dump())
     dtype = jnp.bfloat16 if jcfg.dtype == "bfloat16" else jnp.float32
@@ -85,8 +113,10 @@ def run(cfg: RunConfig, console: Console | None = None) -> Path:
     t0 = time.perf_counter()
     try:
         mcfg, base = hf.load_hf(model_path, dtype=dtype)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(cfg.source, [("jax.model_path" if jcfg.model_path else "model", str(exc))]) from None
+    except Exception as exc:  # noqa: BLE001 - a missing, truncated or malformed checkpoint, in any layer
+        key = "jax.model_path" if jcfg.model_path else "model"
+        raise ConfigError(cfg.source, [(key, f"cannot load the model from {model_path}: "
+                                             f"{type(exc).__name__}: {exc}")]) from None
     base = jax.device_put(base, spec_shardings(param_specs(mcfg), mcfg.dims(), mesh))
     targets = tuple(jcfg.lora_targets)
     lora_sh = spec_shardings(lora_specs(mcfg, jcfg.lora_rank, targets), {**mcfg.dims(), "R": jcfg.lora_rank}, mesh)
@@ -98,20 +128,25 @@ def run(cfg: RunConfig, console: Console | None = None) -> Path:
 
     trainer = Trainer(mcfg, mesh, make_optimizer(cfg.learning_rate), lora_scale=lora_scale, remat=jcfg.remat)
     state = trainer.init_state(base, lora)
-    ckpt = Checkpointer(str((run_dir / "checkpoints").resolve()), keep=cfg.checkpoints.keep_cloud)
+    identity = model_identity(cfg.model, dataclasses.asdict(mcfg), jcfg.lora_rank, targets)
     loaded = []
     for i, e in enumerate(cfg.env):
         try:
             loaded.append(envs.load_env(e.id, e.args, e.taskset, e.harness))
         except envs.EnvLoadError as exc:
             raise ConfigError(cfg.source, [(f"env.{i}.id", str(exc))]) from None
+    ckpt = Checkpointer(checkpoint_dir_of(cfg), keep=cfg.checkpoints.keep_cloud)
     sampler = ExampleSampler([len(env.tasks) for env in loaded], cfg.buffer.seed)
     start = 0
     if (latest := ckpt.latest_step()) is not None:
-        state, meta = ckpt.restore(latest, state)
+        state, meta = _restore(ckpt, latest, state, identity)
         start = int(meta["step"])
         sampler = ExampleSampler(sampler.sizes, sampler.seed, meta["examples_drawn"])
         console.print(f"resuming from checkpoint step {start} in {ckpt.directory}")
+    elif cfg.checkpoint_id:
+        state = trainer.init_state(base, _warm_start(cfg, state, identity, console))
+    if dropped := trim_metrics(run_dir / "metrics.jsonl", start):
+        console.print(f"dropped {dropped} metrics rows past step {start} (steps run after the last checkpoint)")
     if start >= cfg.max_steps:
         console.print(f"run already complete ({start}/{cfg.max_steps} steps)")
         ckpt.close()
@@ -130,43 +165,77 @@ def run(cfg: RunConfig, console: Console | None = None) -> Path:
     groups = cfg.batch_size // cfg.rollouts_per_example
     loop = asyncio.new_event_loop()  # one loop for the run: verifiers' HTTP clients outlive a step
     serving = contextlib.AsyncExitStack()
+    done, drawn_at_done, saved = start, list(sampler.drawn), start
+    history: list[tuple[int, int]] = []
+
+    def save(step: int, drawn: list[int]) -> None:
+        ckpt.save(step, state, {"step": step, "examples_drawn": drawn, "policy_version": step, "identity": identity})
+
     try:
-        for env in loaded:  # one interception server and client per env for the whole run
-            loop.run_until_complete(serving.enter_async_context(env.serving()))
-        for step in range(start, cfg.max_steps):
-            t_step = time.perf_counter()
-            jobs = []
-            for g in range(groups):
-                env_i = (step * groups + g) % len(loaded)
-                jobs.append((env_i, sampler.next(env_i)))
-            # Each rollout gets its own seed from (run seed, step, group, index), so a run (and its resume)
-            # samples the same tokens whatever order requests reach the engine in.
-            first_seed = (jcfg.seed * 1_000_003 + step * groups) * cfg.rollouts_per_example
-            rollouts = loop.run_until_complete(_rollouts(loaded, cfg, jobs, client, sampling, first_seed))
-            t_rollout = time.perf_counter() - t_step
-            metrics = _train_step_metrics(rollouts, cfg, [cfg.env[i].display_name for i, _ in jobs])
-            kept = [r for group in rollouts for r in group if r.ok]
-            if not kept:
-                raise RuntimeError(f"step {step + 1}: every rollout failed; first error: "
-                                   f"{next(r.error for g in rollouts for r in g)}")
-            advantages = np.concatenate([_advantages(group) for group in rollouts])
-            width = pad_length(max(len(r.token_ids) for r in kept), jcfg.seq_len)
-            batch = make_batch([(r.token_ids, r.loss_mask, r.logprobs) for r in kept], advantages, sampling.temperature,
-                               width)
-            t_train = time.perf_counter()
-            state, train_metrics = trainer.step(state, base, batch)
-            scheduler.update_params({"base": base, "lora": state.lora}, version=step + 1)
-            train_metrics = {k: float(v) for k, v in jax.device_get(train_metrics).items()}
-            now = time.perf_counter()
-            sampled = sum(sum(r.loss_mask) for r in kept)
-            metrics |= train_metrics | {
-                "time/rollout": t_rollout, "time/train": now - t_train, "time/step": now - t_step,
-                "tokens_per_s": sampled / t_rollout,
-            }
-            logger.log(step + 1, metrics)
-            if (step + 1) % cfg.checkpoints.interval == 0 or step + 1 == cfg.max_steps:
-                ckpt.save(step + 1, state, {"step": step + 1, "examples_drawn": sampler.drawn,
-                                            "policy_version": step + 1})
+        with stop_on_signals() as stop:
+            for env in loaded:  # one interception server and client per env for the whole run
+                loop.run_until_complete(serving.enter_async_context(env.serving()))
+            for step in range(start, cfg.max_steps):
+                if stop.requested:
+                    break
+                t_step = time.perf_counter()
+                jobs = []
+                for g in range(groups):
+                    env_i = (step * groups + g) % len(loaded)
+                    jobs.append((env_i, sampler.next(env_i)))
+                first_seed = (jcfg.seed * 1_000_003 + step * groups) * cfg.rollouts_per_example
+                task = loop.create_task(rollouts.collect(loaded, jobs, cfg.rollouts_per_example, client, sampling,
+                                                         first_seed, jcfg.rollout_timeout))
+                stop.on_signal = lambda task=task: loop.call_soon_threadsafe(task.cancel)
+                try:
+                    step_rollouts = loop.run_until_complete(task)
+                except asyncio.CancelledError:
+                    break  # preempted mid-rollouts: this step is dropped and redone on resume
+                finally:
+                    stop.on_signal = None
+                t_rollout = time.perf_counter() - t_step
+                metrics = rollouts.step_metrics(step_rollouts, [cfg.env[i].display_name for i, _ in jobs],
+                                                len(cfg.env) > 1)
+                kept = [r for group in step_rollouts for r in group if r.ok]
+                history.append((len([r for g in step_rollouts for r in g]) - len(kept),
+                                sum(len(g) for g in step_rollouts)))
+                if verdict := rollouts.failure_verdict(history):
+                    errors = "\n  ".join(rollouts.first_errors(step_rollouts))
+                    raise RunError(f"step {step + 1}: stopping, {verdict}; fix the environment and run again "
+                                   f"(resumes from checkpoint step {saved}). First errors:\n  {errors}")
+                if metrics["rollouts/failed"]:
+                    console.print(f"[yellow]step {step + 1}: {metrics['rollouts/failed']:.0f} rollouts failed and "
+                                  f"were dropped[/]; first: {rollouts.first_errors(step_rollouts, 1)[0]}",
+                                  markup=True, highlight=False)
+                advantages = np.concatenate([rollouts.advantages(group) for group in step_rollouts])
+                width = pad_length(max(len(r.token_ids) for r in kept), jcfg.seq_len)
+                batch = make_batch([(r.token_ids, r.loss_mask, r.logprobs) for r in kept], advantages,
+                                   sampling.temperature, width)
+                t_train = time.perf_counter()
+                state, train_metrics = trainer.step(state, base, batch)
+                scheduler.update_params({"base": base, "lora": state.lora}, version=step + 1)
+                train_metrics = {k: float(v) for k, v in jax.device_get(train_metrics).items()}
+                if train_metrics["optim/skipped"]:
+                    console.print(f"[yellow]step {step + 1}: loss or gradient not finite; update skipped, "
+                                  f"weights unchanged[/]")
+                now = time.perf_counter()
+                sampled = sum(sum(r.loss_mask) for r in kept)
+                metrics |= train_metrics | {
+                    "time/rollout": t_rollout, "time/train": now - t_train, "time/step": now - t_step,
+                    "tokens_per_s": sampled / t_rollout,
+                }
+                logger.log(step + 1, metrics)
+                done, drawn_at_done = step + 1, list(sampler.drawn)
+                if done % cfg.checkpoints.interval == 0 or done == cfg.max_steps or stop.requested:
+                    save(done, drawn_at_done)
+                    saved = done
+            if stop.requested:
+                if saved != done:
+                    save(done, drawn_at_done)
+                ckpt.wait()
+                raise Preempted(f"{stop.signal}: stopped after step {done}; checkpoint step {done} is in "
+                                f"{ckpt.directory}. Run the same command again to resume.")
+        ckpt.wait()
     finally:
         logger.close()
         loop.run_until_complete(serving.aclose())
@@ -179,35 +248,27 @@ def run(cfg: RunConfig, console: Console | None = None) -> Path:
     return run_dir
 
 
-def _advantages(group: list[envs.Rollout]) -> np.ndarray:
-    """Group advantages over the group's successful rollouts (failed ones are dropped)."""
-    rewards = np.array([r.reward for r in group if r.ok], np.float32)
-    return rl.group_advantages(rewards, rewards.size) if rewards.size else rewards
+def _restore(ckpt: Checkpointer, step: int, like: TrainState, identity: dict) -> tuple[TrainState, dict]:
+    """Checkpoint `step` of `ckpt`, after checking it is of this run's model and LoRA shape."""
+    meta = ckpt.read_meta(step)
+    if problems := identity_mismatch(meta.get("identity"), identity):
+        raise CheckpointError(f"checkpoint step {step} in {ckpt.directory} is of a different model or LoRA: "
+                              + "; ".join(problems))
+    return ckpt.restore(step, like)
 
 
-async def _rollouts(loaded: list[envs.LoadedEnv], cfg: RunConfig, jobs: list[tuple[int, int]],
-                    client: dict[str, Any], sampling: SamplingParams, first_seed: int) -> list[list[envs.Rollout]]:
-    n = cfg.rollouts_per_example
-    return await asyncio.gather(*[
-        envs.run_group(loaded[env_i], example, n, sampling=dataclasses.replace(sampling, seed=first_seed + g * n),
-                       **client)
-        for g, (env_i, example) in enumerate(jobs)
-    ])
-
-
-def _train_step_metrics(rollouts: list[list[envs.Rollout]], cfg: RunConfig, names: list[str]) -> dict[str, float]:
-    flat = [r for g in rollouts for r in g]
-    ok = [r for r in flat if r.ok]
-    rewards = np.array([r.reward for r in ok], np.float32)
-    out = {
-        "reward/mean": float(rewards.mean()) if rewards.size else float("nan"),
-        "reward/std": _std(rewards),
-        "seq_len": float(np.mean([len(r.token_ids) for r in ok])) if ok else 0.0,
-        "is_truncated": float(np.mean([r.is_truncated for r in ok])) if ok else 0.0,
-        "rollouts/failed": float(len(flat) - len(ok)),
-    }
-    if len(cfg.env) > 1:
-        for name in sorted(set(names)):
-            r = np.array([x.reward for g, n in zip(rollouts, names, strict=True) if n == name for x in g if x.ok])
-            out[f"reward/{name}/mean"] = float(r.mean()) if r.size else float("nan")
-    return out
+def _warm_start(cfg: RunConfig, like: TrainState, identity: dict, console: Console) -> Any:
+    """The LoRA of the checkpoint `cfg.checkpoint_id` names. Raises ConfigError (key `checkpoint_id`)
+    when there is no such checkpoint or it is of another model."""
+    directory, step = resolve_checkpoint_id(cfg)
+    try:
+        source = Checkpointer(directory, read_only=True)
+        step = source.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no checkpoint in {directory}")
+        restored, _ = _restore(source, step, like, identity)
+        source.close()
+    except CheckpointError as exc:
+        raise ConfigError(cfg.source, [("checkpoint_id", f"{cfg.checkpoint_id!r}: {exc}")]) from None
+    console.print(f"warm start: LoRA of checkpoint step {step} in {directory}")
+    return restored.lora

@@ -1,7 +1,13 @@
 """Test session setup: 8 emulated CPU devices (so sharded code paths run for real) and strict rank
-promotion. These must be set before jax is imported anywhere."""
+promotion. These must be set before jax is imported anywhere. The GCS clients are pointed at the
+session's local GCS emulator (see gcs_fixtures.py) before gcsfs, fsspec or tensorstore are imported."""
 
 import os
+
+from gcs_fixtures import configure_clients, free_port
+
+GCS_PROXY_PORT = free_port()
+configure_clients(GCS_PROXY_PORT)
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -20,3 +26,26 @@ def qwen3_tokenizer_dir(tmp_path_factory):
     from jaxrl.assets import build_tokenizer
 
     return build_tokenizer(tmp_path_factory.mktemp("qwen3-tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def gcs(tmp_path_factory):
+    """A real GCS emulator (fake-gcs-server, in memory) on 127.0.0.1 with bucket `jaxrl-test`, behind a
+    fault proxy on the port every GCS client of the session (and its subprocesses) uses. Its log is
+    `<tmp>/gcs*/fake-gcs-server.log`."""
+    from gcs_fixtures import Emulator, FaultProxy
+
+    emulator = Emulator(tmp_path_factory.mktemp("gcs") / "fake-gcs-server.log")
+    proxy = FaultProxy(GCS_PROXY_PORT, emulator.port)
+    emulator.create_bucket()
+    emulator.proxy = proxy
+    yield emulator
+    proxy.close()
+    emulator.stop()
+
+
+@pytest.fixture
+def gcs_proxy(gcs):
+    """The session emulator's fault proxy, set back to "pass" after the test."""
+    yield gcs.proxy
+    gcs.proxy.set_mode("pass")

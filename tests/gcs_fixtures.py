@@ -9,6 +9,7 @@ the proxy forwards to the emulator, or fails requests while a test asks it to.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -190,8 +191,6 @@ def _pump(src: socket.socket, dst: socket.socket) -> None:
 
 
 def _close(s: socket.socket) -> None:
-    try:
+    with contextlib.suppress(OSError):
         s.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
     s.close()

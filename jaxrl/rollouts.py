@@ -1,0 +1,113 @@
+"""One step's rollouts: every rollout under its own timeout, failures dropped and counted, group
+advantages over the survivors, the step's rollout metrics, and the rule that stops a run whose
+environments mostly fail.
+
+A rollout fails when its environment, harness or reward raises, when it produces no sampled token,
+when its reward is not finite, or when it takes longer than `[jax] rollout_timeout` (an environment
+that hangs in `await`; one that blocks the event loop's thread cannot be interrupted from inside
+the process). Failed rollouts are left out of the batch and of their group's advantages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxrl import envs, rl
+from jaxrl.protocol import SamplingParams
+
+FAILURE_WINDOW = 3
+"""Steps over which the failed-rollout fraction is taken."""
+MAX_FAILED_FRACTION = 0.5
+"""A run stops when more than this fraction of the rollouts of the last `FAILURE_WINDOW` steps failed."""
+
+
+async def collect(loaded: list[envs.LoadedEnv], jobs: list[tuple[int, int]], n: int, client: dict[str, Any],
+                  sampling: SamplingParams, first_seed: int, timeout_s: float) -> list[list[envs.Rollout]]:
+    """Play `n` rollouts of each `(env index, example index)` job, concurrently; one list per job.
+
+    Rollout `i` of job `g` samples with seed `first_seed + g * n + i`, so a run (and its resume) samples
+    the same tokens whatever order requests reach the engine in. Never raises for a failing rollout.
+    """
+
+    async def one(env_i: int, example: int, seed: int) -> list[envs.Rollout]:
+        env = loaded[env_i]
+        try:
+            out = await asyncio.wait_for(
+                envs.run_group(env, example, 1, sampling=dataclasses.replace(sampling, seed=seed), **client),
+                timeout_s)
+        except TimeoutError:
+            return [_failed(env, example, f"timed out after {timeout_s:g}s ([jax] rollout_timeout)")]
+        except Exception as exc:  # noqa: BLE001 - an environment may fail in any way; the step goes on
+            return [_failed(env, example, f"{type(exc).__name__}: {exc}")]
+        return [r if r.ok is False or math.isfinite(r.reward) else
+                dataclasses.replace(r, ok=False, error=f"non-finite reward {r.reward}", token_ids=[], loss_mask=[],
+                                    logprobs=[]) for r in out]
+
+    groups = await asyncio.gather(*[
+        asyncio.gather(*[one(env_i, example, first_seed + g * n + i) for i in range(n)])
+        for g, (env_i, example) in enumerate(jobs)
+    ])
+    return [[r for rollout in group for r in rollout] for group in groups]
+
+
+def _failed(env: envs.LoadedEnv, example: int, error: str) -> envs.Rollout:
+    return envs.Rollout([], [], [], 0.0, False, False, error, env.name, example)
+
+
+def advantages(group: list[envs.Rollout]) -> np.ndarray:
+    """Group advantages (float32) over the group's successful rollouts; failed ones are dropped."""
+    rewards = np.array([r.reward for r in group if r.ok], np.float32)
+    return rl.group_advantages(rewards, rewards.size) if rewards.size else rewards
+
+
+def step_metrics(rollouts: list[list[envs.Rollout]], names: list[str], multi_env: bool) -> dict[str, float]:
+    """Reward, length, truncation and failure metrics of one step (`names`: each group's env name)."""
+    flat = [r for g in rollouts for r in g]
+    ok = [r for r in flat if r.ok]
+    rewards = np.array([r.reward for r in ok], np.float32)
+    out = {
+        "reward/mean": float(rewards.mean()) if rewards.size else float("nan"),
+        "reward/std": float(rewards.std()) if rewards.size else 0.0,
+        "seq_len": float(np.mean([len(r.token_ids) for r in ok])) if ok else 0.0,
+        "is_truncated": float(np.mean([r.is_truncated for r in ok])) if ok else 0.0,
+        "rollouts/failed": float(len(flat) - len(ok)),
+        "rollouts/timed_out": float(sum(1 for r in flat if r.error and r.error.startswith("timed out"))),
+    }
+    if multi_env:
+        for name in sorted(set(names)):
+            r = np.array([x.reward for g, n in zip(rollouts, names, strict=True) if n == name for x in g if x.ok])
+            out[f"reward/{name}/mean"] = float(r.mean()) if r.size else float("nan")
+    return out
+
+
+def failure_verdict(history: Sequence[tuple[int, int]]) -> str | None:
+    """Why the run must stop, or None. `history` holds `(failed, total)` rollouts per step, oldest
+    first. Stops when the last step had no successful rollout, or when more than
+    `MAX_FAILED_FRACTION` of the rollouts of the last `FAILURE_WINDOW` steps failed."""
+    if not history:
+        return None
+    failed, total = history[-1]
+    if total and failed == total:
+        return f"every rollout of the step failed ({failed}/{total})"
+    window = history[-FAILURE_WINDOW:]
+    failed, total = sum(f for f, _ in window), sum(t for _, t in window)
+    if len(window) == FAILURE_WINDOW and total and failed / total > MAX_FAILED_FRACTION:
+        return (f"{failed} of the last {total} rollouts ({len(window)} steps) failed, more than "
+                f"{MAX_FAILED_FRACTION:.0%}")
+    return None
+
+
+def first_errors(rollouts: list[list[envs.Rollout]], limit: int = 3) -> list[str]:
+    """The distinct error messages of a step's failed rollouts, at most `limit`, in order."""
+    seen: list[str] = []
+    for r in (r for g in rollouts for r in g if not r.ok and r.error):
+        line = r.error.strip().splitlines()[0][:300] if r.error.strip() else r.error
+        if line not in seen:
+            seen.append(line)
+    return seen[:limit]
