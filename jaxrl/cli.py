@@ -79,8 +79,14 @@ def run(path: ConfigPath) -> None:
         lines = [f"not supported yet: {field}" for field in unsupported]
         raise _fail(f"{path}: refusing to start; remove these settings or set them to their defaults:\n"
                     + "\n".join(lines))
+    from jaxrl import distributed  # heavy (JAX), as is the runner: kept off the validate/init path
     from jaxrl.recovery import RunError
-    from jaxrl.runner import run as run_training  # heavy (JAX); kept off the validate/init path
+    from jaxrl.runner import run as run_training
+
+    try:  # join a multi-host run (JAX_* variables, GCP Batch, Cloud TPU pod) before any device is touched
+        distributed.initialize(distributed.from_env())
+    except ValueError as exc:
+        raise _fail(f"jaxrl run: {exc}") from None
 
     try:
         run_training(cfg)  # it loads the `env_file` secrets into the environment
