@@ -12,7 +12,7 @@ Where the coordinates come from (`from_env`, first match wins):
 2. GCP Batch: `BATCH_TASK_COUNT`, `BATCH_TASK_INDEX` and the first line of `BATCH_HOSTS_FILE`
    (a job whose task group sets `requireHostsFile`), with the port `JAXRL_COORDINATOR_PORT`
    (default 8476).
-3. A Cloud TPU VM (a TPU device under /dev): JAX's own detection reads the worker list and id from the
+3. A Cloud TPU VM (a TPU chip on the PCI bus): JAX's own detection reads the worker list and id from the
    TPU metadata server, so a pod slice needs no settings at all.
 4. Nothing: one process, and `initialize` does nothing.
 """
@@ -20,7 +20,6 @@ Where the coordinates come from (`from_env`, first match wins):
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -69,9 +68,19 @@ def _int(env: Mapping[str, str], name: str) -> int:
         raise ValueError(f"{name}={env[name]!r} is not an integer") from None
 
 
-def on_tpu_vm(dev: str = "/dev") -> bool:
-    """True when this host has Cloud TPU chips (`/dev/accel*` on v2-v4 and v6e, `/dev/vfio/<n>` on v5)."""
-    return bool(glob.glob(f"{dev}/accel*") or glob.glob(f"{dev}/vfio/[0-9]*"))
+# Google's PCI vendor id and the device ids of Cloud TPU chips (v3, v4, v5p, v5e, v6e, TPU7x), as JAX's own
+# hardware check reads them; other Google devices (gVNIC) share the vendor id.
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+_TPU_PCI_DEVICES = frozenset({"0x0027", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076"})
+
+
+def on_tpu_vm(sys_root: str = "/sys") -> bool:
+    """True when a Cloud TPU chip is attached to this host over PCI (read from `sys_root`)."""
+    for vendor in Path(sys_root).glob("bus/pci/devices/*/vendor"):
+        if vendor.read_text().strip() == _GOOGLE_PCI_VENDOR and \
+                (vendor.parent / "device").read_text().strip() in _TPU_PCI_DEVICES:
+            return True
+    return False
 
 
 def from_env(env: Mapping[str, str] | None = None, *, tpu_vm: bool | None = None) -> Setup | None:

@@ -143,11 +143,17 @@ def test_from_env_gcp_batch(tmp_path):
 def test_from_env_tpu_vm_and_plain_host(tmp_path):
     assert distributed.from_env({}, tpu_vm=True) == distributed.Setup(auto_detect=True, source="Cloud TPU metadata")
     assert distributed.from_env({}, tpu_vm=False) is None
+
+    def pci(slot: str, vendor: str, device: str) -> None:
+        folder = tmp_path / "bus" / "pci" / "devices" / slot
+        folder.mkdir(parents=True)
+        (folder / "vendor").write_text(vendor + "\n")
+        (folder / "device").write_text(device + "\n")
+
+    pci("0000:00:04.0", "0x1ae0", "0x0042")  # gVNIC: a Google device, not a TPU
+    pci("0000:00:05.0", "0x10de", "0x2330")  # an NVIDIA H100
     assert not distributed.on_tpu_vm(str(tmp_path))
-    (tmp_path / "vfio").mkdir()
-    (tmp_path / "vfio" / "0").touch()
-    assert distributed.on_tpu_vm(str(tmp_path))
-    (tmp_path / "accel0").touch()
+    pci("0000:00:06.0", "0x1ae0", "0x0063")  # a v5e chip
     assert distributed.on_tpu_vm(str(tmp_path))
     distributed.initialize(None)  # a plain host: nothing to join
     assert jax.process_count() == 1 and distributed.is_primary()
