@@ -3,10 +3,13 @@
 A decode state holds `B = max_concurrent_decodes` slots. `prefill` runs one prompt (right-padded to a
 length bucket) through the model, keeps its key/value cache as a `Prefix` and samples the first token;
 `insert` copies a prefix into a free slot; `generate` advances every slot by one token. Sampling runs on
-device (temperature, top_p, top_k, per-slot PRNG keys), and every sampled token comes with its logprob
-under the sampling distribution after temperature, `log_softmax(logits / T)` (the trainer recomputes
-the same quantity; with T = 0, greedy, T = 1 is used for the logprob). top_p / top_k truncate the
-distribution that is sampled from but not the reported logprob, as in vLLM's default.
+device (`jaxrl.sampling`: temperature, top_p, top_k, min_p, repetition penalty, per-slot PRNG keys), and
+every sampled token comes with its logprob under the sampling distribution after temperature,
+`log_softmax(logits / T)` (the trainer recomputes the same quantity; with T = 0, greedy, T = 1 is used
+for the logprob). The truncations cut the distribution that is sampled from but not the reported
+logprob, as in vLLM's default. Prefill runs `model.forward`; a decode step runs `jaxrl.decode`, the same
+layers with a bandwidth-minded attention over the cache. The decode state is donated to `insert` and
+`generate`, so the cache is updated in place.
 
 The method names and arguments follow `jetstream.engine.engine_api.Engine` (google-jetstream 0.2.2) so
 that JetStream's orchestrator can drive this engine; `prefill` and `insert` take extra keyword
@@ -24,29 +27,18 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl import model
+from jaxrl.decode import decode_step
 from jaxrl.model import KVCache, ModelConfig, Params
 from jaxrl.protocol import SamplingParams
+from jaxrl.sampling import SlotSampling, mark_seen, sample
 from jaxrl.sharding import array_sharding
-
-
-@struct.dataclass
-class SlotSampling:
-    """Sampling settings of each slot: float32 temperature [B], top_p [B], int32 top_k [B] (<= 0: off)."""
-
-    temperature: jax.Array
-    top_p: jax.Array
-    top_k: jax.Array
-
-    @classmethod
-    def of(cls, params: SamplingParams) -> SlotSampling:
-        return cls(jnp.array([params.temperature], jnp.float32), jnp.array([params.top_p], jnp.float32),
-                   jnp.array([params.top_k], jnp.int32))
 
 
 @struct.dataclass
 class Prefix:
     """A prefilled prompt: its cache {"k","v"} [L, 1, T_bucket, K, H], the first sampled token and its
-    logprob ([1] each), the prompt's true length, the slot's sampling settings and PRNG key."""
+    logprob ([1] each), the prompt's true length, the slot's sampling settings and PRNG key, and the
+    tokens seen so far (prompt and first token; bool [1, V]) for the repetition penalty."""
 
     cache: KVCache
     token: jax.Array
@@ -54,18 +46,21 @@ class Prefix:
     length: jax.Array
     sampling: SlotSampling
     key: jax.Array
+    seen: jax.Array
 
 
 @struct.dataclass
 class DecodeState:
     """All decode slots: cache [L, B, S, K, H]; the next input token [B] and its position [B]; sampling
-    settings; one PRNG key per slot [B]."""
+    settings; one PRNG key per slot [B]; tokens seen per slot, bool [B, V] (kept up to date only while
+    some slot has a repetition penalty: a slot's settings are fixed at insert)."""
 
     cache: KVCache
     tokens: jax.Array
     positions: jax.Array
     sampling: SlotSampling
     keys: jax.Array
+    seen: jax.Array
 
 
 @struct.dataclass
@@ -74,39 +69,6 @@ class ResultTokens:
 
     tokens: jax.Array
     logprobs: jax.Array
-
-
-def sample(logits_BV: jax.Array, sampling: SlotSampling, keys_B: jax.Array,
-           truncate: bool) -> tuple[jax.Array, jax.Array]:
-    """Sample one token per row; return (tokens int32 [B], logprobs float32 [B]).
-
-    Draws by inverse CDF with one uniform per row (one pass over the vocabulary, no per-token random
-    numbers). `truncate` (static) enables top_p / top_k, which need a sort of each row.
-    """
-    greedy = sampling.temperature <= 0.0
-    t = jnp.where(greedy, 1.0, sampling.temperature)
-    scaled_BV = logits_BV.astype(jnp.float32) / t[:, None]
-    logp_BV = jax.nn.log_softmax(scaled_BV, axis=-1)
-    u_B = jax.vmap(lambda k: jax.random.uniform(k, ()))(keys_B)
-    if truncate:
-        v = logits_BV.shape[-1]
-        order_BV = jnp.argsort(-scaled_BV, axis=-1)
-        sorted_p_BV = jnp.exp(jnp.take_along_axis(logp_BV, order_BV, axis=-1))
-        rank_V = jnp.arange(v)
-        top_k = jnp.where(sampling.top_k > 0, sampling.top_k, v)
-        before_BV = jnp.cumsum(sorted_p_BV, axis=-1) - sorted_p_BV
-        keep_BV = (rank_V[None] < top_k[:, None]) & (before_BV < sampling.top_p[:, None])
-        kept_BV = jnp.where(keep_BV, sorted_p_BV, 0.0)
-        cdf_BV = jnp.cumsum(kept_BV, axis=-1)
-        idx_B = jnp.sum(cdf_BV < (u_B * cdf_BV[:, -1])[:, None], axis=-1)
-        idx_B = jnp.minimum(idx_B, jnp.sum(keep_BV, axis=-1) - 1)
-        sampled_B = jnp.take_along_axis(order_BV, idx_B[:, None], axis=-1)[:, 0]
-    else:
-        cdf_BV = jnp.cumsum(jnp.exp(logp_BV), axis=-1)
-        sampled_B = jnp.sum(cdf_BV < (u_B * cdf_BV[:, -1])[:, None], axis=-1)
-        sampled_B = jnp.minimum(sampled_B, logits_BV.shape[-1] - 1)
-    tokens_B = jnp.where(greedy, jnp.argmax(logits_BV, axis=-1), sampled_B).astype(jnp.int32)
-    return tokens_B, jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
 
 
 def prefill_buckets(max_prefill_length: int, smallest: int = 16) -> tuple[int, ...]:
@@ -138,7 +100,7 @@ class Engine:
         self.buckets = prefill_buckets(self.max_prefill_length)
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("truncate",))
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
-        self._generate = jax.jit(self._generate_impl, donate_argnums=(1,), static_argnames=("truncate",))
+        self._generate = jax.jit(self._generate_impl, donate_argnums=(1,), static_argnames=("truncate", "penalize"))
 
     # JetStream Engine API -------------------------------------------------------------------------
     @property
@@ -168,9 +130,9 @@ class Engine:
             cache={"k": zeros(), "v": zeros()},
             tokens=jax.device_put(jnp.zeros((b,), jnp.int32), vec_sh),
             positions=jax.device_put(jnp.zeros((b,), jnp.int32), vec_sh),
-            sampling=SlotSampling(jnp.zeros((b,), jnp.float32), jnp.ones((b,), jnp.float32),
-                                  jnp.zeros((b,), jnp.int32)),
+            sampling=SlotSampling.neutral(b),
             keys=jax.random.split(jax.random.key(0), b),
+            seen=jnp.zeros((b, c.vocab_size), jnp.bool_),
         )
 
     def bucket(self, length: int) -> int:
@@ -196,34 +158,33 @@ class Engine:
             raise NotImplementedError("prefill on top of an existing prefix is not supported")
         key = jax.random.key(0) if key is None else key
         sampling = sampling or SamplingParams()
-        truncate = sampling.top_p < 1.0 or sampling.top_k > 0
         return self._prefill(params, jnp.asarray(padded_tokens, jnp.int32), jnp.int32(true_length),
-                             SlotSampling.of(sampling), key, truncate=truncate)
+                             SlotSampling.of(sampling), key, truncate=sampling.truncates)
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
-        """Copy `prefix` into decode slot `slot` (its buffers are donated)."""
+        """Copy `prefix` into decode slot `slot` (the decode state's buffers are donated)."""
         return self._insert(prefix, decode_state, jnp.int32(slot))
 
-    def generate(self, params: Params, decode_state: DecodeState,
-                 truncate: bool = True) -> tuple[DecodeState, ResultTokens]:
-        """One decode step for every slot. `truncate=False` skips top_p / top_k (faster) when no active
-        slot uses them."""
-        return self._generate(params, decode_state, truncate=truncate)
+    def generate(self, params: Params, decode_state: DecodeState, truncate: bool = True,
+                 penalize: bool = True) -> tuple[DecodeState, ResultTokens]:
+        """One decode step for every slot (the decode state's buffers are donated). `truncate=False`
+        skips min_p / top_k / top_p and `penalize=False` the repetition penalty and its bookkeeping:
+        faster, for when no active slot uses them. Each combination compiles once."""
+        return self._generate(params, decode_state, truncate=truncate, penalize=penalize)
 
     # jitted bodies --------------------------------------------------------------------------------
-    def _forward(self, params, tokens_BT, positions_BT, cache=None):
-        return model.forward(self.cfg, params["base"], tokens_BT, positions_BT, lora=params.get("lora"),
-                             lora_scale=self.lora_scale, cache=cache, mesh=self.mesh)
-
     def _prefill_impl(self, params, tokens_T, true_length, sampling, key, *, truncate):
         t = tokens_T.shape[0]
-        hidden_BTD, kv = self._forward(params, tokens_T[None], jnp.arange(t, dtype=jnp.int32)[None])
+        hidden_BTD, kv = model.forward(self.cfg, params["base"], tokens_T[None], jnp.arange(t, dtype=jnp.int32)[None],
+                                       lora=params.get("lora"), lora_scale=self.lora_scale, mesh=self.mesh)
         last_BD = jax.lax.dynamic_index_in_dim(hidden_BTD[0], true_length - 1, keepdims=True)
         logits_BV = model.logits(params["base"], last_BD[None])[:, 0]
+        prompt_T = jnp.where(jnp.arange(t) < true_length, tokens_T, self.cfg.vocab_size)  # padding: dropped
+        seen_BV = jnp.zeros((1, self.cfg.vocab_size), jnp.bool_).at[0, prompt_T].set(True, mode="drop")
         key, sub = jax.random.split(key)
-        token, logprob = sample(logits_BV, sampling, sub[None], truncate)
+        token, logprob = sample(logits_BV, sampling, sub[None], truncate=truncate, seen_BV=seen_BV)
         kv = {k: v.astype(self.cache_dtype) for k, v in kv.items()}
-        return Prefix(kv, token, logprob, true_length, sampling, key)
+        return Prefix(kv, token, logprob, true_length, sampling, key, mark_seen(seen_BV, token))
 
     def _insert_impl(self, prefix: Prefix, state: DecodeState, slot):
         def put(dst, src):
@@ -238,16 +199,20 @@ class Engine:
             positions=put1(state.positions, prefix.length[None]),
             sampling=jax.tree.map(put1, state.sampling, prefix.sampling),
             keys=put1(state.keys, prefix.key[None]),
+            seen=jax.lax.dynamic_update_slice(state.seen, prefix.seen, (slot, 0)),
         )
 
-    def _generate_impl(self, params, state: DecodeState, *, truncate):
-        hidden_BTD, cache = self._forward(params, state.tokens[:, None], state.positions[:, None], state.cache)
+    def _generate_impl(self, params, state: DecodeState, *, truncate, penalize):
+        hidden_BTD, cache = decode_step(self.cfg, params["base"], state.tokens, state.positions, state.cache,
+                                        lora=params.get("lora"), lora_scale=self.lora_scale, mesh=self.mesh)
         logits_BV = model.logits(params["base"], hidden_BTD)[:, 0]
         split = jax.vmap(jax.random.split)(state.keys)
-        tokens, logprobs = sample(logits_BV, state.sampling, split[:, 1], truncate)
+        tokens, logprobs = sample(logits_BV, state.sampling, split[:, 1], truncate=truncate,
+                                  seen_BV=state.seen if penalize else None)
         positions = jnp.minimum(state.positions + 1, self.max_seq_len - 1)
+        seen = mark_seen(state.seen, tokens) if penalize else state.seen
         new = DecodeState(cache=cache, tokens=tokens, positions=positions, sampling=state.sampling,
-                          keys=split[:, 0])
+                          keys=split[:, 0], seen=seen)
         return new, ResultTokens(tokens, logprobs)
 
 

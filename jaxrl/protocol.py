@@ -11,17 +11,32 @@ class SamplingParams:
     """Per-request sampling settings.
 
     temperature: >= 0; 0 means greedy. top_p: in (0, 1]; 1 disables nucleus sampling (Holtzman et al.
-    2019). top_k: number of highest-logit tokens kept; <= 0 disables it. max_tokens: sampled tokens per
-    turn (>= 1). stop_token_ids: sampling stops after emitting one of these (it is kept in the output).
-    seed: makes the request's samples reproducible; None draws from the engine's key.
+    2019). top_k: number of highest-logit tokens kept; <= 0 disables it. min_p: in [0, 1]; tokens whose
+    probability is below `min_p` times the most likely token's are dropped (Nguyen et al. 2024); 0
+    disables it. repetition_penalty: > 0; a token already in the prompt or the output has its logit
+    divided by it when positive, multiplied when negative (CTRL, Keskar et al. 2019, as in vLLM and
+    transformers); 1 disables it. max_tokens: sampled tokens per turn (>= 1). stop_token_ids: sampling
+    stops after emitting one of these (it is kept in the output). seed: makes the request's samples
+    reproducible; None draws from the engine's key.
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     max_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+
+    @property
+    def truncates(self) -> bool:
+        """Whether top_p, top_k or min_p cut the distribution (the engine then runs its threshold search)."""
+        return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0
+
+    @property
+    def penalizes(self) -> bool:
+        return self.repetition_penalty != 1.0
 
 
 @dataclasses.dataclass

@@ -180,8 +180,10 @@ class Scheduler:
         self._slots[slot] = req
 
     def _step(self) -> None:
-        truncate = any(r is not None and (r.params.top_p < 1.0 or r.params.top_k > 0) for r in self._slots)
-        self._state, result = self.engine.generate(self._params, self._state, truncate=truncate)
+        active = [r.params for r in self._slots if r is not None]
+        self._state, result = self.engine.generate(self._params, self._state,
+                                                   truncate=any(p.truncates for p in active),
+                                                   penalize=any(p.penalizes for p in active))
         tokens, logprobs = np.asarray(result.tokens), np.asarray(result.logprobs)
         self.decode_steps += 1
         for slot, req in enumerate(self._slots):

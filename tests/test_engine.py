@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl import model
-from jaxrl.engine import Engine, SlotSampling, pad_prompt, sample
+from jaxrl import decode, model
+from jaxrl.engine import Engine, pad_prompt
 from jaxrl.model import LORA_TARGETS, ModelConfig
 from jaxrl.protocol import SamplingParams
 from jaxrl.scheduler import Scheduler
@@ -35,52 +35,6 @@ def _reference_logprobs(params, ids, temperature=1.0):
     return np.asarray(lp)
 
 
-def _sampling(b, t=1.0, p=1.0, k=-1):
-    return SlotSampling(jnp.full((b,), t, jnp.float32), jnp.full((b,), p, jnp.float32), jnp.full((b,), k, jnp.int32))
-
-
-LOGITS = jnp.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
-
-
-def _draws(n, truncate, **kw):
-    keys = jax.random.split(jax.random.key(42), n)
-    toks, lps = sample(jnp.broadcast_to(LOGITS, (n, 8)), _sampling(n, **kw), keys, truncate)
-    return np.asarray(toks), np.asarray(lps)
-
-
-@pytest.mark.parametrize("truncate", [False, True])
-def test_sampling_matches_tempered_softmax(truncate):
-    toks, lps = _draws(40_000, truncate, t=0.7)
-    want = np.asarray(jax.nn.softmax(LOGITS / 0.7))
-    freq = np.bincount(toks, minlength=8) / toks.size
-    np.testing.assert_allclose(freq, want, atol=0.01)
-    np.testing.assert_allclose(lps, np.log(want)[toks], rtol=1e-5)
-
-
-def test_top_k_keeps_k_tokens_renormalised():
-    toks, lps = _draws(40_000, True, k=3)
-    p = np.asarray(jax.nn.softmax(LOGITS))
-    freq = np.bincount(toks, minlength=8) / toks.size
-    np.testing.assert_allclose(freq[:3], p[:3] / p[:3].sum(), atol=0.01)
-    assert freq[3:].sum() == 0
-    np.testing.assert_allclose(lps, np.log(p)[toks], rtol=1e-5)  # logprob of the untruncated distribution
-
-
-def test_top_p_keeps_the_nucleus():
-    p = np.asarray(jax.nn.softmax(LOGITS))
-    toks, _ = _draws(40_000, True, p=0.6)
-    nucleus = int(np.searchsorted(np.cumsum(p), 0.6) + 1)  # smallest prefix with mass >= 0.6
-    freq = np.bincount(toks, minlength=8) / toks.size
-    np.testing.assert_allclose(freq[:nucleus], p[:nucleus] / p[:nucleus].sum(), atol=0.01)
-    assert freq[nucleus:].sum() == 0
-
-
-def test_temperature_zero_is_greedy():
-    toks, lps = _draws(64, False, t=0.0)
-    assert (toks == 0).all()
-    np.testing.assert_allclose(lps, np.log(np.asarray(jax.nn.softmax(LOGITS))[0]), rtol=1e-5)
-
-
 def test_prefill_insert_generate_match_full_forward():
     params = _params(lora_seed=1)
     engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=3, max_seq_len=48, lora_scale=0.5)
@@ -104,6 +58,23 @@ def test_prefill_insert_generate_match_full_forward():
         want = [ref[len(prompt) - 1 + i, t] for i, t in enumerate(toks)]
         np.testing.assert_allclose(lps, want, atol=1e-4)
         assert len(set(toks)) > 3  # sampled, not a degenerate repetition
+
+
+def test_decode_step_matches_model_forward_with_cache():
+    params = _params(lora_seed=1)
+    b, s = 3, 24
+    ks = jax.random.split(jax.random.key(5), 3)
+    cache = {"k": jax.random.normal(ks[0], (CFG.num_layers, b, s, CFG.num_kv_heads, CFG.head_dim)),
+             "v": jax.random.normal(ks[1], (CFG.num_layers, b, s, CFG.num_kv_heads, CFG.head_dim))}
+    tokens = jnp.array([3, 50, 7], jnp.int32)
+    positions = jnp.array([0, 9, 23], jnp.int32)
+    want_h, want_cache = model.forward(CFG, params["base"], tokens[:, None], positions[:, None], lora=params["lora"],
+                                       lora_scale=0.5, cache=cache)
+    got_h, got_cache = jax.jit(lambda p, c: decode.decode_step(CFG, p["base"], tokens, positions, c, lora=p["lora"],
+                                                               lora_scale=0.5))(params, cache)
+    np.testing.assert_allclose(got_h, want_h, rtol=1e-4, atol=1e-4)
+    for name in ("k", "v"):
+        np.testing.assert_allclose(got_cache[name], want_cache[name], rtol=1e-5, atol=1e-5)
 
 
 def _run(coro):

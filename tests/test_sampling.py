@@ -1,0 +1,145 @@
+"""Sampling on device: each parameter checked against the distribution it should draw from, with fixed
+seeds (40,000 draws: a frequency is within 0.01 of its probability with room to spare)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl.protocol import SamplingParams
+from jaxrl.sampling import CHUNK, SlotSampling, draw, mark_seen, sample
+
+LOGITS = jnp.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+N = 40_000
+
+
+def _rows(n, **kw):
+    one = SlotSampling.of(SamplingParams(**kw))
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (n,)), one)
+
+
+def _draws(logits=LOGITS, n=N, truncate=True, seen=None, seed=42, **kw):
+    keys = jax.random.split(jax.random.key(seed), n)
+    seen_BV = None if seen is None else jnp.broadcast_to(seen, (n, logits.shape[-1]))
+    fn = jax.jit(lambda lg, k, sn: sample(lg, _rows(n, **kw), k, truncate=truncate, seen_BV=sn))
+    toks, lps = fn(jnp.broadcast_to(logits, (n, logits.shape[-1])), keys, seen_BV)
+    return np.asarray(toks), np.asarray(lps)
+
+
+def _freq(toks, v=8):
+    return np.bincount(toks, minlength=v) / toks.size
+
+
+def _softmax(x):
+    e = np.exp(np.asarray(x, np.float64) - np.max(x))
+    return e / e.sum()
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_temperature_draws_from_the_tempered_softmax(truncate):
+    toks, lps = _draws(truncate=truncate, temperature=0.7)
+    want = _softmax(LOGITS / 0.7)
+    np.testing.assert_allclose(_freq(toks), want, atol=0.01)
+    np.testing.assert_allclose(lps, np.log(want)[toks], rtol=1e-5)
+
+
+def test_temperature_zero_is_greedy_with_the_t1_logprob():
+    toks, lps = _draws(n=64, temperature=0.0, top_k=3)
+    assert (toks == 0).all()
+    np.testing.assert_allclose(lps, np.log(_softmax(LOGITS)[0]), rtol=1e-5)
+
+
+def test_top_k_keeps_k_tokens_renormalised_and_reports_the_full_logprob():
+    toks, lps = _draws(top_k=3)
+    p = _softmax(LOGITS)
+    freq = _freq(toks)
+    np.testing.assert_allclose(freq[:3], p[:3] / p[:3].sum(), atol=0.01)
+    assert freq[3:].sum() == 0
+    np.testing.assert_allclose(lps, np.log(p)[toks], rtol=1e-5)
+
+
+def test_top_p_keeps_the_smallest_nucleus_with_that_mass():
+    p = _softmax(LOGITS)
+    toks, _ = _draws(top_p=0.6)
+    nucleus = int(np.searchsorted(np.cumsum(p), 0.6) + 1)
+    freq = _freq(toks)
+    np.testing.assert_allclose(freq[:nucleus], p[:nucleus] / p[:nucleus].sum(), atol=0.01)
+    assert freq[nucleus:].sum() == 0
+
+
+def test_top_p_applies_to_the_top_k_set_renormalised():
+    # vLLM's order: top_k first, then top_p over the renormalised top-k distribution.
+    p = _softmax(LOGITS)
+    q = p[:4] / p[:4].sum()
+    keep = int(np.searchsorted(np.cumsum(q), 0.8) + 1)
+    toks, _ = _draws(top_k=4, top_p=0.8)
+    freq = _freq(toks)
+    np.testing.assert_allclose(freq[:keep], q[:keep] / q[:keep].sum(), atol=0.01)
+    assert freq[keep:].sum() == 0
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability():
+    p = _softmax(LOGITS / 0.5)
+    kept = p >= 0.2 * p.max()
+    toks, lps = _draws(temperature=0.5, min_p=0.2)
+    freq = _freq(toks)
+    np.testing.assert_allclose(freq, np.where(kept, p, 0) / p[kept].sum(), atol=0.01)
+    np.testing.assert_allclose(lps, np.log(p)[toks], rtol=1e-5)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    seen = jnp.array([True, False, False, False, False, True, False, False])
+    toks, lps = _draws(seen=seen, repetition_penalty=2.0)
+    lg = np.asarray(LOGITS).copy()
+    lg[0] /= 2.0  # positive: divided
+    lg[5] *= 2.0  # negative: multiplied
+    want = _softmax(lg)
+    np.testing.assert_allclose(_freq(toks), want, atol=0.01)
+    np.testing.assert_allclose(lps, np.log(want)[toks], rtol=1e-5)
+    # penalty 1 leaves a seen row unchanged
+    toks1, _ = _draws(seen=seen, repetition_penalty=1.0)
+    np.testing.assert_allclose(_freq(toks1), _softmax(LOGITS), atol=0.01)
+
+
+def test_greedy_sees_the_penalty():
+    seen = jnp.zeros(8, bool).at[0].set(True)
+    toks, _ = _draws(n=4, seen=seen, temperature=0.0, repetition_penalty=10.0)
+    assert (toks == 1).all()
+
+
+def test_seed_fixes_the_draws_and_different_seeds_differ():
+    a, _ = _draws(n=256, seed=1)
+    b, _ = _draws(n=256, seed=1)
+    c, _ = _draws(n=256, seed=2)
+    assert (a == b).all() and (a != c).any()
+
+
+def test_large_vocab_across_chunks_and_per_row_settings():
+    # V not a multiple of CHUNK; mass spread over several chunks; each row its own settings.
+    v = 3 * CHUNK + 37
+    logits = jnp.full((v,), -30.0).at[jnp.array([5, CHUNK + 1, 2 * CHUNK + 200, v - 1])].set(
+        jnp.array([1.0, 0.5, 0.0, 0.8]))
+    n = N // 2
+    rows = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), _rows(n, temperature=1.0), _rows(n, top_k=2))
+    keys = jax.random.split(jax.random.key(0), 2 * n)
+    toks, _ = jax.jit(lambda lg, k: sample(lg, rows, k, truncate=True))(jnp.broadcast_to(logits, (2 * n, v)), keys)
+    toks = np.asarray(toks)
+    p = _softmax(np.asarray(logits))
+    idx = np.array([5, CHUNK + 1, 2 * CHUNK + 200, v - 1])
+    np.testing.assert_allclose(np.bincount(toks[:n], minlength=v)[idx] / n, p[idx] / p[idx].sum(), atol=0.01)
+    top2 = np.array([5, v - 1])
+    np.testing.assert_allclose(np.bincount(toks[n:], minlength=v)[top2] / n, p[top2] / p[top2].sum(), atol=0.01)
+    assert set(toks[n:]) <= set(top2.tolist())
+
+
+def test_draw_never_picks_a_zero_weight_token():
+    w = jnp.zeros((6, 2 * CHUNK)).at[:, 3].set(1.0).at[:, CHUNK + 7].set(2.0)
+    u = jnp.array([1e-9, 0.2, 1 / 3, 0.5, 0.999999, 1.0])
+    got = np.asarray(draw(w, u))
+    assert set(got) <= {3, CHUNK + 7}
+    assert got[0] == 3 and got[-1] == CHUNK + 7
+
+
+def test_mark_seen():
+    seen = mark_seen(jnp.zeros((2, 5), bool), jnp.array([1, 4]))
+    assert np.asarray(seen).tolist() == [[False, True, False, False, False], [False, False, False, False, True]]
