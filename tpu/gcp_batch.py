@@ -1,0 +1,12 @@
+"""Run `jaxrl run` as a GCP Batch job on GPU hosts: `python tpu/gcp_batch.py --help`. Needs only Python
+3.11+ and gcloud; see docs/tpu.md."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's jaxrl, installed or not
+
+from jaxrl.launch.batch import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
