@@ -47,6 +47,8 @@ class Checkpointer:
         self._probe = (lambda: gcs.probe(directory, attempts, backoff_s)) if gcs.is_gcs(directory) else None
         if self._probe and not read_only:
             self._check_reachable("open")
+        if self._probe:
+            gcs.forget_listings(directory)
         policy = policies.LatestN(n=None if keep < 0 else keep)
         options = ocp.CheckpointManagerOptions(preservation_policy=policy, create=not read_only,
                                                read_only=read_only, cleanup_tmp_directories=not read_only)
@@ -154,7 +156,9 @@ class Checkpointer:
 
     def _error(self, action: str, exc: BaseException) -> CheckpointError:
         # The last complete step is the one this process knows of: the storage may be what is down.
-        cause = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        cause = " ".join(str(exc).split())
+        if len(cause) > 600:  # storage errors are long; the root cause is usually at the end
+            cause = f"{cause[:250]} ... {cause[-300:]}"
         message = f"{action} {self.directory}: {type(exc).__name__}: {cause}"
         if hasattr(self, "_last_complete"):
             last = self._last_complete

@@ -42,6 +42,14 @@ def split(url: str) -> tuple[str, str]:
     return bucket, path.strip("/")
 
 
+def forget_listings(url: str) -> None:
+    """Drop gcsfs's cached folder listings under `url`: another process may have written there since
+    this one last looked (the filesystem instance is the one etils, hence Orbax, uses)."""
+    import fsspec
+
+    fsspec.filesystem("gs", finalize_on_close=True).invalidate_cache(url)
+
+
 @functools.cache
 def _client():
     from google.cloud import storage  # imported late: only runs that use gs:// need it

@@ -173,6 +173,8 @@ def _run(cfg: RunConfig, console: Console) -> Path:
 
     try:
         with stop_on_signals() as stop:
+            loop.set_exception_handler(lambda lp, context: None if stop.requested and isinstance(
+                context.get("exception"), asyncio.CancelledError) else lp.default_exception_handler(context))
             for env in loaded:  # one interception server and client per env for the whole run
                 loop.run_until_complete(serving.enter_async_context(env.serving()))
             for step in range(start, cfg.max_steps):

@@ -49,3 +49,20 @@ def gcs_proxy(gcs):
     """The session emulator's fault proxy, set back to "pass" after the test."""
     yield gcs.proxy
     gcs.proxy.set_mode("pass")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir():
+    """The offline tiny Qwen3 (config.json + safetensors + tokenizer) under `<repo>/assets`, built once."""
+    from pathlib import Path
+
+    from jaxrl import assets
+
+    return assets.ensure_tiny_assets(Path(__file__).resolve().parents[1] / "assets").resolve()
+
+
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory):
+    """A JAX compilation cache for e2e subprocesses: a restarted run loads what an earlier one compiled
+    instead of compiling it again (about 10 s per start on 2 cores)."""
+    return tmp_path_factory.mktemp("jax-cache")
