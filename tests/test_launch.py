@@ -242,3 +242,23 @@ def test_execute_runs_the_script_with_bash(tmp_path):
     assert execute([f"echo ok > {tmp_path}/out", "x=$(cat " + f"{tmp_path}/out)", '[ "$x" = ok ]'], False) == 0
     assert execute(["false", f"touch {tmp_path}/never"], False) != 0  # -e: the first failure stops it
     assert not (tmp_path / "never").exists()
+
+
+def test_memory_arithmetic():
+    from jaxrl.launch import memory as mem
+
+    for arch, total, active in ((mem.QWEN3_4B, 4.02e9, 4.02e9), (mem.QWEN3_30B_A3B, 30.53e9, 3.35e9),
+                                (mem.QWEN3_235B_A22B, 235.09e9, 22.19e9)):
+        got = mem.param_count(arch)
+        assert got == pytest.approx((total, active), rel=2e-3), arch.name
+    b = mem.per_chip(mem.QWEN3_30B_A3B, mem.Mesh(fsdp=2, expert=8), decode_slots=256, seq_len=4096, train_seqs=256)
+    # KV: 2 x 48 layers x 256 slots x 4096 positions x 4 heads x 128 x 2 bytes, slots over the 16 chips
+    assert b.kv_cache == 2 * 48 * 256 * 4096 * 4 * 128 * 2 / 16 / 2**30 == 6.0
+    assert b.activations == 48 * (256 * 4096 / 16) * 2048 * 2 / 2**30 == 12.0
+    dense = mem.per_chip(mem.QWEN3_4B, mem.Mesh(fsdp=8))
+    assert dense.weights == pytest.approx(4.02e9 * 2 / 8 / 2**30, rel=2e-3)
+    # K=4 kv heads do not split 8 ways: the cache is replicated over tensor then
+    t8 = mem.per_chip(mem.QWEN3_30B_A3B, mem.Mesh(tensor=8, expert=2))
+    t4 = mem.per_chip(mem.QWEN3_30B_A3B, mem.Mesh(tensor=4, expert=2))
+    assert t8.kv_cache == 4 * t4.kv_cache
+    assert "| Qwen3-30B-A3B | v5litepod-32 | 32 | 1, 4, 1, 8 | 256 x 256 |" in mem.table()
