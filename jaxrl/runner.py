@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 
 from jaxrl import envs, hf, rollouts
 from jaxrl.checkpoint import Checkpointer, CheckpointError
@@ -95,7 +96,7 @@ def run(cfg: RunConfig, console: Console | None = None) -> Path:
     os.environ.update(env_values)
     secrets = secret_values(env_values)
     try:
-        return _run(cfg, console)
+        return _run(cfg, console, secrets)
     except (RunError, ConfigError) as exc:
         exc.args = tuple(redact(str(a), secrets) if isinstance(a, str) else a for a in exc.args)
         if isinstance(exc, ConfigError):
@@ -103,7 +104,7 @@ def run(cfg: RunConfig, console: Console | None = None) -> Path:
         raise
 
 
-def _run(cfg: RunConfig, console: Console) -> Path:
+def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     jcfg = cfg.jax
@@ -186,13 +187,15 @@ def _run(cfg: RunConfig, console: Console) -> Path:
                     env_i = (step * groups + g) % len(loaded)
                     jobs.append((env_i, sampler.next(env_i)))
                 first_seed = (jcfg.seed * 1_000_003 + step * groups) * cfg.rollouts_per_example
+                serving_tasks = asyncio.all_tasks(loop)
                 task = loop.create_task(rollouts.collect(loaded, jobs, cfg.rollouts_per_example, client, sampling,
                                                          first_seed, jcfg.rollout_timeout))
                 stop.on_signal = lambda task=task: loop.call_soon_threadsafe(task.cancel)
                 try:
                     step_rollouts = loop.run_until_complete(task)
-                except asyncio.CancelledError:
-                    break  # preempted mid-rollouts: this step is dropped and redone on resume
+                except asyncio.CancelledError:  # preempted mid-rollouts: this step is dropped and redone on resume
+                    loop.run_until_complete(_settle(serving_tasks, timeout_s=10.0))
+                    break
                 finally:
                     stop.on_signal = None
                 t_rollout = time.perf_counter() - t_step
@@ -206,9 +209,9 @@ def _run(cfg: RunConfig, console: Console) -> Path:
                     raise RunError(f"step {step + 1}: stopping, {verdict}; fix the environment and run again "
                                    f"(resumes from checkpoint step {saved}). First errors:\n  {errors}")
                 if metrics["rollouts/failed"]:
+                    first = escape(redact(rollouts.first_errors(step_rollouts, 1)[0], secrets))
                     console.print(f"[yellow]step {step + 1}: {metrics['rollouts/failed']:.0f} rollouts failed and "
-                                  f"were dropped[/]; first: {rollouts.first_errors(step_rollouts, 1)[0]}",
-                                  markup=True, highlight=False)
+                                  f"were dropped[/]; first: {first}", highlight=False)
                 advantages = np.concatenate([rollouts.advantages(group) for group in step_rollouts])
                 width = pad_length(max(len(r.token_ids) for r in kept), jcfg.seq_len)
                 batch = make_batch([(r.token_ids, r.loss_mask, r.logprobs) for r in kept], advantages,
@@ -248,6 +251,17 @@ def _run(cfg: RunConfig, console: Console) -> Path:
             ckpt.close()
     console.print(f"done: {cfg.max_steps} steps; metrics in {logger.path}, checkpoints in {ckpt.directory}")
     return run_dir
+
+
+async def _settle(keep: set[asyncio.Task], timeout_s: float) -> None:
+    """Wait (at most `timeout_s`) for every task but `keep` and this one to finish: cancelled rollouts
+    abort in shielded tasks of their own (verifiers), which closing the loop would destroy mid-way."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while rest := asyncio.all_tasks() - keep - {asyncio.current_task()}:
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            return
+        await asyncio.wait(rest, timeout=left)
 
 
 def _restore(ckpt: Checkpointer, step: int, like: TrainState, identity: dict) -> tuple[TrainState, dict]:
