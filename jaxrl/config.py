@@ -406,17 +406,17 @@ def load_config(path: str | Path) -> RunConfig:
 
 
 def resolve_model_path(cfg: RunConfig) -> str:
-    """The checkpoint folder (or `gs://` URL) to load weights from: `jax.model_path`, else `model` read as
-    a path, relative paths taken from the config file's folder. Raises ConfigError when it is not there."""
+    """The checkpoint folder (or `gs://` URL) to load weights from: `jax.model_path`, else `model`, each
+    found as a `gs://` URL, a local folder (relative to the config file) or an HF id in the local HF cache
+    (`jaxrl.catalog.resolve_model`). Raises ConfigError naming every place looked in when none has it."""
+    from jaxrl.catalog import ModelNotFoundError, resolve_model
+
     key, where = ("jax.model_path", cfg.jax.model_path) if cfg.jax.model_path else ("model", cfg.model)
-    if where.startswith("gs://"):
-        return where
-    folder = cfg.config_dir / Path(where).expanduser()
-    if not folder.is_dir():
+    try:
+        return resolve_model(where, cfg.config_dir)
+    except ModelNotFoundError as exc:
         hint = "" if key == "jax.model_path" else "; set [jax] model_path to a local Hugging Face checkpoint"
-        reason = f"{where!r} is not a local folder (nothing is downloaded){hint}"
-        raise ConfigError(cfg.source, [(key, reason)])
-    return str(folder.resolve())
+        raise ConfigError(cfg.source, [(key, f"{exc}{hint}")]) from None
 
 
 def resolve_tokenizer_path(cfg: RunConfig) -> str:

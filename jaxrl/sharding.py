@@ -90,3 +90,18 @@ def array_sharding(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
                    rules: Rules = RULES) -> NamedSharding:
     """NamedSharding for one activation-like array with logical `axes`."""
     return NamedSharding(mesh, logical_spec(axes, shape, mesh, rules))
+
+
+def bytes_per_device(specs: Any, dims: Mapping[str, int], mesh_shape: Mapping[str, int], itemsize: int,
+                     rules: Rules = RULES) -> int:
+    """Bytes of the largest shard of a pytree of `ParamSpec` on a mesh of `mesh_shape` (no devices needed):
+    each weight's size over the product of the mesh axes its logical axes map to, times `itemsize`."""
+    sizes = tuple(int(mesh_shape.get(a, 1)) for a in MESH_AXES)
+    mesh = jax.sharding.AbstractMesh(sizes, MESH_AXES)
+    total = 0
+    for s in jax.tree.leaves(specs, is_leaf=is_spec):
+        shape = s.shape(dims)
+        spec = logical_spec(s.axes, shape, mesh, rules)
+        shards = math.prod(mesh.shape[a] for p in spec if p is not None for a in ((p,) if isinstance(p, str) else p))
+        total += math.prod(shape) // shards * itemsize
+    return total

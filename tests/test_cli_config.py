@@ -60,7 +60,7 @@ def test_validate_warns_about_each_unsupported_field():
 def test_validate_says_where_the_weights_are(tmp_path):
     result = invoke("validate", ROOT / "configs" / "examples" / "minimal.toml")
     assert "not supported yet" not in result.stderr
-    assert "model: 'PrimeIntellect/Qwen3-0.6B-Reverse-Text-SFT' is not a local folder" in result.stderr
+    assert "model: model 'PrimeIntellect/Qwen3-0.6B-Reverse-Text-SFT' not found: no folder" in result.stderr
     (tmp_path / "qwen").mkdir()
     (tmp_path / "rl.toml").write_text(MINIMAL + '[jax]\nmodel_path = "qwen"\n')
     result = invoke("validate", tmp_path / "rl.toml")

@@ -457,15 +457,18 @@ def test_resolve_model_path(tmp_path):
     assert resolve_model_path(cfg) == "gs://bucket/qwen3"
 
 
-def test_resolve_model_path_errors(tmp_path):
+def test_resolve_model_path_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     cfg = load_config(write(tmp_path, MINIMAL))
     with pytest.raises(ConfigError) as info:
         resolve_model_path(cfg)
+    name = "PrimeIntellect/Qwen3-0.6B-Reverse-Text-SFT"
     assert str(info.value) == (
-        f"{cfg.source}: model: 'PrimeIntellect/Qwen3-0.6B-Reverse-Text-SFT' is not a local folder "
-        "(nothing is downloaded); set [jax] model_path to a local Hugging Face checkpoint")
+        f"{cfg.source}: model: model {name!r} not found: no folder {tmp_path / name}; not in the Hugging Face "
+        f"cache {tmp_path / 'hf-cache'} (nothing is downloaded); set [jax] model_path to a local Hugging Face "
+        "checkpoint")
     cfg = load_config(write(tmp_path, MINIMAL + '[jax]\nmodel_path = "missing"\n'))
-    with pytest.raises(ConfigError, match=r": jax\.model_path: 'missing' is not a local folder"):
+    with pytest.raises(ConfigError, match=r": jax\.model_path: model 'missing' not found: no folder "):
         resolve_model_path(cfg)
 
 

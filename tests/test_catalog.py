@@ -1,0 +1,62 @@
+"""Model catalogue: where a model name is found (folder, gs://, local HF cache) and `jaxrl models`."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from jaxrl import catalog
+from jaxrl.cli import app
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    return tmp_path / "hub"
+
+
+def _snapshot(cache, repo_id, rev, *, main=True):
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snap = repo / "snapshots" / rev
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    if main:
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(rev)
+    return snap
+
+
+def test_resolves_folder_gs_and_hf_cache(tmp_path, hf_cache):
+    (tmp_path / "local").mkdir()
+    assert catalog.resolve_model("local", tmp_path) == str((tmp_path / "local").resolve())
+    assert catalog.resolve_model("gs://b/m", tmp_path) == "gs://b/m"
+    _snapshot(hf_cache, "Qwen/Qwen3-4B-Instruct-2507", "aaa", main=False)
+    main = _snapshot(hf_cache, "Qwen/Qwen3-4B-Instruct-2507", "bbb")
+    assert catalog.resolve_model("Qwen/Qwen3-4B-Instruct-2507", tmp_path) == str(main)
+
+
+def test_missing_model_names_every_place_looked_in(tmp_path, hf_cache):
+    with pytest.raises(catalog.ModelNotFoundError) as info:
+        catalog.resolve_model("Qwen/Qwen3-30B-A3B-Instruct-2507", tmp_path)
+    assert str(info.value) == (
+        f"model 'Qwen/Qwen3-30B-A3B-Instruct-2507' not found: no folder {tmp_path / 'Qwen/Qwen3-30B-A3B-Instruct-2507'}"
+        f"; not in the Hugging Face cache {hf_cache} (nothing is downloaded)")
+    with pytest.raises(catalog.ModelNotFoundError, match="no folder .*/nested/path/x \\(nothing"):
+        catalog.resolve_model("nested/path/x", tmp_path)
+
+
+def test_models_command_sizes_shards_for_the_mesh():
+    result = CliRunner().invoke(app, ["models", "--mesh", "fsdp=8,expert=4"])
+    assert result.exit_code == 0, result.output
+    text = result.output
+    assert "Qwen3MoeForCausalLM" in text and "(32 devices)" in text
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in text.splitlines() if line.startswith("│ Qwen/")}
+    assert rows["Qwen/Qwen3-235B-A22B-Instruct-2507"][:2] == ["235.09 B", "22.19 B"]
+    assert rows["Qwen/Qwen3-30B-A3B-Thinking-2507"][:2] == ["30.53 B", "3.35 B"]
+    assert rows["Qwen/Qwen3-4B-Instruct-2507"][:3] == ["4.02 B", "4.02 B", "0.94 GiB"]  # 8.04 GB bf16 / 8
+
+
+def test_models_command_rejects_a_bad_mesh():
+    result = CliRunner().invoke(app, ["models", "--mesh", "pipeline=2"])
+    assert result.exit_code == 2 and "--mesh: 'pipeline=2' is not AXIS=SIZE" in result.output
