@@ -23,7 +23,10 @@ MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
 Rules = Mapping[str, tuple[str, ...]]
 
-# Training and rollout share one table today so the engine reads the trainer's weights by reference.
+# One table serves training and rollout on purpose: the engine reads the trainer's weight arrays by
+# reference, so a rollout table that placed any weight differently would cost a resharded copy of the
+# model after every optimizer step. Activations (the train batch, decode slots, the KV cache's batch and
+# kv_heads axes) use the same names in both.
 RULES: Rules = {
     "batch": ("data", "fsdp", "expert"),
     "embed": ("fsdp",),
@@ -33,6 +36,25 @@ RULES: Rules = {
     "vocab": ("tensor",),
     "experts": ("expert",),
 }
+
+
+def check_rules(rules: Rules) -> None:
+    """Refuse a rules table that names a mesh axis other than `MESH_AXES`, or one mesh axis twice for a
+    logical axis. (Two dimensions of one array that land on the same mesh axis are refused by
+    `logical_spec`.)
+
+    Raises:
+        ValueError: naming the logical axis and the bad mesh axis.
+    """
+    for name, axes in rules.items():
+        for a in axes:
+            if a not in MESH_AXES:
+                raise ValueError(f"sharding rule {name!r} -> {a!r}: {a!r} is not a mesh axis {MESH_AXES}")
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"sharding rule {name!r} maps mesh axes {axes} more than once")
+
+
+check_rules(RULES)
 
 
 def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
