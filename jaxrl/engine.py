@@ -27,7 +27,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl import model
-from jaxrl.decode import decode_step
+from jaxrl.decode import decode_step, unstack_layers
 from jaxrl.model import KVCache, ModelConfig, Params
 from jaxrl.protocol import SamplingParams
 from jaxrl.sampling import SlotSampling, mark_seen, sample
@@ -84,8 +84,11 @@ def prefill_buckets(max_prefill_length: int, smallest: int = 16) -> tuple[int, .
 class Engine:
     """JetStream-style engine over a Qwen3 params pytree.
 
-    Engine params are `{"base": params, "lora": lora_or_None}`; LoRA products are scaled by
-    `lora_scale` (alpha / rank). `max_seq_len` (S) is the cache length: prompt plus sampled tokens.
+    Engine params are `{"base": params, "lora": lora_or_None}`, plus, from `prepare`, `"layers"`: the
+    per-layer copy that decode steps read (`jaxrl.decode.unstack_layers`; about 2x faster decode on CPU
+    for a second copy of the layer weights; `unstack=False` keeps one copy and scans the stack). LoRA
+    products are scaled by `lora_scale` (alpha / rank). `max_seq_len` (S) is the cache length: prompt
+    plus sampled tokens.
     """
 
     cfg: ModelConfig
@@ -94,13 +97,28 @@ class Engine:
     max_seq_len: int
     lora_scale: float = 0.0
     cache_dtype: Any = jnp.float32
+    unstack: bool = True
 
     def __post_init__(self) -> None:
+        self._base_layers: tuple[Any, list] | None = None  # (the base it was made from, its per-layer view)
         self.max_prefill_length = self.max_seq_len - 1
         self.buckets = prefill_buckets(self.max_prefill_length)
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("truncate",))
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
         self._generate = jax.jit(self._generate_impl, donate_argnums=(1,), static_argnames=("truncate", "penalize"))
+
+    def prepare(self, params: Params) -> Params:
+        """Engine params for `prefill` / `generate` from `{"base", "lora"}`: adds the per-layer view
+        (unless `unstack` is off). The base's view is reused while the same base object comes back (an
+        RL run swaps only its LoRA)."""
+        if not self.unstack:
+            return {"base": params["base"], "lora": params.get("lora")}
+        base = params["base"]
+        if self._base_layers is None or self._base_layers[0] is not base:
+            self._base_layers = (base, unstack_layers(self.cfg, base))
+        lora_layers = unstack_layers(self.cfg, params.get("lora"))
+        layers = [(w, lw, mw, mlw) for (w, mw), (lw, mlw) in zip(self._base_layers[1], lora_layers, strict=True)]
+        return {"base": base, "lora": params.get("lora"), "layers": layers}
 
     # JetStream Engine API -------------------------------------------------------------------------
     @property
@@ -204,7 +222,8 @@ class Engine:
 
     def _generate_impl(self, params, state: DecodeState, *, truncate, penalize):
         hidden_BTD, cache = decode_step(self.cfg, params["base"], state.tokens, state.positions, state.cache,
-                                        lora=params.get("lora"), lora_scale=self.lora_scale, mesh=self.mesh)
+                                        lora=params.get("lora"), lora_scale=self.lora_scale, mesh=self.mesh,
+                                        layers=params.get("layers"))
         logits_BV = model.logits(params["base"], hidden_BTD)[:, 0]
         split = jax.vmap(jax.random.split)(state.keys)
         tokens, logprobs = sample(logits_BV, state.sampling, split[:, 1], truncate=truncate,

@@ -42,12 +42,14 @@ class SamplingParams:
 @dataclasses.dataclass
 class Completion:
     """A finished request: sampled tokens, the logprob of each under the sampling distribution (after
-    temperature), why it stopped, and the policy version that produced each token."""
+    temperature), why it stopped, the policy version that produced each token, and the seconds from
+    queueing to the first token (None when the backend does not measure it)."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: Literal["stop", "length"]
     policy_versions: list[int]
+    ttft_s: float | None = None
 
 
 class GenerateBackend(Protocol):

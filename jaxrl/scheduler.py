@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import logging
 import threading
+import time
 
 import jax
 import numpy as np
@@ -36,9 +37,13 @@ class _Request:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
+    queued_at: float = dataclasses.field(default_factory=time.perf_counter)
+    ttft_s: float | None = None
 
     def add(self, token: int, logprob: float, version: int) -> bool:
         """Record a sampled token; True when the request is finished."""
+        if self.ttft_s is None:
+            self.ttft_s = time.perf_counter() - self.queued_at
         self.tokens.append(token)
         self.logprobs.append(logprob)
         self.versions.append(version)
@@ -46,7 +51,7 @@ class _Request:
 
     def finish(self) -> None:
         stopped = bool(self.tokens) and self.tokens[-1] in self.params.stop_token_ids
-        done = Completion(self.tokens, self.logprobs, "stop" if stopped else "length", self.versions)
+        done = Completion(self.tokens, self.logprobs, "stop" if stopped else "length", self.versions, self.ttft_s)
         self.loop.call_soon_threadsafe(_resolve, self.future, done)
 
     def fail(self, exc: BaseException) -> None:
@@ -78,7 +83,7 @@ class Scheduler:
         self.model_name = model_name
         self.max_model_len = engine.max_seq_len
         self.policy_version = 0
-        self._params = params
+        self._params = engine.prepare(params)
         self._pending: tuple[Params, int] | None = None
         self._waiting: collections.deque[_Request] = collections.deque()
         self._slots: list[_Request | None] = [None] * engine.max_concurrent_decodes
@@ -113,6 +118,18 @@ class Scheduler:
             self._cv.notify()
         return await req.future
 
+    async def warmup(self, params: SamplingParams) -> int:
+        """Compile every prefill bucket and the decode step for `params`'s kind of sampling (truncating
+        or not, penalizing or not) before real traffic, so that no request's latency, and no rollout's
+        timeout, includes XLA compilation. Runs one short request per bucket through the normal path.
+
+        Returns:
+            The number of prefill buckets compiled.
+        """
+        probe = dataclasses.replace(params, max_tokens=2, stop_token_ids=(), seed=0)
+        await asyncio.gather(*[self.generate([0] * n, probe) for n in self.engine.buckets])
+        return len(self.engine.buckets)
+
     # weights --------------------------------------------------------------------------------------
     def update_params(self, params: Params, version: int) -> None:
         """Use `params` from the next decode step on; tokens sampled after it report `version`."""
@@ -142,7 +159,8 @@ class Scheduler:
                     if self._stop:
                         break
                     if self._pending is not None:
-                        self._params, self.policy_version = self._pending
+                        new, self.policy_version = self._pending
+                        self._params = self.engine.prepare(new)
                         self._pending = None
                     admit = []
                     while self._waiting and len(admit) < self._slots.count(None):

@@ -60,8 +60,13 @@ def test_prefill_insert_generate_match_full_forward():
         assert len(set(toks)) > 3  # sampled, not a degenerate repetition
 
 
-def test_decode_step_matches_model_forward_with_cache():
+@pytest.mark.parametrize("unstacked", [False, True])
+def test_decode_step_matches_model_forward_with_cache(unstacked):
     params = _params(lora_seed=1)
+    layers = None
+    if unstacked:
+        pairs = zip(decode.unstack_layers(CFG, params["base"]), decode.unstack_layers(CFG, params["lora"]), strict=True)
+        layers = [(w, lw, mw, mlw) for (w, mw), (lw, mlw) in pairs]
     b, s = 3, 24
     ks = jax.random.split(jax.random.key(5), 3)
     cache = {"k": jax.random.normal(ks[0], (CFG.num_layers, b, s, CFG.num_kv_heads, CFG.head_dim)),
@@ -70,8 +75,9 @@ def test_decode_step_matches_model_forward_with_cache():
     positions = jnp.array([0, 9, 23], jnp.int32)
     want_h, want_cache = model.forward(CFG, params["base"], tokens[:, None], positions[:, None], lora=params["lora"],
                                        lora_scale=0.5, cache=cache)
-    got_h, got_cache = jax.jit(lambda p, c: decode.decode_step(CFG, p["base"], tokens, positions, c, lora=p["lora"],
-                                                               lora_scale=0.5))(params, cache)
+    step = jax.jit(lambda p, c, ly: decode.decode_step(CFG, p["base"], tokens, positions, c, lora=p["lora"],
+                                                       lora_scale=0.5, layers=ly))
+    got_h, got_cache = step(params, cache, layers)
     np.testing.assert_allclose(got_h, want_h, rtol=1e-4, atol=1e-4)
     for name in ("k", "v"):
         np.testing.assert_allclose(got_cache[name], want_cache[name], rtol=1e-5, atol=1e-5)
