@@ -74,7 +74,7 @@ class Checkpointer:
         """
         self.wait()
         if self._probe:
-            self._check_reachable(f"save step {step} to")
+            self._check_reachable(f"cannot save step {step} to")
         tree = {"lora": state.lora, "opt_state": state.opt_state, "step": state.step}
         args = ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta))
         try:

@@ -167,7 +167,8 @@ class BufferConfig(_Table):
     """Sampling weight of each `[[env]]`, one per env, >= 0 with a positive sum; multi-env only (ignored
     with a single env). Default None: no weighting."""
     skip_verification: bool = False
-    """Skip the reward verification step. Default false."""
+    """Skip the pre-flight check: one smoke rollout of each environment before step 1, whose failure stops
+    the run before any training. Default false."""
     seed: int = 42
     """Seed of the buffer's sampling. Default 42."""
 
@@ -354,7 +355,12 @@ NOT_SUPPORTED_YET: frozenset[str] = frozenset({
     "trajectory_strategy",
     "eval",
     "val",
-    "buffer",
+    "buffer.online_difficulty_filtering",
+    "buffer.easy_threshold",
+    "buffer.hard_threshold",
+    "buffer.easy_fraction",
+    "buffer.hard_fraction",
+    "buffer.env_ratios",
     "wandb",
     "adapters",
     "infrastructure.compute_size",

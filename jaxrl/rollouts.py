@@ -56,6 +56,20 @@ async def collect(loaded: list[envs.LoadedEnv], jobs: list[tuple[int, int]], n: 
     return [[r for rollout in group for r in rollout] for group in groups]
 
 
+async def preflight(loaded: list[envs.LoadedEnv], client: dict[str, Any], sampling: SamplingParams,
+                    timeout_s: float) -> list[str]:
+    """One smoke rollout of each environment's first task before step 1 (`[buffer] skip_verification`
+    turns it off): an environment that cannot produce a scored rollout is caught before any training,
+    and the client side (tokenizer, renderer, HTTP clients) is loaded outside the rollout timeout.
+
+    Returns:
+        One line per failing environment, `"<env>: <error>"`; empty when every one passed.
+    """
+    probe = dataclasses.replace(sampling, seed=0)
+    out = await collect(loaded, [(i, 0) for i in range(len(loaded))], 1, client, probe, 0, timeout_s)
+    return [f"{env.name}: {group[0].error}" for env, group in zip(loaded, out, strict=True) if not group[0].ok]
+
+
 def _failed(env: envs.LoadedEnv, example: int, error: str) -> envs.Rollout:
     return envs.Rollout([], [], [], 0.0, False, False, error, env.name, example)
 

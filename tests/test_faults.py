@@ -31,8 +31,8 @@ SECRET_FILE_VALUE = "sk-live-FILE-5ecret-0123456789"
 SECRET_ENV_VALUE = "wandb-ENV-5ecret-abcdef"
 
 # An environment package whose reward fails on purpose: `plan` maps the n-th reward call (1-based,
-# over the whole run) to "raise" or "hang"; calls past `fail_after` all raise. Error messages quote
-# secrets, as a careless environment would.
+# over the whole run; call 1 is the pre-flight rollout's) to "raise" or "hang"; calls past `fail_after`
+# all raise. Error messages quote secrets, as a careless environment would.
 FAULTY_ENV = textwrap.dedent('''
     import asyncio, os
     import verifiers.v1 as vf
@@ -58,7 +58,8 @@ FAULTY_ENV = textwrap.dedent('''
 
     PLAN = {}
 
-    class FaultyTaskset(LowercaseTaskset):
+    # The generic base names the config class verifiers validates `args` against.
+    class FaultyTaskset(LowercaseTaskset, vf.Taskset[FaultyTask, FaultyConfig]):
         def load(self):
             PLAN.update(plan=self.config.plan, fail_after=self.config.fail_after)
             for task in super().load():
@@ -92,7 +93,7 @@ def test_failing_and_hanging_rollouts_are_dropped_then_a_mostly_failing_run_stop
     redacted, and the checkpoint of step 1 intact."""
     (tmp_path / "secrets.env").write_text(f"FAULTY_API_KEY={SECRET_FILE_VALUE}\n")
     cfg = write_config(tmp_path / "rl.toml", tiny_model_dir, "faulty", max_steps=3, extra='env_file = ["secrets.env"]',
-                       env='id = "jaxrl/faulty-env"\nargs = { plan = { "2" = "raise", "5" = "hang" }, fail_after = 8 }',
+                       env='id = "jaxrl/faulty-env"\nargs = { plan = { "3" = "raise", "6" = "hang" }, fail_after = 9 }',
                        jax_extra="rollout_timeout = 3.0")
     log = tmp_path / "run.log"
     proc = start(cfg, log, compile_cache, PYTHONPATH=str(_faulty_env_path(tmp_path)), WANDB_API_KEY=SECRET_ENV_VALUE)
