@@ -95,3 +95,89 @@ def run(path: ConfigPath) -> None:
     except RunError as exc:  # a checkpoint that cannot be written, failing environments, preemption
         err.print(f"jaxrl run: {exc}", markup=False)
         raise typer.Exit(code=exc.exit_code) from None
+
+
+def _parse_mesh(text: str) -> dict[str, int]:
+    from jaxrl.sharding import MESH_AXES
+
+    mesh = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        axis, _, size = part.partition("=")
+        if axis.strip() not in MESH_AXES or not size.strip().isdigit() or int(size) < 1:
+            raise _fail(f"--mesh: {part!r} is not AXIS=SIZE with AXIS one of {', '.join(MESH_AXES)}")
+        mesh[axis.strip()] = int(size)
+    return mesh
+
+
+@app.command()
+def models(
+    mesh: Annotated[str, typer.Option(help="Mesh to size shards for, e.g. 'fsdp=8,expert=4'.")] = "",
+    config: Annotated[Path | None, typer.Option(help="Take the mesh and dtype from this run config.")] = None,
+    dtype: Annotated[str, typer.Option(help="Weight dtype: bfloat16 or float32.")] = "bfloat16",
+    lora_rank: Annotated[int, typer.Option(help="LoRA rank for the adapter + AdamW state column.")] = 16,
+) -> None:
+    """List the supported architectures and Hosted Training models: parameters (total and active per
+    token), and the bytes each device holds for the weights and for LoRA + AdamW state on a mesh."""
+    import math
+
+    import jax
+    from rich.table import Table
+
+    from jaxrl import catalog, model
+    from jaxrl.sharding import bytes_per_device
+
+    shape = _parse_mesh(mesh)
+    if config is not None:
+        cfg = _load(config)
+        shape, dtype, lora_rank = cfg.jax.mesh.model_dump(), cfg.jax.dtype, cfg.jax.lora_rank
+    if dtype not in ("bfloat16", "float32"):
+        raise _fail(f"--dtype: {dtype!r} is not bfloat16 or float32")
+    itemsize = 2 if dtype == "bfloat16" else 4
+    devices = math.prod(shape.values()) if shape else 1
+    out.print("architectures: " + ", ".join(f"{k} ({v})" for k, v in catalog.ARCHITECTURES.items()))
+    table = Table(title=f"Hosted Training models on mesh {shape or {'fsdp': 1}} ({devices} devices), {dtype}")
+    for col in ("model", "params", "active/token", "weights/device", f"LoRA r{lora_rank}+AdamW/device"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for name, hf_config in catalog.HOSTED_MODELS.items():
+        mcfg = model.ModelConfig.from_hf(hf_config)
+        dims = mcfg.dims()
+        specs = model.param_specs(mcfg)
+        total = sum(math.prod(s.shape(dims)) for s in jax.tree.leaves(specs, is_leaf=model.is_spec))
+        inactive = 3 * mcfg.hidden_size * mcfg.moe_intermediate_size * (mcfg.num_experts - mcfg.num_experts_per_tok)
+        active = total - inactive * len(mcfg.moe_layers)
+        targets = tuple(model.LORA_TARGETS)
+        lora = bytes_per_device(model.lora_specs(mcfg, lora_rank, targets), {**dims, "R": lora_rank}, shape, 4)
+        table.add_row(name, f"{total / 1e9:.2f} B", f"{active / 1e9:.2f} B",
+                      f"{bytes_per_device(specs, dims, shape, itemsize) / 2**30:.2f} GiB",
+                      f"{3 * lora / 2**30:.2f} GiB")
+    Console(width=max(out.width, 130), highlight=False).print(table)
+    out.print("A model name in a config is found as a local folder, a gs:// URL, or an id in the local "
+              f"Hugging Face cache ({catalog.hf_cache_dir()}); nothing is downloaded.", markup=False)
+
+
+@app.command("export")
+def export_(
+    ref: Annotated[str, typer.Argument(metavar="RUN_OR_CHECKPOINT", show_default=False,
+                                       help="A run folder (<output_dir>/<name>), its checkpoints folder, or one "
+                                            "step's folder (a gs:// one with --config).")],
+    out_dir: Annotated[Path, typer.Option("--out", help="Folder to write.", show_default=False)],
+    merged: Annotated[bool, typer.Option("--merged", help="A HF checkpoint, LoRA folded in (the default).")] = False,
+    adapter: Annotated[bool, typer.Option("--adapter", help="A PEFT LoRA adapter folder instead.")] = False,
+    step: Annotated[int | None, typer.Option(help="Checkpoint step. Default: the step folder's, else the latest.",
+                                             show_default=False)] = None,
+    config: Annotated[Path | None, typer.Option(help="The run's TOML, for a checkpoint whose run folder has no "
+                                                     "config.json.", show_default=False)] = None,
+) -> None:
+    """Write a run's trained model to Hugging Face format: merged weights, or a PEFT adapter."""
+    if merged and adapter:
+        raise _fail("jaxrl export: pass --merged or --adapter, not both")
+    from jaxrl import export as exporting  # heavy (JAX): kept off the validate/init path
+
+    try:
+        source = exporting.find_source(ref, step, config)
+        exporting.export(source, out_dir, adapter=adapter)
+    except exporting.ExportError as exc:
+        raise _fail(f"jaxrl export: {exc}") from None
+    kind = "PEFT adapter" if adapter else "merged model"
+    out.print(f"wrote the {kind} of checkpoint step {source.step} ({source.checkpoint_dir}) to {out_dir}",
+              markup=False)

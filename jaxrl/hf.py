@@ -154,6 +154,13 @@ def _layout(cfg: ModelConfig) -> list[_Tensor]:
     return out
 
 
+def tensor_names(cfg: ModelConfig) -> dict[tuple[str, ...], list[tuple[str, tuple[int, ...]]]]:
+    """For each weight of `param_specs(cfg)`, keyed by its path in the params (`("layers", "wq")`): the
+    HF name of every tensor that stores it, with that tensor's index into the weight's stack axes
+    (`()`, `(layer,)` or `(layer, expert)`), e.g. `("model.layers.3.self_attn.q_proj.weight", (3,))`."""
+    return {t.key: t.entries() for t in _layout(cfg)}
+
+
 def load_config(folder: str | Path) -> ModelConfig:
     """The architecture in `folder/config.json`.
 

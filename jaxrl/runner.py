@@ -26,7 +26,7 @@ import numpy as np
 from rich.console import Console
 from rich.markup import escape
 
-from jaxrl import envs, hf, rollouts
+from jaxrl import envs, export, hf, rollouts
 from jaxrl.checkpoint import Checkpointer, CheckpointError
 from jaxrl.config import ConfigError, RunConfig, load_env_file, resolve_model_path, resolve_tokenizer_path
 from jaxrl.engine import Engine
@@ -50,6 +50,9 @@ from jaxrl.scheduler import Scheduler
 from jaxrl.server import start_server
 from jaxrl.sharding import make_mesh, spec_shardings
 from jaxrl.train import Trainer, TrainState, make_batch, make_optimizer
+
+PREFLIGHT_TIMEOUT_S = 300.0
+"""Least time the pre-flight rollout gets: it loads the client's tokenizer, which a step's do not."""
 
 
 def pad_length(n: int, seq_len: int) -> int:
@@ -126,6 +129,8 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
     console.print(f"[bold]jaxrl[/] run [cyan]{run_dir}[/]: model {model_path} "
                   f"({sum(x.size for x in jax.tree.leaves(base)) / 1e6:.1f}M params, {jcfg.dtype}), "
                   f"mesh {dict(mesh.shape)}, loaded in {time.perf_counter() - t0:.1f}s")
+    export.write_run_config(run_dir, cfg)  # what `jaxrl export` reads
+    adapters = export.RunAdapters(cfg, mcfg, run_dir / "adapters", console)
 
     trainer = Trainer(mcfg, mesh, make_optimizer(cfg.learning_rate), lora_scale=lora_scale, remat=jcfg.remat)
     state = trainer.init_state(base, lora)
@@ -176,8 +181,21 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
         with stop_on_signals() as stop:
             loop.set_exception_handler(lambda lp, context: None if stop.requested and isinstance(
                 context.get("exception"), asyncio.CancelledError) else lp.default_exception_handler(context))
+            t_warm = time.perf_counter()
+            buckets = loop.run_until_complete(scheduler.warmup(sampling))
+            console.print(f"engine compiled ({buckets} prefill buckets + decode) in "
+                          f"{time.perf_counter() - t_warm:.1f}s")
             for env in loaded:  # one interception server and client per env for the whole run
                 loop.run_until_complete(serving.enter_async_context(env.serving()))
+            if not cfg.buffer.skip_verification:
+                t_check = time.perf_counter()
+                failing = loop.run_until_complete(rollouts.preflight(
+                    loaded, client, sampling, max(jcfg.rollout_timeout, PREFLIGHT_TIMEOUT_S)))
+                if failing:
+                    raise RunError("pre-flight rollout failed before step 1 (set [buffer] skip_verification = true "
+                                   "to skip this check):\n  " + "\n  ".join(failing))
+                console.print(f"pre-flight: one rollout of each environment passed in "
+                              f"{time.perf_counter() - t_check:.1f}s")
             for step in range(start, cfg.max_steps):
                 if stop.requested:
                     break
@@ -234,6 +252,7 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
                 if done % cfg.checkpoints.interval == 0 or done == cfg.max_steps or stop.requested:
                     save(done, drawn_at_done)
                     saved = done
+                adapters.after_step(done, state.lora)
             if stop.requested:
                 if saved != done:
                     save(done, drawn_at_done)
