@@ -1,0 +1,300 @@
+"""Export to Hugging Face, checked against the real consumers: a merged checkpoint loaded by transformers'
+Qwen3ForCausalLM / Qwen3MoeForCausalLM and a PEFT adapter loaded by `peft.PeftModel` onto the
+transformers base must give jaxrl's logits with the LoRA on, at 1e-4 in fp32; the adapter reads back
+into the same LoRA; `jaxrl export` on a run folder and on a checkpoint folder; `[adapters]` exports.
+
+The LoRA is random in both factors (std 0.1, scale 2), not a fresh one (`b` = 0), so a transposed or
+misplaced factor moves the logits far beyond the tolerance (each test also checks that it moves them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from jaxrl import export, hf, model
+from jaxrl.checkpoint import Checkpointer
+from jaxrl.cli import app
+from jaxrl.config import load_config
+from jaxrl.recovery import model_identity
+from jaxrl.train import TrainState, make_optimizer
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+ATOL = 1e-4
+VOCAB = 256
+TOKENS_BT = np.random.default_rng(2).integers(0, VOCAB, size=(2, 10)).astype(np.int32)
+RANK, ALPHA = 4, 8  # lora_scale 2
+ALL = tuple(model.LORA_TARGETS)
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_forward = jax.jit(model.forward, static_argnums=0, static_argnames=("scan_layers",))
+
+
+def _randomize(m, router_std: float = 1.0):
+    """Weights of std 0.1, norms near 1, MoE routers of std 1 (decisive top-k, as tests/test_moe.py)."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, router_std if name.endswith("mlp.gate.weight") else 0.1)
+    return m.eval()
+
+
+def _dense():
+    cfg = transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    return _randomize(transformers.Qwen3ForCausalLM(cfg))
+
+
+def _moe(mlp_only_layers=()):
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=list(mlp_only_layers), tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, max_position_embeddings=128)
+    return _randomize(transformers.Qwen3MoeForCausalLM(cfg))
+
+
+BASES = {"dense": _dense, "moe": _moe, "moe-mixed": lambda: _moe(mlp_only_layers=[1])}
+
+
+@pytest.fixture(scope="module", params=list(BASES))
+def base(request, tmp_path_factory) -> Path:
+    """A transformers-written base checkpoint folder."""
+    folder = tmp_path_factory.mktemp(request.param)
+    BASES[request.param]().save_pretrained(folder)
+    return folder
+
+
+def _random_lora(cfg: model.ModelConfig, targets=ALL, seed: int = 1) -> model.Params:
+    specs = model.lora_specs(cfg, RANK, targets)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=model.is_spec)
+    rng = np.random.default_rng(seed)
+    dims = {**cfg.dims(), "R": RANK}
+    return jax.tree.unflatten(treedef, [jnp.asarray(0.1 * rng.standard_normal(s.shape(dims)), jnp.float32)
+                                        for s in leaves])
+
+
+def _jax_logits(cfg, params, lora=None) -> np.ndarray:
+    positions_BT = np.broadcast_to(np.arange(TOKENS_BT.shape[1], dtype=np.int32), TOKENS_BT.shape)
+    hidden_BTD, _ = _forward(cfg, params, jnp.asarray(TOKENS_BT), jnp.asarray(positions_BT), lora=lora,
+                             lora_scale=ALPHA / RANK, scan_layers=not cfg.is_moe)
+    return np.asarray(model.logits(params, hidden_BTD))
+
+
+def _torch_logits(m) -> np.ndarray:
+    with torch.no_grad():
+        return m(torch.from_numpy(TOKENS_BT.astype(np.int64))).logits.float().numpy()
+
+
+def _hf_class(cfg: model.ModelConfig):
+    return transformers.Qwen3MoeForCausalLM if cfg.is_moe else transformers.Qwen3ForCausalLM
+
+
+@pytest.fixture(scope="module")
+def trained(base):
+    """(cfg, params, lora, jaxrl logits with the LoRA). Each group of the LoRA (attention, dense MLPs,
+    experts) on its own moves the logits well past ATOL, so an export that drops one cannot pass."""
+    cfg, params = hf.load_hf(base)
+    lora = _random_lora(cfg)
+    want = _jax_logits(cfg, params, lora)
+    assert set(lora) == {"layers"} | ({"moe"} if cfg.moe_layers else set()) | ({"mlp"} if cfg.mlp_layers else set())
+    for group in lora:
+        without = {g: v for g, v in lora.items() if g != group}
+        assert np.max(np.abs(want - _jax_logits(cfg, params, without))) > 100 * ATOL, group
+    return cfg, params, lora, want
+
+
+def test_merged_loads_in_transformers_with_the_lora_logits(base, trained, tmp_path):
+    cfg, params, lora, want = trained
+    np.testing.assert_allclose(_jax_logits(cfg, export.merge_lora(cfg, params, lora, ALPHA / RANK)), want,
+                               atol=ATOL, rtol=0)
+    export.save_merged(tmp_path, cfg, params, lora, ALPHA / RANK)
+    m, info = _hf_class(cfg).from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    np.testing.assert_allclose(_torch_logits(m.eval()), want, atol=ATOL, rtol=0)
+
+
+def test_adapter_loads_in_peft_with_the_lora_logits_and_reads_back(base, trained, tmp_path):
+    cfg, params, lora, want = trained
+    targets = ALL
+    if cfg.is_moe and cfg.mlp_layers:  # peft cannot load MLP LoRA beside experts (see the test below)
+        targets, lora = ATTENTION, {"layers": lora["layers"]}
+        want = _jax_logits(cfg, params, lora)
+    export.save_adapter(tmp_path, cfg, lora, rank=RANK, alpha=ALPHA, targets=targets,
+                        base_model_name_or_path=str(base))
+    conf = json.loads((tmp_path / export.ADAPTER_CONFIG).read_text())
+    assert (conf["r"], conf["lora_alpha"], sorted(conf["target_modules"])) == (RANK, ALPHA, sorted(targets))
+    m = peft.PeftModel.from_pretrained(_hf_class(cfg).from_pretrained(base), tmp_path).eval()
+    np.testing.assert_allclose(_torch_logits(m), want, atol=ATOL, rtol=0)
+
+    back = export.load_adapter(tmp_path, cfg)
+    assert (back.rank, back.lora_scale, back.targets, back.base_model_name_or_path) == (
+        RANK, ALPHA / RANK, tuple(sorted(targets)), str(base))
+    assert jax.tree.structure(back.lora) == jax.tree.structure(lora)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), back.lora, lora)
+
+
+def test_adapter_of_some_targets_matches_peft(tmp_path):
+    """An attention-only LoRA (q, v) on the dense model: no MLP modules in the adapter, peft agrees."""
+    folder = tmp_path / "base"
+    _dense().save_pretrained(folder)
+    cfg, params = hf.load_hf(folder)
+    targets = ("q_proj", "v_proj")
+    lora = _random_lora(cfg, targets)
+    export.save_adapter(tmp_path / "a", cfg, lora, rank=RANK, alpha=ALPHA, targets=targets,
+                        base_model_name_or_path="x")
+    m = peft.PeftModel.from_pretrained(transformers.Qwen3ForCausalLM.from_pretrained(folder), tmp_path / "a")
+    np.testing.assert_allclose(_torch_logits(m.eval()), _jax_logits(cfg, params, lora), atol=ATOL, rtol=0)
+    assert list(export.load_adapter(tmp_path / "a", cfg).lora["layers"]) == ["wq", "wv"]
+
+
+def test_adapter_refuses_what_peft_cannot_load(tmp_path):
+    mixed = tmp_path / "mixed"
+    _moe(mlp_only_layers=[1]).save_pretrained(mixed)
+    cfg = hf.load_config(mixed)
+    with pytest.raises(ValueError, match="dense-MLP layers"):
+        export.save_adapter(tmp_path / "a", cfg, _random_lora(cfg), rank=RANK, alpha=ALPHA, targets=ALL,
+                            base_model_name_or_path="x")
+    half = ("q_proj", "gate_proj")
+    with pytest.raises(ValueError, match="only one of gate_proj and up_proj"):
+        export.save_adapter(tmp_path / "b", cfg, _random_lora(cfg, half), rank=RANK, alpha=ALPHA, targets=half,
+                            base_model_name_or_path="x")
+    with pytest.raises(ValueError, match="targets"):
+        export.save_adapter(tmp_path / "c", cfg, _random_lora(cfg, ("q_proj",)), rank=RANK, alpha=ALPHA,
+                            targets=("k_proj",), base_model_name_or_path="x")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"use_dora": True}, "use_dora = True"),
+    ({"rank_pattern": {"q_proj": 2}}, "rank_pattern"),
+    ({"target_modules": "all-linear"}, "target_modules = 'all-linear'"),
+    ({"target_modules": ["q_proj", "lm_head"]}, "not Qwen3 projections"),
+])
+def test_load_adapter_refuses_what_jaxrl_cannot_run(tmp_path, change, message):
+    folder = tmp_path / "base"
+    _dense().save_pretrained(folder)
+    cfg = hf.load_config(folder)
+    export.save_adapter(tmp_path / "a", cfg, _random_lora(cfg, ("q_proj",)), rank=RANK, alpha=ALPHA,
+                        targets=("q_proj",), base_model_name_or_path="x")
+    conf_path = tmp_path / "a" / export.ADAPTER_CONFIG
+    conf_path.write_text(json.dumps(json.loads(conf_path.read_text()) | change))
+    with pytest.raises(ValueError, match=message):
+        export.load_adapter(tmp_path / "a", cfg)
+
+
+# --- `jaxrl export` on a run's checkpoint -------------------------------------------------------------
+
+RUN_TOML = """
+name = "exp"
+model = "jaxrl/qwen3-test"
+max_steps = 2
+batch_size = 8
+rollouts_per_example = 4
+lora_alpha = {alpha}
+
+[sampling]
+max_tokens = 8
+
+[[env]]
+id = "jaxrl/lowercase"
+
+[jax]
+model_path = "{model}"
+output_dir = "{runs}"
+lora_rank = {rank}
+"""
+
+
+@pytest.fixture(scope="module")
+def run_with_checkpoint(tmp_path_factory):
+    """A run folder as `jaxrl run` leaves it (config.json, checkpoints/2) holding a random LoRA, and the
+    base folder with a tokenizer file beside the weights."""
+    tmp = tmp_path_factory.mktemp("run")
+    m = _dense()
+    m.save_pretrained(tmp / "base")
+    (tmp / "base" / "tokenizer.json").write_text("{}")
+    toml = tmp / "rl.toml"
+    toml.write_text(RUN_TOML.format(model=tmp / "base", runs=tmp / "runs", alpha=ALPHA, rank=RANK))
+    cfg = load_config(toml)
+    run_dir = tmp / "runs" / "exp"
+    run_dir.mkdir(parents=True)
+    export.write_run_config(run_dir, cfg)
+    mcfg, params = hf.load_hf(tmp / "base")
+    lora = _random_lora(mcfg)
+    opt_state = make_optimizer(1e-3).init({"base": params, "lora": lora})
+    ckpt = Checkpointer(str(run_dir / "checkpoints"))
+    identity = model_identity(cfg.model, dataclasses.asdict(mcfg), RANK, ALL)
+    ckpt.save(2, TrainState(lora, opt_state, jnp.asarray(2, jnp.int32)), {"step": 2, "identity": identity})
+    ckpt.wait()
+    ckpt.close()
+    return run_dir, toml, _jax_logits(mcfg, params, lora), mcfg, lora
+
+
+def _export(*args):
+    return CliRunner().invoke(app, ["export", *map(str, args)])
+
+
+def test_cli_exports_a_run_folder_merged(run_with_checkpoint, tmp_path):
+    run_dir, _, want, _, _ = run_with_checkpoint
+    result = _export(run_dir, "--out", tmp_path / "merged", "--merged")
+    assert result.exit_code == 0, result.output
+    assert "merged model of checkpoint step 2" in result.stdout
+    m = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    np.testing.assert_allclose(_torch_logits(m), want, atol=ATOL, rtol=0)
+    assert (tmp_path / "merged" / "tokenizer.json").read_text() == "{}"
+
+
+def test_cli_exports_a_checkpoint_step_as_an_adapter(run_with_checkpoint, tmp_path):
+    run_dir, _, want, mcfg, lora = run_with_checkpoint
+    result = _export(run_dir / "checkpoints" / "2", "--out", tmp_path / "adapter", "--adapter")
+    assert result.exit_code == 0, result.output
+    assert "PEFT adapter of checkpoint step 2" in result.stdout
+    conf = json.loads((tmp_path / "adapter" / export.ADAPTER_CONFIG).read_text())
+    assert conf["base_model_name_or_path"] == "jaxrl/qwen3-test"
+    base = transformers.Qwen3ForCausalLM.from_pretrained(run_dir.parent.parent / "base")
+    m = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    np.testing.assert_allclose(_torch_logits(m), want, atol=ATOL, rtol=0)
+    back = export.load_adapter(tmp_path / "adapter", mcfg).lora
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), back, lora)
+
+
+def test_cli_takes_the_toml_for_a_checkpoints_folder_without_run_config(run_with_checkpoint, tmp_path):
+    run_dir, toml, _, mcfg, lora = run_with_checkpoint
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(run_dir / "checkpoints", moved)
+    result = _export(moved, "--out", tmp_path / "a", "--adapter")
+    assert result.exit_code == 2 and "pass the run's TOML with --config" in result.stderr
+    result = _export(moved, "--out", tmp_path / "a", "--adapter", "--config", toml, "--step", 2)
+    assert result.exit_code == 0, result.output
+    back = export.load_adapter(tmp_path / "a", mcfg).lora
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), back, lora)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["{tmp}/nowhere", "--out", "{tmp}/o"], "nowhere is not a folder (expected a run folder"),
+    (["{run}", "--out", "{tmp}/o", "--merged", "--adapter"], "pass --merged or --adapter, not both"),
+    (["{run}", "--out", "{tmp}/o", "--step", "5"], "no checkpoint for step 5 in"),
+    (["{run}/checkpoints/2", "--out", "{tmp}/o", "--step", "3"], "is step 2, but --step 3 was given"),
+])
+def test_cli_errors_are_one_clear_line(run_with_checkpoint, tmp_path, args, message):
+    run_dir = run_with_checkpoint[0]
+    result = _export(*[a.format(tmp=tmp_path, run=run_dir) for a in args])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and "Traceback" not in result.output
+    assert not (tmp_path / "o").exists()
