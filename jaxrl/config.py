@@ -184,10 +184,12 @@ class CheckpointsConfig(_Table):
 
 
 class AdaptersConfig(_Table):
-    """`[adapters]`: LoRA adapter exports."""
+    """`[adapters]`: the LoRA as PEFT adapter folders during a run (`jaxrl.export.RunAdapters`), in
+    `<output_dir>/<name>/adapters/step_<n>`, or `<checkpoint_dir>/<name>/adapters/step_<n>` (a folder or
+    `gs://`) when `[jax] checkpoint_dir` is set."""
 
     interval: int = Field(0, ge=0)
-    """Export the adapter every N steps (0 = only at the end of the run). Default 0."""
+    """Export the adapter every N steps and after the last (0 = only after the last step). Default 0."""
     keep_last: AllOrPositive = 3
     """Adapters kept (-1 = all). Default 3."""
 
@@ -362,7 +364,6 @@ NOT_SUPPORTED_YET: frozenset[str] = frozenset({
     "buffer.hard_fraction",
     "buffer.env_ratios",
     "wandb",
-    "adapters",
     "infrastructure.compute_size",
 })
 

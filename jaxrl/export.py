@@ -38,7 +38,7 @@ from jaxrl.config import (
     resolve_tokenizer_path,
 )
 from jaxrl.model import LORA_TARGETS, ModelConfig, Params, init_lora, lora_specs, param_specs
-from jaxrl.recovery import checkpoint_dir_of, identity_mismatch, model_identity
+from jaxrl.recovery import checkpoint_dir_of, checkpoint_root, identity_mismatch, model_identity, run_name
 from jaxrl.train import TrainState, make_optimizer
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -288,11 +288,19 @@ def load_adapter(folder: str | epath.PathLike, cfg: ModelConfig) -> Adapter:
     return Adapter(lora, rank, float(conf["lora_alpha"]), targets, conf.get("base_model_name_or_path"))
 
 
+def adapters_dir_of(cfg: RunConfig) -> str:
+    """Where a run's `[adapters]` exports go: `adapters/` in the run's folder under its checkpoint root,
+    i.e. `<output_dir>/<name>/adapters`, or `<checkpoint_dir>/<name>/adapters` (a folder or `gs://` URL)
+    when `[jax] checkpoint_dir` is set. Orbax ignores it there: it lists only numbered step folders."""
+    return gcs.join(checkpoint_root(cfg), run_name(cfg), "adapters")
+
+
 class RunAdapters:
     """`[adapters]` of a run: the LoRA as a PEFT folder `<directory>/step_<n>` after every `interval`-th
-    step (0: after the last step only), keeping the newest `keep_last` (-1: all). Each folder is written
-    under a temporary name and renamed when complete, so a listed `step_<n>` is always whole. `directory`
-    may be local or `gs://` (etils.epath). Only process 0 of a multi-host run writes.
+    step (0: after the last step only) and after the last step, keeping the newest `keep_last` (-1: all).
+    Each folder is written under a temporary name and then renamed; a `step_<n>` counts (`steps`) only
+    with both of its files, as a rename on `gs://` copies object by object. `directory` may be local or
+    `gs://` (etils.epath). Only process 0 of a multi-host run writes.
 
     A LoRA that the PEFT format cannot hold (`save_adapter`) is a ConfigError when the config sets
     `[adapters]`; with the table left out, the run writes no adapters and says so on `console`.
@@ -347,11 +355,12 @@ class RunAdapters:
         return final
 
     def steps(self) -> list[int]:
-        """Steps of the complete adapter folders, ascending."""
+        """Steps of the complete adapter folders (both files present), ascending."""
         if not self.directory.exists():
             return []
         return sorted(int(p.name[5:]) for p in self.directory.iterdir()
-                      if p.name.startswith("step_") and p.name[5:].isdigit())
+                      if p.name.startswith("step_") and p.name[5:].isdigit()
+                      and (p / ADAPTER_CONFIG).exists() and (p / ADAPTER_WEIGHTS).exists())
 
 
 def write_run_config(run_dir: Path, cfg: RunConfig) -> Path:
@@ -499,30 +508,32 @@ def restore_lora(source: Source, model_cfg: ModelConfig) -> Params:
 
 
 def export(source: Source, out: str | Path, *, adapter: bool = False) -> Path:
-    """Write `source`'s checkpoint to `out`: the merged model (base weights in the run's dtype, plus the
-    tokenizer files of its tokenizer folder), or with `adapter` the PEFT adapter folder.
+    """Write `source`'s checkpoint to the local folder `out`: the merged model (base weights in the run's
+    dtype, plus the tokenizer files of its tokenizer folder), or with `adapter` the PEFT adapter folder.
 
     Raises:
-        ExportError: the checkpoint or the base model cannot be read, or the adapter format cannot hold
-            this LoRA.
+        ExportError: the checkpoint or the base model cannot be read, the adapter format cannot hold
+            this LoRA, or `out` cannot be written (a file, no permission, disk full).
     """
+    dtype = jnp.bfloat16 if source.dtype == "bfloat16" else jnp.float32
     try:
         model_cfg = hf.load_config(source.model_path)
+        lora = restore_lora(source, model_cfg)
+        params = None if adapter else hf.load_hf(source.model_path, dtype=dtype)[1]
     except (OSError, ValueError) as exc:
         raise ExportError(f"cannot read the base model {source.model_path}: {exc}") from None
-    lora = restore_lora(source, model_cfg)
     out = Path(out)
-    if adapter:
-        try:
+    try:
+        if adapter:
             save_adapter(out, model_cfg, lora, rank=source.lora_rank, alpha=source.lora_alpha,
                          targets=source.lora_targets, base_model_name_or_path=source.model)
-        except ValueError as exc:
-            raise ExportError(str(exc)) from None
-        return out
-    dtype = jnp.bfloat16 if source.dtype == "bfloat16" else jnp.float32
-    _, params = hf.load_hf(source.model_path, dtype=dtype)
-    save_merged(out, model_cfg, params, lora, source.lora_alpha / source.lora_rank)
-    for name in _COPIED:
-        if (Path(source.tokenizer_path) / name).is_file():
-            shutil.copyfile(Path(source.tokenizer_path) / name, out / name)
+            return out
+        save_merged(out, model_cfg, params, lora, source.lora_alpha / source.lora_rank)
+        for name in _COPIED:
+            if (Path(source.tokenizer_path) / name).is_file():
+                shutil.copyfile(Path(source.tokenizer_path) / name, out / name)
+    except ValueError as exc:
+        raise ExportError(str(exc)) from None
+    except OSError as exc:
+        raise ExportError(f"cannot write {out}: {exc}") from None
     return out

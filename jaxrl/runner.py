@@ -130,7 +130,7 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
                   f"({sum(x.size for x in jax.tree.leaves(base)) / 1e6:.1f}M params, {jcfg.dtype}), "
                   f"mesh {dict(mesh.shape)}, loaded in {time.perf_counter() - t0:.1f}s")
     export.write_run_config(run_dir, cfg)  # what `jaxrl export` reads
-    adapters = export.RunAdapters(cfg, mcfg, run_dir / "adapters", console)
+    adapters = export.RunAdapters(cfg, mcfg, export.adapters_dir_of(cfg), console)
 
     trainer = Trainer(mcfg, mesh, make_optimizer(cfg.learning_rate), lora_scale=lora_scale, remat=jcfg.remat)
     state = trainer.init_state(base, lora)
@@ -268,7 +268,8 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
         scheduler.stop()
         with contextlib.suppress(Exception):
             ckpt.close()
-    console.print(f"done: {cfg.max_steps} steps; metrics in {logger.path}, checkpoints in {ckpt.directory}")
+    console.print(f"done: {cfg.max_steps} steps; metrics in {logger.path}, checkpoints in {ckpt.directory}"
+                  + (f", PEFT adapters in {adapters.directory}" if adapters.enabled else ""))
     return run_dir
 
 

@@ -426,7 +426,7 @@ def test_unsupported_fields_of_the_examples(path):
     (MINIMAL + "[buffer]\nseed = 7\nskip_verification = true\n", []),
     (MINIMAL + "[buffer]\neasy_fraction = 0.5\n", ["buffer.easy_fraction"]),
     (MINIMAL + "[adapters]\ninterval = 0\n", []),
-    (MINIMAL + "[adapters]\nkeep_last = -1\n", ["adapters.keep_last"]),
+    (MINIMAL + "[adapters]\ninterval = 5\nkeep_last = -1\n", []),
     (MINIMAL + "[eval]\n", ["eval"]),
     (MINIMAL + "[val]\n", ["val"]),
     (MINIMAL + "[wandb]\n", ["wandb"]),

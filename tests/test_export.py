@@ -298,3 +298,97 @@ def test_cli_errors_are_one_clear_line(run_with_checkpoint, tmp_path, args, mess
     assert result.exit_code == 2, result.output
     assert message in result.stderr and "Traceback" not in result.output
     assert not (tmp_path / "o").exists()
+
+
+def test_cli_errors_for_an_unwritable_out_or_another_lora(run_with_checkpoint, tmp_path):
+    run_dir, toml, _, _, _ = run_with_checkpoint
+    (tmp_path / "file").write_text("")
+    result = _export(run_dir, "--out", tmp_path / "file", "--adapter")
+    assert result.exit_code == 2 and f"cannot write {tmp_path / 'file'}" in result.stderr, result.output
+    other = tmp_path / "rank8.toml"
+    other.write_text(toml.read_text().replace(f"lora_rank = {RANK}", "lora_rank = 8"))
+    result = _export(run_dir / "checkpoints", "--out", tmp_path / "o", "--config", other)
+    assert result.exit_code == 2, result.output
+    assert "is not of this run's model or LoRA: lora_rank: checkpoint 4, this run 8" in result.stderr
+    assert "Traceback" not in result.output and not (tmp_path / "o").exists()
+
+
+# --- `[adapters]`: PEFT folders written during a run --------------------------------------------------
+
+def _run_config(tmp_path: Path, model_dir: Path, adapters: str, checkpoint_dir: str | None = None):
+    toml = tmp_path / "rl.toml"
+    text = RUN_TOML.format(model=model_dir, runs=tmp_path / "runs", alpha=ALPHA, rank=RANK).replace(
+        "max_steps = 2", "max_steps = 7")
+    if checkpoint_dir:
+        text += f'checkpoint_dir = "{checkpoint_dir}"\n'
+    toml.write_text(text + adapters)
+    return load_config(toml)
+
+
+@pytest.mark.parametrize("where", ["local", "gcs"])
+def test_run_adapters_interval_and_keep_last(tmp_path, where, request):
+    """interval 2, keep_last 2 over 7 steps: written after steps 2, 4, 6 and 7 (the last), 6 and 7 kept;
+    each reads back as the LoRA of its step. On gs:// they live beside Orbax's step folders."""
+    folder = tmp_path / "base"
+    _dense().save_pretrained(folder)
+    mcfg = hf.load_config(folder)
+    ckpt_dir = None
+    if where == "gcs":
+        request.getfixturevalue("gcs")
+        ckpt_dir = "gs://jaxrl-test/adapters-test"
+    cfg = _run_config(tmp_path, folder, "[adapters]\ninterval = 2\nkeep_last = 2\n", ckpt_dir)
+    directory = export.adapters_dir_of(cfg)
+    assert directory == (f"{ckpt_dir}/exp/adapters" if ckpt_dir else str(tmp_path / "runs" / "exp" / "adapters"))
+    adapters = export.RunAdapters(cfg, mcfg, directory)
+    ckpt = Checkpointer(ckpt_dir, keep=1) if ckpt_dir else None
+    loras = {}
+    for step in range(1, 8):
+        loras[step] = _random_lora(mcfg, seed=step)
+        written = adapters.after_step(step, loras[step])
+        assert (written is not None) == (step in (2, 4, 6, 7))
+        if ckpt:
+            ckpt.save(step, TrainState(loras[step], {}, jnp.asarray(step, jnp.int32)), {"step": step})
+    assert adapters.steps() == [6, 7]
+    for step in (6, 7):
+        back = export.load_adapter(f"{directory}/step_{step}", mcfg)
+        assert back.base_model_name_or_path == "jaxrl/qwen3-test" and back.lora_scale == ALPHA / RANK
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), back.lora,
+                     loras[step])
+    if ckpt:
+        ckpt.wait()
+        assert ckpt.all_steps() == [7]
+        ckpt.close()
+    assert sorted(p.name for p in export.epath.Path(directory).iterdir()) == ["step_6", "step_7"]
+
+
+def test_run_adapters_default_is_the_last_step_only_and_keep_all(tmp_path):
+    folder = tmp_path / "base"
+    _dense().save_pretrained(folder)
+    mcfg = hf.load_config(folder)
+    default = export.RunAdapters(_run_config(tmp_path, folder, ""), mcfg, tmp_path / "a")
+    assert [s for s in range(1, 8) if default.due(s)] == [7]
+    keep_all = export.RunAdapters(_run_config(tmp_path, folder, "[adapters]\ninterval = 1\nkeep_last = -1\n"),
+                                  mcfg, tmp_path / "b")
+    for step in range(1, 8):
+        keep_all.after_step(step, _random_lora(mcfg, targets=ALL, seed=step))
+    assert keep_all.steps() == list(range(1, 8))
+    (tmp_path / "b" / "step_3" / export.ADAPTER_CONFIG).unlink()  # as a crash in a gs:// rename leaves it
+    assert keep_all.steps() == [1, 2, 4, 5, 6, 7]
+
+
+def test_run_adapters_for_a_lora_peft_cannot_hold(tmp_path):
+    """A mixed dense/MoE model with MLP LoRA: a config error when [adapters] is set, else no adapters and
+    a message saying why."""
+    from rich.console import Console
+
+    from jaxrl.config import ConfigError
+
+    folder = tmp_path / "base"
+    _moe(mlp_only_layers=[1]).save_pretrained(folder)
+    mcfg = hf.load_config(folder)
+    with pytest.raises(ConfigError, match="adapters: a PEFT adapter cannot hold MLP LoRA"):
+        export.RunAdapters(_run_config(tmp_path, folder, "[adapters]\ninterval = 1\n"), mcfg, tmp_path / "a")
+    console = Console(record=True, width=300)
+    quiet = export.RunAdapters(_run_config(tmp_path, folder, ""), mcfg, tmp_path / "a", console)
+    assert not quiet.enabled and quiet.after_step(7, _random_lora(mcfg)) is None
+    assert "no PEFT adapters for this run" in console.export_text() and not (tmp_path / "a").exists()
