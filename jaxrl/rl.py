@@ -59,9 +59,10 @@ def policy_loss(logp_BT: jax.Array, inference_logp_BT: jax.Array, advantages_B: 
         advantages_B: float32 [B].
         loss_mask_BT: bool [B, T], True on sampled tokens.
     Returns:
-        scalar loss, and metrics: `policy/clip_fraction` (share of loss tokens masked by the ratio),
-        `policy/kl` (mean `logp_inference - logp` over loss tokens, a k1 estimate of KL(engine||trainer)),
-        `policy/ratio` (mean ratio).
+        scalar loss, and metrics over loss tokens: `policy/clip_fraction` (share masked by the ratio),
+        `policy/kl` (mean of `ratio - 1 - log ratio`: the k3 estimator of KL(engine || trainer) from
+        tokens the engine sampled, Schulman 2020 "Approximating KL Divergence"; prime-rl's
+        `mismatch_kl`; >= 0 per token, unlike the k1 mean of `-log ratio`), `policy/ratio` (mean ratio).
     """
     mask = loss_mask_BT.astype(jnp.float32)
     n = jnp.maximum(mask.sum(), 1.0)
@@ -72,7 +73,7 @@ def policy_loss(logp_BT: jax.Array, inference_logp_BT: jax.Array, advantages_B: 
     loss = jnp.sum(keep * (pg + cfg.kl_coef * log_ratio**2)) / n
     metrics = {
         "policy/clip_fraction": jnp.sum(mask - keep) / n,
-        "policy/kl": jnp.sum(mask * -log_ratio) / n,
+        "policy/kl": jnp.sum(mask * (ratio - 1.0 - log_ratio)) / n,
         "policy/ratio": jnp.sum(mask * ratio) / n,
     }
     return loss, metrics

@@ -180,7 +180,7 @@ class Trainer:
         (loss, metrics), lora_grads = jax.value_and_grad(
             lambda lora: self.loss({"base": base, "lora": lora}, batch), has_aux=True)(state.lora)
         grads = {"base": jax.tree.map(jnp.zeros_like, base), "lora": lora_grads}
-        grad_norm = optax.global_norm(lora_grads)
+        grad_norm = optax.tree.norm(lora_grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = self.tx.update(grads, state.opt_state, params)
         new_lora = optax.apply_updates(state.lora, updates["lora"])

@@ -30,7 +30,9 @@ def test_policy_loss_hand_computed():
     per_tok = keep * (-ratio * np.array([[1.0], [-2.0]]) * np.asarray(logp) + 0.1 * lr**2)
     np.testing.assert_allclose(loss, per_tok.sum() / 5, rtol=1e-5)
     np.testing.assert_allclose(m["policy/clip_fraction"], 1 / 5, rtol=1e-6)
-    np.testing.assert_allclose(m["policy/kl"], -(lr * [[1, 1, 1], [1, 1, 0]]).sum() / 5, rtol=1e-5)
+    # k3 per token: (ratio - 1) - log ratio = 0.5 - 1 - log 0.5 = 0.19315 and 18 - 1 - log 18 = 14.10963
+    np.testing.assert_allclose(m["policy/kl"], (0.5 - 1 - np.log(0.5) + 17 - np.log(18)) / 5, rtol=1e-5)
+    np.testing.assert_allclose(m["policy/ratio"], (1 + 0.5 + 1 + 1 + 18) / 5, rtol=1e-6)
 
 
 def test_policy_gradient_raises_logprob_of_positive_advantage():
