@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
 from typer.testing import CliRunner
 
 from jaxrl import export, hf, model
@@ -392,3 +393,25 @@ def test_run_adapters_for_a_lora_peft_cannot_hold(tmp_path):
     quiet = export.RunAdapters(_run_config(tmp_path, folder, ""), mcfg, tmp_path / "a", console)
     assert not quiet.enabled and quiet.after_step(7, _random_lora(mcfg)) is None
     assert "no PEFT adapters for this run" in console.export_text() and not (tmp_path / "a").exists()
+
+
+def test_a_run_writes_its_adapters_and_export_reads_its_checkpoint(tmp_path, tiny_model_dir, compile_cache):
+    """A real 2-step `jaxrl run` with `[adapters] interval = 1, keep_last = 1`: only `adapters/step_2` is
+    left, and it holds the LoRA of checkpoint 2, as `jaxrl export --adapter` writes it from there."""
+    from test_resume import finish, start, write_config
+
+    cfg = write_config(tmp_path / "rl.toml", tiny_model_dir, "adp", max_steps=2,
+                       extra="[adapters]\ninterval = 1\nkeep_last = 1\n[buffer]\nskip_verification = true\n")
+    code, log = finish(start(cfg, tmp_path / "run.log", compile_cache), tmp_path / "run.log")
+    run_dir = tmp_path / "runs" / "adp"
+    assert code == 0, log
+    assert f"PEFT adapters in {run_dir / 'adapters'}" in log
+    assert sorted(p.name for p in (run_dir / "adapters").iterdir()) == ["step_2"]
+    result = _export(run_dir, "--out", tmp_path / "exported", "--adapter")
+    assert result.exit_code == 0, result.output
+    written = safetensors.numpy.load_file(run_dir / "adapters" / "step_2" / export.ADAPTER_WEIGHTS)
+    exported = safetensors.numpy.load_file(tmp_path / "exported" / export.ADAPTER_WEIGHTS)
+    assert written.keys() == exported.keys() and len(written) == 2 * 7 * hf.load_config(tiny_model_dir).num_layers
+    for k, v in written.items():
+        np.testing.assert_array_equal(v, exported[k])
+    assert any(np.any(v != 0) for k, v in written.items() if "lora_B" in k)  # trained, not the fresh LoRA
