@@ -268,7 +268,9 @@ class RunConfig(_Table):
     rollouts_per_example: int = Field(8, ge=1)
     """Rollouts per dataset example (the GRPO group size). Default 8."""
     trajectory_strategy: Literal["interleaved", "branching"] = "interleaved"
-    """How multi-turn trajectories are generated: "interleaved" or "branching". Default "interleaved"."""
+    """How a multi-turn trace becomes training samples: "interleaved" (one sample per trace, every turn's
+    sampled tokens masked in) or "branching" (one sample per turn: that turn's prompt and completion, only
+    the completion masked in; each with its trace's advantage). Default "interleaved"."""
     learning_rate: float = Field(1e-4, gt=0)
     """Learning rate of the LoRA parameters. Default 1e-4."""
     lora_alpha: int = Field(16, ge=1)
@@ -354,7 +356,6 @@ class RunConfig(_Table):
 NOT_SUPPORTED_YET: frozenset[str] = frozenset({
     "oversampling_factor",
     "max_async_level",
-    "trajectory_strategy",
     "eval",
     "val",
     "buffer.online_difficulty_filtering",
@@ -537,6 +538,7 @@ rollouts_per_example = 8       # rollouts per example (the group size)
 # lora_alpha = 16              # LoRA updates are scaled by lora_alpha / [jax] lora_rank
 # env_file = ["secrets.env"]   # .env files with secrets, relative to this file
 # checkpoint_id = "other-run/200"  # warm start from another run's LoRA: "run", "run/step" or a path
+# trajectory_strategy = "interleaved"  # multi-turn: one sample per trace; "branching": one per turn
 
 [sampling]
 max_tokens = 512               # tokens sampled per turn, < [jax] seq_len
@@ -575,7 +577,6 @@ id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
 # Not supported by jaxrl yet: `jaxrl validate` accepts these, `jaxrl run` refuses them.
 # oversampling_factor = 2.0    # rollouts in flight per batch_size rollouts
 # max_async_level = 2          # policy versions a rollout may lag; >= oversampling_factor
-# trajectory_strategy = "interleaved"  # or "branching"
 #
 # [wandb]
 # project = "my-project"

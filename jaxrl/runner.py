@@ -232,8 +232,8 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
                                   f"were dropped[/]; first: {first}", highlight=False)
                 advantages = np.concatenate([rollouts.advantages(group) for group in step_rollouts])
                 width = pad_length(max(len(r.token_ids) for r in kept), jcfg.seq_len)
-                batch = make_batch([(r.token_ids, r.loss_mask, r.logprobs) for r in kept], advantages,
-                                   sampling.temperature, width)
+                samples, sample_advantages = envs.training_samples(kept, advantages, cfg.trajectory_strategy)
+                batch = make_batch(samples, sample_advantages, sampling.temperature, width)
                 t_train = time.perf_counter()
                 state, train_metrics = trainer.step(state, base, batch)
                 scheduler.update_params({"base": base, "lora": state.lora}, version=step + 1)
@@ -245,7 +245,7 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
                 sampled = sum(sum(r.loss_mask) for r in kept)
                 metrics |= train_metrics | {
                     "time/rollout": t_rollout, "time/train": now - t_train, "time/step": now - t_step,
-                    "tokens_per_s": sampled / t_rollout,
+                    "tokens_per_s": sampled / t_rollout, "train/samples": float(len(samples)),
                 }
                 logger.log(step + 1, metrics)
                 done, drawn_at_done = step + 1, list(sampler.drawn)

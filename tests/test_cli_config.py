@@ -153,12 +153,12 @@ def fake_runner(monkeypatch):
 
 def test_run_refuses_unsupported_fields(tmp_path, fake_runner):
     path = tmp_path / "rl.toml"
-    path.write_text(MINIMAL.replace("max_steps = 100", 'max_steps = 100\ntrajectory_strategy = "branching"')
+    path.write_text(MINIMAL.replace("max_steps = 100", 'max_steps = 100\noversampling_factor = 1.5')
                     + "[eval]\n[buffer]\nhard_fraction = 0.5\n")
     result = invoke("run", path)
     assert result.exit_code == 2
     assert result.stderr.splitlines()[1:] == [
-        "not supported yet: buffer.hard_fraction", "not supported yet: eval", "not supported yet: trajectory_strategy"]
+        "not supported yet: buffer.hard_fraction", "not supported yet: eval", "not supported yet: oversampling_factor"]
     assert "refusing to start" in result.stderr.splitlines()[0]
     assert fake_runner.calls == []
 

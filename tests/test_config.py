@@ -417,7 +417,7 @@ def test_unsupported_fields_of_the_examples(path):
 
 @pytest.mark.parametrize(("text", "expected"), [
     (top('trajectory_strategy = "interleaved"'), []),
-    (top('trajectory_strategy = "branching"'), ["trajectory_strategy"]),
+    (top('trajectory_strategy = "branching"'), []),
     (top("oversampling_factor = 1.5"), ["oversampling_factor"]),
     (top('checkpoint_id = "cp_abc123"'), []),
     (MINIMAL + '[infrastructure]\ncompute_size = "M"\n', []),

@@ -1,0 +1,109 @@
+"""JetStream (the `jaxrl[jetstream]` extra) driving jaxrl's engine: its orchestrator gives the same greedy
+tokens as jaxrl's scheduler, and its gRPC server answers over the tiny checkpoint."""
+
+import asyncio
+
+import grpc
+import jax
+import numpy as np
+import pytest
+from gcs_fixtures import free_port
+from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
+
+from jaxrl import hf
+from jaxrl import jetstream as js
+from jaxrl.engine import Engine
+from jaxrl.protocol import SamplingParams
+from jaxrl.scheduler import Scheduler
+from jaxrl.sharding import make_mesh
+
+SEQ_LEN = 40
+PROMPTS = [[1, 2, 3, 4, 5], [151644, 872, 198, 9707, 11, 1879, 0], list(range(100, 130)), [42]]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir):
+    """The tiny checkpoint with its layer matrices scaled 20x, so that greedy tokens depend on the whole
+    context (at 1x it repeats the last prompt token), on a 2-slot engine: 4 prompts reuse slots."""
+    cfg, base = hf.load_hf(tiny_model_dir)
+    base = {**base, "layers": jax.tree.map(lambda x: x * 20 if x.ndim > 2 else x, base["layers"]),
+            "mlp": jax.tree.map(lambda x: x * 20, base["mlp"])}
+    engine = Engine(cfg, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=2, max_seq_len=SEQ_LEN)
+    params = {"base": base, "lora": None}
+    return engine, params, js.JetStreamEngine(engine, params, tiny_model_dir)
+
+
+def _scheduler_tokens(engine, params, prompts, max_tokens, stop):
+    sched = Scheduler(engine, params, "tiny")
+
+    async def all_of():
+        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=stop)
+        return await asyncio.gather(*(sched.generate(p, sampling) for p in prompts))
+
+    try:
+        done = asyncio.run(all_of())
+    finally:
+        sched.stop()
+    # JetStream does not emit the stop token; jaxrl's scheduler keeps it.
+    return [c.token_ids[:-1] if c.finish_reason == "stop" else c.token_ids for c in done]
+
+
+def test_orchestrator_decode_matches_scheduler(served):
+    engine, params, adapter = served
+    want = _scheduler_tokens(engine, params, PROMPTS, 12, tuple(adapter.tokenizer.stop_tokens))
+    with js.in_process(adapter) as jet:
+        got = jet.decode(PROMPTS, 12)
+    assert got == want
+    assert [len(t) for t in got] == [12, 12, SEQ_LEN - 30, 12]  # the 30-token prompt fills the cache
+    assert all(len(set(t)) > 3 for t in got)  # not a repetition of one token
+
+
+def test_driver_thread_error_is_raised_not_fatal(served):
+    engine, _, adapter = served
+    with js.in_process(adapter) as jet:
+        with pytest.raises(js.JetStreamError, match="prefill-0 failed.*token id 151936 is outside"):
+            jet.decode([[5, engine.cfg.vocab_size]], 4, timeout_s=60)
+        with pytest.raises(ValueError, match="a prompt is empty"):
+            jet.decode([[5], []], 4)
+
+
+def test_tokenizer_has_no_bos_and_stops_at_the_model_eos(tiny_model_dir):
+    tok = js.HFTokenizer(tiny_model_dir)
+    assert tok.bos_id == js.NO_BOS
+    assert tok.stop_tokens == {151645, 151643}  # generation_config.json's eos_token_id; not pad_id 0
+    padded, n = tok.encode("hello world", is_bos=True, max_prefill_length=32, jax_padding=False)
+    ids = tok._tok.encode("hello world", add_special_tokens=False).ids
+    assert n == len(ids) + 1 and padded.shape == (16,)
+    np.testing.assert_array_equal(padded[:n], [js.NO_BOS, *ids])
+    assert tok.decode(ids) == "hello world"
+
+
+def test_tokenizer_errors_name_the_folder(tmp_path):
+    with pytest.raises(ValueError, match=f"no tokenizer.json in {tmp_path}"):
+        js.HFTokenizer(tmp_path)
+
+
+def test_grpc_server_decodes_tokens_and_text(served):
+    _, _, adapter = served
+    port = free_port()
+    server = js.serve(adapter, port, host="127.0.0.1")
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = jetstream_pb2_grpc.OrchestratorStub(channel)
+            assert stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=60).is_live
+            ids = adapter.tokenizer._tok.encode("The capital of France", add_special_tokens=False).ids
+            by_ids = jetstream_pb2.DecodeRequest(max_tokens=6, token_content={"token_ids": ids})
+            by_text = jetstream_pb2.DecodeRequest(max_tokens=6, text_content={"text": "The capital of France"})
+            tokens = [t for r in stub.Decode(by_ids, timeout=120) for t in r.stream_content.samples[0].token_ids]
+            texts = [r.stream_content.samples[0] for r in stub.Decode(by_text, timeout=120)]
+            for bad, why in [({"token_content": {"token_ids": [151936]}}, "token id 151936 is outside"),
+                             ({"text_content": {"text": ""}}, "no text_content")]:
+                with pytest.raises(grpc.RpcError) as err:
+                    list(stub.Decode(jetstream_pb2.DecodeRequest(max_tokens=2, **bad), timeout=60))
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in err.value.details()
+            assert stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=60).is_live  # still serving
+    finally:
+        server.stop()
+    assert len(tokens) == 6
+    assert [t for s in texts for t in s.token_ids] == tokens  # the text path drops JetStream's BOS slot
+    assert "".join(s.text for s in texts) == adapter.tokenizer.decode(tokens)

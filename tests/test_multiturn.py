@@ -1,0 +1,161 @@
+"""Multi-turn environments and trajectory strategies: the shipped `jaxrl/follow-rules` taskset, its
+traces through the in-process harness, verifiers' train client and the real server on the tiny Qwen3,
+and how a trace becomes training samples ("interleaved" or "branching")."""
+
+import asyncio
+import math
+import re
+
+import jax
+import numpy as np
+import pytest
+from follow_rules.taskset import RULES, SHORT_CHARS, rule_score
+from tokenizers import Tokenizer
+
+from jaxrl import hf
+from jaxrl.engine import Engine
+from jaxrl.envs import Rollout, load_env, run_group, training_samples, turn_samples
+from jaxrl.protocol import SamplingParams
+from jaxrl.scheduler import Scheduler
+from jaxrl.server import start_server
+from jaxrl.sharding import make_mesh
+
+MODEL = "policy"
+TURNS = 3
+
+
+def test_rule_scores_by_hand():
+    assert rule_score("lowercase", "  hello World ") == 10 / 11  # stripped; "W" is not lowercase
+    assert rule_score("uppercase", "HI there") == 3 / 8
+    assert rule_score("short", "x" * SHORT_CHARS) == 1.0
+    assert rule_score("short", "x" * (4 * SHORT_CHARS)) == 0.25
+    assert [rule_score(r, " \n") for r in RULES] == [0.0, 0.0, 0.0]
+
+
+def test_follow_rules_loads_by_id_with_disjoint_deterministic_splits():
+    env = load_env("jaxrl/follow-rules", {"num_train_examples": 30, "num_eval_examples": 10})
+    assert (env.name, env.module, type(env.env).__name__) == ("follow-rules", "follow_rules", "FollowRulesEnv")
+    assert (len(env.tasks), len(env.eval_tasks)) == (30, 10)
+    for task in env.tasks + env.eval_tasks:
+        rules, requests = task.data.rules, task.data.requests
+        assert len(rules) == len(requests) == TURNS
+        assert all(a != b for a, b in zip(rules, rules[1:], strict=False))  # each turn changes the rule
+        assert task.data.prompt == f"{RULES[rules[0]]} {requests[0]}"
+    key = lambda t: (tuple(t.data.rules), tuple(t.data.requests))  # noqa: E731
+    assert {key(t) for t in env.tasks}.isdisjoint(key(t) for t in env.eval_tasks)
+    again = load_env("jaxrl/follow-rules", {"num_train_examples": 30, "num_eval_examples": 10})
+    assert [key(t) for t in again.tasks] == [key(t) for t in env.tasks]
+    two = load_env("jaxrl/follow-rules", {"num_train_examples": 5, "num_turns": 2})
+    assert {len(t.data.rules) for t in two.tasks} == {2}
+
+
+def test_turn_samples_by_hand():
+    ids = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    mask = [False, True, True, False, False, True, False, True, False]
+    lps = [0.0, -0.1, -0.2, 0.0, 0.0, -0.5, 0.0, -0.7, 0.0]
+    assert turn_samples(ids, mask, lps) == [
+        ([1, 2, 3], [False, True, True], [0.0, -0.1, -0.2]),
+        ([1, 2, 3, 4, 5, 6], [False, False, False, False, False, True], [0.0] * 5 + [-0.5]),
+        ([1, 2, 3, 4, 5, 6, 7, 8], [False] * 7 + [True], [0.0] * 7 + [-0.7]),
+    ]
+    assert turn_samples([1, 2], [True, True], [-1.0, -2.0]) == [([1, 2], [True, True], [-1.0, -2.0])]
+    assert turn_samples([1, 2], [False, False], [0.0, 0.0]) == []
+    with pytest.raises(ValueError, match="differ in length: 2, 1, 2"):
+        turn_samples([1, 2], [True], [0.0, 0.0])
+
+
+def test_training_samples_by_strategy():
+    def rollout(mask: list[bool]) -> Rollout:
+        n = len(mask)
+        return Rollout(list(range(n)), mask, [-1.0 if m else 0.0 for m in mask], 0.0, False, True, None, "e", 0)
+
+    two_turns, one_turn = rollout([False, True, False, True]), rollout([False, False, True, True])
+    adv = np.array([0.5, -0.5])
+    samples, sample_adv = training_samples([two_turns, one_turn], adv, "interleaved")
+    assert samples == [(r.token_ids, r.loss_mask, r.logprobs) for r in (two_turns, one_turn)]
+    assert sample_adv.tolist() == [0.5, -0.5]
+    samples, sample_adv = training_samples([two_turns, one_turn], adv, "branching")
+    assert [s[0] for s in samples] == [[0, 1], [0, 1, 2, 3], [0, 1, 2, 3]]
+    assert [s[1] for s in samples] == [[False, True], [False, False, False, True], [False, False, True, True]]
+    assert sample_adv.dtype == np.float32 and sample_adv.tolist() == [0.5, 0.5, -0.5]
+    with pytest.raises(ValueError, match="unknown trajectory_strategy 'depth-first'"):
+        training_samples([two_turns], adv[:1], "depth-first")
+
+
+class Recording:
+    """The real scheduler behind the server, recording each request's prompt ids and completion."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler, self.model_name, self.max_model_len = scheduler, MODEL, scheduler.max_model_len
+        self.calls: list[tuple[list[int], list[int], list[float]]] = []
+
+    async def generate(self, prompt_ids, params, *args, **kwargs):
+        out = await self.scheduler.generate(prompt_ids, params, *args, **kwargs)
+        self.calls.append((list(prompt_ids), list(out.token_ids), list(out.logprobs)))
+        return out
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model_dir):
+    mcfg, base = hf.load_hf(tiny_model_dir)
+    engine = Engine(mcfg, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=4, max_seq_len=160)
+    scheduler = Scheduler(engine, {"base": base, "lora": None}, model_name=MODEL)
+    backend = Recording(scheduler)
+    handle = start_server(backend)
+    yield handle, backend
+    handle.stop()
+    scheduler.stop()
+
+
+def test_multiturn_traces_through_the_real_server(tiny_server, tiny_model_dir):
+    server, backend = tiny_server
+    env = load_env("jaxrl/follow-rules", {"num_train_examples": 4, "num_eval_examples": 1})
+    task = env.tasks[1]
+
+    async def go():
+        async with env.serving():
+            return await run_group(env, task, 2, base_url=server.base_url, model_name=MODEL,
+                                   tokenizer_path=tiny_model_dir,
+                                   sampling=SamplingParams(temperature=1.0, max_tokens=8, seed=11))
+
+    rollouts = asyncio.run(go())
+    tokenizer = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    assert len(rollouts) == 2 and len(backend.calls) == 2 * TURNS
+    for r in rollouts:
+        assert r.ok and r.error is None, r.error
+        # This rollout's model calls: those whose prompt + completion its token ids extend, in order (two
+        # rollouts that sampled the same replies share theirs).
+        mine = {len(p): (p, c, lps) for p, c, lps in backend.calls if r.token_ids[: len(p) + len(c)] == p + c}
+        calls = [mine[n] for n in sorted(mine)]
+        assert len(calls) == TURNS
+        mask, logprobs = [False] * len(r.token_ids), [0.0] * len(r.token_ids)
+        for k, (prompt, completion, lps) in enumerate(calls):
+            start, end = len(prompt), len(prompt) + len(completion)
+            # The trace is the renderer's tokens: each prompt extends the last prompt + its completion.
+            assert r.token_ids[start:end] == completion
+            if k + 1 < TURNS:
+                assert calls[k + 1][0][:end] == r.token_ids[:end]
+            mask[start:end], logprobs[start:end] = [True] * len(completion), lps
+        assert r.token_ids[: len(calls[-1][0]) + len(calls[-1][1])] == r.token_ids  # nothing after the last reply
+        assert r.loss_mask == mask  # every sampled span in, every prompt and environment token out
+        assert r.logprobs == pytest.approx(logprobs)
+        assert all(math.isfinite(x) and x <= 0 for x in logprobs)
+        # The environment's turns are real user turns built from the model's replies.
+        replies = [tokenizer.decode(c[1], skip_special_tokens=True) for c in calls]
+        for k in range(1, TURNS):
+            env_text = tokenizer.decode(r.token_ids[len(calls[k - 1][0]) + len(calls[k - 1][1]): len(calls[k][0])])
+            score = float(re.search(r"Your reply scored (\d\.\d\d)", env_text).group(1))
+            assert score == pytest.approx(rule_score(task.data.rules[k - 1], replies[k - 1]), abs=0.005)
+            assert RULES[task.data.rules[k]] in env_text
+        expected = sum(rule_score(rule, reply) for rule, reply in zip(task.data.rules, replies, strict=True)) / TURNS
+        assert r.reward == pytest.approx(expected)
+
+        # interleaved: the trace as one sample; branching: each turn's prompt + completion, only it masked in.
+        (interleaved,), adv = training_samples([r], np.array([0.25]), "interleaved")
+        assert interleaved == (r.token_ids, r.loss_mask, r.logprobs) and adv.tolist() == [0.25]
+        branching, adv = training_samples([r], np.array([0.25]), "branching")
+        assert adv.tolist() == [0.25] * TURNS
+        for (ids, sample_mask, sample_lps), (prompt, completion, lps) in zip(branching, calls, strict=True):
+            assert ids == prompt + completion
+            assert sample_mask == [False] * len(prompt) + [True] * len(completion)
+            assert sample_lps == pytest.approx([0.0] * len(prompt) + lps)
