@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +46,11 @@ RUN_CONFIG = "config.json"  # what `jaxrl run` writes into the run folder for `j
 _PEFT_PREFIX = "base_model.model."
 _N_IN = {name: n_in for name, n_in in LORA_TARGETS.values()}  # our weight name -> its input axes
 _EXPERT_TARGETS = ("gate_proj", "up_proj")  # fused into one `gate_up_proj` by transformers 5
-# Files of a base model folder that a merged export needs to be used as it is (tokenizer, generation).
-_COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-           "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
+# Files a merged export copies so that it can be used as it is: from the tokenizer folder, and from the
+# base model folder (sampling defaults).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                    "vocab.json", "merges.txt", "chat_template.jinja")
+_MODEL_FILES = ("generation_config.json",)
 
 
 class ExportError(Exception):
@@ -303,7 +304,9 @@ class RunAdapters:
     `gs://` (etils.epath). Only process 0 of a multi-host run writes.
 
     A LoRA that the PEFT format cannot hold (`save_adapter`) is a ConfigError when the config sets
-    `[adapters]`; with the table left out, the run writes no adapters and says so on `console`.
+    `[adapters]`; with the table left out, the run writes no adapters and says so on `console`. An
+    adapter that cannot be written (storage down, disk full) is reported on `console` and the run goes
+    on: the checkpoints hold the same LoRA, and `jaxrl export --adapter` writes it from one.
     """
 
     def __init__(self, cfg: RunConfig, model_cfg: ModelConfig, directory: str | epath.PathLike,
@@ -314,6 +317,7 @@ class RunAdapters:
         self.model_cfg = model_cfg
         self.rank, self.alpha, self.targets = cfg.jax.lora_rank, cfg.lora_alpha, tuple(cfg.jax.lora_targets)
         self.base_model = cfg.model
+        self.console = console
         self.enabled = True
         try:
             _check_peft_targets(model_cfg, self.targets)
@@ -342,16 +346,22 @@ class RunAdapters:
             return None
         final = self.directory / f"step_{step}"
         tmp = self.directory / f".tmp-step_{step}"
-        for stale in (tmp, final):
-            if stale.exists():
-                stale.rmtree()
-        save_adapter(tmp, self.model_cfg, host, rank=self.rank, alpha=self.alpha, targets=self.targets,
-                     base_model_name_or_path=self.base_model)
-        tmp.rename(final)
-        keep = self.settings.keep_last
-        if keep > 0:
-            for old in self.steps()[:-keep]:
-                (self.directory / f"step_{old}").rmtree()
+        try:
+            for stale in (tmp, final):
+                if stale.exists():
+                    stale.rmtree()
+            save_adapter(tmp, self.model_cfg, host, rank=self.rank, alpha=self.alpha, targets=self.targets,
+                         base_model_name_or_path=self.base_model)
+            tmp.rename(final)
+            keep = self.settings.keep_last
+            if keep > 0:
+                for old in self.steps()[:-keep]:
+                    (self.directory / f"step_{old}").rmtree()
+        except Exception as exc:  # noqa: BLE001 - any storage failure (OSError, gcsfs' HttpError, ...)
+            if self.console is not None:
+                self.console.print(f"step {step}: PEFT adapter not written to {final}: {type(exc).__name__}: "
+                                   f"{exc}", style="yellow", markup=False, highlight=False)
+            return None
         return final
 
     def steps(self) -> list[int]:
@@ -529,9 +539,10 @@ def export(source: Source, out: str | Path, *, adapter: bool = False) -> Path:
                          targets=source.lora_targets, base_model_name_or_path=source.model)
             return out
         save_merged(out, model_cfg, params, lora, source.lora_alpha / source.lora_rank)
-        for name in _COPIED:
-            if (Path(source.tokenizer_path) / name).is_file():
-                shutil.copyfile(Path(source.tokenizer_path) / name, out / name)
+        for folder, names in ((source.tokenizer_path, _TOKENIZER_FILES), (source.model_path, _MODEL_FILES)):
+            for name in names:
+                if (src := epath.Path(folder) / name).exists():  # the folders may be gs:// ones
+                    (out / name).write_bytes(src.read_bytes())
     except ValueError as exc:
         raise ExportError(str(exc)) from None
     except OSError as exc:

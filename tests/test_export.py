@@ -224,14 +224,17 @@ lora_rank = {rank}
 
 @pytest.fixture(scope="module")
 def run_with_checkpoint(tmp_path_factory):
-    """A run folder as `jaxrl run` leaves it (config.json, checkpoints/2) holding a random LoRA, and the
-    base folder with a tokenizer file beside the weights."""
+    """A run folder as `jaxrl run` leaves it (config.json, checkpoints/2) holding a random LoRA; the base
+    folder has a generation config, the tokenizer folder beside it a tokenizer file."""
     tmp = tmp_path_factory.mktemp("run")
     m = _dense()
     m.save_pretrained(tmp / "base")
-    (tmp / "base" / "tokenizer.json").write_text("{}")
+    (tmp / "base" / "generation_config.json").write_text('{"temperature": 0.25}')
+    (tmp / "tok").mkdir()
+    (tmp / "tok" / "tokenizer.json").write_text("{}")
     toml = tmp / "rl.toml"
-    toml.write_text(RUN_TOML.format(model=tmp / "base", runs=tmp / "runs", alpha=ALPHA, rank=RANK))
+    toml.write_text(RUN_TOML.format(model=tmp / "base", runs=tmp / "runs", alpha=ALPHA, rank=RANK)
+                    + f'tokenizer_path = "{tmp / "tok"}"\n')
     cfg = load_config(toml)
     run_dir = tmp / "runs" / "exp"
     run_dir.mkdir(parents=True)
@@ -259,6 +262,7 @@ def test_cli_exports_a_run_folder_merged(run_with_checkpoint, tmp_path):
     m = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "merged").eval()
     np.testing.assert_allclose(_torch_logits(m), want, atol=ATOL, rtol=0)
     assert (tmp_path / "merged" / "tokenizer.json").read_text() == "{}"
+    assert (tmp_path / "merged" / "generation_config.json").read_text() == '{"temperature": 0.25}'
 
 
 def test_cli_exports_a_checkpoint_step_as_an_adapter(run_with_checkpoint, tmp_path):
@@ -375,6 +379,21 @@ def test_run_adapters_default_is_the_last_step_only_and_keep_all(tmp_path):
     assert keep_all.steps() == list(range(1, 8))
     (tmp_path / "b" / "step_3" / export.ADAPTER_CONFIG).unlink()  # as a crash in a gs:// rename leaves it
     assert keep_all.steps() == [1, 2, 4, 5, 6, 7]
+
+
+def test_run_adapters_that_cannot_be_written_are_reported_and_the_run_goes_on(tmp_path):
+    from rich.console import Console
+
+    folder = tmp_path / "base"
+    _dense().save_pretrained(folder)
+    mcfg = hf.load_config(folder)
+    (tmp_path / "blocked").write_text("a file where the adapters folder should be")
+    console = Console(record=True, width=300)
+    adapters = export.RunAdapters(_run_config(tmp_path, folder, "[adapters]\ninterval = 1\n"), mcfg,
+                                  tmp_path / "blocked" / "adapters", console)
+    assert adapters.after_step(1, _random_lora(mcfg)) is None
+    assert f"step 1: PEFT adapter not written to {tmp_path / 'blocked' / 'adapters' / 'step_1'}" in (
+        console.export_text())
 
 
 def test_run_adapters_for_a_lora_peft_cannot_hold(tmp_path):
