@@ -181,3 +181,79 @@ def export_(
     kind = "PEFT adapter" if adapter else "merged model"
     out.print(f"wrote the {kind} of checkpoint step {source.step} ({source.checkpoint_dir}) to {out_dir}",
               markup=False)
+
+
+@app.command()
+def serve(
+    ref: Annotated[str, typer.Argument(metavar="MODEL_OR_CHECKPOINT", show_default=False,
+                                       help="A HF model folder (config.json + safetensors), or a run folder, its "
+                                            "checkpoints folder or one step's (as `jaxrl export` takes).")],
+    host: Annotated[str, typer.Option(help="Address to bind; anything but loopback should come with an API "
+                                           "key.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind (0: a free one).")] = 8000,
+    decode_slots: Annotated[int, typer.Option(help="Sequences decoded at once; more requests wait in the queue.")] = 32,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence, prompt and completion.")] = 4096,
+    api_key_env: Annotated[str | None, typer.Option(help="Environment variable holding the API key clients must "
+                                                         "send as 'Authorization: Bearer <key>'.",
+                                                    show_default=False)] = None,
+    max_pending: Annotated[int, typer.Option(help="Requests queued or running at once; more get a 503.")] = 1024,
+    name: Annotated[str | None, typer.Option(help="Model name for clients and /v1/models. Default: "
+                                                  "MODEL_OR_CHECKPOINT as given.", show_default=False)] = None,
+    step: Annotated[int | None, typer.Option(help="Checkpoint step (default: the latest).", show_default=False)] = None,
+    config: Annotated[Path | None, typer.Option(help="The run's TOML, for a checkpoint without its run folder.",
+                                                show_default=False)] = None,
+    dtype: Annotated[str | None, typer.Option(help="Weights: float32 or bfloat16. Default: the run's, else "
+                                                   "float32.", show_default=False)] = None,
+    mesh: Annotated[str, typer.Option(help="Mesh, e.g. 'tensor=4'. Default: every device on fsdp.")] = "",
+    warmup: Annotated[bool, typer.Option(help="Compile every prompt length bucket before serving.")] = True,
+) -> None:
+    """Serve a model or a run's checkpoint over HTTP: OpenAI chat completions (streaming too), vLLM's
+    token-in/token-out route, /v1/models and /health. Ctrl-C stops it."""
+    import os
+    import signal
+    import threading
+    import time
+
+    if dtype not in (None, "float32", "bfloat16"):
+        raise _fail(f"--dtype: {dtype!r} is not float32 or bfloat16")
+    if max_pending < 1:
+        raise _fail(f"--max-pending must be >= 1, got {max_pending}")
+    api_key = None
+    if api_key_env is not None:
+        api_key = os.environ.get(api_key_env)
+        if not api_key:
+            raise _fail(f"--api-key-env: the environment variable {api_key_env} is not set or empty")
+    shape = _parse_mesh(mesh)
+    from jaxrl import serve as serving  # heavy (JAX): kept off the validate/init path
+    from jaxrl.server import start_server
+
+    try:
+        loaded = serving.load(ref, name=name, decode_slots=decode_slots, seq_len=seq_len, step=step, config=config,
+                              dtype=dtype, mesh_shape=shape)
+    except serving.ServeError as exc:
+        raise _fail(f"jaxrl serve: {exc}") from None
+    err.print(f"serving {loaded.description}", markup=False)
+    scheduler = loaded.scheduler
+    try:
+        if warmup:
+            t0 = time.perf_counter()
+            buckets = serving.warmup(scheduler)
+            err.print(f"compiled {buckets} prompt buckets + decode in {time.perf_counter() - t0:.1f}s", markup=False)
+        try:
+            handle = start_server(scheduler, host, port, chat_template=loaded.chat_template, api_key=api_key,
+                                  max_pending=max_pending)
+        except OSError as exc:
+            raise _fail(f"jaxrl serve: cannot listen on {host}:{port}: {exc}") from None
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+            err.print(f"warning: serving on {host} without an API key (--api-key-env)", style="yellow", markup=False)
+        out.print(f"serving {scheduler.model_name!r} at {handle.base_url} (chat: {handle.base_url}/chat/completions); "
+                  "Ctrl-C stops", markup=False)
+        while not stop.wait(0.5):
+            pass
+        err.print("stopping", markup=False)
+        handle.stop()
+    finally:
+        scheduler.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Literal, Protocol
 
 
@@ -58,6 +59,10 @@ class GenerateBackend(Protocol):
     model_name: str
     max_model_len: int
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        """Raises ValueError for a request the engine cannot serve (e.g. prompt too long)."""
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       on_token: Callable[[int, float], None] | None = None) -> Completion:
+        """Raises ValueError for a request the engine cannot serve (e.g. prompt too long).
+        `on_token(token, logprob)`, when given, is called on the caller's event loop as each token is
+        sampled (the chat route streams and checks stop strings with it); cancelling the awaiting task
+        stops the request."""
         ...

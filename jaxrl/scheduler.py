@@ -5,7 +5,9 @@ bucket, then insert), so a batch is never padded to its longest request; a slot 
 its request stops. The only host/device synchronisation in the loop is reading each step's sampled
 tokens, which must be handed out anyway. `update_params` swaps the weights between two decode steps;
 requests in flight keep their KV cache and go on under the new weights, and every sampled token
-records the policy version that produced it.
+records the policy version that produced it. A request may pass `on_token`, called on its event loop
+with each token as it is sampled (for streaming); a request whose future is cancelled (its caller gave
+up) is skipped before prefill or dropped from its slot at the next step.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -39,6 +42,7 @@ class _Request:
     versions: list[int] = dataclasses.field(default_factory=list)
     queued_at: float = dataclasses.field(default_factory=time.perf_counter)
     ttft_s: float | None = None
+    on_token: Callable[[int, float], None] | None = None
 
     def add(self, token: int, logprob: float, version: int) -> bool:
         """Record a sampled token; True when the request is finished."""
@@ -47,6 +51,8 @@ class _Request:
         self.tokens.append(token)
         self.logprobs.append(logprob)
         self.versions.append(version)
+        if self.on_token is not None:
+            self.loop.call_soon_threadsafe(self.on_token, token, logprob)
         return token in self.params.stop_token_ids or len(self.tokens) >= self.max_tokens
 
     def finish(self) -> None:
@@ -97,20 +103,26 @@ class Scheduler:
         self._thread.start()
 
     # GenerateBackend ------------------------------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        """Queue a request and wait for its completion.
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       on_token: Callable[[int, float], None] | None = None) -> Completion:
+        """Queue a request and wait for its completion. `on_token(token, logprob)` is called on the
+        caller's event loop for each sampled token, before the completion is returned.
 
         Raises:
-            ValueError: an empty prompt, or a prompt that leaves no room to sample in `max_seq_len`.
+            ValueError: an empty prompt, a token id outside the vocabulary, or a prompt that leaves no
+                room to sample in `max_seq_len`.
         """
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        if not all(0 <= t < self.engine.cfg.vocab_size for t in prompt_ids):
+            raise ValueError(f"the prompt holds a token id outside the vocabulary [0, {self.engine.cfg.vocab_size})")
         room = self.engine.max_seq_len - len(prompt_ids)
         if room < 1:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in max_model_len "
                              f"{self.engine.max_seq_len}")
         loop = asyncio.get_running_loop()
-        req = _Request(list(prompt_ids), params, min(params.max_tokens, room), loop, loop.create_future())
+        req = _Request(list(prompt_ids), params, min(params.max_tokens, room), loop, loop.create_future(),
+                       on_token=on_token)
         with self._cv:
             if self._stop:
                 raise RuntimeError("the scheduler is stopped")
@@ -182,6 +194,8 @@ class Scheduler:
         return jax.random.fold_in(self._base_key, self._n_requests)
 
     def _admit(self, req: _Request) -> None:
+        if req.future.cancelled():
+            return
         try:
             bucket = self.engine.bucket(len(req.prompt_ids))
             prefix = self.engine.prefill(params=self._params, padded_tokens=pad_prompt(req.prompt_ids, bucket),
@@ -205,7 +219,8 @@ class Scheduler:
         tokens, logprobs = np.asarray(result.tokens), np.asarray(result.logprobs)
         self.decode_steps += 1
         for slot, req in enumerate(self._slots):
-            if req is not None and req.add(int(tokens[slot]), float(logprobs[slot]), self.policy_version):
+            if req is not None and (req.future.cancelled() or req.add(int(tokens[slot]), float(logprobs[slot]),
+                                                                      self.policy_version)):
                 self._slots[slot] = None
                 req.finish()
 

@@ -1,25 +1,32 @@
-"""The rollout server: vLLM's token-in/token-out route, served over a `GenerateBackend`.
+"""The inference server: vLLM's token-in/token-out route and OpenAI chat completions over a `GenerateBackend`.
 
 verifiers' train client (`verifiers.v1.clients.train.TrainClient`, via `renderers.client.generate`)
 renders chats to token ids itself and POSTs them to `/inference/v1/generate`; it checks that every
 sampled token comes with a finite logprob tagged `token_id:<id>`. `/v1/models` tells it the context
-length, so it refuses an overlong prompt before sending it.
+length, so it refuses an overlong prompt before sending it. Eval clients and people use
+`/v1/chat/completions` (`jaxrl.chat`; served when the app is given a chat template).
 
     POST /inference/v1/generate  {"model", "token_ids", "sampling_params": {...}}
       -> {"request_id", "prompt_token_ids", "choices": [{"index", "token_ids",
           "logprobs": {"content": [{"token": "token_id:<id>", "logprob"}]}, "finish_reason"}], "usage"}
+    POST /v1/chat/completions    OpenAI's format, streaming or not (see `jaxrl.chat`)
     GET  /v1/models              -> {"object": "list", "data": [{"id", "object", "max_model_len", ...}]}
-    GET  /health                 -> {"status": "ok"}
+    GET  /health                 -> {"status": "ok", "pending": <generation requests queued or running>}
 
-A request the backend cannot serve is a 400 (a 404 for another model's name) with
-`{"error": {"message": ...}}`; an error inside the backend is a 500 of the same shape. The server runs
-uvicorn on its own event loop in a daemon thread (`start_server`); `backend.generate` is awaited on that
-loop, so a backend that computes on other threads must hand its results back thread-safely.
+Every refusal is `{"error": {"message", "code"}}`: 400 for a request the server cannot serve (naming
+the field), 404 for another model's name, 401 without the API key (when one is set; `/health` is
+open), 413 for a body over the limit, 503 with `Retry-After` while `max_pending` generation requests
+are queued or running (below that bound requests wait in the scheduler's queue), 500 for an error in
+the backend. The server runs uvicorn on its own event loop in a daemon thread (`start_server`);
+`backend.generate` is awaited on that loop, so a backend that computes on other threads must hand its
+results back thread-safely.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hmac
+import json
 import logging
 import math
 import socket
@@ -32,14 +39,20 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from jaxrl import chat
+from jaxrl.chat import ChatTemplate
 from jaxrl.protocol import Completion, GenerateBackend, SamplingParams
+from jaxrl.wire import BadRequest, is_int, sampling_from
 
 logger = logging.getLogger(__name__)
 
 GENERATE_ROUTE = "/inference/v1/generate"
+DEFAULT_MAX_PENDING = 1024
+DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 
 # Sampling keys the train client sends that cannot change the sampled tokens here, so they are
 # accepted and ignored: `skip_special_tokens` only shapes detokenized text (this route returns ids);
@@ -50,47 +63,27 @@ _IGNORED_SAMPLING_KEYS = frozenset({"skip_special_tokens", "routed_experts_promp
 # sends by default); any other value would ask for sampling this engine does not do.
 _NEUTRAL_SAMPLING_VALUES: dict[str, Any] = {
     "n": 1,
-    "min_p": 0.0,
     "min_tokens": 0,
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
     "ignore_eos": False,
 }
 _SAMPLING_KEYS = frozenset(
-    {"temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed", "logprobs"}
+    {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "stop_token_ids", "seed",
+     "logprobs"}
 ) | _IGNORED_SAMPLING_KEYS | frozenset(_NEUTRAL_SAMPLING_VALUES)
 # Top-level request keys besides the three the route needs: `cache_salt` isolates vLLM's prefix cache
 # between tenants and `priority` orders its queue; neither changes what is sampled.
 _REQUEST_KEYS = frozenset({"model", "token_ids", "sampling_params", "cache_salt", "priority", "request_id"})
 
 
-class BadRequest(ValueError):
-    """A request the server refuses: HTTP `status` with `message` in the JSON error body."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def error_response(message: str, status: int) -> JSONResponse:
-    return JSONResponse({"error": {"message": message}}, status_code=status)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+def error_response(message: str, status: int, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status, headers=headers)
 
 
 def parse_sampling(raw: Any, prompt_len: int, max_model_len: int) -> SamplingParams:
-    """Validates a request's `sampling_params` object into `SamplingParams`; raises `BadRequest`.
-
-    Missing keys take `SamplingParams`' defaults, except `max_tokens`, which defaults to the room left
-    in the context (`max_model_len - prompt_len`), as in vLLM.
-    """
+    """Validates a generate request's `sampling_params` object (`jaxrl.wire.sampling_from`'s fields,
+    plus vLLM's that this route accepts) into `SamplingParams`; raises `BadRequest`."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -101,58 +94,12 @@ def parse_sampling(raw: Any, prompt_len: int, max_model_len: int) -> SamplingPar
     for key, neutral in _NEUTRAL_SAMPLING_VALUES.items():
         if key in raw and raw[key] is not None and raw[key] != neutral:
             raise BadRequest(f"sampling parameter {key}={raw[key]!r} is not supported (only {neutral!r})")
-    defaults = SamplingParams()
-
-    temperature = raw.get("temperature")
-    if temperature is None:
-        temperature = defaults.temperature
-    elif not _is_number(temperature) or temperature < 0:
-        raise BadRequest(f"temperature must be a number >= 0, got {temperature!r}")
-
-    top_p = raw.get("top_p")
-    if top_p is None:
-        top_p = defaults.top_p
-    elif not _is_number(top_p) or not 0 < top_p <= 1:
-        raise BadRequest(f"top_p must be in (0, 1], got {top_p!r}")
-
-    top_k = raw.get("top_k")
-    if top_k is None:
-        top_k = defaults.top_k
-    elif not _is_int(top_k):
-        raise BadRequest(f"top_k must be an integer, got {top_k!r}")
-
-    max_tokens = raw.get("max_tokens")
-    if max_tokens is None:
-        max_tokens = max_model_len - prompt_len
-        if max_tokens < 1:
-            raise BadRequest(f"a prompt of {prompt_len} tokens fills the context of {max_model_len}")
-    elif not _is_int(max_tokens) or max_tokens < 1:
-        raise BadRequest(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-
-    stop = raw.get("stop_token_ids")
-    if stop is None:
-        stop = []
-    elif not isinstance(stop, list) or not all(_is_int(t) and t >= 0 for t in stop):
-        raise BadRequest("stop_token_ids must be a list of non-negative integers")
-
-    seed = raw.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise BadRequest(f"seed must be an integer, got {seed!r}")
-
     # The response always carries the sampled token's own logprob, which is what `logprobs` 0 or 1
     # asks vLLM for; more would mean top-k alternatives per position, which this route does not return.
     logprobs = raw.get("logprobs")
-    if logprobs is not None and (not _is_int(logprobs) or logprobs not in (0, 1)):
+    if logprobs is not None and (not is_int(logprobs) or logprobs not in (0, 1)):
         raise BadRequest(f"logprobs must be 0 or 1, got {logprobs!r}")
-
-    return SamplingParams(
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=top_k,
-        max_tokens=max_tokens,
-        stop_token_ids=tuple(stop),
-        seed=seed,
-    )
+    return sampling_from(raw, prompt_len, max_model_len)
 
 
 def parse_generate_request(
@@ -172,7 +119,7 @@ def parse_generate_request(
         raise BadRequest("token_ids is required")
     if not isinstance(token_ids, list) or not token_ids:
         raise BadRequest("token_ids must be a non-empty list of integers")
-    if not all(_is_int(t) and t >= 0 for t in token_ids):
+    if not all(is_int(t) and t >= 0 for t in token_ids):
         raise BadRequest("token_ids must contain only non-negative integers")
     request_id = body.get("request_id")
     if request_id is not None and not isinstance(request_id, str):
@@ -189,8 +136,7 @@ def generate_response(request_id: str, prompt_ids: list[int], completion: Comple
         raise ValueError(f"backend returned {len(tokens)} tokens but {len(logprobs)} logprobs")
     if not all(math.isfinite(lp) for lp in logprobs):
         raise ValueError("backend returned a non-finite logprob")
-    content = [{"token": f"token_id:{t}", "logprob": float(lp)} 
-               for t, lp in zip(tokens, logprobs, strict=True)]
+    content = [{"token": f"token_id:{t}", "logprob": float(lp)} for t, lp in zip(tokens, logprobs, strict=True)]
     return {
         "request_id": request_id,
         "prompt_token_ids": prompt_ids,
@@ -210,19 +156,90 @@ def generate_response(request_id: str, prompt_ids: list[int], completion: Comple
     }
 
 
-def build_app(backend: GenerateBackend) -> Starlette:
-    """The starlette app serving `backend` (routes in the module docstring)."""
+class Admission:
+    """Counts the generation requests queued or running; refuses one more beyond `limit` (a 503),
+    so that a flood is answered at once instead of piling up without bound. Used from the event loop
+    only, hence no lock."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"max_pending must be >= 1, got {limit}")
+        self.limit = limit
+        self.active = 0
+
+    def enter(self) -> bool:
+        if self.active >= self.limit:
+            return False
+        self.active += 1
+        return True
+
+    def leave(self) -> None:
+        self.active -= 1
+
+
+class RequireApiKey:
+    """ASGI middleware: every HTTP request but `GET /health` must carry `Authorization: Bearer <key>`
+    (a 401 otherwise, as OpenAI's API answers). The comparison takes constant time."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                response = error_response("missing or wrong API key (send Authorization: Bearer <key>)", 401,
+                                          {"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def read_json(request: Request, max_bytes: int) -> Any:
+    """The request's JSON body; raises `BadRequest` (413 beyond `max_bytes`, 400 for anything that is
+    not JSON, including nesting too deep for the parser)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise BadRequest(f"request body of {declared} bytes exceeds the limit of {max_bytes}", 413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise BadRequest(f"request body exceeds the limit of {max_bytes} bytes", 413)
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise BadRequest(f"invalid JSON body: {e}") from None
+
+
+def build_app(backend: GenerateBackend, *, chat_template: ChatTemplate | None = None, api_key: str | None = None,
+              max_pending: int = DEFAULT_MAX_PENDING, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> ASGIApp:
+    """The ASGI app serving `backend` (routes in the module docstring).
+
+    Args:
+        chat_template: the tokenizer `/v1/chat/completions` renders with; None: no chat route.
+        api_key: when set, required as `Authorization: Bearer <key>` on every route but `/health`.
+        max_pending: generation requests (both routes) queued or running at once; one more gets a 503
+            with `Retry-After`.
+        max_body_bytes: larger request bodies get a 413.
+    """
     created = int(time.time())
+    admission = Admission(max_pending)
+
+    def overloaded() -> JSONResponse:
+        return error_response(f"server overloaded: {admission.active} requests queued or running (limit "
+                              f"{admission.limit}); retry later", 503, {"Retry-After": "1"})
 
     async def generate(request: Request) -> JSONResponse:
         try:
-            body = await request.json()
-        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
-            return error_response(f"invalid JSON body: {e}", 400)
-        try:
-            prompt_ids, params, request_id = parse_generate_request(body, backend)
+            prompt_ids, params, request_id = parse_generate_request(await read_json(request, max_body_bytes),
+                                                                    backend)
         except BadRequest as e:
             return error_response(str(e), e.status)
+        if not admission.enter():
+            return overloaded()
         try:
             completion = await backend.generate(prompt_ids, params)
         except ValueError as e:  # the backend's contract: a request it cannot serve
@@ -230,12 +247,35 @@ def build_app(backend: GenerateBackend) -> Starlette:
         except Exception as e:  # noqa: BLE001 - one failed request must not take the server down
             logger.exception("backend failed on a generate request")
             return error_response(f"backend error: {type(e).__name__}: {e}", 500)
+        finally:
+            admission.leave()
         try:
             payload = generate_response(request_id or f"gen-{uuid.uuid4().hex}", prompt_ids, completion)
         except ValueError as e:
             logger.error("backend broke its contract: %s", e)
             return error_response(f"backend error: {e}", 500)
         return JSONResponse(payload)
+
+    async def chat_completions(request: Request) -> Response:
+        assert chat_template is not None
+        try:
+            body = await read_json(request, max_body_bytes)
+            req = chat.parse_chat_request(body, chat_template, backend.model_name, backend.max_model_len)
+        except BadRequest as e:
+            return error_response(str(e), e.status)
+        if not admission.enter():
+            return overloaded()
+        run = chat.ChatRun(backend, chat_template, req, admission.leave)
+        if req.stream:
+            return StreamingResponse(chat.stream(run, backend.model_name), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            return JSONResponse(await chat.complete(run, backend.model_name))
+        except ValueError as e:
+            return error_response(str(e), 400)
+        except Exception as e:  # noqa: BLE001 - one failed request must not take the server down
+            logger.exception("backend failed on a chat request")
+            return error_response(f"backend error: {type(e).__name__}: {e}", 500)
 
     async def models(request: Request) -> JSONResponse:
         card = {
@@ -248,20 +288,21 @@ def build_app(backend: GenerateBackend) -> Starlette:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: Request) -> JSONResponse:
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "pending": admission.active})
 
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)
         return error_response(exc.detail, exc.status_code)
 
-    return Starlette(
-        routes=[
-            Route(GENERATE_ROUTE, generate, methods=["POST"]),
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/health", health, methods=["GET"]),
-        ],
-        exception_handlers={HTTPException: http_error},
-    )
+    routes = [
+        Route(GENERATE_ROUTE, generate, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ]
+    if chat_template is not None:
+        routes.append(Route(chat.CHAT_ROUTE, chat_completions, methods=["POST"]))
+    app: ASGIApp = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    return RequireApiKey(app, api_key) if api_key else app
 
 
 @dataclasses.dataclass
@@ -285,11 +326,13 @@ class ServerHandle:
 
 
 def start_server(
-    backend: GenerateBackend, host: str = "127.0.0.1", port: int = 0, *, startup_timeout: float = 30.0
+    backend: GenerateBackend, host: str = "127.0.0.1", port: int = 0, *, startup_timeout: float = 30.0,
+    chat_template: ChatTemplate | None = None, api_key: str | None = None, max_pending: int = DEFAULT_MAX_PENDING,
 ) -> ServerHandle:
     """Serves `backend` on `host:port` (0: a free port) from a daemon thread; returns once the server
-    accepts connections. Raises RuntimeError if it has not started within `startup_timeout` seconds,
-    OSError if the port cannot be bound."""
+    accepts connections. `chat_template`, `api_key` and `max_pending` are `build_app`'s. Raises
+    RuntimeError if it has not started within `startup_timeout` seconds, OSError if the port cannot be
+    bound."""
     # Binding here, not in uvicorn, gives port 0's real port before the thread starts and surfaces
     # a bind error in the caller.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -301,7 +344,9 @@ def start_server(
         raise
     sock.set_inheritable(True)
     bound_port = sock.getsockname()[1]
-    config = uvicorn.Config(build_app(backend), log_level="warning", lifespan="off", access_log=False)
+    app = build_app(backend, chat_template=chat_template, api_key=api_key, max_pending=max_pending)
+    # A stream still open at shutdown is cut after a few seconds rather than holding the exit.
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="jaxrl-server", daemon=True)
     thread.start()

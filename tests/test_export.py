@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -241,13 +243,18 @@ def run_with_checkpoint(tmp_path_factory):
     export.write_run_config(run_dir, cfg)
     mcfg, params = hf.load_hf(tmp / "base")
     lora = _random_lora(mcfg)
+    _save_checkpoint(str(run_dir / "checkpoints"), 2, mcfg, params, lora)
+    return run_dir, toml, _jax_logits(mcfg, params, lora), mcfg, lora
+
+
+def _save_checkpoint(directory: str, step: int, mcfg, params, lora) -> None:
+    """Checkpoint `step` in `directory` as `jaxrl run` writes it (state, meta with the identity)."""
     opt_state = make_optimizer(1e-3).init({"base": params, "lora": lora})
-    ckpt = Checkpointer(str(run_dir / "checkpoints"))
-    identity = model_identity(cfg.model, dataclasses.asdict(mcfg), RANK, ALL)
-    ckpt.save(2, TrainState(lora, opt_state, jnp.asarray(2, jnp.int32)), {"step": 2, "identity": identity})
+    identity = model_identity("jaxrl/qwen3-test", dataclasses.asdict(mcfg), RANK, ALL)
+    ckpt = Checkpointer(directory)
+    ckpt.save(step, TrainState(lora, opt_state, jnp.asarray(step, jnp.int32)), {"step": step, "identity": identity})
     ckpt.wait()
     ckpt.close()
-    return run_dir, toml, _jax_logits(mcfg, params, lora), mcfg, lora
 
 
 def _export(*args):
@@ -289,6 +296,30 @@ def test_cli_takes_the_toml_for_a_checkpoints_folder_without_run_config(run_with
     assert result.exit_code == 0, result.output
     back = export.load_adapter(tmp_path / "a", mcfg).lora
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), back, lora)
+
+
+def test_cli_exports_a_gcs_checkpoint_with_its_toml(run_with_checkpoint, tmp_path, gcs):
+    run_dir, toml, want, mcfg, lora = run_with_checkpoint
+    url = "gs://jaxrl-test/export-test/exp"
+    _save_checkpoint(url, 3, mcfg, hf.load_hf(run_dir.parent.parent / "base")[1], lora)
+    result = _export(f"{url}/3", "--out", tmp_path / "o")
+    assert result.exit_code == 2 and "a gs:// checkpoint has no run config" in result.stderr, result.output
+    result = _export(f"{url}/3", "--out", tmp_path / "o", "--config", toml)
+    assert result.exit_code == 0, result.output
+    assert f"merged model of checkpoint step 3 ({url})" in result.stdout
+    m = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "o").eval()
+    np.testing.assert_allclose(_torch_logits(m), want, atol=ATOL, rtol=0)
+
+
+def test_cli_errors_without_traceback_in_a_fresh_process(tmp_path):
+    """As a shell runs it (CliRunner would hide a traceback): exit 2 and one line on stderr."""
+    code = "from jaxrl.cli import app; app(prog_name='jaxrl')"
+    for args, message in [([tmp_path / "nowhere", "--out", tmp_path / "o"], "is not a folder"),
+                          ([tmp_path, "--out", tmp_path / "o", "--merged", "--adapter"], "not both")]:
+        out = subprocess.run([sys.executable, "-c", code, "export", *map(str, args)], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 2 and message in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr + out.stdout and len(out.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize(("args", "message"), [

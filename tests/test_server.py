@@ -130,7 +130,7 @@ def test_models_and_health(server, root):
     [card] = models["data"]
     assert (card["id"], card["object"], card["max_model_len"]) == (MODEL, "model", MAX_MODEL_LEN)
     health = httpx.get(root + "/health")
-    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    assert health.status_code == 200 and health.json() == {"status": "ok", "pending": 0}
 
 
 @pytest.mark.parametrize(
@@ -155,10 +155,18 @@ def test_models_and_health(server, root):
         ({"token_ids": [1], "sampling_params": {"seed": "x"}}, "seed"),
         ({"token_ids": [1], "sampling_params": {"stop_token_ids": [1.5]}}, "stop_token_ids"),
         ({"token_ids": [1], "sampling_params": {"logprobs": 5}}, "logprobs"),
-        ({"token_ids": [1], "sampling_params": {"min_p": 0.1}}, "min_p"),
+        ({"token_ids": [1], "sampling_params": {"min_p": 1.5}}, "min_p"),
         ({"token_ids": [1], "sampling_params": {"beam_width": 4}}, "beam_width"),
         ({"token_ids": [1], "sampling_params": [1]}, "object"),
         ({"token_ids": [1], "features": {}}, "features"),
+        ({"token_ids": [1], "sampling_params": {"temperature": 1e39}}, "temperature"),  # beyond float32
+        ({"token_ids": [1], "sampling_params": {"max_tokens": -5}}, "max_tokens"),
+        ({"token_ids": [1], "sampling_params": {"max_tokens": True}}, "max_tokens"),
+        ({"token_ids": [1], "sampling_params": {"seed": 2**64}}, "seed"),
+        ({"token_ids": [1], "sampling_params": {"repetition_penalty": 0}}, "repetition_penalty"),
+        (b'{"token_ids": [1], "sampling_params": {"max_tokens": 1e999}}', "max_tokens"),  # inf
+        (b'{"token_ids": [1], "sampling_params": {"top_p": NaN}}', "top_p"),
+        (b"[" * 100_000 + b"]" * 100_000, "invalid JSON"),  # deeper than the parser's recursion limit
         ({"token_ids": list(range(MAX_MODEL_LEN)), "sampling_params": {"max_tokens": 1}}, "too long"),
         ({"token_ids": list(range(MAX_MODEL_LEN))}, "fills the context"),
     ],
@@ -170,6 +178,39 @@ def test_bad_requests_are_400(root, body, needle):
     message = r.json()["error"]["message"]
     assert needle in message
     assert httpx.get(root + "/health").status_code == 200
+
+
+def test_huge_values_within_range_are_served(root, backend):
+    params = {"top_k": 10**30, "max_tokens": 10**30, "seed": -(2**63), "temperature": 1e-9, "min_p": 0.05,
+              "repetition_penalty": 1.3}
+    r = httpx.post(root + GENERATE_ROUTE, json={"token_ids": [3, 4], "sampling_params": params})
+    assert r.status_code == 200, r.text
+    assert backend.calls[-1][1] == SamplingParams(temperature=0.0, top_k=2**31 - 1, min_p=0.05,
+                                                  repetition_penalty=1.3, max_tokens=10**30, seed=-(2**63))
+
+
+def test_body_over_the_limit_is_413(root):
+    r = httpx.post(root + GENERATE_ROUTE, content=b" " * (16 * 2**20 + 1))
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+
+
+def test_api_key(backend):
+    handle = start_server(backend, api_key="s3cret")
+    root = f"http://127.0.0.1:{handle.port}"
+    try:
+        body = {"token_ids": [1, 2], "sampling_params": {"max_tokens": 1}}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = httpx.post(root + GENERATE_ROUTE, json=body, headers=headers)
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text
+            assert "API key" in r.json()["error"]["message"]
+            assert httpx.get(handle.base_url + "/models", headers=headers).status_code == 401
+        assert httpx.get(root + "/nowhere").status_code == 401  # no route is revealed without the key
+        good = {"Authorization": "Bearer s3cret"}
+        assert httpx.post(root + GENERATE_ROUTE, json=body, headers=good).status_code == 200
+        assert httpx.get(handle.base_url + "/models", headers=good).status_code == 200
+        assert httpx.get(root + "/health").status_code == 200  # open, for load balancers
+    finally:
+        handle.stop()
 
 
 def test_other_errors(root):

@@ -1,0 +1,265 @@
+"""/v1/chat/completions over the tiny Qwen3 served by the real scheduler, on a real uvicorn socket:
+streaming against non-streaming, token ids and logprobs against the token route, stop strings, 400s,
+503 under overload, a client leaving mid-stream, and hundreds of concurrent requests."""
+
+import asyncio
+import json
+
+import httpx
+import jax
+import pytest
+
+from jaxrl import hf
+from jaxrl.chat import ChatTemplate, TextStream
+from jaxrl.engine import Engine
+from jaxrl.scheduler import Scheduler
+from jaxrl.server import GENERATE_ROUTE, start_server
+from jaxrl.sharding import make_mesh
+
+MODEL = "tiny"
+SEQ_LEN = 128
+HELLO = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
+
+
+@pytest.fixture(scope="module")
+def template(tiny_model_dir):
+    return ChatTemplate.load(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def scheduler(tiny_model_dir):
+    cfg, params = hf.load_hf(tiny_model_dir)
+    engine = Engine(cfg, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=8, max_seq_len=SEQ_LEN)
+    sched = Scheduler(engine, {"base": params, "lora": None}, MODEL)
+    yield sched
+    sched.stop()
+
+
+@pytest.fixture(scope="module")
+def server(scheduler, template):
+    handle = start_server(scheduler, chat_template=template)
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture
+def url(server):
+    return server.base_url + "/chat/completions"
+
+
+def chat(url, **body):
+    r = httpx.post(url, json={"model": MODEL, "messages": HELLO, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def events(url, **body) -> list[dict | str]:
+    """The data of each server-sent event; the final `[DONE]` as a string."""
+    out = []
+    with httpx.stream("POST", url, json={"model": MODEL, "messages": HELLO, "stream": True, **body},
+                      timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line:
+                assert line.startswith("data: ")
+                out.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+    return out
+
+
+def test_template_stops_at_the_models_end_of_turn_ids(template):
+    assert template.stop_token_ids == (151_645, 151_643)  # generation_config.json: <|im_end|>, <|endoftext|>
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "top_p": 0.9, "seed": 11}])
+def test_stream_equals_non_stream(url, template, sampling):
+    body = {**sampling, "max_tokens": 24, "logprobs": True, "return_token_ids": True}
+    whole = chat(url, **body)
+    [choice] = whole["choices"]
+    ids = choice["token_ids"]
+    assert whole["object"] == "chat.completion" and whole["model"] == MODEL
+    assert whole["prompt_token_ids"] == template.render(HELLO, {})
+    assert choice["message"] == {"role": "assistant",
+                                 "content": template.tokenizer.decode(ids, skip_special_tokens=True)}
+    assert choice["finish_reason"] == ("stop" if ids[-1] in template.stop_token_ids else "length")
+    assert len(ids) == (len(ids) if choice["finish_reason"] == "stop" else 24)
+    assert [e["token"] for e in choice["logprobs"]["content"]] == [template.tokenizer.decode([t]) for t in ids]
+    assert whole["usage"] == {"prompt_tokens": len(whole["prompt_token_ids"]), "completion_tokens": len(ids),
+                              "total_tokens": len(whole["prompt_token_ids"]) + len(ids)}
+
+    got = events(url, **body, stream_options={"include_usage": True})
+    assert got[-1] == "[DONE]"
+    chunks = got[:-1]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    body_chunks = [c["choices"][0] for c in chunks[1:-1]]
+    assert body_chunks[-1]["finish_reason"] == choice["finish_reason"]
+    assert all(c["finish_reason"] is None for c in body_chunks[:-1])
+    assert "".join(c["delta"].get("content", "") for c in body_chunks) == choice["message"]["content"]
+    assert [t for c in body_chunks for t in c.get("token_ids", [])] == ids
+    streamed_lps = [e["logprob"] for c in body_chunks if c["logprobs"] for e in c["logprobs"]["content"]]
+    assert streamed_lps == [e["logprob"] for e in choice["logprobs"]["content"]]
+
+
+def test_tokens_and_logprobs_match_the_token_route(server, url, template):
+    """The chat route samples what the token route samples for the same prompt ids and settings."""
+    whole = chat(url, temperature=0.8, top_k=50, seed=3, max_tokens=10, logprobs=True, return_token_ids=True,
+                 return_tokens_as_token_ids=True)
+    [choice] = whole["choices"]
+    root = server.base_url.removesuffix("/v1")
+    sampling = {"temperature": 0.8, "top_k": 50, "seed": 3, "max_tokens": 10,
+                "stop_token_ids": list(template.stop_token_ids)}
+    r = httpx.post(root + GENERATE_ROUTE, json={"token_ids": whole["prompt_token_ids"], "sampling_params": sampling},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    [ref] = r.json()["choices"]
+    assert choice["token_ids"] == ref["token_ids"]
+    assert [(e["token"], e["logprob"]) for e in choice["logprobs"]["content"]] == \
+        [(e["token"], e["logprob"]) for e in ref["logprobs"]["content"]]
+
+
+def test_stop_strings(url):
+    free = chat(url, temperature=0, max_tokens=16, return_token_ids=True)["choices"][0]
+    text = free["message"]["content"]
+    assert len(text) > 6, text
+    stop = text[4:7]
+    want = text[: text.index(stop)]
+    cut = chat(url, temperature=0, max_tokens=16, stop=["never-there", stop], return_token_ids=True)
+    [choice] = cut["choices"]
+    assert (choice["message"]["content"], choice["finish_reason"]) == (want, "stop")
+    n = len(choice["token_ids"])
+    assert choice["token_ids"] == free["token_ids"][:n] and n < 16 and cut["usage"]["completion_tokens"] == n
+    got = events(url, temperature=0, max_tokens=16, stop=stop)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in got[1:-1]) == want
+    assert got[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_text_stream_holds_back_partial_characters_and_stop_prefixes(template):
+    tok = template.tokenizer
+    text = "naïve café 🎉🎉 — 你好, stop here"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tok.decode([t]) for t in ids)  # some token ends mid-character
+    s = TextStream(tok, (), skip_special_tokens=True)
+    pieces = []
+    for t in ids:
+        s.add(t)
+        pieces.append(s.take())
+    s.finish()
+    pieces.append(s.take(final=True))
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+
+    s = TextStream(tok, ("op he", "zzz"), skip_special_tokens=True)
+    pieces = []
+    for t in ids:
+        s.add(t)
+        pieces.append(s.take())
+    assert s.stopped and "".join(pieces) == text[: text.index("op he")]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        (b"{not json", 400, "invalid JSON"),
+        ([1], 400, "JSON object"),
+        ({"messages": None}, 400, "messages"),
+        ({"messages": []}, 400, "messages"),
+        ({"messages": "hi"}, 400, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+        ({"messages": [{"role": "user", "content": 5}]}, 400, "content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+         "image_url"),
+        ({"messages": [{"role": "assistant", "content": "x", "tool_calls": "abc"}]}, 400, "chat template"),
+        ({"max_tokens": -3}, 400, "max_tokens"),
+        ({"max_completion_tokens": 0}, 400, "max_tokens"),
+        ({"max_tokens": 2.5}, 400, "max_tokens"),
+        ({"temperature": "hot"}, 400, "temperature"),
+        ({"temperature": 1e39}, 400, "temperature"),
+        ({"top_p": 1.5}, 400, "top_p"),
+        ({"seed": 2**64}, 400, "seed"),
+        ({"n": 2}, 400, "n=2"),
+        ({"presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({"top_logprobs": 3}, 400, "top_logprobs"),
+        ({"logprobs": "yes"}, 400, "logprobs"),
+        ({"stream": 1}, 400, "stream"),
+        ({"stop": 5}, 400, "stop"),
+        ({"stop": ["a"] * 17}, 400, "stop"),
+        ({"stop": [""]}, 400, "stop"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"chat_template_kwargs": {"chat_template": "{{ 7 * 7 }}"}}, 400, "chat_template"),
+        ({"chat_template_kwargs": [1]}, 400, "chat_template_kwargs"),
+        ({"messages": [{"role": "user", "content": "word " * 200}]}, 400, "context"),
+        ({"model": "gpt-4o"}, 404, "gpt-4o"),
+    ],
+)
+def test_bad_requests(server, url, body, status, needle):
+    if isinstance(body, dict):
+        body = {"model": MODEL, "messages": HELLO, **body}
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(url, timeout=60, **kwargs)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]["message"]
+    health = httpx.get(server.base_url.removesuffix("/v1") + "/health").json()
+    assert health == {"status": "ok", "pending": 0}
+
+
+def test_content_parts_and_template_switches(url, template):
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+             {"role": "user", "content": "Say hello."}]
+    r = chat(url, messages=parts, max_tokens=2, return_token_ids=True,
+             chat_template_kwargs={"enable_thinking": False}, user="someone", tool_choice="none")
+    thinking_off = template.render(HELLO, {"enable_thinking": False})
+    assert r["prompt_token_ids"] == thinking_off != template.render(HELLO, {})
+
+
+def test_overload_is_503_and_pending_returns_to_zero(scheduler, template):
+    handle = start_server(scheduler, chat_template=template, max_pending=2)
+    url = handle.base_url + "/chat/completions"
+
+    async def flood():
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=None)) as client:
+            body = {"messages": HELLO, "max_tokens": 100, "temperature": 1.0, "seed": 1}
+            return await asyncio.gather(*[client.post(url, json=body) for _ in range(40)])
+
+    try:
+        codes = [r.status_code for r in asyncio.run(flood())]
+        assert set(codes) == {200, 503} and codes.count(200) >= 2, codes
+        refused = next(r for r in asyncio.run(flood()) if r.status_code == 503)
+        assert refused.headers["retry-after"] == "1" and "overloaded" in refused.json()["error"]["message"]
+        health = httpx.get(handle.base_url.removesuffix("/v1") + "/health").json()
+        assert health == {"status": "ok", "pending": 0}
+    finally:
+        handle.stop()
+
+
+def test_client_leaving_mid_stream_frees_its_slot(server, scheduler, url):
+    with httpx.stream("POST", url, json={"messages": HELLO, "stream": True, "max_tokens": 120, "temperature": 1.0},
+                      timeout=60) as r:
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: {"):
+            pass
+    steps = scheduler.decode_steps
+
+    async def wait_idle():
+        while scheduler.active or httpx.get(server.base_url.removesuffix("/v1") + "/health").json()["pending"]:
+            await asyncio.sleep(0.05)
+
+    asyncio.run(asyncio.wait_for(wait_idle(), 60))
+    assert scheduler.decode_steps - steps < 118  # cancelled, not run to max_tokens
+
+
+def test_hundreds_of_concurrent_requests_are_all_answered(url):
+    async def many():
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=None)) as client:
+            async def one(i):
+                body = {"messages": [{"role": "user", "content": f"Count to {i}."}], "max_tokens": 3,
+                        "seed": i, "stream": i % 2 == 1}
+                r = await client.post(url, json=body)
+                assert r.status_code == 200, r.text
+                return r.text if i % 2 else r.json()["choices"][0]["finish_reason"]
+            return await asyncio.gather(*[one(i) for i in range(300)])
+
+    answers = asyncio.run(many())
+    assert all(a in ("stop", "length") for a in answers[::2])
+    assert all(a.rstrip().endswith("data: [DONE]") and '"finish_reason":"' in a for a in answers[1::2])
