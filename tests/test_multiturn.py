@@ -3,8 +3,13 @@ traces through the in-process harness, verifiers' train client and the real serv
 and how a trace becomes training samples ("interleaved" or "branching")."""
 
 import asyncio
+import json
 import math
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -22,6 +27,7 @@ from jaxrl.sharding import make_mesh
 
 MODEL = "policy"
 TURNS = 3
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_rule_scores_by_hand():
@@ -159,3 +165,27 @@ def test_multiturn_traces_through_the_real_server(tiny_server, tiny_model_dir):
             assert ids == prompt + completion
             assert sample_mask == [False] * len(prompt) + [True] * len(completion)
             assert sample_lps == pytest.approx([0.0] * len(prompt) + lps)
+
+
+def test_multiturn_config_trains_with_branching(tmp_path, tiny_model_dir, compile_cache):
+    """configs/multiturn.toml, shrunk to one small step, runs through the real CLI with
+    trajectory_strategy = "branching": every rollout of the step trains as one sample per turn."""
+    text = (REPO / "configs" / "multiturn.toml").read_text()
+    for old, new in [("max_steps = 10", "max_steps = 1"), ("batch_size = 16", "batch_size = 4"),
+                     ("rollouts_per_example = 8", "rollouts_per_example = 2"), ("max_tokens = 16", "max_tokens = 4"),
+                     ('trajectory_strategy = "interleaved"', 'trajectory_strategy = "branching"'),
+                     ('model_path = "../assets/qwen3-tiny"', f'model_path = "{tiny_model_dir}"\n'
+                                                             f'output_dir = "{tmp_path / "runs"}"'),
+                     ("decode_slots = 32", "decode_slots = 4")]:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    cfg = tmp_path / "multiturn.toml"
+    cfg.write_text(text + "\n[buffer]\nskip_verification = true\n")  # the rollout test above covers the env
+    env = os.environ | {"JAX_COMPILATION_CACHE_DIR": str(compile_cache),
+                        "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    out = subprocess.run([sys.executable, "-m", "jaxrl", "run", str(cfg)], capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (row,) = [json.loads(line) for line in (tmp_path / "runs" / "multiturn" / "metrics.jsonl").read_text().splitlines()]
+    assert row["rollouts/failed"] == 0 and row["train/samples"] == 4 * TURNS
+    assert 0.0 <= row["reward/mean"] <= 1.0 and math.isfinite(row["loss"])
