@@ -7,7 +7,7 @@ Config problems exit with status 2 and one line per problem, never a traceback.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -206,9 +206,12 @@ def serve(
                                                    "float32.", show_default=False)] = None,
     mesh: Annotated[str, typer.Option(help="Mesh, e.g. 'tensor=4'. Default: every device on fsdp.")] = "",
     warmup: Annotated[bool, typer.Option(help="Compile every prompt length bucket before serving.")] = True,
+    jetstream: Annotated[bool, typer.Option(help="Serve over JetStream's gRPC server instead (the jaxrl[jetstream] "
+                                                 "extra): greedy, token ids and text back, no logprobs.")] = False,
 ) -> None:
     """Serve a model or a run's checkpoint over HTTP: OpenAI chat completions (streaming too), vLLM's
-    token-in/token-out route, /v1/models and /health. Ctrl-C stops it."""
+    token-in/token-out route, /v1/models and /health; or, with --jetstream, over JetStream's gRPC server
+    (jaxrl.jetstream). Ctrl-C stops it."""
     import os
     import signal
     import threading
@@ -224,6 +227,8 @@ def serve(
         if not api_key:
             raise _fail(f"--api-key-env: the environment variable {api_key_env} is not set or empty")
     shape = _parse_mesh(mesh)
+    if jetstream:
+        _check_jetstream(api_key, port)
     from jaxrl import serve as serving  # heavy (JAX): kept off the validate/init path
     from jaxrl.server import start_server
 
@@ -239,21 +244,51 @@ def serve(
             t0 = time.perf_counter()
             buckets = serving.warmup(scheduler)
             err.print(f"compiled {buckets} prompt buckets + decode in {time.perf_counter() - t0:.1f}s", markup=False)
-        try:
-            handle = start_server(scheduler, host, port, chat_template=loaded.chat_template, api_key=api_key,
-                                  max_pending=max_pending)
-        except OSError as exc:
-            raise _fail(f"jaxrl serve: cannot listen on {host}:{port}: {exc}") from None
+        if jetstream:
+            handle, where = _start_jetstream(loaded, host, port), f"grpc://{host}:{port} (JetStream Orchestrator)"
+        else:
+            try:
+                handle = start_server(scheduler, host, port, chat_template=loaded.chat_template, api_key=api_key,
+                                      max_pending=max_pending)
+            except OSError as exc:
+                raise _fail(f"jaxrl serve: cannot listen on {host}:{port}: {exc}") from None
+            where = f"{handle.base_url} (chat: {handle.base_url}/chat/completions)"
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
             err.print(f"warning: serving on {host} without an API key (--api-key-env)", style="yellow", markup=False)
-        out.print(f"serving {scheduler.model_name!r} at {handle.base_url} (chat: {handle.base_url}/chat/completions); "
-                  "Ctrl-C stops", markup=False)
+        out.print(f"serving {scheduler.model_name!r} at {where}; Ctrl-C stops", markup=False)
         while not stop.wait(0.5):
             pass
         err.print("stopping", markup=False)
         handle.stop()
     finally:
         scheduler.stop()
+
+
+def _check_jetstream(api_key: str | None, port: int) -> None:
+    """Refuse what `serve --jetstream` cannot do, before the model loads."""
+    if api_key is not None:
+        raise _fail("--jetstream: JetStream's gRPC server has no API keys; drop --api-key-env")
+    if port == 0:
+        raise _fail("--jetstream needs a --port other than 0 (JetStream's server does not say which port it got)")
+    try:
+        import jaxrl.jetstream  # noqa: F401 - about 5 s (TensorFlow): paid here, before the model loads
+    except ImportError as exc:
+        raise _fail(f"--jetstream needs the jetstream extra (pip install 'jaxrl[jetstream]'): {exc}") from None
+
+
+def _start_jetstream(loaded: Any, host: str, port: int) -> Any:
+    """JetStream's gRPC server over the loaded engine and weights (`jaxrl.jetstream.serve`), with the
+    served tokenizer and its end-of-turn ids; `stop()` ends it."""
+    from jaxrl import jetstream as js
+
+    template, scheduler = loaded.chat_template, loaded.scheduler
+    try:
+        tokenizer = js.HFTokenizer(template.tokenizer.backend_tokenizer, template.stop_token_ids)
+        return js.serve(js.JetStreamEngine(scheduler.engine, scheduler.params, tokenizer), port, host)
+    except ValueError as exc:
+        raise _fail(f"jaxrl serve --jetstream: {exc}") from None
+    except OSError as exc:
+        raise _fail(f"jaxrl serve: cannot listen on {host}:{port}: {exc}") from None

@@ -15,12 +15,23 @@ Where the coordinates come from (`from_env`, first match wins):
 3. A Cloud TPU VM (a TPU chip on the PCI bus): JAX's own detection reads the worker list and id from the
    TPU metadata server, so a pod slice needs no settings at all.
 4. Nothing: one process, and `initialize` does nothing.
+
+How `jaxrl run` uses the hosts (`jaxrl.runner`): the trainer's weights and train step live on one mesh
+over every device of every host. Each host also runs its own rollout engine, server and environments on
+a copy of the weights placed on its own devices (`local_mesh`), so rollouts never wait on another host,
+and plays its `share` of each step's example groups. The step's rollouts are then gathered to every host
+(`all_gather_objects`: token ids, logprobs and rewards, kilobytes to a few megabytes a step), so every
+process holds exactly what one process would have played and derives the same metrics, failure verdict,
+advantages and train batch from it, with no further agreement needed; the train batch goes onto the
+global mesh as the same numpy array on every host. Decisions taken on one host only (a SIGTERM) are
+agreed with `any_process` before anything collective depends on them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,7 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 DEFAULT_PORT = 8476  # JAX's own default coordinator port on Cloud TPU
 
@@ -152,3 +163,42 @@ def barrier(name: str) -> None:
     """Wait until every process reaches the barrier `name` (no-op with one process)."""
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
+
+
+def local_mesh(mesh: Mesh) -> Mesh:
+    """The part of `mesh` on this process's devices, with the same axis names (`mesh` itself with one
+    process): where this host's rollout engine runs.
+
+    Raises:
+        ValueError: this process's devices do not form a block of `mesh` (a mesh not built by
+            `jaxrl.sharding.make_mesh` from `jax.devices()`, which lists them host by host).
+    """
+    return mesh if jax.process_count() == 1 else mesh.local_mesh
+
+
+def share(n: int) -> range:
+    """This process's contiguous share of `n` items: process p of P gets `[p * n // P, (p + 1) * n // P)`,
+    shares differing in size by at most one, so every process's share in process order is `range(n)`."""
+    count, index = jax.process_count(), jax.process_index()
+    return range(index * n // count, (index + 1) * n // count)
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """`obj` of every process, in process order (`[obj]` with one process). A collective: every process
+    must call it at the same point. Objects travel pickled over JAX's own collectives, between the
+    processes of this run only."""
+    if jax.process_count() == 1:
+        return [obj]
+    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(padded))
+    return [pickle.loads(rows[i, :size].tobytes()) for i, size in enumerate(sizes)]
+
+
+def any_process(flag: bool) -> bool:
+    """True on every process when `flag` is true on any (a collective; `flag` itself with one process)."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    return bool(np.asarray(multihost_utils.process_allgather(np.array([flag], bool))).any())

@@ -15,7 +15,7 @@ Where the two APIs differ, the adapter translates:
 - `generate` returns JetStream's `ResultTokens`: int32 [B, 3] columns token / valid / length, where
   length counts the slot's emitted tokens (JetStream stops a request once it exceeds `max_tokens`) and
   valid is 0 once the KV cache (`max_seq_len`) is full, which ends the request there.
-- The tokenizer is the model folder's `tokenizer.json` (`HFTokenizer`). JetStream puts `bos_id` before
+- The tokenizer is the model's Hugging Face tokenizer (`HFTokenizer`). JetStream puts `bos_id` before
   every prompt not continuing a session; a tokenizer without a BOS token (Qwen3) reports `NO_BOS`,
   which `prefill` drops. The stop tokens are the model's `eos_token_id`s; JetStream does not emit the
   stop token itself (jaxrl's scheduler does).
@@ -45,6 +45,7 @@ import dataclasses
 import functools
 import json
 import logging
+import socket
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -90,21 +91,30 @@ class JetStreamError(RuntimeError):
 
 
 class HFTokenizer(tokenizer_api.Tokenizer):
-    """JetStream's tokenizer API over a Hugging Face `tokenizer.json` in `folder`.
+    """JetStream's tokenizer API over a Hugging Face `tokenizers.Tokenizer`, stopping at
+    `stop_token_ids` (the model's end-of-turn ids; JetStream's default would add `pad_id`)."""
 
-    Stop tokens: `eos_token_id` (an int or a list) of `generation_config.json`, else of `config.json`.
+    def __init__(self, tokenizer: Any, stop_token_ids: Sequence[int]) -> None:
+        if not stop_token_ids:
+            raise ValueError("a JetStream tokenizer needs at least one stop token id")
+        self._tok = tokenizer
+        self._stop = tuple(stop_token_ids)
+        plain, special = tokenizer.encode("a", add_special_tokens=False).ids, tokenizer.encode("a").ids
+        self._bos = special[0] if len(special) > len(plain) and special[1:] == plain else NO_BOS
 
-    Raises:
-        ValueError: no `tokenizer.json` in `folder`, or no `eos_token_id` in either file.
-    """
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> HFTokenizer:
+        """The `tokenizer.json` in `folder`; stop ids: `eos_token_id` (an int or a list) of
+        `generation_config.json`, else of `config.json`.
 
-    def __init__(self, folder: str | Path) -> None:
+        Raises:
+            ValueError: no `tokenizer.json` in `folder`, or no `eos_token_id` in either file.
+        """
         from tokenizers import Tokenizer
 
         folder = Path(folder)
         if not (folder / "tokenizer.json").is_file():
             raise ValueError(f"no tokenizer.json in {folder}")
-        self._tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
         stop: list[int] = []
         for name in ("generation_config.json", "config.json"):
             if not stop and (folder / name).is_file():
@@ -112,9 +122,7 @@ class HFTokenizer(tokenizer_api.Tokenizer):
                 stop = [eos] if isinstance(eos, int) else list(eos or [])
         if not stop:
             raise ValueError(f"no eos_token_id in {folder}/generation_config.json or config.json")
-        self._stop = tuple(stop)
-        plain, special = self._tok.encode("a", add_special_tokens=False).ids, self._tok.encode("a").ids
-        self._bos = special[0] if len(special) > len(plain) and special[1:] == plain else NO_BOS
+        return cls(Tokenizer.from_file(str(folder / "tokenizer.json")), stop)
 
     def encode(self, s: str, **kwargs: Any) -> tuple[jax.Array, int]:
         """Token ids of `s`, padded as JetStream pads (`token_utils.pad_tokens`, same keywords)."""
@@ -153,15 +161,14 @@ class SlotState:
 
 
 class JetStreamEngine(engine_api.Engine):
-    """`engine` (with engine params `params`, `{"base", "lora"}`) as a JetStream engine; the tokenizer
-    is read from `tokenizer_dir`. Decoding is greedy.
+    """`engine` (with engine params `params`, `{"base", "lora"}`) as a JetStream engine that tokenizes
+    with `tokenizer`. Decoding is greedy.
 
     Raises:
-        ValueError: the engine's `max_prefill_length` is below JetStream's smallest bucket (16), or
-            the tokenizer cannot be read (see `HFTokenizer`).
+        ValueError: the engine's `max_prefill_length` is below JetStream's smallest bucket (16).
     """
 
-    def __init__(self, engine: Engine, params: Params, tokenizer_dir: str | Path) -> None:
+    def __init__(self, engine: Engine, params: Params, tokenizer: HFTokenizer) -> None:
         fits = [b for b in JETSTREAM_BUCKETS if b <= engine.max_prefill_length]
         if not fits:
             raise ValueError(f"JetStream needs max_prefill_length >= {JETSTREAM_BUCKETS[0]}; the engine's "
@@ -169,8 +176,7 @@ class JetStreamEngine(engine_api.Engine):
         self.engine = engine
         self._params = engine.prepare(params)
         self._max_prefill_length = fits[-1]
-        self._tokenizer_dir = Path(tokenizer_dir)
-        self.tokenizer = HFTokenizer(self._tokenizer_dir)
+        self.tokenizer = tokenizer
         s = engine.max_seq_len
         self._start = jax.jit(lambda emitted, room, slot, length: (emitted.at[slot].set(0),
                                                                    room.at[slot].set(s - 1 - length)))
@@ -221,10 +227,11 @@ class JetStreamEngine(engine_api.Engine):
         return self.engine.get_prefix_destination_sharding()
 
     def get_tokenizer(self) -> tokenizer_pb2.TokenizerParameters:
-        return tokenizer_pb2.TokenizerParameters(path=str(self._tokenizer_dir))
+        """Empty: `build_tokenizer` hands over the tokenizer object rather than rebuilding it."""
+        return tokenizer_pb2.TokenizerParameters()
 
     def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> HFTokenizer:
-        return HFTokenizer(metadata.path)
+        return self.tokenizer
 
     @property
     def max_concurrent_decodes(self) -> int:
@@ -391,11 +398,17 @@ def serve(engine: JetStreamEngine, port: int, host: str = "127.0.0.1",
     it; `wait_for_termination()` blocks). A bad request is refused with INVALID_ARGUMENT
     (`check_request`); a failing worker thread still ends the process (JetStream's own choice).
     `threads`: gRPC handler threads, default JetStream's: max(decode slots, 64).
+
+    Raises:
+        OSError: `host:port` cannot be bound (checked before anything starts).
     """
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.bind((host, port))
     d = _driver(engine)
     threads = threads or max(d.get_total_concurrent_requests(), 64)
     checked = functools.partial(_CheckedOrchestrator, vocab_size=engine.engine.cfg.vocab_size)
-    with _swapped(server_lib, "_HOST", host), _swapped(server_lib.orchestrator, "LLMOrchestrator", checked):
+    address = f"[{host}]" if ":" in host else host
+    with _swapped(server_lib, "_HOST", address), _swapped(server_lib.orchestrator, "LLMOrchestrator", checked):
         server = server_lib.JetStreamServer(d, threads, port, grpc.insecure_server_credentials())
     server.start()
     return server

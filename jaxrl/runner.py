@@ -8,6 +8,15 @@ output folder and name) resumes from its last complete checkpoint, with the same
 position and sampling seeds, so it reproduces the uninterrupted run. SIGTERM or SIGINT (preemption)
 checkpoints the last complete step and exits; rollouts in flight are dropped and redone on resume.
 Failing rollouts are dropped and counted (`jaxrl.rollouts`); a run whose rollouts mostly fail stops.
+
+Multi-host (one process per host, `jaxrl.distributed`): the trainer runs on the mesh over every host's
+devices; each host runs its own engine, server and environments on its own devices, with the base
+weights loaded a second time onto them and the LoRA copied over after each step, and plays a
+contiguous share of the step's groups with the seeds one process would use. The rollouts are gathered
+to every process, which then computes the metrics, failure verdict and batch exactly as one process
+would; only process 0 prints, writes metrics and the run config. Every process takes part in each
+checkpoint save and restore (Orbax coordinates them), so `[jax] checkpoint_dir` must be a `gs://` URL
+or a folder every host shares. A SIGTERM on any host stops every host after the same step.
 """
 
 from __future__ import annotations
@@ -26,7 +35,8 @@ import numpy as np
 from rich.console import Console
 from rich.markup import escape
 
-from jaxrl import envs, export, hf, rollouts
+from jaxrl import distributed, envs, export, hf, rollouts, wandb_log
+from jaxrl.buffer import Buffer, BufferExhausted, BufferState
 from jaxrl.checkpoint import Checkpointer, CheckpointError
 from jaxrl.config import ConfigError, RunConfig, load_env_file, resolve_model_path, resolve_tokenizer_path
 from jaxrl.engine import Engine
@@ -64,23 +74,6 @@ def pad_length(n: int, seq_len: int) -> int:
     return min(width, seq_len)
 
 
-class ExampleSampler:
-    """Deterministic example order per environment: a fresh seeded permutation each epoch. Its state is
-    the number of examples drawn from each environment, saved with every checkpoint."""
-
-    def __init__(self, sizes: list[int], seed: int, drawn: list[int] | None = None) -> None:
-        self.sizes, self.seed = sizes, seed
-        self.drawn = list(drawn) if drawn else [0] * len(sizes)
-
-    def next(self, env_index: int) -> int:
-        n = self.sizes[env_index]
-        epoch, pos = divmod(self.drawn[env_index], n)
-        self.drawn[env_index] += 1
-        order = np.random.default_rng([self.seed, env_index, epoch]).permutation(n)
-        return int(order[pos])
-
-
-
 def run(cfg: RunConfig, console: Console | None = None) -> Path:
     """Train `cfg` to `max_steps`, resuming from the run's last complete checkpoint when there is one;
     return the run folder. See the module docstring. Secrets (`env_file` values, secret-named
@@ -94,7 +87,7 @@ def run(cfg: RunConfig, console: Console | None = None) -> Path:
         RunError: most rollouts failed (`jaxrl.rollouts.failure_verdict`).
         Preempted: SIGTERM or SIGINT; a checkpoint of the last complete step was saved first.
     """
-    console = console or Console(soft_wrap=True)
+    console = console or Console(soft_wrap=True, quiet=not distributed.is_primary())
     env_values = load_env_file(cfg.env_file)
     os.environ.update(env_values)
     secrets = secret_values(env_values)
@@ -112,24 +105,30 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     jcfg = cfg.jax
     mesh = make_mesh(jcfg.mesh.model_dump())
+    engine_mesh = distributed.local_mesh(mesh)  # this host's devices: its rollout engine's
     dtype = jnp.bfloat16 if jcfg.dtype == "bfloat16" else jnp.float32
     model_path, tokenizer_path = resolve_model_path(cfg), resolve_tokenizer_path(cfg)
     t0 = time.perf_counter()
     try:
-        mcfg, base = hf.load_hf(model_path, dtype=dtype)
+        mcfg = hf.load_config(model_path)
+        _, base = hf.load_hf(model_path, dtype, shardings=spec_shardings(param_specs(mcfg), mcfg.dims(), mesh))
+        engine_base = base if engine_mesh is mesh else hf.load_hf(
+            model_path, dtype, shardings=spec_shardings(param_specs(mcfg), mcfg.dims(), engine_mesh))[1]
     except Exception as exc:  # noqa: BLE001 - a missing, truncated or malformed checkpoint, in any layer
         key = "jax.model_path" if jcfg.model_path else "model"
         raise ConfigError(cfg.source, [(key, f"cannot load the model from {model_path}: "
                                              f"{type(exc).__name__}: {exc}")]) from None
-    base = jax.device_put(base, spec_shardings(param_specs(mcfg), mcfg.dims(), mesh))
     targets = tuple(jcfg.lora_targets)
     lora_sh = spec_shardings(lora_specs(mcfg, jcfg.lora_rank, targets), {**mcfg.dims(), "R": jcfg.lora_rank}, mesh)
-    lora = jax.device_put(init_lora(mcfg, jcfg.lora_rank, targets, jax.random.key(jcfg.seed)), lora_sh)
+    # Through numpy: a device array on one host's device would take a cross-host transfer per leaf.
+    lora = jax.device_put(jax.device_get(init_lora(mcfg, jcfg.lora_rank, targets, jax.random.key(jcfg.seed))),
+                          lora_sh)
     lora_scale = cfg.lora_alpha / jcfg.lora_rank
     console.print(f"[bold]jaxrl[/] run [cyan]{run_dir}[/]: model {model_path} "
                   f"({sum(x.size for x in jax.tree.leaves(base)) / 1e6:.1f}M params, {jcfg.dtype}), "
                   f"mesh {dict(mesh.shape)}, loaded in {time.perf_counter() - t0:.1f}s")
-    export.write_run_config(run_dir, cfg)  # what `jaxrl export` reads
+    if distributed.is_primary():
+        export.write_run_config(run_dir, cfg)  # what `jaxrl export` reads
     adapters = export.RunAdapters(cfg, mcfg, export.adapters_dir_of(cfg), console)
 
     trainer = Trainer(mcfg, mesh, make_optimizer(cfg.learning_rate), lora_scale=lora_scale, remat=jcfg.remat)
@@ -142,24 +141,33 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
         except envs.EnvLoadError as exc:
             raise ConfigError(cfg.source, [(f"env.{i}.id", str(exc))]) from None
     ckpt = Checkpointer(checkpoint_dir_of(cfg), keep=cfg.checkpoints.keep_cloud)
-    sampler = ExampleSampler([len(env.tasks) for env in loaded], cfg.buffer.seed)
+    buffer = Buffer(tuple(len(env.tasks) for env in loaded), cfg.buffer)
+    buffer_state = BufferState.fresh(len(loaded))
     start = 0
     if (latest := ckpt.latest_step()) is not None:
         state, meta = _restore(ckpt, latest, state, identity)
         start = int(meta["step"])
-        sampler = ExampleSampler(sampler.sizes, sampler.seed, meta["examples_drawn"])
+        buffer_state = _buffer_state(meta)
         console.print(f"resuming from checkpoint step {start} in {ckpt.directory}")
     elif cfg.checkpoint_id:
         state = trainer.init_state(base, _warm_start(cfg, state, identity, console))
-    if dropped := trim_metrics(run_dir / "metrics.jsonl", start):
+    if distributed.is_primary() and (dropped := trim_metrics(run_dir / "metrics.jsonl", start)):
         console.print(f"dropped {dropped} metrics rows past step {start} (steps run after the last checkpoint)")
     if start >= cfg.max_steps:
         console.print(f"run already complete ({start}/{cfg.max_steps} steps)")
         ckpt.close()
         return run_dir
 
-    engine = Engine(mcfg, mesh, jcfg.decode_slots, jcfg.seq_len, lora_scale=lora_scale, cache_dtype=dtype)
-    scheduler = Scheduler(engine, {"base": base, "lora": state.lora}, model_name=cfg.model,
+    wandb_run = wandb_log.start(cfg, run_dir, secrets, console) if distributed.is_primary() else None
+    engine = Engine(mcfg, engine_mesh, jcfg.decode_slots, jcfg.seq_len, lora_scale=lora_scale, cache_dtype=dtype)
+    engine_lora_sh = spec_shardings(lora_specs(mcfg, jcfg.lora_rank, targets), {**mcfg.dims(), "R": jcfg.lora_rank},
+                                    engine_mesh)
+
+    def engine_lora(lora: Any) -> Any:
+        """The trainer's LoRA, placed for this host's engine (a collective with several processes)."""
+        return lora if engine_mesh is mesh else jax.device_put(distributed.to_host(lora), engine_lora_sh)
+
+    scheduler = Scheduler(engine, {"base": engine_base, "lora": engine_lora(state.lora)}, model_name=cfg.model,
                           seed=jcfg.seed * 1_000_003 + start)
     scheduler.policy_version = start
     server = start_server(scheduler, host=jcfg.host, port=jcfg.port)
@@ -167,15 +175,16 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
                               top_k=cfg.sampling.top_k,
                               max_tokens=cfg.sampling.max_tokens or jcfg.seq_len - 1)
     client = {"base_url": server.base_url, "model_name": cfg.model, "tokenizer_path": tokenizer_path}
-    logger = MetricsLogger(run_dir, cfg.max_steps, start, console)
+    logger = MetricsLogger(run_dir, cfg.max_steps, start, console, wandb_run) if distributed.is_primary() else None
     groups = cfg.batch_size // cfg.rollouts_per_example
     loop = asyncio.new_event_loop()  # one loop for the run: verifiers' HTTP clients outlive a step
     serving = contextlib.AsyncExitStack()
-    done, drawn_at_done, saved = start, list(sampler.drawn), start
+    done, buffer_at_done, saved = start, buffer_state, start
     history: list[tuple[int, int]] = []
 
-    def save(step: int, drawn: list[int]) -> None:
-        ckpt.save(step, state, {"step": step, "examples_drawn": drawn, "policy_version": step, "identity": identity})
+    def save(step: int, buf: BufferState) -> None:
+        ckpt.save(step, state, {"step": step, "examples_drawn": list(buf.drawn), "buffer": buf.to_json(),
+                                "policy_version": step, "identity": identity})
 
     try:
         with stop_on_signals() as stop:
@@ -191,31 +200,38 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
                 t_check = time.perf_counter()
                 failing = loop.run_until_complete(rollouts.preflight(
                     loaded, client, sampling, max(jcfg.rollout_timeout, PREFLIGHT_TIMEOUT_S)))
+                failing = list(dict.fromkeys(line for lines in distributed.all_gather_objects(failing)
+                                             for line in lines))
                 if failing:
                     raise RunError("pre-flight rollout failed before step 1 (set [buffer] skip_verification = true "
                                    "to skip this check):\n  " + "\n  ".join(failing))
                 console.print(f"pre-flight: one rollout of each environment passed in "
                               f"{time.perf_counter() - t_check:.1f}s")
             for step in range(start, cfg.max_steps):
-                if stop.requested:
+                if distributed.any_process(stop.requested):
                     break
                 t_step = time.perf_counter()
-                jobs = []
-                for g in range(groups):
-                    env_i = (step * groups + g) % len(loaded)
-                    jobs.append((env_i, sampler.next(env_i)))
+                try:
+                    jobs, drawn_state = buffer.draw(buffer_state, groups)
+                except BufferExhausted as exc:
+                    raise RunError(f"step {step + 1}: stopping, {exc} (resumes from checkpoint step {saved})") from None
                 first_seed = (jcfg.seed * 1_000_003 + step * groups) * cfg.rollouts_per_example
                 serving_tasks = asyncio.all_tasks(loop)
-                task = loop.create_task(rollouts.collect(loaded, jobs, cfg.rollouts_per_example, client, sampling,
-                                                         first_seed, jcfg.rollout_timeout))
+                mine, n = distributed.share(groups), cfg.rollouts_per_example
+                task = loop.create_task(rollouts.collect(loaded, jobs[mine.start:mine.stop], n, client, sampling,
+                                                         first_seed + mine.start * n, jcfg.rollout_timeout))
                 stop.on_signal = lambda task=task: loop.call_soon_threadsafe(task.cancel)
                 try:
                     step_rollouts = loop.run_until_complete(task)
-                except asyncio.CancelledError:  # preempted mid-rollouts: this step is dropped and redone on resume
+                except asyncio.CancelledError:
                     loop.run_until_complete(_settle(serving_tasks, timeout_s=10.0))
-                    break
+                    step_rollouts = None
                 finally:
                     stop.on_signal = None
+                shares = distributed.all_gather_objects(step_rollouts)
+                if any(share is None for share in shares):  # preempted mid-rollouts: dropped, redone on resume
+                    break
+                step_rollouts = [group for share in shares for group in share]
                 t_rollout = time.perf_counter() - t_step
                 metrics = rollouts.step_metrics(step_rollouts, [cfg.env[i].display_name for i, _ in jobs],
                                                 len(cfg.env) > 1)
@@ -230,45 +246,61 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
                     first = escape(redact(rollouts.first_errors(step_rollouts, 1)[0], secrets))
                     console.print(f"[yellow]step {step + 1}: {metrics['rollouts/failed']:.0f} rollouts failed and "
                                   f"were dropped[/]; first: {first}", highlight=False)
-                advantages = np.concatenate([rollouts.advantages(group) for group in step_rollouts])
-                width = pad_length(max(len(r.token_ids) for r in kept), jcfg.seq_len)
-                samples, sample_advantages = envs.training_samples(kept, advantages, cfg.trajectory_strategy)
-                batch = make_batch(samples, sample_advantages, sampling.temperature, width)
+                keep, buffer_state = buffer.record(drawn_state, jobs, [[r.reward for r in g if r.ok]
+                                                                       for g in step_rollouts])
+                metrics |= buffer.metrics(buffer_state, keep)
+                trained = [g for g, k in zip(step_rollouts, keep, strict=True) if k]
+                trained_ok = [r for g in trained for r in g if r.ok]
                 t_train = time.perf_counter()
-                state, train_metrics = trainer.step(state, base, batch)
-                scheduler.update_params({"base": base, "lora": state.lora}, version=step + 1)
-                train_metrics = {k: float(v) for k, v in jax.device_get(train_metrics).items()}
-                if train_metrics["optim/skipped"]:
-                    console.print(f"[yellow]step {step + 1}: loss or gradient not finite; update skipped, "
-                                  f"weights unchanged[/]")
+                samples: list = []
+                if trained_ok:
+                    advantages = np.concatenate([rollouts.advantages(group) for group in trained])
+                    width = pad_length(max(len(r.token_ids) for r in trained_ok), jcfg.seq_len)
+                    samples, sample_advantages = envs.training_samples(trained_ok, advantages,
+                                                                       cfg.trajectory_strategy)
+                    batch = make_batch(samples, sample_advantages, sampling.temperature, width)
+                    state, train_metrics = trainer.step(state, base, batch)
+                    train_metrics = {k: float(v) for k, v in jax.device_get(train_metrics).items()}
+                    if train_metrics["optim/skipped"]:
+                        console.print(f"[yellow]step {step + 1}: loss or gradient not finite; update skipped, "
+                                      f"weights unchanged[/]")
+                else:  # online difficulty filtering left no group with a reward signal: nothing to learn from
+                    train_metrics = {"optim/skipped": 1.0}
+                    console.print(f"[yellow]step {step + 1}: every group's rewards were equal (filtered by "
+                                  f"[buffer] online_difficulty_filtering); no update[/]")
+                scheduler.update_params({"base": engine_base, "lora": engine_lora(state.lora)}, version=step + 1)
                 now = time.perf_counter()
                 sampled = sum(sum(r.loss_mask) for r in kept)
                 metrics |= train_metrics | {
                     "time/rollout": t_rollout, "time/train": now - t_train, "time/step": now - t_step,
                     "tokens_per_s": sampled / t_rollout, "train/samples": float(len(samples)),
                 }
-                logger.log(step + 1, metrics)
-                done, drawn_at_done = step + 1, list(sampler.drawn)
-                if done % cfg.checkpoints.interval == 0 or done == cfg.max_steps or stop.requested:
-                    save(done, drawn_at_done)
+                if logger:
+                    logger.log(step + 1, metrics)
+                done, buffer_at_done = step + 1, buffer_state
+                if done % cfg.checkpoints.interval == 0 or done == cfg.max_steps or \
+                        distributed.any_process(stop.requested):
+                    save(done, buffer_at_done)
                     saved = done
                 adapters.after_step(done, state.lora)
-            if stop.requested:
+            if distributed.any_process(stop.requested):
                 if saved != done:
-                    save(done, drawn_at_done)
+                    save(done, buffer_at_done)
                 ckpt.wait()
-                raise Preempted(f"{stop.signal}: stopped after step {done}; checkpoint step {done} is in "
-                                f"{ckpt.directory}. Run the same command again to resume.")
+                raise Preempted(f"{stop.signal or 'a signal to another host'}: stopped after step {done}; "
+                                f"checkpoint step {done} is in {ckpt.directory}. Run the same command again to resume.")
         ckpt.wait()
     finally:
-        logger.close()
+        if logger:
+            logger.close()
         loop.run_until_complete(serving.aclose())
         loop.close()
         server.stop()
         scheduler.stop()
         with contextlib.suppress(Exception):
             ckpt.close()
-    console.print(f"done: {cfg.max_steps} steps; metrics in {logger.path}, checkpoints in {ckpt.directory}"
+    console.print(f"done: {cfg.max_steps} steps; metrics in {run_dir / 'metrics.jsonl'}, "
+                  f"checkpoints in {ckpt.directory}"
                   + (f", PEFT adapters in {adapters.directory}" if adapters.enabled else ""))
     return run_dir
 
@@ -282,6 +314,15 @@ async def _settle(keep: set[asyncio.Task], timeout_s: float) -> None:
         if left <= 0:
             return
         await asyncio.wait(rest, timeout=left)
+
+
+def _buffer_state(meta: dict) -> BufferState:
+    """The buffer state saved in checkpoint metadata; a checkpoint from before `[buffer]` sampling has
+    only `examples_drawn`, under round robin, where each environment got one group per example drawn."""
+    if "buffer" in meta:
+        return BufferState.from_json(meta["buffer"])
+    drawn = tuple(int(x) for x in meta["examples_drawn"])
+    return BufferState(drawn, drawn, tuple({} for _ in drawn))
 
 
 def _restore(ckpt: Checkpointer, step: int, like: TrainState, identity: dict) -> tuple[TrainState, dict]:

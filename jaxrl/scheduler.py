@@ -157,6 +157,11 @@ class Scheduler:
         self._thread.join(timeout=30)
 
     @property
+    def params(self) -> Params:
+        """The engine params (`Engine.prepare`d) that the next prefill and decode step use."""
+        return self._params
+
+    @property
     def active(self) -> int:
         return sum(r is not None for r in self._slots)
 

@@ -113,6 +113,25 @@ def test_two_processes_match_one_process(results, mode):
     assert [r["primary"] for r in pair] == [True, False]
 
 
+@pytest.mark.parametrize(("count", "n"), [(1, 5), (2, 2), (3, 8), (4, 2)])
+def test_share_splits_items_into_contiguous_blocks_in_process_order(monkeypatch, count, n):
+    monkeypatch.setattr(jax, "process_count", lambda: count)
+    shares = []
+    for index in range(count):
+        monkeypatch.setattr(jax, "process_index", lambda index=index: index)
+        shares.append(distributed.share(n))
+    assert [i for s in shares for i in s] == list(range(n))
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def test_objects_and_flags_are_gathered_from_every_process(results):
+    _, pair = results
+    for r in pair:  # unequal sizes: process 1's object is the longer one
+        assert r["gathered"] == [{"rows": []}, {"rows": [0, 1, 2]}]
+        assert r["any"] == [True, False]
+    assert distributed.all_gather_objects("only") == ["only"] and distributed.any_process(True)
+
+
 def test_from_env_jax_variables():
     env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.2:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
     assert distributed.from_env(env, tpu_vm=False) == distributed.Setup("10.0.0.2:1234", 4, 3,
@@ -164,6 +183,8 @@ if __name__ == "__main__":  # a worker of `two_process_results`
     distributed.initialize(distributed.from_env())
     results = {"process_count": jax.process_count(), "local_devices": jax.local_device_count(),
                "primary": distributed.is_primary(),
+               "gathered": distributed.all_gather_objects({"rows": list(range(3 * jax.process_index()))}),
+               "any": [distributed.any_process(jax.process_index() == 1), distributed.any_process(False)],
                **_train()}
     distributed.barrier("done")
     Path(sys.argv[1]).write_text(json.dumps(results))

@@ -2,6 +2,12 @@
 tokens as jaxrl's scheduler, and its gRPC server answers over the tiny checkpoint."""
 
 import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 
 import grpc
 import jax
@@ -9,9 +15,11 @@ import numpy as np
 import pytest
 from gcs_fixtures import free_port
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
+from typer.testing import CliRunner
 
 from jaxrl import hf
 from jaxrl import jetstream as js
+from jaxrl.cli import app
 from jaxrl.engine import Engine
 from jaxrl.protocol import SamplingParams
 from jaxrl.scheduler import Scheduler
@@ -30,7 +38,7 @@ def served(tiny_model_dir):
             "mlp": jax.tree.map(lambda x: x * 20, base["mlp"])}
     engine = Engine(cfg, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=2, max_seq_len=SEQ_LEN)
     params = {"base": base, "lora": None}
-    return engine, params, js.JetStreamEngine(engine, params, tiny_model_dir)
+    return engine, params, js.JetStreamEngine(engine, params, js.HFTokenizer.from_folder(tiny_model_dir))
 
 
 def _scheduler_tokens(engine, params, prompts, max_tokens, stop):
@@ -67,8 +75,17 @@ def test_driver_thread_error_is_raised_not_fatal(served):
             jet.decode([[5], []], 4)
 
 
+def test_engine_too_short_for_jetstream_buckets(served):
+    engine, params, adapter = served
+    short = Engine(engine.cfg, engine.mesh, max_concurrent_decodes=1, max_seq_len=16)
+    with pytest.raises(ValueError, match="JetStream needs max_prefill_length >= 16; the engine's max_seq_len 16 "
+                                         "allows 15"):
+        js.JetStreamEngine(short, params, adapter.tokenizer)
+    assert adapter.max_prefill_length == 32  # the largest of 16, 32, ... within SEQ_LEN - 1 = 39
+
+
 def test_tokenizer_has_no_bos_and_stops_at_the_model_eos(tiny_model_dir):
-    tok = js.HFTokenizer(tiny_model_dir)
+    tok = js.HFTokenizer.from_folder(tiny_model_dir)
     assert tok.bos_id == js.NO_BOS
     assert tok.stop_tokens == {151645, 151643}  # generation_config.json's eos_token_id; not pad_id 0
     padded, n = tok.encode("hello world", is_bos=True, max_prefill_length=32, jax_padding=False)
@@ -80,7 +97,7 @@ def test_tokenizer_has_no_bos_and_stops_at_the_model_eos(tiny_model_dir):
 
 def test_tokenizer_errors_name_the_folder(tmp_path):
     with pytest.raises(ValueError, match=f"no tokenizer.json in {tmp_path}"):
-        js.HFTokenizer(tmp_path)
+        js.HFTokenizer.from_folder(tmp_path)
 
 
 def test_grpc_server_decodes_tokens_and_text(served):
@@ -107,3 +124,44 @@ def test_grpc_server_decodes_tokens_and_text(served):
     assert len(tokens) == 6
     assert [t for s in texts for t in s.token_ids] == tokens  # the text path drops JetStream's BOS slot
     assert "".join(s.text for s in texts) == adapter.tokenizer.decode(tokens)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--port", "0"], "--jetstream needs a --port other than 0"),
+    (["--api-key-env", "JAXRL_TEST_KEY"], "JetStream's gRPC server has no API keys"),
+])
+def test_cli_jetstream_errors_are_one_clear_line(tiny_model_dir, args, message):
+    args = [str(tiny_model_dir), "--jetstream", "--port", str(free_port()), "--no-warmup", *args]
+    result = CliRunner().invoke(app, ["serve", *args], env={"JAXRL_TEST_KEY": "k"})
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and "Traceback" not in result.output
+
+
+def test_cli_serve_jetstream_answers_grpc(served, tiny_model_dir, tmp_path, compile_cache):
+    """`jaxrl serve MODEL --jetstream` as a user runs it; its greedy tokens are the scheduler's."""
+    engine, _, _ = served
+    _, base = hf.load_hf(tiny_model_dir)
+    port, log = free_port(), tmp_path / "serve.log"
+    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+                        "JAX_COMPILATION_CACHE_DIR": str(compile_cache),
+                        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "jaxrl", "serve", str(tiny_model_dir), "--jetstream", "--port",
+                             str(port), "--seq-len", "64", "--decode-slots", "2", "--no-warmup"],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while not re.search(rf"at grpc://127\.0\.0\.1:{port} ", log.read_text()):
+            assert proc.poll() is None, f"exited {proc.returncode}:\n{log.read_text()}"
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            request = jetstream_pb2.DecodeRequest(max_tokens=5, token_content={"token_ids": PROMPTS[1]})
+            got = [t for r in jetstream_pb2_grpc.OrchestratorStub(channel).Decode(request, timeout=120)
+                   for t in r.stream_content.samples[0].token_ids]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, log.read_text()
+    finally:
+        proc.kill()
+    assert "stopping" in log.read_text() and "Traceback" not in log.read_text()
+    stop = (151645, 151643)
+    assert got == _scheduler_tokens(engine, {"base": base, "lora": None}, PROMPTS[1:2], 5, stop)[0]

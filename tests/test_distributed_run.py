@@ -1,0 +1,64 @@
+"""`jaxrl run` multi-host, for real: the tiny quickstart trained by 2 processes x 4 emulated CPU devices
+(joined on 127.0.0.1 through the JAX_* variables, each with its own rollout engine and environments)
+against 1 process x 8 devices, both checkpointing to the GCS emulator."""
+
+import jax
+import numpy as np
+from gcs_fixtures import free_port
+from test_resume import finish, metrics, reproducible, start, write_config
+
+from jaxrl import export, hf
+
+STEPS = 2
+
+
+def test_two_processes_train_like_one(tmp_path, tiny_model_dir, gcs, compile_cache):
+    """Same metrics every step (rewards exactly; losses to float rounding, the engines' and the train
+    step's reductions being split over other devices) and the same LoRA in the last checkpoint. Only
+    process 0 writes metrics and prints progress. The three processes run at once to save wall time."""
+    url = "gs://jaxrl-test/distributed"
+    runs = {}
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+        runs[name] = write_config(tmp_path / name / "rl.toml", tiny_model_dir, name, max_steps=STEPS,
+                                  extra="[buffer]\nskip_verification = true", jax_extra=f'checkpoint_dir = "{url}"')
+    port = free_port()
+    procs = {"one": start(runs["one"], tmp_path / "one.log", compile_cache,
+                          XLA_FLAGS="--xla_force_host_platform_device_count=8")}
+    for pid in range(2):
+        procs[f"two-{pid}"] = start(runs["two"], tmp_path / f"two-{pid}.log", compile_cache,
+                                    XLA_FLAGS="--xla_force_host_platform_device_count=4",
+                                    JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+                                    JAX_PROCESS_ID=str(pid))
+    try:
+        logs = {name: finish(proc, tmp_path / f"{name}.log") for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    for name, (code, out) in logs.items():
+        assert code == 0, f"{name}:\n{out}"
+    assert "mesh {'data': 1, 'fsdp': 8, 'tensor': 1, 'expert': 1}" in logs["two-0"][1]
+    assert f"step    {STEPS} " in logs["two-0"][1] and "step    1 " not in logs["two-1"][1]
+
+    one = reproducible(metrics(tmp_path / "one" / "runs" / "one"))
+    two = reproducible(metrics(tmp_path / "two" / "runs" / "two"))  # both processes share this folder
+    assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, STEPS + 1))
+    for a, b in zip(two, one, strict=True):
+        assert a.keys() == b.keys()
+        for k in ("reward/mean", "reward/std", "seq_len", "rollouts/failed", "train/samples"):
+            assert a[k] == b[k], (a["step"], k)
+        assert a["train/samples"] == 8  # each group played once, by one of the two processes
+        for k, v in b.items():
+            np.testing.assert_allclose(a[k], v, rtol=1e-5, atol=1e-6, err_msg=f"step {a['step']} {k}")
+
+    model_cfg = hf.load_config(tiny_model_dir)
+    loras = {}
+    for name, cfg in runs.items():
+        source = export.find_source(f"{url}/{name}", config=cfg)
+        assert source.step == STEPS
+        loras[name] = export.restore_lora(source, model_cfg)
+    # Adam moves every element by up to about the learning rate (1e-2) a step, whatever its gradient's
+    # size, so an element whose gradient is near zero carries the float differences far (seen: 1e-5).
+    # A lost, doubled or misplaced group would move elements by the order of the learning rate.
+    for a, b in zip(jax.tree.leaves(loras["two"]), jax.tree.leaves(loras["one"]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
