@@ -12,6 +12,7 @@ import pytest
 from jaxrl import hf
 from jaxrl.chat import ChatTemplate, TextStream
 from jaxrl.engine import Engine
+from jaxrl.protocol import SamplingParams
 from jaxrl.scheduler import Scheduler
 from jaxrl.server import GENERATE_ROUTE, start_server
 from jaxrl.sharding import make_mesh
@@ -233,20 +234,39 @@ def test_overload_is_503_and_pending_returns_to_zero(scheduler, template):
         handle.stop()
 
 
-def test_client_leaving_mid_stream_frees_its_slot(server, scheduler, url):
-    with httpx.stream("POST", url, json={"messages": HELLO, "stream": True, "max_tokens": 120, "temperature": 1.0},
+def test_client_leaving_mid_stream_is_no_longer_counted(server, scheduler, url):
+    health = server.base_url.removesuffix("/v1") + "/health"
+    with httpx.stream("POST", url, json={"messages": HELLO, "stream": True, "max_tokens": 100, "temperature": 1.0},
                       timeout=60) as r:
         lines = r.iter_lines()
         while not next(lines).startswith("data: {"):
             pass
-    steps = scheduler.decode_steps
 
     async def wait_idle():
-        while scheduler.active or httpx.get(server.base_url.removesuffix("/v1") + "/health").json()["pending"]:
+        while scheduler.active or httpx.get(health).json()["pending"]:
             await asyncio.sleep(0.05)
 
     asyncio.run(asyncio.wait_for(wait_idle(), 60))
-    assert scheduler.decode_steps - steps < 118  # cancelled, not run to max_tokens
+
+
+def test_a_cancelled_request_leaves_the_scheduler_at_the_next_step(scheduler):
+    """What the chat route relies on for stop strings and clients that leave: cancelling the caller's
+    task frees the slot instead of decoding on to max_tokens."""
+
+    async def cancel_after_two_tokens():
+        got: list[int] = []
+        task = asyncio.ensure_future(scheduler.generate(
+            [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=100), on_token=lambda t, lp: (
+                got.append(t), len(got) == 2 and task.cancel())))
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        steps = scheduler.decode_steps
+        while scheduler.active:
+            await asyncio.sleep(0.01)
+        return len(got), scheduler.decode_steps - steps
+
+    tokens, steps_after = asyncio.run(asyncio.wait_for(cancel_after_two_tokens(), 60))
+    assert tokens >= 2 and steps_after < 10, (tokens, steps_after)
 
 
 def test_hundreds_of_concurrent_requests_are_all_answered(url):
