@@ -21,12 +21,12 @@ import verifiers.v1 as vf
 from pydantic import Field
 
 SHORT_CHARS = 12
-RULES = {
+Rule = Literal["lowercase", "uppercase", "short"]
+RULES: dict[Rule, str] = {
     "lowercase": "Reply using only lowercase letters and spaces.",
     "uppercase": "Reply using only UPPERCASE letters and spaces.",
     "short": f"Reply in at most {SHORT_CHARS} characters.",
 }
-Rule = Literal["lowercase", "uppercase", "short"]
 SUBJECTS = (
     "the sea", "a cat", "the moon", "a forest", "bread", "rain", "a city", "music", "a river", "the sun",
     "a garden", "snow", "a dog", "coffee", "a train", "the wind", "a book", "mountains", "a bird", "the night",
@@ -94,7 +94,7 @@ def generate_tasks(seed: int, count: int, num_turns: int) -> list[tuple[list[Rul
     """`count` distinct (rules, requests) pairs of `num_turns` turns, no rule twice in a row; the same for
     the same arguments. Raises ValueError when that many distinct tasks cannot be drawn."""
     rng = random.Random(seed)
-    names: list[Rule] = list(RULES)  # type: ignore[arg-type]
+    names = list(RULES)
     tasks: dict[str, tuple[list[Rule], list[str]]] = {}
     for _ in range(100 * count):
         if len(tasks) == count:
