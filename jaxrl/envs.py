@@ -306,8 +306,8 @@ def turn_samples(token_ids: list[int], loss_mask: list[bool], logprobs: list[flo
     the run's end with only that run masked in (earlier turns' tokens masked out, their logprobs 0.0).
 
     A run is one turn: in a branch, each model call's sampled tokens end its assistant node, and every
-    later node opens with template tokens (`<|im_end|>`, `<|im_start|>`) that are not sampled. Turn k's
-    sample is so the prompt turn k was generated from, token for token, plus its completion.
+    later node opens with template tokens (`<|im_end|>`, `<|im_start|>`) that are not sampled. So turn
+    k's sample is, token for token, the prompt turn k was generated from plus its completion.
     Returns [] for a sample with no sampled token. Raises ValueError on lists of different lengths.
     """
     if not len(token_ids) == len(loss_mask) == len(logprobs):
