@@ -99,7 +99,7 @@ class EnvConfig(_Table):
 
 
 class WandbConfig(_Table):
-    """`[wandb]`: Weights & Biases logging."""
+    """`[wandb]`: Weights & Biases logging (offline, to the run folder, when WANDB_API_KEY is not set)."""
 
     project: str | None = None
     """W&B project name. Default None (W&B's own default)."""
@@ -151,26 +151,30 @@ class ValConfig(_Table):
 
 
 class BufferConfig(_Table):
-    """`[buffer]`: the rollout buffer and online difficulty filtering."""
+    """`[buffer]`: which examples are sampled, and online difficulty filtering (`jaxrl.buffer`)."""
 
     online_difficulty_filtering: bool = False
-    """Drop groups whose mean reward is exactly 0 or 1 and sample examples by difficulty. Default false."""
+    """Leave out of training the groups whose rewards are all equal (mean exactly 0 or 1 with binary
+    rewards: zero advantages), and sample examples by difficulty (the four fields below apply only when
+    this is true). Default false."""
     easy_threshold: float = Field(0.8, ge=0, le=1)
-    """Mean reward above which an example is "easy", in [0, 1]. Default 0.8."""
+    """An example whose latest group's mean reward is >= this is "easy", in [0, 1]. Default 0.8."""
     hard_threshold: float = Field(0.2, ge=0, le=1)
-    """Mean reward below which an example is "hard", in [0, 1], <= easy_threshold. Default 0.2."""
+    """An example whose latest group's mean reward is <= this is "hard", in [0, 1], <= easy_threshold.
+    Default 0.2."""
     easy_fraction: float = Field(0.0, ge=0, le=1)
-    """Fraction of easy examples kept for sampling, in [0, 1]. Default 0.0."""
+    """Share of each environment's easy examples kept in sampling (a seeded choice); the rest are no
+    longer drawn. In [0, 1]. Default 0.0."""
     hard_fraction: float = Field(0.0, ge=0, le=1)
-    """Fraction of hard examples kept for sampling, in [0, 1]. Default 0.0."""
+    """Share of each environment's hard examples kept in sampling, in [0, 1]. Default 0.0."""
     env_ratios: list[float] | None = None
-    """Sampling weight of each `[[env]]`, one per env, >= 0 with a positive sum; multi-env only (ignored
-    with a single env). Default None: no weighting."""
+    """Sampling weight of each `[[env]]`, one per env, >= 0 with a positive sum: the share of groups each
+    environment gets; multi-env only (ignored with a single env). Default None: equal shares."""
     skip_verification: bool = False
     """Skip the pre-flight check: one smoke rollout of each environment before step 1, whose failure stops
     the run before any training. Default false."""
     seed: int = 42
-    """Seed of the buffer's sampling. Default 42."""
+    """Seed of the example order and of which easy/hard examples are kept. Default 42."""
 
 
 class CheckpointsConfig(_Table):
@@ -332,6 +336,11 @@ class RunConfig(_Table):
         if self.sampling.max_tokens is not None and self.sampling.max_tokens >= self.jax.seq_len:
             problems.append(("sampling.max_tokens", f"{self.sampling.max_tokens} must be < jax.seq_len "
                                                     f"({self.jax.seq_len}); raise [jax] seq_len"))
+        names = [e.display_name for e in self.env]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                problems.append((f"env.{i}.name", f"{name!r} is also the name of env.{names.index(name)}; give "
+                                                  f"each [[env]] a distinct `name` (it labels its metrics)"))
         buf = self.buffer
         if buf.hard_threshold > buf.easy_threshold:
             problems.append(("buffer.hard_threshold", f"{buf.hard_threshold} must be <= easy_threshold "
@@ -358,13 +367,6 @@ NOT_SUPPORTED_YET: frozenset[str] = frozenset({
     "max_async_level",
     "eval",
     "val",
-    "buffer.online_difficulty_filtering",
-    "buffer.easy_threshold",
-    "buffer.hard_threshold",
-    "buffer.easy_fraction",
-    "buffer.hard_fraction",
-    "buffer.env_ratios",
-    "wandb",
     "infrastructure.compute_size",
 })
 
@@ -553,6 +555,21 @@ id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
 # taskset = {}                 # verifiers v1 taskset table, passed to the environment as is
 # harness = {}                 # verifiers v1 harness table, passed to the environment as is
 
+# [buffer]
+# online_difficulty_filtering = false  # drop groups with all-equal rewards; sample by difficulty
+# easy_threshold = 0.8         # latest mean reward >= this: easy
+# hard_threshold = 0.2         # latest mean reward <= this: hard
+# easy_fraction = 0.0          # share of easy examples still sampled
+# hard_fraction = 0.0          # share of hard examples still sampled
+# env_ratios = [0.5, 0.5]      # share of groups per [[env]] (multi-env only)
+# skip_verification = false    # skip the pre-flight rollout of each env
+# seed = 42                    # example order
+
+# [wandb]                      # offline run in the run folder when WANDB_API_KEY is unset
+# project = "my-project"
+# entity = "my-team"
+# name = "my-run-name"
+
 # [checkpoints]
 # interval = 10                # save every N steps (Hosted Training: cluster default)
 # keep_cloud = 5               # checkpoints kept (-1 = all)
@@ -578,11 +595,6 @@ id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
 # oversampling_factor = 2.0    # rollouts in flight per batch_size rollouts
 # max_async_level = 2          # policy versions a rollout may lag; >= oversampling_factor
 #
-# [wandb]
-# project = "my-project"
-# entity = "my-team"
-# name = "my-run-name"
-#
 # [eval]
 # interval = 100               # evaluate every N steps
 # num_examples = -1            # -1 = all
@@ -598,16 +610,6 @@ id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
 # num_examples = 64
 # rollouts_per_example = 1
 # interval = 5
-#
-# [buffer]
-# online_difficulty_filtering = false
-# easy_threshold = 0.8
-# hard_threshold = 0.2
-# easy_fraction = 0.0
-# hard_fraction = 0.0
-# env_ratios = [0.5, 0.5]      # one weight per [[env]]
-# skip_verification = false
-# seed = 42
 #
 # [adapters]
 # interval = 0                 # export every N steps; 0 = at the end only

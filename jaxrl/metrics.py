@@ -1,14 +1,18 @@
-"""Per-step metrics: a console progress bar with the headline figures, and JSON lines in the run folder."""
+"""Per-step metrics: a console progress bar with the headline figures, JSON lines in the run folder, and
+optionally a W&B run (`jaxrl.wandb_log`)."""
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from jaxrl.wandb_log import WandbRun
 
 HEADLINE = ("reward/mean", "reward/std", "seq_len", "tokens_per_s", "time/step")
 
@@ -19,11 +23,14 @@ def _fmt(value: float) -> str:
 
 class MetricsLogger:
     """Writes one JSON object per step to `<run_dir>/metrics.jsonl` and shows a progress bar whose text
-    carries `HEADLINE`; each step's headline is also printed as a line, so logs keep the history."""
+    carries `HEADLINE`; each step's headline is also printed as a line, so logs keep the history. Every
+    row also goes to `wandb` when given."""
 
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, console: Console | None = None) -> None:
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, console: Console | None = None,
+                 wandb: WandbRun | None = None) -> None:
         self.path = run_dir / "metrics.jsonl"
         self.console = console or Console()
+        self.wandb = wandb
         self._file = self.path.open("a", encoding="utf-8")
         self._progress = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
                                   TimeElapsedColumn(), TextColumn("{task.description}"), console=self.console)
@@ -36,10 +43,16 @@ class MetricsLogger:
                      (None if isinstance(v, float) else v)) for k, v in metrics.items()}
         self._file.write(json.dumps({"step": step, **clean}) + "\n")
         self._file.flush()
+        if self.wandb:
+            self.wandb.log(step, {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)})
         line = "  ".join(f"{k} {_fmt(metrics[k])}" for k in HEADLINE if isinstance(metrics.get(k), int | float))
         self._progress.update(self._task, completed=step, description=line)
         self._progress.console.print(f"step {step:>4}  {line}")
 
     def close(self) -> None:
+        """Stop the progress bar and close the files; the W&B run is marked failed when this is called
+        while an exception propagates (from a `finally` block)."""
         self._progress.stop()
         self._file.close()
+        if self.wandb:
+            self.wandb.finish(exit_code=1 if sys.exc_info()[0] is not None else 0)

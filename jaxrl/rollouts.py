@@ -81,23 +81,33 @@ def advantages(group: list[envs.Rollout]) -> np.ndarray:
 
 
 def step_metrics(rollouts: list[list[envs.Rollout]], names: list[str], multi_env: bool) -> dict[str, float]:
-    """Reward, length, truncation and failure metrics of one step (`names`: each group's env name)."""
+    """Reward, length, truncation and failure metrics of one step (`names`: each group's env name).
+
+    Over successful rollouts: `reward/mean`, `reward/std`, `seq_len` (tokens of prompt and completion),
+    `is_truncated` (share); over all: `rollouts/failed`, `rollouts/timed_out`. With `multi_env`, each
+    environment `<env>` of the step also gets `reward/<env>/mean`, `reward/<env>/std`, `seq_len/<env>`,
+    `is_truncated/<env>` and `rollouts/<env>/failed`.
+    """
     flat = [r for g in rollouts for r in g]
-    ok = [r for r in flat if r.ok]
-    rewards = np.array([r.reward for r in ok], np.float32)
-    out = {
-        "reward/mean": float(rewards.mean()) if rewards.size else float("nan"),
-        "reward/std": float(rewards.std()) if rewards.size else 0.0,
-        "seq_len": float(np.mean([len(r.token_ids) for r in ok])) if ok else 0.0,
-        "is_truncated": float(np.mean([r.is_truncated for r in ok])) if ok else 0.0,
-        "rollouts/failed": float(len(flat) - len(ok)),
-        "rollouts/timed_out": float(sum(1 for r in flat if r.error and r.error.startswith("timed out"))),
-    }
+    out = _rollout_metrics(flat, "")
+    out["rollouts/timed_out"] = float(sum(1 for r in flat if r.error and r.error.startswith("timed out")))
     if multi_env:
         for name in sorted(set(names)):
-            r = np.array([x.reward for g, n in zip(rollouts, names, strict=True) if n == name for x in g if x.ok])
-            out[f"reward/{name}/mean"] = float(r.mean()) if r.size else float("nan")
+            out |= _rollout_metrics([r for g, n in zip(rollouts, names, strict=True) if n == name for r in g],
+                                    f"/{name}")
     return out
+
+
+def _rollout_metrics(flat: list[envs.Rollout], env: str) -> dict[str, float]:
+    ok = [r for r in flat if r.ok]
+    rewards = np.array([r.reward for r in ok], np.float32)
+    return {
+        f"reward{env}/mean": float(rewards.mean()) if rewards.size else float("nan"),
+        f"reward{env}/std": float(rewards.std()) if rewards.size else 0.0,
+        f"seq_len{env}": float(np.mean([len(r.token_ids) for r in ok])) if ok else 0.0,
+        f"is_truncated{env}": float(np.mean([r.is_truncated for r in ok])) if ok else 0.0,
+        f"rollouts{env}/failed": float(len(flat) - len(ok)),
+    }
 
 
 def failure_verdict(history: Sequence[tuple[int, int]]) -> str | None:

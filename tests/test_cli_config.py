@@ -54,7 +54,7 @@ def test_validate_warns_about_each_unsupported_field():
     assert result.exit_code == 0
     warnings = [line for line in result.stderr.splitlines() if "not supported yet" in line]
     assert warnings == [f"warning: not supported yet: {f}" for f in
-                        ["buffer.online_difficulty_filtering", "eval", "max_async_level", "val", "wandb"]]
+                        ["eval", "max_async_level", "val"]]
 
 
 def test_validate_says_where_the_weights_are(tmp_path):
@@ -154,11 +154,11 @@ def fake_runner(monkeypatch):
 def test_run_refuses_unsupported_fields(tmp_path, fake_runner):
     path = tmp_path / "rl.toml"
     path.write_text(MINIMAL.replace("max_steps = 100", 'max_steps = 100\noversampling_factor = 1.5')
-                    + "[eval]\n[buffer]\nhard_fraction = 0.5\n")
+                    + "[eval]\n[val]\n")
     result = invoke("run", path)
     assert result.exit_code == 2
     assert result.stderr.splitlines()[1:] == [
-        "not supported yet: buffer.hard_fraction", "not supported yet: eval", "not supported yet: oversampling_factor"]
+        "not supported yet: eval", "not supported yet: oversampling_factor", "not supported yet: val"]
     assert "refusing to start" in result.stderr.splitlines()[0]
     assert fake_runner.calls == []
 
@@ -166,7 +166,7 @@ def test_run_refuses_unsupported_fields(tmp_path, fake_runner):
 def test_run_refusal_has_no_traceback():
     result = jaxrl("run", ROOT / "configs" / "examples" / "full.toml")
     assert result.returncode == 2
-    assert "not supported yet: wandb" in result.stderr
+    assert "not supported yet: eval" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
 
 
