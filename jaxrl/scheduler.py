@@ -2,12 +2,22 @@
 
 Between two decode steps the scheduler admits waiting requests into free slots (prefill in a length
 bucket, then insert), so a batch is never padded to its longest request; a slot is freed the moment
-its request stops. The only host/device synchronisation in the loop is reading each step's sampled
-tokens, which must be handed out anyway. `update_params` swaps the weights between two decode steps;
-requests in flight keep their KV cache and go on under the new weights, and every sampled token
+its request stops. The only host/device synchronisation in the loop is reading sampled tokens, which
+must be handed out anyway, and it runs one step behind the device: each iteration dispatches its
+prefills and the next decode step before it reads what the previous step sampled, so the device always
+has a step queued while the host hands out tokens (nanodo reads its metrics one step late for the same
+reason). The price is one discarded token: a slot whose request samples a stop token at step N has
+already been given step N + 1. A request's length is known at dispatch, so the step that samples its
+last token frees its slot for the next prefill at once. `update_params` swaps the weights between two
+decode steps; requests in flight keep their KV cache and go on under the new weights, and every sampled token
 records the policy version that produced it. A request may pass `on_token`, called on its event loop
 with each token as it is sampled (for streaming); a request whose future is cancelled (its caller gave
 up) is skipped before prefill or dropped from its slot at the next step.
+
+Prefills run one request at a time, not batched per bucket: a batch's matmuls round differently with
+its size (hidden states 4e-6 apart between a batch of 4 and of 1 on the Qwen3-0.6B shape), so a seeded
+request's tokens would depend on which requests happened to arrive beside it, and a resumed run would
+not reproduce the tokens of the run it resumes.
 """
 
 from __future__ import annotations
@@ -43,6 +53,9 @@ class _Request:
     queued_at: float = dataclasses.field(default_factory=time.perf_counter)
     ttft_s: float | None = None
     on_token: Callable[[int, float], None] | None = None
+    slot: int | None = None  # the decode slot it holds, None once its last token is dispatched
+    dispatched: int = 0  # tokens dispatched to the device, read or not
+    done: bool = False  # finished or cancelled: tokens still in flight for it are discarded
 
     def add(self, token: int, logprob: float, version: int) -> bool:
         """Record a sampled token; True when the request is finished."""
@@ -62,6 +75,17 @@ class _Request:
 
     def fail(self, exc: BaseException) -> None:
         self.loop.call_soon_threadsafe(_reject, self.future, exc)
+
+
+@dataclasses.dataclass
+class _Sampled:
+    """What a dispatched prefill or decode step samples, not read yet: token ids int32 [R] and logprobs
+    float32 [R] (device arrays), the request of each row (None: a free slot), and the policy version."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    rows: list[_Request | None]
+    version: int
 
 
 def _resolve(fut: asyncio.Future, value: Completion) -> None:
@@ -94,6 +118,7 @@ class Scheduler:
         self._waiting: collections.deque[_Request] = collections.deque()
         self._slots: list[_Request | None] = [None] * engine.max_concurrent_decodes
         self._state: DecodeState | None = None
+        self._unread: collections.deque[_Sampled] = collections.deque()  # dispatched, in device order
         self._cv = threading.Condition()
         self._stop = False
         self._base_key = jax.random.key(seed)
@@ -171,7 +196,8 @@ class Scheduler:
             self._state = self.engine.init_decode_state()
             while True:
                 with self._cv:
-                    while not self._stop and not self._waiting and not self.active and self._pending is None:
+                    while (not self._stop and not self._waiting and not self.active and self._pending is None
+                           and not self._unread):
                         self._cv.wait()
                     if self._stop:
                         break
@@ -184,8 +210,11 @@ class Scheduler:
                         admit.append(self._waiting.popleft())
                 for req in admit:
                     self._admit(req)
-                if self.active:
-                    self._step()
+                ready = len(self._unread)  # the previous step and this iteration's prefills
+                self._step()
+                for _ in range(ready):
+                    self._hand_out(self._unread[0])
+                    self._unread.popleft()
         except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear about it
             log.exception("scheduler loop failed")
             self._fail_all(exc)
@@ -199,40 +228,67 @@ class Scheduler:
         return jax.random.fold_in(self._base_key, self._n_requests)
 
     def _admit(self, req: _Request) -> None:
+        """Dispatch `req`'s prefill and, unless that samples its last token, its insert into a free slot."""
         if req.future.cancelled():
             return
         try:
             bucket = self.engine.bucket(len(req.prompt_ids))
             prefix = self.engine.prefill(params=self._params, padded_tokens=pad_prompt(req.prompt_ids, bucket),
                                          true_length=len(req.prompt_ids), sampling=req.params, key=self._key(req))
-            token, logprob = int(prefix.token[0]), float(prefix.logprob[0])
         except Exception as exc:  # noqa: BLE001 - a bad request must not stop the loop
             req.fail(exc)
             return
-        if req.add(token, logprob, self.policy_version):
-            req.finish()
-            return
-        slot = self._slots.index(None)
-        self._state = self.engine.insert(prefix, self._state, slot)
-        self._slots[slot] = req
+        req.dispatched = 1
+        self._unread.append(_Sampled(prefix.token, prefix.logprob, [req], self.policy_version))
+        if req.dispatched < req.max_tokens:
+            req.slot = self._slots.index(None)
+            self._state = self.engine.insert(prefix, self._state, req.slot)
+            self._slots[req.slot] = req
 
     def _step(self) -> None:
-        active = [r.params for r in self._slots if r is not None]
+        """Dispatch one decode step over the occupied slots, if any."""
+        for req in self._slots:
+            if req is not None and req.future.cancelled():
+                req.done = True
+                self._release(req)
+        rows = list(self._slots)
+        active = [r for r in rows if r is not None]
+        if not active:
+            return
         self._state, result = self.engine.generate(self._params, self._state,
-                                                   truncate=any(p.truncates for p in active),
-                                                   penalize=any(p.penalizes for p in active))
-        tokens, logprobs = np.asarray(result.tokens), np.asarray(result.logprobs)
+                                                   truncate=any(r.params.truncates for r in active),
+                                                   penalize=any(r.params.penalizes for r in active))
         self.decode_steps += 1
-        for slot, req in enumerate(self._slots):
-            if req is not None and (req.future.cancelled() or req.add(int(tokens[slot]), float(logprobs[slot]),
-                                                                      self.policy_version)):
-                self._slots[slot] = None
+        self._unread.append(_Sampled(result.tokens, result.logprobs, rows, self.policy_version))
+        for req in active:
+            req.dispatched += 1
+            if req.dispatched >= req.max_tokens:
+                self._release(req)
+
+    def _hand_out(self, sampled: _Sampled) -> None:
+        """Read `sampled` (waits for the device) and give each live request its token."""
+        tokens, logprobs = np.asarray(sampled.tokens), np.asarray(sampled.logprobs)
+        for row, req in enumerate(sampled.rows):
+            if req is None or req.done:
+                continue
+            if req.future.cancelled() or req.add(int(tokens[row]), float(logprobs[row]), sampled.version):
+                req.done = True
+                self._release(req)
                 req.finish()
+
+    def _release(self, req: _Request) -> None:
+        if req.slot is not None:
+            self._slots[req.slot] = None
+            req.slot = None
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._cv:
-            reqs = [r for r in self._slots if r is not None] + list(self._waiting)
+            in_flight = [r for sampled in self._unread for r in sampled.rows if r is not None]
+            reqs = [r for r in self._slots if r is not None] + list(self._waiting) + in_flight
             self._slots = [None] * len(self._slots)
             self._waiting.clear()
-        for r in reqs:
-            r.fail(exc)
+            self._unread.clear()
+        for r in {id(r): r for r in reqs}.values():
+            if not r.done:
+                r.done = True
+                r.fail(exc)

@@ -92,26 +92,88 @@ def test_scheduler_serves_a_stream_of_mixed_requests_through_few_slots():
     engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=3, max_seq_len=64, lora_scale=0.5)
     sched = Scheduler(engine, params, "tiny")
     rng = np.random.default_rng(0)
-    reqs = [(rng.integers(1, 96, size=int(rng.integers(1, 30))).tolist(), int(rng.integers(1, 12)))
-            for _ in range(10)]
+    stops = tuple(range(0, 96, 3))  # some requests stop early on one, freeing their slot mid-stream
+    reqs = [(rng.integers(1, 96, size=int(rng.integers(1, 30))).tolist(),
+             SamplingParams(temperature=1.0, max_tokens=int(rng.integers(1, 12)), seed=i,
+                            stop_token_ids=stops if i % 2 else ()))
+            for i in range(12)]
 
-    async def go():
-        return await asyncio.gather(*[
-            sched.generate(p, SamplingParams(temperature=1.0, max_tokens=m, seed=i)) for i, (p, m) in enumerate(reqs)
-        ])
+    async def arrive(prompt, sampling, delay):
+        await asyncio.sleep(delay)
+        return await sched.generate(prompt, sampling)
+
+    async def stream():
+        return await asyncio.gather(*[arrive(p, s, 0.02 * i) for i, (p, s) in enumerate(reqs)])
+
+    async def one_at_a_time(which):
+        return [await sched.generate(*reqs[i]) for i in which]
 
     try:
-        outs = _run(go())
+        outs = _run(stream())
         assert sched.active == 0
+        alone = _run(one_at_a_time([1, 4, 11]))
     finally:
         sched.stop()
-    for (prompt, max_tokens), c in zip(reqs, outs, strict=True):
-        assert len(c.token_ids) == max_tokens and c.finish_reason == "length"
+    for (prompt, sampling), c in zip(reqs, outs, strict=True):
+        stopped_at = [i for i, t in enumerate(c.token_ids) if t in sampling.stop_token_ids]
+        if stopped_at:
+            assert stopped_at == [len(c.token_ids) - 1] and c.finish_reason == "stop"
+        else:
+            assert len(c.token_ids) == sampling.max_tokens and c.finish_reason == "length"
         ref = _reference_logprobs(params, prompt + c.token_ids)
         want = [ref[len(prompt) - 1 + i, t] for i, t in enumerate(c.token_ids)]
         np.testing.assert_allclose(c.logprobs, want, atol=1e-4)
+    assert any(c.finish_reason == "stop" for c in outs)
+    # a seeded request samples the same tokens whatever shares its batch and whichever slot it gets
+    for i, c in zip([1, 4, 11], alone, strict=True):
+        assert (c.token_ids, c.logprobs) == (outs[i].token_ids, outs[i].logprobs)
     # far fewer decode steps than a padded batch-at-a-time schedule would take
-    assert sched.decode_steps < sum(m for _, m in reqs)
+    assert sched.decode_steps < sum(len(c.token_ids) for c in outs)
+
+
+def _greedy_reference(params, prompt, n, penalty=1.0):
+    """`n` greedy tokens from full forward passes, with a repetition penalty over prompt and output."""
+    ids = list(prompt)
+    for _ in range(n):
+        h, _ = model.forward(CFG, params["base"], jnp.asarray([ids]), jnp.arange(len(ids))[None],
+                             lora=params["lora"], lora_scale=0.5)
+        lg = np.asarray(model.logits(params["base"], h)[0, -1])
+        seen = np.isin(np.arange(CFG.vocab_size), ids)
+        lg = np.where(seen, np.where(lg > 0, lg / penalty, lg * penalty), lg)
+        ids.append(int(np.argmax(lg)))
+    return ids[len(prompt):]
+
+
+def test_scheduler_keeps_each_requests_settings_in_a_shared_batch():
+    params = _params(lora_seed=1)
+    engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=4, max_seq_len=32, lora_scale=0.5)
+    prompt = [5, 7, 9, 11, 3]
+    greedy, penalised = _greedy_reference(params, prompt, 10), _greedy_reference(params, prompt, 10, penalty=3.0)
+    assert penalised != greedy
+    one = dict(temperature=1.0, max_tokens=10, seed=1)
+    requests = {  # six requests through four slots; each truncation alone leaves the top token only
+        "greedy": SamplingParams(temperature=0.0, max_tokens=10),
+        "top_k": SamplingParams(top_k=1, **one),
+        "top_p": SamplingParams(top_p=1e-3, **one),
+        "min_p": SamplingParams(min_p=1.0, **one),
+        "penalised": SamplingParams(temperature=0.0, repetition_penalty=3.0, max_tokens=10),
+        "first_token_stops": SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=(greedy[0],)),
+        "one_token": SamplingParams(temperature=0.0, max_tokens=1),
+    }
+    sched = Scheduler(engine, params, "tiny")
+
+    async def go():
+        return await asyncio.gather(*[sched.generate(prompt, s) for s in requests.values()])
+
+    try:
+        out = dict(zip(requests, _run(go()), strict=True))
+    finally:
+        sched.stop()
+    for name in ("greedy", "top_k", "top_p", "min_p"):
+        assert out[name].token_ids == greedy, name
+    assert out["penalised"].token_ids == penalised
+    assert (out["first_token_stops"].token_ids, out["first_token_stops"].finish_reason) == (greedy[:1], "stop")
+    assert (out["one_token"].token_ids, out["one_token"].finish_reason) == (greedy[:1], "length")
 
 
 def test_scheduler_seed_reproducible_and_stop_tokens():
