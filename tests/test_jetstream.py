@@ -2,6 +2,7 @@
 tokens as jaxrl's scheduler, and its gRPC server answers over the tiny checkpoint."""
 
 import asyncio
+import logging
 import os
 import re
 import signal
@@ -82,6 +83,15 @@ def test_engine_too_short_for_jetstream_buckets(served):
                                          "allows 15"):
         js.JetStreamEngine(short, params, adapter.tokenizer)
     assert adapter.max_prefill_length == 32  # the largest of 16, 32, ... within SEQ_LEN - 1 = 39
+
+
+def test_import_leaves_the_root_logger_alone():
+    """JetStream's orchestrator sets the root logger to DEBUG with its own stdout handler at import."""
+    root = logging.getLogger()
+    assert root.level != logging.DEBUG
+    jetstream_format = "%(asctime)s - %(name)s - %(levelname)s - %(message)s"
+    assert not [h for h in root.handlers if h.formatter is not None and h.formatter._fmt == jetstream_format]
+    assert js.orchestrator.delete_pytree is js._delete_pytree  # the jax.tree_map shim is in place
 
 
 def test_tokenizer_has_no_bos_and_stops_at_the_model_eos(tiny_model_dir):
