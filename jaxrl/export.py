@@ -299,8 +299,8 @@ def adapters_dir_of(cfg: RunConfig) -> str:
 class RunAdapters:
     """`[adapters]` of a run: the LoRA as a PEFT folder `<directory>/step_<n>` after every `interval`-th
     step (0: after the last step only) and after the last step, keeping the newest `keep_last` (-1: all).
-    Each folder is written under a temporary name and then renamed; a `step_<n>` counts (`steps`) only
-    with both of its files, as a rename on `gs://` copies object by object. `directory` may be local or
+    A local folder is written under a temporary name and then renamed; on `gs://` (no rename) the files
+    are written in place, and a `step_<n>` counts (`steps`) only with both of its files. `directory` may be local or
     `gs://` (etils.epath). Only process 0 of a multi-host run writes.
 
     A LoRA that the PEFT format cannot hold (`save_adapter`) is a ConfigError when the config sets
@@ -345,14 +345,17 @@ class RunAdapters:
         if jax.process_index() != 0:
             return None
         final = self.directory / f"step_{step}"
-        tmp = self.directory / f".tmp-step_{step}"
+        # gs:// has no rename (gcsfs copies object by object, noisily where moveTo is refused); its
+        # single-object uploads are atomic, and a step counts only with both files, so write in place.
+        tmp = final if gcs.is_gcs(str(self.directory)) else self.directory / f".tmp-step_{step}"
         try:
-            for stale in (tmp, final):
+            for stale in {tmp, final}:
                 if stale.exists():
                     stale.rmtree()
             save_adapter(tmp, self.model_cfg, host, rank=self.rank, alpha=self.alpha, targets=self.targets,
                          base_model_name_or_path=self.base_model)
-            tmp.rename(final)
+            if tmp != final:
+                tmp.rename(final)
             keep = self.settings.keep_last
             if keep > 0:
                 for old in self.steps()[:-keep]:

@@ -228,10 +228,11 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
                     step_rollouts = None
                 finally:
                     stop.on_signal = None
-                shares = distributed.all_gather_objects(step_rollouts)
+                shares = distributed.all_gather_objects(
+                    None if step_rollouts is None else [[dataclasses.asdict(r) for r in g] for g in step_rollouts])
                 if any(share is None for share in shares):  # preempted mid-rollouts: dropped, redone on resume
                     break
-                step_rollouts = [group for share in shares for group in share]
+                step_rollouts = [[envs.Rollout(**r) for r in group] for share in shares for group in share]
                 t_rollout = time.perf_counter() - t_step
                 metrics = rollouts.step_metrics(step_rollouts, [cfg.env[i].display_name for i, _ in jobs],
                                                 len(cfg.env) > 1)
