@@ -11,6 +11,7 @@ the process). Failed rollouts are left out of the batch and of their group's adv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -28,14 +29,21 @@ MAX_FAILED_FRACTION = 0.5
 
 
 async def collect(loaded: list[envs.LoadedEnv], jobs: list[tuple[int, int]], n: int, client: dict[str, Any],
-                  sampling: SamplingParams, first_seed: int, timeout_s: float) -> list[list[envs.Rollout]]:
+                  sampling: SamplingParams, first_seed: int, timeout_s: float,
+                  in_flight: asyncio.Semaphore | None = None) -> list[list[envs.Rollout]]:
     """Play `n` rollouts of each `(env index, example index)` job, concurrently; one list per job.
 
     Rollout `i` of job `g` samples with seed `first_seed + g * n + i`, so a run (and its resume) samples
     the same tokens whatever order requests reach the engine in. Never raises for a failing rollout.
+    `in_flight` (shared by every call of a run: `jaxrl.resources`, `[infrastructure].compute_size`)
+    bounds the rollouts running at once; `timeout_s` counts from when a rollout gets its place.
     """
 
     async def one(env_i: int, example: int, seed: int) -> list[envs.Rollout]:
+        async with in_flight or contextlib.nullcontext():
+            return await play(env_i, example, seed)
+
+    async def play(env_i: int, example: int, seed: int) -> list[envs.Rollout]:
         env = loaded[env_i]
         try:
             out = await asyncio.wait_for(
@@ -57,7 +65,7 @@ async def collect(loaded: list[envs.LoadedEnv], jobs: list[tuple[int, int]], n: 
 
 
 async def preflight(loaded: list[envs.LoadedEnv], client: dict[str, Any], sampling: SamplingParams,
-                    timeout_s: float) -> list[str]:
+                    timeout_s: float, in_flight: asyncio.Semaphore | None = None) -> list[str]:
     """One smoke rollout of each environment's first task before step 1 (`[buffer] skip_verification`
     turns it off): an environment that cannot produce a scored rollout is caught before any training,
     and the client side (tokenizer, renderer, HTTP clients) is loaded outside the rollout timeout.
@@ -66,7 +74,7 @@ async def preflight(loaded: list[envs.LoadedEnv], client: dict[str, Any], sampli
         One line per failing environment, `"<env>: <error>"`; empty when every one passed.
     """
     probe = dataclasses.replace(sampling, seed=0)
-    out = await collect(loaded, [(i, 0) for i in range(len(loaded))], 1, client, probe, 0, timeout_s)
+    out = await collect(loaded, [(i, 0) for i in range(len(loaded))], 1, client, probe, 0, timeout_s, in_flight)
     return [f"{env.name}: {group[0].error}" for env, group in zip(loaded, out, strict=True) if not group[0].ok]
 
 
