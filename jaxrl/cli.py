@@ -6,6 +6,7 @@ Config problems exit with status 2 and one line per problem, never a traceback.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -72,29 +73,87 @@ def init(
 
 
 @app.command()
-def run(path: ConfigPath) -> None:
-    """Train: load the config, refuse fields not built yet, then start the run."""
+def run(
+    path: ConfigPath,
+    detach: Annotated[bool, typer.Option("--detach", help="Run in the background (a new session, so closing the "
+                                                          "terminal does not stop it); output to the run "
+                                                          "folder's console.log.")] = False,
+) -> None:
+    """Train: load the config, refuse fields not built yet, then start the run (in the foreground, or in
+    the background with --detach). Its console output is also kept in <output_dir>/<name>/console.log."""
+    import os
+
+    from jaxrl import runs
+    from jaxrl.recovery import run_dir_of, run_name
+
     cfg = _load(path)
     if unsupported := unsupported_fields(cfg):
         lines = [f"not supported yet: {field}" for field in unsupported]
         raise _fail(f"{path}: refusing to start; remove these settings or set them to their defaults:\n"
                     + "\n".join(lines))
+    run_dir, name = run_dir_of(cfg), run_name(cfg)
+    pid = runs.running_pid(run_dir)
+    if pid is not None and pid != os.getpid():  # a detached run's own process finds itself recorded
+        raise _fail(f"jaxrl run: run {name} is already running (pid {pid}) in {run_dir}; follow it with "
+                    f"`jaxrl logs {name} --follow`, stop it with `jaxrl stop {name}`")
+    if detach:
+        pid = runs.detach(path.resolve(), run_dir)
+        where = "" if cfg.jax.output_dir == runs.DEFAULT_RUNS_DIR else f" --runs-dir {cfg.jax.output_dir}"
+        out.print(f"started run {name} in the background (pid {pid}); its folder is {run_dir}\n"
+                  f"follow it:  jaxrl logs {name}{where} --follow\n"
+                  f"stop it:    jaxrl stop {name}{where}", markup=False)
+        return
     from jaxrl import distributed  # heavy (JAX), as is the runner: kept off the validate/init path
-    from jaxrl.recovery import RunError
-    from jaxrl.runner import run as run_training
 
     try:  # join a multi-host run (JAX_* variables, GCP Batch, Cloud TPU pod) before any device is touched
         distributed.initialize(distributed.from_env())
     except ValueError as exc:
         raise _fail(f"jaxrl run: {exc}") from None
+    if not distributed.is_primary():  # process 0 alone keeps the run's record and log
+        _train(cfg)
+        return
+    runs.start(run_dir, path.resolve())
+    if runs.stdout_is(run_dir / runs.LOG):  # detached: stdout and stderr already go to the log
+        _train(cfg, run_dir=run_dir)
+        return
+    with (run_dir / runs.LOG).open("a", encoding="utf-8") as log:
+        log.write(f"--- jaxrl run {path.resolve()} {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
+        _train(cfg, runs.TeeConsole(log, soft_wrap=True), log, run_dir)
 
+
+def _train(cfg: RunConfig, console: Console | None = None, log: Any = None, run_dir: Path | None = None) -> None:
+    """Run the runner; print (and copy to `log`) its errors without traceback and exit with its status;
+    record how the run ended in `run_dir`'s `run.json` when given."""
+    import traceback
+
+    from jaxrl import runs
+    from jaxrl.recovery import RunError
+    from jaxrl.runner import run as run_training
+
+    code, message = 1, None
     try:
-        run_training(cfg)  # it loads the `env_file` secrets into the environment
+        run_training(cfg, console)  # it loads the `env_file` secrets into the environment
+        code = 0
     except ConfigError as exc:
-        raise _fail(str(exc)) from None
+        code, message = 2, str(exc)
     except RunError as exc:  # a checkpoint that cannot be written, failing environments, preemption
-        err.print(f"jaxrl run: {exc}", markup=False)
-        raise typer.Exit(code=exc.exit_code) from None
+        code, message = exc.exit_code, f"jaxrl run: {exc}"
+    except KeyboardInterrupt:  # a second Ctrl-C
+        code = 130
+        raise
+    except BaseException:
+        if log is not None:
+            log.write(traceback.format_exc())
+        raise
+    finally:
+        if log is not None and message is not None:
+            log.write(message + "\n")
+        if run_dir is not None:
+            runs.finish(run_dir, code)
+    if message is not None:
+        err.print(message, markup=False)
+    if code:
+        raise typer.Exit(code=code)
 
 
 def _parse_mesh(text: str) -> dict[str, int]:
@@ -292,3 +351,199 @@ def _start_jetstream(loaded: Any, host: str, port: int) -> Any:
         raise _fail(f"jaxrl serve --jetstream: {exc}") from None
     except OSError as exc:
         raise _fail(f"jaxrl serve: cannot listen on {host}:{port}: {exc}") from None
+
+
+RunsDir = Annotated[Path, typer.Option("--runs-dir", envvar="JAXRL_RUNS_DIR",
+                                       help="Folder holding the runs: a config's [jax] output_dir.")]
+RunRef = Annotated[str, typer.Argument(metavar="RUN", show_default=False,
+                                       help="A run's name (its folder under --runs-dir) or the path of its folder.")]
+_STATUS_STYLE = {"running": "cyan", "completed": "green", "stopped": "yellow", "failed": "red", "died": "red"}
+
+
+def _run_folder(ref: str, runs_dir: Path) -> Path:
+    from jaxrl import runs
+
+    try:
+        return runs.resolve(ref, runs_dir)
+    except runs.RunsError as exc:
+        raise _fail(str(exc)) from None
+
+
+@app.command("list")
+def list_(runs_dir: RunsDir = Path("runs")) -> None:
+    """List the runs under --runs-dir: status (running, completed, stopped, failed, died), last step,
+    last reward/mean, start time."""
+    from rich.table import Table
+
+    from jaxrl import runs
+
+    found = [runs.info(folder) for folder in runs.find_runs(runs_dir)]
+    if not found:
+        out.print(f"no runs in {runs_dir}" + ("" if runs_dir.is_dir() else " (no such folder)"), markup=False)
+        return
+    table = Table(title=f"runs in {runs_dir}")
+    for col in ("run", "status", "step", "reward/mean", "started", "pid"):
+        table.add_column(col, justify="right" if col in ("step", "reward/mean", "pid") else "left")
+    for r in found:
+        step = "-" if r.step is None else f"{r.step}/{r.max_steps}" if r.max_steps else str(r.step)
+        started = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.started)) if r.started else "-"
+        table.add_row(r.name, f"[{_STATUS_STYLE.get(r.status, 'default')}]{r.status}[/]", step,
+                      "-" if r.reward is None else f"{r.reward:.3f}", started,
+                      str(r.pid) if r.status == "running" else "")
+    Console(width=max(out.width, 100), highlight=False).print(table)
+
+
+@app.command()
+def logs(
+    ref: RunRef,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new output until the run ends.")]
+    = False,
+    tail: Annotated[int | None, typer.Option("--tail", "-n", help="Start with the last N lines only.",
+                                             show_default=False)] = None,
+    runs_dir: RunsDir = Path("runs"),
+) -> None:
+    """Print a run's console output (its console.log); with --follow, until the run ends."""
+    import sys
+
+    from jaxrl import runs
+
+    folder = _run_folder(ref, runs_dir)
+    if not (folder / runs.LOG).exists() and not follow:
+        raise _fail(f"jaxrl logs: {folder} has no {runs.LOG} (a run started before jaxrl kept one)")
+    if not follow:
+        lines = (folder / runs.LOG).read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+        sys.stdout.write("".join(lines if tail is None else lines[-tail:] if tail else []))
+        return
+    try:
+        for chunk in runs.follow(folder, tail):
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        return
+    out.print(f"[run {folder.name}: {runs.status(folder)}]", markup=False)
+
+
+@app.command()
+def stop(
+    ref: RunRef,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the run to checkpoint and exit.")] = 300.0,
+    runs_dir: RunsDir = Path("runs"),
+) -> None:
+    """Stop a running run: SIGTERM, then it finishes the train step in progress, saves a checkpoint and
+    exits (`jaxrl run` on its config again resumes it)."""
+    from jaxrl import runs
+
+    folder = _run_folder(ref, runs_dir)
+    try:
+        pid = runs.running_pid(folder)
+        err.print(f"stopping run {folder.name} (pid {pid}): waiting for its checkpoint ...", markup=False)
+        state = runs.stop(folder, timeout)
+    except runs.RunsError as exc:
+        raise _fail(f"jaxrl stop: {exc}") from None
+    if state == "running":
+        err.print(f"jaxrl stop: run {folder.name} is still running after {timeout:g}s; it exits after its "
+                  f"checkpoint (see `jaxrl logs {folder.name}`)", markup=False)
+        raise typer.Exit(code=1)
+    last = runs.last_lines(folder, 1)
+    out.print(f"run {folder.name}: {state}" + (f"; its log ends: {last[0]}" if last else ""), markup=False)
+
+
+@app.command()
+def delete(
+    ref: RunRef,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    runs_dir: RunsDir = Path("runs"),
+) -> None:
+    """Delete a run: its folder, and its checkpoint folder when that is a separate local one
+    (`[jax] checkpoint_dir`). Checkpoints on gs:// are left in place, and said so. Refuses a running run."""
+    from jaxrl import runs
+
+    folder = _run_folder(ref, runs_dir)
+    if (pid := runs.running_pid(folder)) is not None:
+        raise _fail(f"jaxrl delete: run {folder.name} is running (pid {pid}); stop it first with "
+                    f"`jaxrl stop {folder.name}`")
+    local, remote = runs.deletion_plan(folder)
+    if not yes:
+        listing = "\n".join(f"  {p}" for p in local)
+        if not typer.confirm(f"delete run {folder.name}, removing\n{listing}\n?", default=False):
+            raise _fail("jaxrl delete: nothing deleted")
+    try:
+        runs.delete(folder)
+    except (runs.RunsError, OSError) as exc:
+        raise _fail(f"jaxrl delete: {exc}") from None
+    out.print(f"deleted run {folder.name}: " + ", ".join(map(str, local)), markup=False)
+    for url in remote:
+        out.print(f"not deleted: its checkpoints and adapters on GCS, {url} (remove them with "
+                  f"`gcloud storage rm -r {url}`)", markup=False)
+
+
+@app.command()
+def checkpoints(ref: RunRef, runs_dir: RunsDir = Path("runs")) -> None:
+    """List a run's complete checkpoints (local or gs://) and PEFT adapter folders, with the reward/mean
+    of each step."""
+    from rich.table import Table
+
+    from jaxrl import runs
+
+    folder = _run_folder(ref, runs_dir)
+    directory, adapters = runs.checkpoint_dir(folder), runs.adapters_dir(folder)
+    steps: list[int] = []
+    if directory.startswith("gs://") or Path(directory).is_dir():
+        from jaxrl.checkpoint import Checkpointer  # heavy (JAX, Orbax): only here
+
+        try:
+            checkpointer = Checkpointer(directory, read_only=True)
+            steps = checkpointer.all_steps()
+            checkpointer.close()
+        except Exception as exc:  # noqa: BLE001 - storage errors of any layer
+            raise _fail(f"jaxrl checkpoints: cannot list {directory}: {type(exc).__name__}: {exc}") from None
+    adapter_steps = _adapter_steps(adapters)
+    rewards = {r["step"]: r.get("reward/mean") for r in runs.metrics_rows(folder) if isinstance(r.get("step"), int)}
+    if not steps and not adapter_steps:
+        out.print(f"run {folder.name} has no checkpoint yet (in {directory})", markup=False)
+        return
+    table = Table(title=f"run {folder.name}: checkpoints in {directory}")
+    for col in ("step", "checkpoint", "adapter", "reward/mean"):
+        table.add_column(col, justify="right" if col in ("step", "reward/mean") else "left")
+    for step in sorted(set(steps) | set(adapter_steps)):
+        reward = rewards.get(step)
+        table.add_row(str(step), "yes" if step in steps else "-", f"step_{step}" if step in adapter_steps else "-",
+                      f"{reward:.3f}" if isinstance(reward, int | float) else "-")
+    out.print(table)
+    if adapter_steps:
+        out.print(f"PEFT adapters in {adapters}", markup=False)
+    if steps:
+        out.print(f"export one: jaxrl export {folder} --step {steps[-1]} --out DIR [--adapter]", markup=False)
+
+
+def _adapter_steps(directory: str) -> list[int]:
+    """Steps of the complete PEFT adapter folders `step_<n>` in `directory` (local or gs://)."""
+    from etils import epath
+
+    from jaxrl.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+    path = epath.Path(directory)
+    if not path.exists():
+        return []
+    return sorted(int(p.name[5:]) for p in path.iterdir() if p.name.startswith("step_") and p.name[5:].isdigit()
+                  and (p / ADAPTER_CONFIG).exists() and (p / ADAPTER_WEIGHTS).exists())
+
+
+@app.command()
+def plot(
+    ref: RunRef,
+    out_path: Annotated[Path | None, typer.Option("--out", help="PNG to write. Default: <run folder>/plot.png.",
+                                                  show_default=False)] = None,
+    runs_dir: RunsDir = Path("runs"),
+) -> None:
+    """Write a PNG of a run's reward curve (reward/mean +- reward/std, per environment too) and, when its
+    metrics have them, its eval/ and val/ curves."""
+    from jaxrl import runs
+    from jaxrl.plot import plot_run
+
+    folder = _run_folder(ref, runs_dir)
+    try:
+        written = plot_run(runs.metrics_rows(folder), out_path or folder / "plot.png", f"run {folder.name}")
+    except ValueError as exc:
+        raise _fail(f"jaxrl plot: {folder}: {exc}") from None
+    out.print(f"wrote {written}", markup=False)

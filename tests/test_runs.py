@@ -1,0 +1,202 @@
+"""Run management as a user meets it (`jaxrl run --detach`, `list`, `logs`, `stop`, `delete`,
+`checkpoints`, `plot`), through the real CLI in subprocesses, over one real tiny detached run that is
+then resumed and stopped. A JAX compilation cache keeps the second start short."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from matplotlib import image
+
+from jaxrl import resources, runs
+
+NAME = "bg"
+
+
+def _config(tmp_path: Path, model: Path, max_steps: int) -> Path:
+    path = tmp_path / f"rl-{max_steps}.toml"
+    path.write_text(f"""
+name = "{NAME}"
+model = "jaxrl/qwen3-tiny"
+max_steps = {max_steps}
+batch_size = 8
+rollouts_per_example = 4
+
+[sampling]
+max_tokens = 8
+
+[[env]]
+id = "jaxrl/lowercase"
+
+[checkpoints]
+interval = 1
+
+[infrastructure]
+compute_size = "S"
+
+[jax]
+model_path = "{model}"
+output_dir = "{tmp_path / 'runs'}"
+seq_len = 128
+lora_rank = 4
+decode_slots = 8
+""")
+    return path
+
+
+@pytest.fixture(scope="module")
+def env(compile_cache):
+    return os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+                         "JAX_COMPILATION_CACHE_DIR": str(compile_cache),
+                         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
+def jaxrl(env: dict, *args, timeout: float = 120, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxrl", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env, input=stdin)
+
+
+def wait_until(predicate, what: str, folder: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        log = (folder / runs.LOG).read_text() if (folder / runs.LOG).exists() else ""
+        assert time.monotonic() < deadline, f"no {what} after {timeout}s; log:\n{log}"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, tiny_model_dir, env):
+    """A 2-step detached run, followed with `jaxrl logs --follow` until it ended."""
+    tmp = tmp_path_factory.mktemp("runs-e2e")
+    cfg = _config(tmp, tiny_model_dir, 2)
+    started = jaxrl(env, "run", cfg, "--detach", timeout=60)
+    assert started.returncode == 0, started.stdout + started.stderr
+    followed = jaxrl(env, "logs", NAME, "--follow", "--runs-dir", tmp / "runs", timeout=300)
+    return tmp, cfg, started, followed
+
+
+def test_detached_run_completes_and_is_followed_listed_and_logged(finished, env):
+    tmp, cfg, started, followed = finished
+    folder = tmp / "runs" / NAME
+    assert f"started run {NAME} in the background" in started.stdout
+    assert f"jaxrl logs {NAME} --runs-dir {tmp / 'runs'} --follow" in started.stdout
+    pid = int(re.search(r"\(pid (\d+)\)", started.stdout).group(1))
+    record = json.loads((folder / "run.json").read_text())
+    assert record["pid"] == pid and record["status"] == "completed" and record["exit_code"] == 0
+    # --follow printed the log as it grew and returned when the run ended
+    assert followed.returncode == 0, followed.stderr
+    assert "step    2" in followed.stdout and "done: 2 steps" in followed.stdout
+    assert followed.stdout.rstrip().endswith(f"[run {NAME}: completed]")
+    log = (folder / "console.log").read_text()
+    assert "(detached)" in log.splitlines()[0] and "Traceback" not in log
+    # [infrastructure] compute_size = "S" reached the run (on this machine's cores)
+    assert resources.env_resources("S").describe("S") in log
+    listed = jaxrl(env, "list", "--runs-dir", tmp / "runs")
+    row = next(line for line in listed.stdout.splitlines() if f" {NAME} " in line)
+    assert "completed" in row and "2/2" in row
+    tail = jaxrl(env, "logs", NAME, "--tail", "1", "--runs-dir", tmp / "runs")
+    assert tail.stdout.startswith("done: 2 steps") and tail.stdout.count("\n") == 1
+
+
+def test_checkpoints_and_plot_of_the_run(finished, env):
+    tmp, *_ = finished
+    folder = tmp / "runs" / NAME
+    out = jaxrl(env, "checkpoints", str(folder))  # a run folder's path works as well as its name
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[1]: line for line in out.stdout.splitlines() if re.match(r"^\W+\d+ ", line)}
+    assert sorted(rows) == ["1", "2"]
+    assert "yes" in rows["1"] and "yes" in rows["2"] and "step_2" in rows["2"] and "step_" not in rows["1"]
+    assert f"PEFT adapters in {folder / 'adapters'}" in out.stdout
+    assert f"jaxrl export {folder} --step 2" in out.stdout
+    png = tmp / "curve.png"
+    out = jaxrl(env, "plot", NAME, "--out", png, "--runs-dir", tmp / "runs")
+    assert out.returncode == 0 and f"wrote {png}" in out.stdout
+    assert image.imread(png).shape[:2] == (350, 800)  # one panel: no eval metrics in this run
+
+
+def test_stop_a_running_run_checkpoints_and_shows_stopped(finished, tiny_model_dir, env):
+    """The finished run, resumed detached to 50 steps, then stopped after a step: it checkpoints the
+    step it reached and reads as stopped; while it runs, a second start and delete are refused."""
+    tmp, *_ = finished
+    folder, runs_dir = tmp / "runs" / NAME, tmp / "runs"
+    cfg = _config(tmp, tiny_model_dir, 50)
+    assert jaxrl(env, "run", cfg, "--detach", timeout=60).returncode == 0
+    wait_until(lambda: "step    3" in (folder / runs.LOG).read_text(), "step 3", folder)
+    again = jaxrl(env, "run", cfg)
+    assert again.returncode == 2 and f"run {NAME} is already running" in again.stderr
+    refused = jaxrl(env, "delete", NAME, "--yes", "--runs-dir", runs_dir)
+    assert refused.returncode == 2 and "is running" in refused.stderr and folder.exists()
+    assert "running" in jaxrl(env, "list", "--runs-dir", runs_dir).stdout
+
+    stopped = jaxrl(env, "stop", NAME, "--runs-dir", runs_dir, timeout=200)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert f"run {NAME}: stopped" in stopped.stdout and "SIGTERM: stopped after step" in stopped.stdout
+    step = int(re.search(r"stopped after step (\d+)", stopped.stdout).group(1))
+    record = json.loads((folder / "run.json").read_text())
+    assert record["status"] == "stopped" and record["exit_code"] == 143
+    assert step >= 3 and (folder / "checkpoints" / str(step)).is_dir()
+    assert "stopped" in jaxrl(env, "list", "--runs-dir", runs_dir).stdout
+    assert "is not running (stopped)" in jaxrl(env, "stop", NAME, "--runs-dir", runs_dir).stderr
+
+    kept = jaxrl(env, "delete", NAME, "--runs-dir", runs_dir, stdin="n\n")
+    assert kept.returncode == 2 and "nothing deleted" in kept.stderr and folder.exists()
+    gone = jaxrl(env, "delete", NAME, "--yes", "--runs-dir", runs_dir)
+    assert gone.returncode == 0 and not folder.exists()
+    missing = jaxrl(env, "logs", NAME, "--runs-dir", runs_dir)
+    assert missing.returncode == 2 and f"no run {NAME!r} in {runs_dir}; it holds no run" in missing.stderr
+
+
+def test_a_dead_process_reads_as_died(tmp_path, env):
+    folder = tmp_path / "runs" / "crashed"
+    folder.mkdir(parents=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    runs.write_record(folder, pid=int(dead.stdout), status="running", started=time.time())
+    (tmp_path / "runs" / "other").mkdir()
+    (tmp_path / "runs" / "other" / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.25}\n')
+    listed = jaxrl(env, "list", "--runs-dir", tmp_path / "runs")
+    assert re.search(r"crashed\s+\W+died", listed.stdout) and re.search(r"other\s+\W+unknown\s+\W+1\s+\W+0\.250",
+                                                                        listed.stdout), listed.stdout
+    out = jaxrl(env, "stop", "crashed", "--runs-dir", tmp_path / "runs")
+    assert out.returncode == 2 and "is not running (died)" in out.stderr
+    out = jaxrl(env, "logs", "nope", "--runs-dir", tmp_path / "runs")
+    assert out.returncode == 2 and "no run 'nope'" in out.stderr and "runs there: crashed, other" in out.stderr
+
+
+def test_delete_removes_a_separate_local_checkpoint_folder_and_names_gcs(tmp_path, env):
+    runs_dir = tmp_path / "runs"
+    for name, ckpt in [("local", str(tmp_path / "ckpts" / "local")), ("cloud", "gs://bucket/ckpts/cloud")]:
+        (runs_dir / name).mkdir(parents=True)
+        (runs_dir / name / "config.json").write_text(json.dumps({"config": {}, "resolved": {"checkpoint_dir": ckpt}}))
+    (tmp_path / "ckpts" / "local" / "1").mkdir(parents=True)
+    out = jaxrl(env, "delete", "local", "--yes", "--runs-dir", runs_dir)
+    assert out.returncode == 0 and not (runs_dir / "local").exists() and not (tmp_path / "ckpts" / "local").exists()
+    assert (tmp_path / "ckpts").exists()
+    out = jaxrl(env, "delete", "cloud", "--yes", "--runs-dir", runs_dir)
+    assert out.returncode == 0 and not (runs_dir / "cloud").exists()
+    assert "not deleted: its checkpoints and adapters on GCS, gs://bucket/ckpts/cloud" in out.stdout
+
+
+def test_plot_draws_eval_curves_from_metrics(tmp_path, env):
+    folder = tmp_path / "runs" / "evald"
+    folder.mkdir(parents=True)
+    rows = [{"step": 0, "eval/lowercase/reward/mean": 0.1, "eval/lowercase/pass@4": 0.3}]
+    rows += [{"step": s, "reward/mean": s / 10, "reward/std": 0.05, "val/reward/mean": s / 12 if s % 2 == 0 else None}
+             for s in range(1, 7)]
+    rows += [{"step": 6, "eval/lowercase/reward/mean": 0.5, "eval/lowercase/pass@4": 0.7}]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 7, "rew')
+    out = jaxrl(env, "plot", "evald", "--runs-dir", tmp_path / "runs")
+    assert out.returncode == 0, out.stderr
+    png = image.imread(folder / "plot.png")
+    assert png.shape[:2] == (700, 800)  # two panels: reward, then eval/val
+    assert png[..., :3].std() > 0.05  # something is drawn
+    from jaxrl.plot import eval_keys
+
+    assert eval_keys(rows) == ["eval/lowercase/pass@4", "eval/lowercase/reward/mean", "val/reward/mean"]
+    (folder / "metrics.jsonl").write_text("")
+    empty = jaxrl(env, "plot", "evald", "--runs-dir", tmp_path / "runs")
+    assert empty.returncode == 2 and "no reward/mean or eval/val metrics to plot yet" in empty.stderr
