@@ -51,9 +51,10 @@ class Prefix:
 
 @struct.dataclass
 class DecodeState:
-    """All decode slots: cache [L, B, S, K, H]; the next input token [B] and its position [B]; sampling
-    settings; one PRNG key per slot [B]; tokens seen per slot, bool [B, V] (kept up to date only while
-    some slot has a repetition penalty: a slot's settings are fixed at insert)."""
+    """All decode slots: cache [L, B, S, K, H] (with `Engine.unstack`, lists of L arrays [B, S, K, H]);
+    the next input token [B] and its position [B]; sampling settings; one PRNG key per slot [B]; tokens
+    seen per slot, bool [B, V] (kept up to date only while some slot has a repetition penalty: a slot's
+    settings are fixed at insert)."""
 
     cache: KVCache
     tokens: jax.Array
@@ -86,7 +87,8 @@ class Engine:
 
     Engine params are `{"base": params, "lora": lora_or_None}`, plus, from `prepare`, `"layers"`: the
     per-layer copy that decode steps read (`jaxrl.decode.unstack_layers`; about 2x faster decode on CPU
-    for a second copy of the layer weights; `unstack=False` keeps one copy and scans the stack). LoRA
+    for a second copy of the layer weights, with the KV cache one buffer per layer likewise;
+    `unstack=False` keeps one copy of the weights, a stacked cache, and scans the stack). LoRA
     products are scaled by `lora_scale` (alpha / rank). `max_seq_len` (S) is the cache length: prompt
     plus sampled tokens.
     """
@@ -141,11 +143,18 @@ class Engine:
         c = self.cfg
         b, s = self.max_concurrent_decodes, self.max_seq_len
         shape = (c.num_layers, b, s, c.num_kv_heads, c.head_dim)
-        cache_sh = array_sharding((None, "batch", None, "kv_heads", None), shape, self.mesh)
+        axes = (None, "batch", None, "kv_heads", None)
+        if self.unstack:  # one buffer per layer (`jaxrl.decode.split_cache`)
+            shape, axes = shape[1:], axes[1:]
+        cache_sh = array_sharding(axes, shape, self.mesh)
         vec_sh = array_sharding(("batch",), (b,), self.mesh)
         zeros = jax.jit(lambda: jnp.zeros(shape, self.cache_dtype), out_shardings=cache_sh)
+        if self.unstack:
+            cache = {name: [zeros() for _ in range(c.num_layers)] for name in ("k", "v")}
+        else:
+            cache = {"k": zeros(), "v": zeros()}
         return DecodeState(
-            cache={"k": zeros(), "v": zeros()},
+            cache=cache,
             tokens=jax.device_put(jnp.zeros((b,), jnp.int32), vec_sh),
             positions=jax.device_put(jnp.zeros((b,), jnp.int32), vec_sh),
             sampling=SlotSampling.neutral(b),
@@ -208,11 +217,14 @@ class Engine:
         def put(dst, src):
             return jax.lax.dynamic_update_slice(dst, src, (0, slot, 0, 0, 0))
 
+        def put_layers(dst, src):  # a per-layer cache: L arrays [B, S, K, H] from src [L, 1, T, K, H]
+            return [jax.lax.dynamic_update_slice(d, s, (slot, 0, 0, 0)) for d, s in zip(dst, src, strict=True)]
+
         def put1(dst, src):
             return jax.lax.dynamic_update_slice(dst, src, (slot,))
 
         return DecodeState(
-            cache=jax.tree.map(put, state.cache, prefix.cache),
+            cache={n: (put_layers if self.unstack else put)(state.cache[n], prefix.cache[n]) for n in ("k", "v")},
             tokens=put1(state.tokens, prefix.token),
             positions=put1(state.positions, prefix.length[None]),
             sampling=jax.tree.map(put1, state.sampling, prefix.sampling),

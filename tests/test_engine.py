@@ -60,8 +60,8 @@ def test_prefill_insert_generate_match_full_forward():
         assert len(set(toks)) > 3  # sampled, not a degenerate repetition
 
 
-@pytest.mark.parametrize("unstacked", [False, True])
-def test_decode_step_matches_model_forward_with_cache(unstacked):
+@pytest.mark.parametrize(("unstacked", "split"), [(False, False), (True, False), (True, True)])
+def test_decode_step_matches_model_forward_with_cache(unstacked, split):
     params = _params(lora_seed=1)
     layers = None
     if unstacked:
@@ -77,10 +77,11 @@ def test_decode_step_matches_model_forward_with_cache(unstacked):
                                        lora_scale=0.5, cache=cache)
     step = jax.jit(lambda p, c, ly: decode.decode_step(CFG, p["base"], tokens, positions, c, lora=p["lora"],
                                                        lora_scale=0.5, layers=ly))
-    got_h, got_cache = step(params, cache, layers)
+    got_h, got_cache = step(params, decode.split_cache(cache) if split else cache, layers)
     np.testing.assert_allclose(got_h, want_h, rtol=1e-4, atol=1e-4)
     for name in ("k", "v"):
-        np.testing.assert_allclose(got_cache[name], want_cache[name], rtol=1e-5, atol=1e-5)
+        assert isinstance(got_cache[name], list) == split
+        np.testing.assert_allclose(jnp.stack(list(got_cache[name])), want_cache[name], rtol=1e-5, atol=1e-5)
 
 
 def _run(coro):
@@ -240,7 +241,7 @@ def test_sharded_engine_matches_single_device():
             toks.append(int(res.tokens[1]))
             lps.append(float(res.logprobs[1]))
         if shape:
-            assert len(state.cache["k"].sharding.device_set) == 8
+            assert all(len(c.sharding.device_set) == 8 for c in jax.tree.leaves(state.cache))
         outs.append((toks, lps))
     assert outs[0][0] == outs[1][0]
     np.testing.assert_allclose(outs[0][1], outs[1][1], atol=1e-5)
