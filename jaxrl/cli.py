@@ -464,8 +464,9 @@ def delete(
                     f"`jaxrl stop {folder.name}`")
     local, remote = runs.deletion_plan(folder)
     if not yes:
-        listing = "\n".join(f"  {p}" for p in local)
-        if not typer.confirm(f"delete run {folder.name}, removing\n{listing}\n?", default=False):
+        out.print(f"run {folder.name} ({runs.status(folder)}): deleting removes\n"
+                  + "\n".join(f"  {p}" for p in local), markup=False)
+        if not typer.confirm(f"delete run {folder.name}?", default=False):
             raise _fail("jaxrl delete: nothing deleted")
     try:
         runs.delete(folder)
@@ -489,8 +490,11 @@ def checkpoints(ref: RunRef, runs_dir: RunsDir = Path("runs")) -> None:
     directory, adapters = runs.checkpoint_dir(folder), runs.adapters_dir(folder)
     steps: list[int] = []
     if directory.startswith("gs://") or Path(directory).is_dir():
+        import logging
+
         from jaxrl.checkpoint import Checkpointer  # heavy (JAX, Orbax): only here
 
+        logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax warns that a read-only manager saves nothing
         try:
             checkpointer = Checkpointer(directory, read_only=True)
             steps = checkpointer.all_steps()

@@ -49,15 +49,16 @@ def plot_run(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
     panels = 1 + bool(evals)
     fig, axes = plt.subplots(panels, 1, figsize=(8, 3.5 * panels), squeeze=False, sharex=True)
     ax = axes[0][0]
+    marker = "o" if len(steps) <= 30 else None  # a short run's points stay visible
     if steps:
-        ax.plot(steps, mean, label="reward/mean", color="C0")
+        ax.plot(steps, mean, label="reward/mean", color="C0", marker=marker, markersize=3)
         std_steps, std = series(rows, "reward/std")
         if std_steps == steps:
             ax.fill_between(steps, [m - s for m, s in zip(mean, std, strict=True)],
                             [m + s for m, s in zip(mean, std, strict=True)], color="C0", alpha=0.15,
                             label="+-reward/std")
-    for key in sorted({k for r in rows for k in r if _ENV_REWARD.match(k)}):
-        ax.plot(*series(rows, key), label=key, linewidth=1)
+    for i, key in enumerate(sorted({k for r in rows for k in r if _ENV_REWARD.match(k)})):
+        ax.plot(*series(rows, key), label=key, linewidth=1, marker=marker, markersize=2, color=f"C{i + 1}")
     ax.set_ylabel("reward")
     ax.set_title(title)
     ax.legend(loc="best", fontsize="small")
