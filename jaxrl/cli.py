@@ -1,6 +1,9 @@
-"""The `jaxrl` command: `validate`, `init` and `run` a Hosted Training TOML file.
+"""The `jaxrl` command: `validate`, `init` and `run` a Hosted Training TOML file; manage local runs as
+`prime rl` manages hosted ones (`list`, `logs`, `stop`, `delete`, `checkpoints`, `plot`: `jaxrl.runs`);
+`models`, `export` and `serve`.
 
-`validate` and `init` import only the config module (no JAX), so they answer in well under a second.
+`validate`, `init` and the run management commands (but `checkpoints`) import no JAX, so they answer in
+well under a second.
 Config problems exit with status 2 and one line per problem, never a traceback.
 """
 
