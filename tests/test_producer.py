@@ -1,0 +1,207 @@
+"""The async producer's rules (`jaxrl.producer`): what is in flight, which groups a step takes, which are
+dropped as stale, what a checkpoint keeps; and the version log in front of the real scheduler."""
+
+import asyncio
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl import model
+from jaxrl.buffer import Buffer, BufferState
+from jaxrl.config import BufferConfig
+from jaxrl.engine import Engine
+from jaxrl.envs import Rollout
+from jaxrl.model import ModelConfig
+from jaxrl.producer import Producer, VersionLog, in_flight_groups
+from jaxrl.protocol import Completion, SamplingParams
+from jaxrl.scheduler import Scheduler
+from jaxrl.sharding import make_mesh
+
+N = 2  # rollouts per group
+
+
+@dataclasses.dataclass
+class Engine1:
+    """The engine side as the producer sees it: each request samples one token of the current `version`."""
+
+    version: int = 0
+    model_name: str = "m"
+    max_model_len: int = 64
+
+    async def generate(self, prompt_ids, params, on_token=None):
+        return Completion([5], [0.0], "stop", [self.version])
+
+
+class Run:
+    """A producer over 20 examples whose groups each sample one token per rollout when launched, then
+    finish when their gate opens (open by default)."""
+
+    def __init__(self, *, per_step: int, in_flight: int, level: int, step: int = 0, next_t: int = 0,
+                 resumed=(), share=None):
+        self.loop = asyncio.new_event_loop()
+        self.engine = Engine1(version=step)
+        self.log = VersionLog(self.engine)
+        self.gates: dict[int, asyncio.Event] = {}
+        self.played: list[int] = []
+        self.buffer = Buffer((20,), BufferConfig())
+        self.producer = Producer(self.loop, self.buffer, BufferState.fresh(1), self.play, self.log,
+                                 lambda t: 1000 + t * N, N, per_step, in_flight, level, step, next_t, resumed, share)
+        RUNS.append(self)
+
+    def gate(self, t: int) -> asyncio.Event:
+        if t not in self.gates:
+            self.gates[t] = asyncio.Event()
+            self.gates[t].set()
+        return self.gates[t]
+
+    async def play(self, job, first_seed):
+        t = (first_seed - 1000) // N
+        self.played.append(t)
+        for i in range(N):
+            await self.log.generate([1], SamplingParams(seed=first_seed + i))
+        await self.gate(t).wait()
+        return [Rollout([1, 5], [False, True], [0.0, 0.0], float(t), False, True, None, "e", job[1])] * N
+
+    def take(self, step: int):
+        return self.loop.run_until_complete(self.producer.take(step))
+
+    def update(self, version: int) -> None:
+        self.engine.version = version
+        self.producer.set_version(version)
+
+    def in_flight(self) -> list[int]:
+        return [g.t for g in self.producer.groups]
+
+    def close(self) -> None:
+        for gate in self.gates.values():
+            gate.set()
+        self.producer.cancel()
+        self.loop.run_until_complete(asyncio.sleep(0.01))
+        self.loop.close()
+
+
+RUNS: list[Run] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_runs():
+    yield
+    while RUNS:
+        RUNS.pop().close()
+
+
+def test_in_flight_groups_round_up_to_whole_groups():
+    assert in_flight_groups(32, 8, 1.0) == 4 and in_flight_groups(32, 8, 2.0) == 8
+    assert in_flight_groups(32, 8, 1.1) == 5 and in_flight_groups(8, 4, 1.5) == 3
+
+
+def test_level_0_plays_each_steps_groups_at_its_version_after_its_update():
+    run = Run(per_step=2, in_flight=2, level=0)
+    run.producer.refill()
+    expected_jobs = run.buffer.draw(BufferState.fresh(1), 6)[0]
+    for step in range(3):
+        taken = run.take(step)
+        assert [g.t for g in taken.groups] == [2 * step, 2 * step + 1]
+        assert [g.job for g in taken.groups] == expected_jobs[2 * step:2 * step + 2]
+        assert all(v == step for g in taken.groups for v in g.versions) and len(taken.groups[0].versions) == N
+        assert run.in_flight() == []  # nothing launched while the step trains
+        assert taken.metrics(step, N, len(run.producer.groups))["async/staleness_max"] == 0
+        run.update(step + 1)
+        assert run.in_flight() == [2 * step + 2, 2 * step + 3]
+
+
+def test_oversampling_keeps_batch_times_factor_in_flight_and_takes_the_first_to_finish():
+    run = Run(per_step=2, in_flight=in_flight_groups(4, N, 2.0), level=2)
+    for t in (0, 2):
+        run.gate(t).clear()
+    run.producer.refill()
+    assert run.in_flight() == [0, 1, 2, 3]
+    taken = run.take(0)
+    assert [g.t for g in taken.groups] == [1, 3]  # finished first; 0 and 2 wait on their gates
+    assert run.in_flight() == [0, 2, 4, 5]  # refilled during the step, at version 0
+    assert taken.metrics(0, N, len(run.producer.groups))["async/in_flight"] == 8  # batch_size 4 x 2.0
+    run.update(1)
+    run.gate(0).set()
+    taken = run.take(1)
+    assert [g.t for g in taken.groups] == [0, 4]  # 0 finished first, then 4 and 5 (lowest number first)
+    assert taken.metrics(1, N, 4)["async/staleness_mean"] == 1.0  # launched at version 0, trained at 1
+
+
+def test_a_group_older_than_max_async_level_is_dropped_and_counted():
+    run = Run(per_step=1, in_flight=2, level=1)
+    run.gate(0).clear()  # group 0 samples its tokens at version 0, then hangs
+    run.producer.refill()
+    assert [g.t for g in run.take(0).groups] == [1]
+    run.update(1)
+    assert [g.t for g in run.take(1).groups] == [2]  # launched at version 0 during step 0: lag 1, kept
+    run.update(2)
+    run.gate(0).set()
+    taken = run.take(2)  # group 0 (oldest token 0 < 2 - 1) finishes first and is dropped
+    assert [g.t for g in taken.stale] == [0] and [g.t for g in taken.groups] == [3]
+    metrics = taken.metrics(2, N, len(run.producer.groups))
+    assert metrics["async/stale_dropped"] == N and metrics["async/staleness_max"] == 1
+    assert 0 not in run.in_flight()
+
+
+def test_level_1_does_not_launch_what_the_step_after_next_could_not_train():
+    run = Run(per_step=1, in_flight=1, level=1)
+    run.producer.refill()
+    run.take(0)
+    assert run.in_flight() == [1]  # version 0 >= step 1 - 1
+    run.take(1)  # the trainer took step 1 before step 0's update reached the engine
+    assert run.in_flight() == []  # version 0 < step 2 - 1: it would be stale
+    run.update(1)
+    assert run.in_flight() == [2]
+
+
+def test_a_checkpoint_lists_the_groups_in_flight_and_a_resume_plays_them_again_first():
+    run = Run(per_step=2, in_flight=4, level=2)
+    run.producer.refill()
+    run.take(0)
+    meta = {"producer": run.producer.checkpoint()}
+    in_flight = [(g.t, g.job) for g in run.producer.groups]
+    assert [t for t, _ in in_flight] == [2, 3, 4, 5]
+    next_t, resumed = Producer.resumed(meta, 1, 2)
+    assert (next_t, resumed) == (6, in_flight)
+    again = Run(per_step=2, in_flight=4, level=2, step=1, next_t=next_t, resumed=resumed)
+    again.producer.refill()
+    again.loop.run_until_complete(asyncio.sleep(0))
+    assert [(g.t, g.job) for g in again.producer.groups] == in_flight and again.played == [2, 3, 4, 5]
+    assert Producer.resumed({}, 3, 2) == (6, [])  # a checkpoint from before the producer
+
+
+def test_several_processes_play_their_share_of_each_step():
+    run = Run(per_step=4, in_flight=4, level=0, share=slice(2, 4))
+    run.producer.refill()
+    taken = run.take(0)
+    assert [g.t for g in taken.groups] == [0, 1, 2, 3] and run.played == [2, 3]
+    assert [g.rollouts is None for g in taken.groups] == [True, True, False, False]
+    with pytest.raises(ValueError, match="max_async_level = 0"):
+        Run(per_step=4, in_flight=4, level=1, share=slice(2, 4))
+
+
+def test_version_log_records_expected_seeds_through_the_real_scheduler():
+    cfg = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8)
+    params = {"base": model.init_params(cfg, jax.random.key(0)), "lora": None}
+    engine = Engine(cfg, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=2, max_seq_len=48)
+    sched = Scheduler(engine, params, "tiny")
+    log = VersionLog(sched)
+    log.expect([7])
+
+    async def turns():
+        first = await log.generate([1, 2, 3], SamplingParams(max_tokens=4, seed=7))
+        sched.update_params(params, version=3)
+        second = await log.generate([1, 2, 3, 4], SamplingParams(max_tokens=5, seed=7))  # the next turn
+        other = await log.generate([1, 2], SamplingParams(max_tokens=3, seed=8))
+        return first, second, other
+
+    try:
+        first, second, other = asyncio.run(turns())
+    finally:
+        sched.stop()
+    assert len(first.token_ids) == 4 and len(second.token_ids) == 5 and len(other.token_ids) == 3
+    assert log.pop([7, 8]) == [0] * 4 + [3] * 5  # seed 8 was never expected
+    assert log.pop([7]) == [] and np.all(np.array(other.policy_versions) == 3)
