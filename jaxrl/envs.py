@@ -19,6 +19,10 @@ the whole trace as one sample ("interleaved") or one sample per turn ("branching
 The default harness, `ChatHarness`, runs verifiers' plain chat loop in the trainer's process: the
 stock `null`/`bash` harnesses run theirs as a PEP 723 script through `uv sync --script`, which needs
 a package index and a process per rollout.
+
+A module that exports no v1 Taskset or Env but a `load_environment(**args)` is a classic env
+(SingleTurnEnv, MultiTurnEnv, ... from `verifiers.legacy`): it plays over the server's
+`/v1/chat/completions` instead (`jaxrl.classic`), which needs `chat_template` on the server.
 """
 
 from __future__ import annotations
@@ -42,9 +46,11 @@ import renderers.client
 import verifiers.v1 as vf
 from renderers import Qwen3RendererConfig
 from verifiers.v1.dialects.chat import message_to_wire
-from verifiers.v1.errors import MODEL_TRANSPORT_ERROR_EXIT_CODE
 from verifiers.v1.utils.loaders import env_config_type, load_environment, resolve_env_config
 
+from jaxrl import classic
+from jaxrl.chat import ChatTemplate
+from jaxrl.classic import ClassicEnv, ClassicTask
 from jaxrl.protocol import SamplingParams
 
 HARNESS_ID = "jaxrl-chat"
@@ -100,7 +106,7 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
                     headers={"Authorization": f"Bearer {secret}"},
                 )
         except httpx.TransportError as e:
-            return vf.ProgramResult(MODEL_TRANSPORT_ERROR_EXIT_CODE, "", f"model call failed: {e!r}")
+            return vf.ProgramResult(1, "", f"model call failed: {e!r}")
         if response.status_code != 200:
             return vf.ProgramResult(1, "", f"model call failed ({response.status_code}): {response.text}")
         return vf.ProgramResult(0, response.text, "")
@@ -129,15 +135,16 @@ class EnvLoadError(ValueError):
 class LoadedEnv:
     """A verifiers env and its materialised task lists.
 
-    `tasks` is the train split (`tasks[i].data.idx == i`); `eval_tasks` the eval split, empty when the
-    taskset has none (by convention, a taskset config field `split` that accepts "eval").
+    A v1 env (`vf.Env`): `tasks` is the train split (`tasks[i].data.idx == i`); `eval_tasks` the eval
+    split, empty when the taskset has none (by convention, a taskset config field `split` that accepts
+    "eval"). A classic env (`ClassicEnv`): its dataset and eval dataset rows (`tasks[i].idx == i`).
     """
 
     id: str
     module: str
-    env: vf.Env
-    tasks: list[vf.Task]
-    eval_tasks: list[vf.Task]
+    env: vf.Env | ClassicEnv
+    tasks: list[vf.Task] | list[ClassicTask]
+    eval_tasks: list[vf.Task] | list[ClassicTask]
 
     @property
     def name(self) -> str:
@@ -152,6 +159,11 @@ class LoadedEnv:
         that runs the groups."""
         async with self.env.serving():
             yield self
+
+    @property
+    def classic(self) -> bool:
+        """Whether this is a classic env (`load_environment(**args)`), played over /v1/chat/completions."""
+        return isinstance(self.env, ClassicEnv)
 
 
 @dataclasses.dataclass
@@ -199,31 +211,47 @@ def _env_config(env_id: str, args: dict, taskset: dict, harness: dict) -> dict:
 
 
 def _materialise(taskset: vf.Taskset, where: str) -> list[vf.Task]:
-    if not taskset.bounded:
+    """The taskset's tasks, each with `data.idx` its position (verifiers 0.3.1 leaves `idx` to the
+    taskset author; the buffer keys examples by it)."""
+    if taskset.INFINITE:
         raise EnvLoadError(f"{where}: its taskset is infinite; bound it in its config")
     try:
-        return list(taskset)
+        tasks = list(taskset)
     except Exception as e:  # noqa: BLE001 - a taskset whose load() fails, with any error
         raise EnvLoadError(f"{where}: loading its tasks failed: {type(e).__name__}: {e}") from e
+    for i, task in enumerate(tasks):
+        if task.data.idx != i:
+            task.data = task.data.model_copy(update={"idx": i})
+    return tasks
+
+
+def _exports_v1(module: types.ModuleType) -> bool:
+    """Whether `module` exports a v1 Taskset or Env subclass in `__all__` (what verifiers' v1 loader takes)."""
+    exported = (getattr(module, name, None) for name in getattr(module, "__all__", ()))
+    return any(isinstance(obj, type) and issubclass(obj, vf.Taskset | vf.Env) for obj in exported)
 
 
 def load_env(
     env_id: str, args: dict | None = None, taskset: dict | None = None, harness: dict | None = None
 ) -> LoadedEnv:
-    """Loads an `[[env]]` entry through verifiers' v1 loader and materialises its tasks.
+    """Loads an `[[env]]` entry and materialises its tasks, by what its module exports: a v1 Taskset or
+    Env subclass through verifiers' v1 loader; otherwise a classic `load_environment(**args)`
+    (`jaxrl.classic`), which takes no `[env.taskset]` / `[env.harness]` tables.
 
-    Raises EnvLoadError (naming the id and the module) when the module is not importable, exports no
-    Taskset/Env subclass, rejects the config, or fails to load or loads no train task.
+    Raises EnvLoadError (naming the id and the module) when the module is not importable, exports
+    neither, rejects the config or args, fails to load, or loads no train task.
     """
     args, taskset, harness = dict(args or {}), dict(taskset or {}), dict(harness or {})
     module = module_name(env_id)
     where = f"environment {env_id!r} (module {module!r})"
     try:
-        importlib.import_module(module)
+        imported = importlib.import_module(module)
     except ImportError as e:
         raise EnvLoadError(f"{where} is not importable; install its package (pip install -e ...): {e}") from e
     except Exception as e:  # noqa: BLE001 - an env package that fails while importing
         raise EnvLoadError(f"{where} failed to import: {type(e).__name__}: {e}") from e
+    if not _exports_v1(imported) and classic.is_classic(imported):
+        return _load_classic(env_id, module, imported, args, taskset, harness, where)
     try:
         config = resolve_env_config(_env_config(env_id, args, taskset, harness))
         env = load_environment(config)
@@ -244,6 +272,40 @@ def load_env(
         if eval_config is not None and eval_config != config.taskset:
             eval_tasks = _materialise(type(env.taskset)(eval_config), where)
     return LoadedEnv(id=env_id, module=module, env=env, tasks=tasks, eval_tasks=eval_tasks)
+
+
+def _load_classic(env_id: str, module: str, imported: types.ModuleType, args: dict, taskset: dict,
+                  harness: dict, where: str) -> LoadedEnv:
+    if taskset or harness:
+        tables = " and ".join(t for t, v in (("[env.taskset]", taskset), ("[env.harness]", harness)) if v)
+        raise EnvLoadError(f"{where} is a classic environment (load_environment); it takes `args` only, "
+                           f"not {tables}")
+    try:
+        env, tasks, eval_tasks = classic.load(imported, args)
+    except classic.ClassicLoadError as e:
+        raise EnvLoadError(f"{where}: {e}") from e
+    if not tasks:
+        raise EnvLoadError(f"{where}: load_environment returned an environment without a train dataset")
+    return LoadedEnv(id=env_id, module=module, env=env, tasks=tasks, eval_tasks=eval_tasks)
+
+
+def chat_template(
+    loaded: Sequence[LoadedEnv], tokenizer_path: str | Path, model_path: str | Path
+) -> ChatTemplate | None:
+    """The chat template the run's server needs for `/v1/chat/completions` when a classic env is among
+    `loaded` (they play over that route); None otherwise, so a run of v1 envs alone never imports
+    transformers. End-of-turn ids as `ChatTemplate.load` takes them (the model's generation config).
+
+    Raises EnvLoadError naming the classic envs when the tokenizer has no chat template.
+    """
+    chatting = [env.id for env in loaded if env.classic]
+    if not chatting:
+        return None
+    try:
+        return ChatTemplate.load(tokenizer_path, model_path)
+    except ValueError as e:
+        raise EnvLoadError(f"classic environment(s) {', '.join(map(repr, chatting))} play over "
+                           f"/v1/chat/completions, which needs a chat template: {e}") from None
 
 
 def model_context(
@@ -275,10 +337,9 @@ def model_context(
 
 
 def trace_rollout(trace: vf.Trace, env_name: str, failure: str | None = None) -> Rollout:
-    """The `Rollout` of a finished trace (its last trainable branch); `failure` fails it regardless
-    (an episode-level error)."""
-    branches = [b for b in trace.branches if b.trainable]
-    branch = branches[-1] if branches else None
+    """The `Rollout` of a finished trace (its last branch); `failure` fails it regardless (an
+    episode-level error)."""
+    branch = trace.branches[-1] if trace.branches else None
     mask = branch.sampled_mask if branch is not None else []
     ok = trace.ok and any(mask) and failure is None
     error = failure or (trace.errors[-1].message if trace.errors else None)
@@ -347,7 +408,7 @@ def training_samples(
 
 async def run_group(
     env: LoadedEnv,
-    task: vf.Task | int,
+    task: vf.Task | ClassicTask | int,
     n_rollouts: int,
     *,
     base_url: str,
@@ -358,11 +419,18 @@ async def run_group(
     """Plays `task` (or `env.tasks[task]`) `n_rollouts` times concurrently; one `Rollout` per trainable
     trace, in episode order (one per episode for a single-agent env).
 
+    A classic env plays over `{base_url}/chat/completions` (`jaxrl.classic.run_group`).
     A rollout that fails (model call, harness, reward function, ...) comes back with ok=False and its
     error, never as an exception. Raises IndexError for a task index out of range.
     """
     if isinstance(task, int):
         task = env.tasks[task]
+    if isinstance(env.env, ClassicEnv):
+        assert isinstance(task, ClassicTask)
+        fields = await classic.run_group(env.env, task, n_rollouts, base_url=base_url, model_name=model_name,
+                                         sampling=sampling, env_name=env.name)
+        return [Rollout(**f) for f in fields]
+    assert isinstance(task, vf.Task)
     _rebind_renderers_lock()
     episodes = await asyncio.gather(
         *(
