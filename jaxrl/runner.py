@@ -140,6 +140,10 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
             loaded.append(envs.load_env(e.id, e.args, e.taskset, e.harness))
         except envs.EnvLoadError as exc:
             raise ConfigError(cfg.source, [(f"env.{i}.id", str(exc))]) from None
+    try:  # classic envs play over the server's /v1/chat/completions
+        chat_template = envs.chat_template(loaded, tokenizer_path, model_path)
+    except envs.EnvLoadError as exc:
+        raise ConfigError(cfg.source, [("env", str(exc))]) from None
     ckpt = Checkpointer(checkpoint_dir_of(cfg), keep=cfg.checkpoints.keep_cloud)
     buffer = Buffer(tuple(len(env.tasks) for env in loaded), cfg.buffer)
     buffer_state = BufferState.fresh(len(loaded))
@@ -170,7 +174,7 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
     scheduler = Scheduler(engine, {"base": engine_base, "lora": engine_lora(state.lora)}, model_name=cfg.model,
                           seed=jcfg.seed * 1_000_003 + start)
     scheduler.policy_version = start
-    server = start_server(scheduler, host=jcfg.host, port=jcfg.port)
+    server = start_server(scheduler, host=jcfg.host, port=jcfg.port, chat_template=chat_template)
     sampling = SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                               top_k=cfg.sampling.top_k,
                               max_tokens=cfg.sampling.max_tokens or jcfg.seq_len - 1)
