@@ -197,7 +197,7 @@ def _env_config(env_id: str, args: dict, taskset: dict, harness: dict) -> dict:
     """Raw verifiers env config for an `[[env]]` entry.
 
     `args` (the classic `load_environment()` arguments) and `[env.taskset]` both configure the v1
-    taskset, the latter winning. `[env.harness]` keys that verifiers 0.4 keeps on the agent seat
+    taskset, the latter winning. `[env.harness]` keys that verifiers 0.3.1 keeps on the agent seat
     (`max_turns`, `timeout`, `sampling`, `runtime`, ...) go to every seat of the env; the rest
     configure the harness, `ChatHarness` unless an `id` names another.
     """

@@ -10,7 +10,7 @@ import jax
 import pytest
 from echo_word import EchoAgainEnv, letter_overlap, said_the_word
 from gcs_fixtures import free_port
-from test_run import _config, _jaxrl, _metrics
+from test_run import _jaxrl, _metrics
 from tokenizers import Tokenizer
 from verifiers.legacy import SingleTurnEnv
 
@@ -25,6 +25,7 @@ from jaxrl.server import start_server
 from jaxrl.sharding import make_mesh
 
 MODEL = "policy"
+REPO = Path(__file__).resolve().parents[1]
 TURNS = 3
 MAX_TOKENS = 6
 
@@ -214,17 +215,23 @@ def test_failures_are_rollouts_not_exceptions(tiny_server, tiny_model_dir, test_
 
 
 def test_classic_config_trains(tmp_path, tiny_model_dir, compile_cache, monkeypatch):
-    """Two steps of `jaxrl run` on jaxrl/echo-word (2 turns) through the real CLI: the run's server
-    serves /v1/chat/completions, the pre-flight rollout passes, and every rollout trains."""
+    """configs/classic.toml (jaxrl/echo-word, 2 turns), shrunk to two small steps, through the real CLI:
+    the run's server serves /v1/chat/completions, the pre-flight rollout passes, every rollout trains."""
+    text = (REPO / "configs" / "classic.toml").read_text()
+    for old, new in [("max_steps = 10", "max_steps = 2"), ("batch_size = 16", "batch_size = 8"),
+                     ("rollouts_per_example = 8", "rollouts_per_example = 4"), ("max_tokens = 12", "max_tokens = 6"),
+                     ("seq_len = 256", "seq_len = 128"), ("decode_slots = 32", "decode_slots = 8"),
+                     ('model_path = "../assets/qwen3-tiny"', f'model_path = "{tiny_model_dir}"\n'
+                                                             f'output_dir = "{tmp_path / "runs"}"')]:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    cfg = tmp_path / "classic.toml"
+    cfg.write_text(text)
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(compile_cache))
-    cfg = _config(tmp_path, tiny_model_dir, max_steps=2)
-    text = cfg.read_text()
-    assert text.count('id = "jaxrl/lowercase"') == 1
-    cfg.write_text(text.replace('id = "jaxrl/lowercase"', 'id = "jaxrl/echo-word"\n'
-                                'args = { turns = 2, num_train_examples = 8, num_eval_examples = 0 }'))
     out = _jaxrl("run", str(cfg))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    rows = _metrics(tmp_path / "runs" / "e2e")
+    assert "pre-flight: one rollout of each environment passed" in out.stdout
+    rows = _metrics(tmp_path / "runs" / "classic")
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         assert row["rollouts/failed"] == 0 and row["train/samples"] == 8
