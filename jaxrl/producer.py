@@ -142,13 +142,16 @@ class Producer:
         next_t, resumed: the next group number, and `(t, job)` of groups a checkpoint had in flight,
             launched again first (`checkpoint`).
         share: positions of each step's groups this process plays, with several processes; None: all.
+        last_step: the run's last step (`max_steps`): no group is launched once it is taken (they would
+            be played for nothing). None: no end.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, buffer: Buffer, state: BufferState,
                  play: Callable[[Job, int], Awaitable[list[Rollout]]], log: VersionLog,
                  seed_of: Callable[[int], int], rollouts_per_group: int, per_step: int, in_flight: int,
                  max_async_level: int, step: int, next_t: int,
-                 resumed: Sequence[tuple[int, Job]] = (), share: slice | None = None) -> None:
+                 resumed: Sequence[tuple[int, Job]] = (), share: slice | None = None,
+                 last_step: int | None = None) -> None:
         if share is not None and (max_async_level or in_flight != per_step):
             raise ValueError("several processes share a step's groups only with max_async_level = 0 and "
                              "oversampling_factor = 1")
@@ -157,7 +160,7 @@ class Producer:
         self.per_step, self.in_flight, self.max_async_level = per_step, max(in_flight, per_step), max_async_level
         self.version = self.next_step = step
         self.next_t = next_t
-        self.share = share
+        self.share, self.last_step = share, last_step
         self.groups: list[Group] = []
         self._resumed = list(resumed)
         self._stale: list[Group] = []
@@ -175,8 +178,10 @@ class Producer:
 
     def refill(self) -> None:
         """Launch groups up to `in_flight` while the engine's policy is recent enough for the next step.
-        A `BufferExhausted` from the draw is kept in `exhausted`: groups in flight may still serve."""
-        if self.version < self.next_step - self.max_async_level or self.exhausted is not None:
+        A `BufferExhausted` from the draw is kept in `exhausted` (until a later draw succeeds: groups in
+        flight may still bring an example back into sampling, and may still serve a step)."""
+        if self.version < self.next_step - self.max_async_level or (
+                self.last_step is not None and self.next_step >= self.last_step):
             return
         want = self.in_flight - len(self.groups)
         if want <= 0:
@@ -185,6 +190,7 @@ class Producer:
         if len(launch) < want:
             try:
                 jobs, self.state = self.buffer.draw(self.state, want - len(launch))
+                self.exhausted = None
             except BufferExhausted as exc:
                 self.exhausted = exc
                 jobs = []
@@ -211,9 +217,9 @@ class Producer:
                 if g.rollouts is None:
                     g.rollouts, g.versions = g.task.result(), self.log.pop(self.seeds(g.t))
                     g.finished, self._finished = self._finished, self._finished + 1
-                    if g.oldest < step - self.max_async_level:
-                        self.groups.remove(g)
-                        self._stale.append(g)
+            for g in [g for g in self.groups if g.rollouts is not None and g.oldest < step - self.max_async_level]:
+                self.groups.remove(g)  # finished, not taken by an earlier step, and now too old
+                self._stale.append(g)
             ready = [g for g in self.groups if g.rollouts is not None]
             if self.share is not None and len(ready) == sum(g.task is not None for g in self.groups):
                 taken = self.groups  # one step's groups, all of them (see the module docstring)

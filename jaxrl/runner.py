@@ -1,15 +1,19 @@
 """`jaxrl run`: one RL run end to end, on one mesh shared by the trainer and the rollout engine.
 
-Each step: pick `batch_size / rollouts_per_example` examples, run `rollouts_per_example` rollouts of each
-through the verifiers environment against the in-process rollout server, turn rewards into group
-advantages, take one optimizer step on the LoRA, hand the new LoRA to the engine (policy version =
-step), log, and checkpoint every `[checkpoints].interval` steps. Starting the same run again (same
-output folder and name) resumes from its last complete checkpoint, with the same step numbering, data
-position and sampling seeds, so it reproduces the uninterrupted run. SIGTERM or SIGINT (preemption)
-checkpoints the last complete step and exits; rollouts in flight are dropped and redone on resume.
+Each step: take `batch_size / rollouts_per_example` groups of `rollouts_per_example` rollouts of one
+example each, played through the verifiers environment against the in-process rollout server by the
+producer (`jaxrl.producer`: groups are generated ahead, while earlier steps train, within
+`max_async_level` and `oversampling_factor`), turn rewards into group advantages, take one optimizer
+step on the LoRA (in a thread: the event loop goes on playing rollouts), hand the new LoRA to the
+engine (policy version = step), log, and checkpoint every `[checkpoints].interval` steps. Starting the
+same run again (same output folder and name) resumes from its last complete checkpoint, with the same
+step numbering, data position and sampling seeds, so with `max_async_level = 0` it reproduces the
+uninterrupted run. SIGTERM or SIGINT (preemption) checkpoints the last complete step and exits;
+rollouts in flight are dropped, listed in the checkpoint, and played again first on resume.
 Failing rollouts are dropped and counted (`jaxrl.rollouts`); a run whose rollouts mostly fail stops.
 
-Multi-host (one process per host, `jaxrl.distributed`): the trainer runs on the mesh over every host's
+Multi-host (one process per host, `jaxrl.distributed`; synchronous only, `max_async_level = 0`): the
+trainer runs on the mesh over every host's
 devices; each host runs its own engine, server and environments on its own devices, with the base
 weights loaded a second time onto them and the LoRA copied over after each step, and plays a
 contiguous share of the step's groups with the seeds one process would use. The rollouts are gathered
@@ -26,6 +30,7 @@ import contextlib
 import dataclasses
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +40,14 @@ import numpy as np
 from rich.console import Console
 from rich.markup import escape
 
-from jaxrl import distributed, envs, export, hf, rollouts, wandb_log
+from jaxrl import distributed, envs, evaluate, export, hf, resources, rollouts, wandb_log
 from jaxrl.buffer import Buffer, BufferExhausted, BufferState
 from jaxrl.checkpoint import Checkpointer, CheckpointError
 from jaxrl.config import ConfigError, RunConfig, load_env_file, resolve_model_path, resolve_tokenizer_path
 from jaxrl.engine import Engine
 from jaxrl.metrics import MetricsLogger
 from jaxrl.model import init_lora, lora_specs, param_specs
+from jaxrl.producer import Producer, VersionLog, in_flight_groups
 from jaxrl.protocol import SamplingParams
 from jaxrl.recovery import (
     Preempted,
@@ -101,6 +107,10 @@ def run(cfg: RunConfig, console: Console | None = None) -> Path:
 
 
 def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
+    if jax.process_count() > 1 and cfg.max_async_level:
+        raise ConfigError(cfg.source, [("max_async_level", f"{cfg.max_async_level}: generation overlapping training "
+                                                           f"is built for one process only; a multi-host run needs "
+                                                           f"max_async_level = 0 and oversampling_factor = 1")])
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     jcfg = cfg.jax
@@ -140,14 +150,15 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
             loaded.append(envs.load_env(e.id, e.args, e.taskset, e.harness))
         except envs.EnvLoadError as exc:
             raise ConfigError(cfg.source, [(f"env.{i}.id", str(exc))]) from None
+    eval_envs = evaluate.load_eval_envs(cfg)  # [[eval.env]]
     try:  # classic envs play over the server's /v1/chat/completions
-        chat_template = envs.chat_template(loaded, tokenizer_path, model_path)
+        chat_template = envs.chat_template(loaded + eval_envs, tokenizer_path, model_path)
     except envs.EnvLoadError as exc:
         raise ConfigError(cfg.source, [("env", str(exc))]) from None
     ckpt = Checkpointer(checkpoint_dir_of(cfg), keep=cfg.checkpoints.keep_cloud)
     buffer = Buffer(tuple(len(env.tasks) for env in loaded), cfg.buffer)
     buffer_state = BufferState.fresh(len(loaded))
-    start = 0
+    start, meta = 0, {}
     if (latest := ckpt.latest_step()) is not None:
         state, meta = _restore(ckpt, latest, state, identity)
         start = int(meta["step"])
@@ -174,7 +185,8 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
     scheduler = Scheduler(engine, {"base": engine_base, "lora": engine_lora(state.lora)}, model_name=cfg.model,
                           seed=jcfg.seed * 1_000_003 + start)
     scheduler.policy_version = start
-    server = start_server(scheduler, host=jcfg.host, port=jcfg.port, chat_template=chat_template)
+    versions = VersionLog(scheduler)  # the policy version of each token of the producer's rollouts
+    server = start_server(versions, host=jcfg.host, port=jcfg.port, chat_template=chat_template)
     sampling = SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                               top_k=cfg.sampling.top_k,
                               max_tokens=cfg.sampling.max_tokens or jcfg.seq_len - 1)
@@ -182,17 +194,41 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
     logger = MetricsLogger(run_dir, cfg.max_steps, start, console, wandb_run) if distributed.is_primary() else None
     groups = cfg.batch_size // cfg.rollouts_per_example
     loop = asyncio.new_event_loop()  # one loop for the run: verifiers' HTTP clients outlive a step
+    env_resources = resources.env_resources(cfg.infrastructure.compute_size)
+    resources.apply(loop, env_resources)
+    in_flight = asyncio.Semaphore(env_resources.max_in_flight) if env_resources.max_in_flight else None
+    console.print(env_resources.describe(cfg.infrastructure.compute_size))
+    evaluator = evaluate.Evaluator(cfg, loaded, eval_envs, client, sampling, console, secrets, in_flight)  # [eval]
     serving = contextlib.AsyncExitStack()
-    done, buffer_at_done, saved = start, buffer_state, start
+    done, saved = start, start
     history: list[tuple[int, int]] = []
+    n = cfg.rollouts_per_example
 
-    def save(step: int, buf: BufferState) -> None:
+    async def play(job: tuple[int, int], first_seed: int) -> list[envs.Rollout]:
+        out = await rollouts.collect(loaded, [job], n, client, sampling, first_seed, jcfg.rollout_timeout, in_flight)
+        return out[0]
+
+    next_t, resumed = Producer.resumed(meta, start, groups)
+    producer = Producer(loop, buffer, buffer_state, play, versions, lambda t: (jcfg.seed * 1_000_003 + t) * n, n,
+                        groups, in_flight_groups(cfg.batch_size, n, cfg.oversampling_factor), cfg.max_async_level,
+                        start, next_t, resumed, share=distributed.share(groups) if jax.process_count() > 1 else None,
+                        last_step=cfg.max_steps)
+    train_thread = ThreadPoolExecutor(1, thread_name_prefix="jaxrl-train")  # the loop plays rollouts meanwhile
+    serving_tasks: set[asyncio.Task] | None = None  # the tasks running before the first group is launched
+
+    def save(step: int) -> None:
+        buf = producer.state
         ckpt.save(step, state, {"step": step, "examples_drawn": list(buf.drawn), "buffer": buf.to_json(),
-                                "policy_version": step, "identity": identity})
+                                "producer": producer.checkpoint(), "policy_version": step, "identity": identity})
+
+    def train(batch: Any) -> tuple[TrainState, dict[str, float]]:
+        new_state, train_metrics = trainer.step(state, base, batch)
+        return new_state, {k: float(v) for k, v in jax.device_get(train_metrics).items()}
 
     try:
         with stop_on_signals() as stop:
-            loop.set_exception_handler(lambda lp, context: None if stop.requested and isinstance(
+            # Rollouts in flight are cancelled at every run's end, not only on a signal.
+            loop.set_exception_handler(lambda lp, context: None if isinstance(
                 context.get("exception"), asyncio.CancelledError) else lp.default_exception_handler(context))
             t_warm = time.perf_counter()
             buckets = loop.run_until_complete(scheduler.warmup(sampling))
@@ -200,10 +236,11 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
                           f"{time.perf_counter() - t_warm:.1f}s")
             for env in loaded:  # one interception server and client per env for the whole run
                 loop.run_until_complete(serving.enter_async_context(env.serving()))
+            loop.run_until_complete(serving.enter_async_context(evaluator.serving()))
             if not cfg.buffer.skip_verification:
                 t_check = time.perf_counter()
                 failing = loop.run_until_complete(rollouts.preflight(
-                    loaded, client, sampling, max(jcfg.rollout_timeout, PREFLIGHT_TIMEOUT_S)))
+                    loaded, client, sampling, max(jcfg.rollout_timeout, PREFLIGHT_TIMEOUT_S), in_flight))
                 failing = list(dict.fromkeys(line for lines in distributed.all_gather_objects(failing)
                                              for line in lines))
                 if failing:
@@ -211,35 +248,33 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
                                    "to skip this check):\n  " + "\n  ".join(failing))
                 console.print(f"pre-flight: one rollout of each environment passed in "
                               f"{time.perf_counter() - t_check:.1f}s")
+            if start == 0 and (base_metrics := evaluator.run(0, loop, stop)) and logger:
+                logger.log(0, base_metrics)  # [eval] eval_base_model: the untrained model, as step 0
+            serving_tasks = asyncio.all_tasks(loop)
+            producer.refill()
             for step in range(start, cfg.max_steps):
                 if distributed.any_process(stop.requested):
                     break
                 t_step = time.perf_counter()
+                take = loop.create_task(producer.take(step))
+                stop.on_signal = lambda take=take: loop.call_soon_threadsafe(take.cancel)
                 try:
-                    jobs, drawn_state = buffer.draw(buffer_state, groups)
+                    taken = loop.run_until_complete(take)
+                except asyncio.CancelledError:
+                    taken = None
                 except BufferExhausted as exc:
                     raise RunError(f"step {step + 1}: stopping, {exc} (resumes from checkpoint step {saved})") from None
-                first_seed = (jcfg.seed * 1_000_003 + step * groups) * cfg.rollouts_per_example
-                serving_tasks = asyncio.all_tasks(loop)
-                mine, n = distributed.share(groups), cfg.rollouts_per_example
-                task = loop.create_task(rollouts.collect(loaded, jobs[mine.start:mine.stop], n, client, sampling,
-                                                         first_seed + mine.start * n, jcfg.rollout_timeout))
-                stop.on_signal = lambda task=task: loop.call_soon_threadsafe(task.cancel)
-                try:
-                    step_rollouts = loop.run_until_complete(task)
-                except asyncio.CancelledError:
-                    loop.run_until_complete(_settle(serving_tasks, timeout_s=10.0))
-                    step_rollouts = None
                 finally:
                     stop.on_signal = None
-                shares = distributed.all_gather_objects(
-                    None if step_rollouts is None else [[dataclasses.asdict(r) for r in g] for g in step_rollouts])
-                if any(share is None for share in shares):  # preempted mid-rollouts: dropped, redone on resume
+                shares = distributed.all_gather_objects(None if taken is None else [
+                    [dataclasses.asdict(r) for r in g.rollouts] for g in taken.groups if g.rollouts is not None])
+                if any(share is None for share in shares):  # preempted mid-rollouts: redone on resume
                     break
                 step_rollouts = [[envs.Rollout(**r) for r in group] for share in shares for group in share]
-                t_rollout = time.perf_counter() - t_step
+                jobs = [g.job for g in taken.groups]
+                t_rollout = time.perf_counter() - t_step  # the wait: rollouts in flight overlap the previous step
                 metrics = rollouts.step_metrics(step_rollouts, [cfg.env[i].display_name for i, _ in jobs],
-                                                len(cfg.env) > 1)
+                                                len(cfg.env) > 1) | taken.metrics(step, n, len(producer.groups))
                 kept = [r for group in step_rollouts for r in group if r.ok]
                 history.append((len([r for g in step_rollouts for r in g]) - len(kept),
                                 sum(len(g) for g in step_rollouts)))
@@ -251,9 +286,8 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
                     first = escape(redact(rollouts.first_errors(step_rollouts, 1)[0], secrets))
                     console.print(f"[yellow]step {step + 1}: {metrics['rollouts/failed']:.0f} rollouts failed and "
                                   f"were dropped[/]; first: {first}", highlight=False)
-                keep, buffer_state = buffer.record(drawn_state, jobs, [[r.reward for r in g if r.ok]
-                                                                       for g in step_rollouts])
-                metrics |= buffer.metrics(buffer_state, keep)
+                keep = producer.record(jobs, [[r.reward for r in g if r.ok] for g in step_rollouts])
+                metrics |= buffer.metrics(producer.state, keep)
                 trained = [g for g, k in zip(step_rollouts, keep, strict=True) if k]
                 trained_ok = [r for g in trained for r in g if r.ok]
                 t_train = time.perf_counter()
@@ -264,8 +298,7 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
                     samples, sample_advantages = envs.training_samples(trained_ok, advantages,
                                                                        cfg.trajectory_strategy)
                     batch = make_batch(samples, sample_advantages, sampling.temperature, width)
-                    state, train_metrics = trainer.step(state, base, batch)
-                    train_metrics = {k: float(v) for k, v in jax.device_get(train_metrics).items()}
+                    state, train_metrics = loop.run_until_complete(loop.run_in_executor(train_thread, train, batch))
                     if train_metrics["optim/skipped"]:
                         console.print(f"[yellow]step {step + 1}: loss or gradient not finite; update skipped, "
                                       f"weights unchanged[/]")
@@ -274,23 +307,25 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
                     console.print(f"[yellow]step {step + 1}: every group's rewards were equal (filtered by "
                                   f"[buffer] online_difficulty_filtering); no update[/]")
                 scheduler.update_params({"base": engine_base, "lora": engine_lora(state.lora)}, version=step + 1)
+                producer.set_version(step + 1)
                 now = time.perf_counter()
                 sampled = sum(sum(r.loss_mask) for r in kept)
                 metrics |= train_metrics | {
                     "time/rollout": t_rollout, "time/train": now - t_train, "time/step": now - t_step,
-                    "tokens_per_s": sampled / t_rollout, "train/samples": float(len(samples)),
+                    "tokens_per_s": sampled / (now - t_step), "train/samples": float(len(samples)),
                 }
+                metrics |= evaluator.run(step + 1, loop, stop)  # [eval] / [val] when due, on the new weights
                 if logger:
                     logger.log(step + 1, metrics)
-                done, buffer_at_done = step + 1, buffer_state
+                done = step + 1
                 if done % cfg.checkpoints.interval == 0 or done == cfg.max_steps or \
                         distributed.any_process(stop.requested):
-                    save(done, buffer_at_done)
+                    save(done)
                     saved = done
                 adapters.after_step(done, state.lora)
             if distributed.any_process(stop.requested):
                 if saved != done:
-                    save(done, buffer_at_done)
+                    save(done)
                 ckpt.wait()
                 raise Preempted(f"{stop.signal or 'a signal to another host'}: stopped after step {done}; "
                                 f"checkpoint step {done} is in {ckpt.directory}. Run the same command again to resume.")
@@ -298,6 +333,10 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
     finally:
         if logger:
             logger.close()
+        train_thread.shutdown()
+        producer.cancel()  # rollouts in flight past the last step, or since a failure: dropped
+        if serving_tasks is not None:
+            loop.run_until_complete(_settle(serving_tasks, timeout_s=10.0))
         loop.run_until_complete(serving.aclose())
         loop.close()
         server.stop()

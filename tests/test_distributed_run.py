@@ -14,14 +14,15 @@ STEPS = 2
 
 def test_two_processes_train_like_one(tmp_path, tiny_model_dir, gcs, compile_cache):
     """Same metrics every step (rewards exactly; losses to float rounding, the engines' and the train
-    step's reductions being split over other devices) and the same LoRA in the last checkpoint. Only
-    process 0 writes metrics and prints progress. The three processes run at once to save wall time."""
+    step's reductions being split over other devices), [val]'s included, and the same LoRA in the last
+    checkpoint. Only process 0 writes metrics and prints progress. The three processes run at once to save wall time."""
     url = "gs://jaxrl-test/distributed"
     runs = {}
     for name in ("one", "two"):
         (tmp_path / name).mkdir()
         runs[name] = write_config(tmp_path / name / "rl.toml", tiny_model_dir, name, max_steps=STEPS,
-                                  extra="[buffer]\nskip_verification = true", jax_extra=f'checkpoint_dir = "{url}"')
+                                  extra="[buffer]\nskip_verification = true\n[val]\ninterval = 1\nnum_examples = 3\n"
+                                        "rollouts_per_example = 2", jax_extra=f'checkpoint_dir = "{url}"')
     port = free_port()
     procs = {"one": start(runs["one"], tmp_path / "one.log", compile_cache,
                           XLA_FLAGS="--xla_force_host_platform_device_count=8")}
@@ -48,6 +49,7 @@ def test_two_processes_train_like_one(tmp_path, tiny_model_dir, gcs, compile_cac
         for k in ("reward/mean", "reward/std", "seq_len", "rollouts/failed", "train/samples"):
             assert a[k] == b[k], (a["step"], k)
         assert a["train/samples"] == 8  # each group played once, by one of the two processes
+        assert a["val/rollouts/failed"] == 0 and a["val/seq_len"] > 0  # [val]: 3 examples split 1 + 2, gathered
         for k, v in b.items():
             np.testing.assert_allclose(a[k], v, rtol=1e-5, atol=1e-6, err_msg=f"step {a['step']} {k}")
 

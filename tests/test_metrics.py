@@ -140,6 +140,8 @@ max_steps = 2
 batch_size = 8
 rollouts_per_example = 2
 env_file = ["secrets.env"]
+max_async_level = 0  # synchronous: each step trains the groups drawn for it
+oversampling_factor = 1
 
 [sampling]
 max_tokens = 8

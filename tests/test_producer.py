@@ -39,7 +39,7 @@ class Run:
     finish when their gate opens (open by default)."""
 
     def __init__(self, *, per_step: int, in_flight: int, level: int, step: int = 0, next_t: int = 0,
-                 resumed=(), share=None):
+                 resumed=(), share=None, last_step=None):
         self.loop = asyncio.new_event_loop()
         self.engine = Engine1(version=step)
         self.log = VersionLog(self.engine)
@@ -47,7 +47,8 @@ class Run:
         self.played: list[int] = []
         self.buffer = Buffer((20,), BufferConfig())
         self.producer = Producer(self.loop, self.buffer, BufferState.fresh(1), self.play, self.log,
-                                 lambda t: 1000 + t * N, N, per_step, in_flight, level, step, next_t, resumed, share)
+                                 lambda t: 1000 + t * N, N, per_step, in_flight, level, step, next_t, resumed, share,
+                                 last_step)
         RUNS.append(self)
 
     def gate(self, t: int) -> asyncio.Event:
@@ -129,6 +130,19 @@ def test_oversampling_keeps_batch_times_factor_in_flight_and_takes_the_first_to_
     assert taken.metrics(1, N, 4)["async/staleness_mean"] == 1.0  # launched at version 0, trained at 1
 
 
+def test_nothing_is_launched_once_the_last_step_is_taken():
+    run = Run(per_step=2, in_flight=4, level=2, last_step=2)
+    run.producer.refill()
+    assert run.in_flight() == [0, 1, 2, 3]
+    run.take(0)
+    assert run.in_flight() == [2, 3, 4, 5]  # step 1 is still to come
+    run.update(1)
+    run.take(1)
+    run.update(2)
+    assert run.in_flight() == [4, 5]  # left over from before, none launched for a step 2 that never runs
+    assert run.producer.checkpoint()["next_group"] == 6
+
+
 def test_a_group_older_than_max_async_level_is_dropped_and_counted():
     run = Run(per_step=1, in_flight=2, level=1)
     run.gate(0).clear()  # group 0 samples its tokens at version 0, then hangs
@@ -143,6 +157,17 @@ def test_a_group_older_than_max_async_level_is_dropped_and_counted():
     metrics = taken.metrics(2, N, len(run.producer.groups))
     assert metrics["async/stale_dropped"] == N and metrics["async/staleness_max"] == 1
     assert 0 not in run.in_flight()
+
+
+def test_a_finished_group_left_for_a_later_step_is_checked_again_at_that_step():
+    run = Run(per_step=1, in_flight=2, level=1)
+    run.producer.refill()
+    assert [g.t for g in run.take(0).groups] == [0]  # group 1 finished too, at version 0
+    run.update(1)
+    assert [g.t for g in run.take(1).groups] == [1]  # group 2, launched during step 0, finished and waits
+    run.update(2)
+    taken = run.take(2)  # group 2 was fresh at step 1 (lag 1) but is not at step 2
+    assert [g.t for g in taken.stale] == [2] and [g.t for g in taken.groups] == [3]
 
 
 def test_level_1_does_not_launch_what_the_step_after_next_could_not_train():

@@ -33,6 +33,8 @@ max_steps = {max_steps}
 batch_size = 8
 rollouts_per_example = 4
 learning_rate = 1e-2
+max_async_level = 0  # synchronous: reproducible token for token
+oversampling_factor = 1
 {extra}
 
 [sampling]

@@ -29,6 +29,8 @@ max_steps = {max_steps}
 batch_size = 8
 rollouts_per_example = 4
 learning_rate = 1e-2
+max_async_level = 0  # synchronous: reproducible token for token
+oversampling_factor = 1
 {extra}
 
 [sampling]
@@ -72,6 +74,7 @@ def test_run_trains_checkpoints_and_resumes(tmp_path, tiny_model_dir):
     for r in rows:
         assert 0.0 <= r["reward/mean"] <= 1.0 and r["rollouts/failed"] == 0
         assert r["seq_len"] > 8 and r["tokens_per_s"] > 0 and abs(r["policy/kl"]) < 1e-3
+        assert r["async/staleness_max"] == 0 and r["async/in_flight"] == 0  # synchronous: nothing ahead
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == [2, 3]
 
     again = _jaxrl("run", str(cfg), devices=2)  # same run, already complete
