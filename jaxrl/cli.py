@@ -23,7 +23,6 @@ from jaxrl.config import (
     load_config,
     load_env_file,
     resolve_model_path,
-    unsupported_fields,
 )
 
 app = typer.Typer(help="JAX RL trainer for LLMs, driven by Prime Hosted Training TOML files.",
@@ -55,8 +54,6 @@ def validate(path: ConfigPath) -> None:
     """Check a config and print it with every default filled in (JSON on stdout, notes on stderr)."""
     cfg = _load(path)
     out.print_json(data=cfg.model_dump(mode="json"))
-    for field in unsupported_fields(cfg):
-        err.print(f"warning: not supported yet: {field}", style="yellow", markup=False)
     try:
         err.print(f"model weights: {resolve_model_path(cfg)}", markup=False)
     except ConfigError as exc:
@@ -82,7 +79,7 @@ def run(
                                                           "terminal does not stop it); output to the run "
                                                           "folder's console.log.")] = False,
 ) -> None:
-    """Train: load the config, refuse fields not built yet, then start the run (in the foreground, or in
+    """Train: load the config, then start the run (in the foreground, or in
     the background with --detach). Its console output is also kept in <output_dir>/<name>/console.log."""
     import os
 
@@ -90,10 +87,6 @@ def run(
     from jaxrl.recovery import run_dir_of, run_name
 
     cfg = _load(path)
-    if unsupported := unsupported_fields(cfg):
-        lines = [f"not supported yet: {field}" for field in unsupported]
-        raise _fail(f"{path}: refusing to start; remove these settings or set them to their defaults:\n"
-                    + "\n".join(lines))
     run_dir, name = run_dir_of(cfg), run_name(cfg)
     pid = runs.running_pid(run_dir)
     if pid is not None and pid != os.getpid():  # a detached run's own process finds itself recorded
@@ -438,8 +431,8 @@ def stop(
 
     folder = _run_folder(ref, runs_dir)
     try:
-        pid = runs.running_pid(folder)
-        err.print(f"stopping run {folder.name} (pid {pid}): waiting for its checkpoint ...", markup=False)
+        if (pid := runs.running_pid(folder)) is not None:
+            err.print(f"stopping run {folder.name} (pid {pid}): waiting for its checkpoint ...", markup=False)
         state = runs.stop(folder, timeout)
     except runs.RunsError as exc:
         raise _fail(f"jaxrl stop: {exc}") from None
@@ -462,9 +455,10 @@ def delete(
     from jaxrl import runs
 
     folder = _run_folder(ref, runs_dir)
-    if (pid := runs.running_pid(folder)) is not None:
-        raise _fail(f"jaxrl delete: run {folder.name} is running (pid {pid}); stop it first with "
-                    f"`jaxrl stop {folder.name}`")
+    try:
+        runs.check_deletable(folder)
+    except runs.RunsError as exc:
+        raise _fail(f"jaxrl delete: {exc}") from None
     local, remote = runs.deletion_plan(folder)
     if not yes:
         out.print(f"run {folder.name} ({runs.status(folder)}): deleting removes\n"

@@ -123,27 +123,38 @@ class EvalEnvConfig(_Table):
     rollouts_per_example: int | None = Field(None, ge=1)
     """Rollouts per eval example. Default None: `eval.rollouts_per_example`."""
 
+    @property
+    def display_name(self) -> str:
+        """`name`, else `id`: the label of this environment's metrics (`eval/<name>/...`)."""
+        return self.name or self.id
+
 
 class EvalConfig(_Table):
-    """`[eval]`: online evaluation during training."""
+    """`[eval]`: online evaluation during training (`jaxrl.evaluate`): each environment's first
+    `num_examples` examples of its eval split (its loaded tasks when it has none), with the run's
+    `[sampling]`; metrics `eval/<env>/reward/mean`, `eval/<env>/pass@k`, ... in the step's row."""
 
     interval: int = Field(100, ge=1)
-    """Evaluate every N training steps. Default 100."""
+    """Evaluate after every N-th training step. Default 100."""
     num_examples: AllOrPositive = -1
     """Examples per eval environment (-1 = all). Default -1."""
     rollouts_per_example: int = Field(1, ge=1)
     """Rollouts per eval example. Default 1."""
     eval_base_model: bool = True
-    """Also evaluate the base (untrained) model. Default true."""
+    """Also evaluate the base (untrained) model, before step 1: a metrics row at step 0. Default true."""
     env: list[EvalEnvConfig] = []
-    """`[[eval.env]]` tables. Default []: evaluate on the training environments."""
+    """`[[eval.env]]` tables, each with a distinct display name. Default []: evaluate on the training
+    environments."""
 
 
 class ValConfig(_Table):
-    """`[val]`: validation on the training environments' eval datasets."""
+    """`[val]`: validation on the training environments' eval splits (their train examples when they have
+    none), with the run's `[sampling]` (`jaxrl.evaluate`); metrics `val/reward/mean`, ... (and
+    `val/<env>/...` with several environments) in the step's row."""
 
     num_examples: int = Field(64, ge=1)
-    """Validation examples per check. Default 64."""
+    """Validation examples per check and training environment (its first ones; fewer when its split is
+    smaller). Default 64."""
     rollouts_per_example: int = Field(1, ge=1)
     """Rollouts per validation example. Default 1."""
     interval: int = Field(5, ge=1)
@@ -199,10 +210,13 @@ class AdaptersConfig(_Table):
 
 
 class InfrastructureConfig(_Table):
-    """`[infrastructure]`: environment container resources on Hosted Training."""
+    """`[infrastructure]`: environment container resources on Hosted Training; here, the CPU share of the
+    environments, which run in the trainer's process (`jaxrl.resources`)."""
 
     compute_size: Literal["S", "M", "L"] = "M"
-    """CPU allocation of environment containers: "S", "M" or "L". Default "M"."""
+    """CPU the environments get, scaled to this machine's cores C: worker threads for env work (the run
+    loop's default executor, used by `asyncio.to_thread`) S max(1, C//4), M max(2, C//2), L max(4, C);
+    rollouts in flight at once S 8*C, M 32*C, L no limit. Default "M"."""
 
 
 class MeshConfig(_Table):
@@ -280,9 +294,12 @@ class RunConfig(_Table):
     lora_alpha: int = Field(16, ge=1)
     """LoRA alpha; updates are scaled by `lora_alpha / jax.lora_rank`. Default 16."""
     oversampling_factor: float = Field(2.0, ge=1)
-    """Rollouts in flight per `batch_size` rollouts. Default 2.0."""
-    max_async_level: int = Field(2, ge=1)
-    """Max policy versions a rollout may lag the trainer; >= `oversampling_factor`. Default 2."""
+    """Rollouts in flight per `batch_size` rollouts (whole groups, rounded up); a step trains on the first
+    groups to finish (`jaxrl.producer`). Default 2.0."""
+    max_async_level: int = Field(2, ge=0)
+    """Max policy versions the oldest token of a trained rollout may lag the trainer (older groups are
+    dropped); >= `oversampling_factor`. 0 (jaxrl's addition, with `oversampling_factor = 1`): synchronous,
+    generation waits for each step's update, and a run is reproducible token for token. Default 2."""
     env_file: list[str] = []
     """.env files with secrets, relative to the config file (absolute after `load_config`). Default []."""
     checkpoint_id: str | None = Field(None, min_length=1)
@@ -330,7 +347,11 @@ class RunConfig(_Table):
         if self.batch_size % self.rollouts_per_example:
             problems.append(("batch_size", f"{self.batch_size} is not divisible by rollouts_per_example "
                                            f"({self.rollouts_per_example})"))
-        if self.max_async_level < self.oversampling_factor:
+        if self.max_async_level == 0 and self.oversampling_factor != 1:
+            problems.append(("oversampling_factor", f"{self.oversampling_factor} must be 1 with max_async_level = 0 "
+                                                    f"(synchronous: a rollout beyond the batch would be stale at "
+                                                    f"the next step)"))
+        elif 0 < self.max_async_level < self.oversampling_factor:
             problems.append(("max_async_level", f"{self.max_async_level} must be >= oversampling_factor "
                                                 f"({self.oversampling_factor})"))
         if self.sampling.max_tokens is not None and self.sampling.max_tokens >= self.jax.seq_len:
@@ -341,6 +362,12 @@ class RunConfig(_Table):
             if name in names[:i]:
                 problems.append((f"env.{i}.name", f"{name!r} is also the name of env.{names.index(name)}; give "
                                                   f"each [[env]] a distinct `name` (it labels its metrics)"))
+        eval_names = [e.display_name for e in self.eval.env] if self.eval else []
+        for i, name in enumerate(eval_names):
+            if name in eval_names[:i]:
+                problems.append((f"eval.env.{i}.name", f"{name!r} is also the name of eval.env."
+                                                       f"{eval_names.index(name)}; give each [[eval.env]] a "
+                                                       f"distinct `name` (it labels its metrics)"))
         buf = self.buffer
         if buf.hard_threshold > buf.easy_threshold:
             problems.append(("buffer.hard_threshold", f"{buf.hard_threshold} must be <= easy_threshold "
@@ -359,35 +386,6 @@ class RunConfig(_Table):
         if problems:
             raise _Invalid(problems)
         return self
-
-
-# Dotted fields whose behaviour is not built yet; delete a line once it is.
-NOT_SUPPORTED_YET: frozenset[str] = frozenset({
-    "oversampling_factor",
-    "max_async_level",
-    "eval",
-    "val",
-    "infrastructure.compute_size",
-})
-
-
-def unsupported_fields(cfg: RunConfig) -> list[str]:
-    """Sorted dotted keys of `NOT_SUPPORTED_YET` fields set to a non-default value. A table listed whole
-    (`buffer`) is reported field by field (`buffer.seed`); one whose default is None (`eval`) by name."""
-    found = []
-    for path in NOT_SUPPORTED_YET:
-        obj: BaseModel = cfg
-        *parents, last = path.split(".")
-        for part in parents:
-            obj = getattr(obj, part)
-        value = getattr(obj, last)
-        default = type(obj).model_fields[last].get_default(call_default_factory=True)
-        if isinstance(value, BaseModel) and isinstance(default, BaseModel):
-            found += [f"{path}.{k}" for k in type(value).model_fields
-                      if getattr(value, k) != getattr(default, k)]
-        elif value != default:
-            found.append(path)
-    return sorted(found)
 
 
 def load_config(path: str | Path) -> RunConfig:
@@ -541,6 +539,8 @@ rollouts_per_example = 8       # rollouts per example (the group size)
 # env_file = ["secrets.env"]   # .env files with secrets, relative to this file
 # checkpoint_id = "other-run/200"  # warm start from another run's LoRA: "run", "run/step" or a path
 # trajectory_strategy = "interleaved"  # multi-turn: one sample per trace; "branching": one per turn
+# oversampling_factor = 2.0    # rollouts in flight per batch_size rollouts
+# max_async_level = 2          # policy versions a trained token may lag; >= oversampling_factor; 0: synchronous
 
 [sampling]
 max_tokens = 512               # tokens sampled per turn, < [jax] seq_len
@@ -564,6 +564,22 @@ id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
 # env_ratios = [0.5, 0.5]      # share of groups per [[env]] (multi-env only)
 # skip_verification = false    # skip the pre-flight rollout of each env
 # seed = 42                    # example order
+
+# [eval]                       # online eval: eval/<env>/reward/mean, eval/<env>/pass@k, ...
+# interval = 100               # evaluate after every N steps
+# num_examples = -1            # examples of each env's eval split; -1 = all
+# rollouts_per_example = 1
+# eval_base_model = true       # also the untrained model, as step 0
+# [[eval.env]]                 # default: the [[env]] environments
+# id = "primeintellect/eval-env"
+# args = { split = "test" }
+# num_examples = 30            # overrides [eval]
+# rollouts_per_example = 4     # overrides [eval]
+
+# [val]                        # validation on the [[env]] eval splits: val/reward/mean, ...
+# num_examples = 64            # per environment
+# rollouts_per_example = 1
+# interval = 5
 
 # [wandb]                      # offline run in the run folder when WANDB_API_KEY is unset
 # project = "my-project"
@@ -591,30 +607,10 @@ id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
 # host = "127.0.0.1"           # rollout server address
 # port = 0                     # rollout server port; 0 = a free one
 
-# Not supported by jaxrl yet: `jaxrl validate` accepts these, `jaxrl run` refuses them.
-# oversampling_factor = 2.0    # rollouts in flight per batch_size rollouts
-# max_async_level = 2          # policy versions a rollout may lag; >= oversampling_factor
-#
-# [eval]
-# interval = 100               # evaluate every N steps
-# num_examples = -1            # -1 = all
-# rollouts_per_example = 1
-# eval_base_model = true
-# [[eval.env]]
-# id = "primeintellect/eval-env"
-# args = { split = "test" }
-# num_examples = 30            # overrides [eval]
-# rollouts_per_example = 4     # overrides [eval]
-#
-# [val]
-# num_examples = 64
-# rollouts_per_example = 1
-# interval = 5
-#
 # [adapters]
 # interval = 0                 # export every N steps; 0 = at the end only
 # keep_last = 3                # -1 = all
 #
 # [infrastructure]
-# compute_size = "M"           # "S", "M" or "L"
+# compute_size = "M"           # CPU for the environments: "S", "M" or "L" (README, "Resources")
 '''

@@ -50,19 +50,8 @@ def test_validate_every_seed_example(path):
     assert resolved["jax"]["seq_len"] == 4096 and resolved["checkpoints"]["interval"] == 10
 
 
-def test_validate_warns_about_each_unsupported_field(monkeypatch):
-    result = invoke("validate", ROOT / "configs" / "examples" / "full.toml")
-    assert result.exit_code == 0 and "not supported yet" not in result.stderr  # every seed field is built
-    monkeypatch.setattr("jaxrl.config.NOT_SUPPORTED_YET", frozenset({"eval", "val"}))  # the mechanism
-    result = invoke("validate", ROOT / "configs" / "examples" / "full.toml")
-    assert result.exit_code == 0
-    warnings = [line for line in result.stderr.splitlines() if "not supported yet" in line]
-    assert warnings == [f"warning: not supported yet: {f}" for f in ["eval", "val"]]
-
-
 def test_validate_says_where_the_weights_are(tmp_path):
     result = invoke("validate", ROOT / "configs" / "examples" / "minimal.toml")
-    assert "not supported yet" not in result.stderr
     assert "model: model 'PrimeIntellect/Qwen3-0.6B-Reverse-Text-SFT' not found: no folder" in result.stderr
     (tmp_path / "qwen").mkdir()
     (tmp_path / "rl.toml").write_text(MINIMAL + '[jax]\nmodel_path = "qwen"\n')
@@ -130,7 +119,6 @@ def test_init_writes_a_valid_starter(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert (tmp_path / "rl.toml").read_text() == STARTER_TOML
     assert invoke("validate", "rl.toml").exit_code == 0
-    assert "not supported yet" not in invoke("validate", "rl.toml").stderr
 
 
 def test_init_refuses_to_overwrite_without_force(tmp_path):
@@ -158,29 +146,6 @@ def fake_runner(monkeypatch):
     module.run = run
     monkeypatch.setitem(sys.modules, "jaxrl.runner", module)
     return module
-
-
-def test_run_refuses_unsupported_fields(tmp_path, fake_runner, monkeypatch):
-    monkeypatch.setattr("jaxrl.config.NOT_SUPPORTED_YET", frozenset({"eval", "val", "oversampling_factor"}))
-    path = tmp_path / "rl.toml"
-    path.write_text(MINIMAL.replace("max_steps = 100", 'max_steps = 100\noversampling_factor = 1.5')
-                    + "[eval]\n[val]\n")
-    result = invoke("run", path)
-    assert result.exit_code == 2
-    assert result.stderr.splitlines()[1:] == [
-        "not supported yet: eval", "not supported yet: oversampling_factor", "not supported yet: val"]
-    assert "refusing to start" in result.stderr.splitlines()[0]
-    assert fake_runner.calls == []
-
-
-def test_run_refusal_has_no_traceback():
-    code = ("import jaxrl.config; jaxrl.config.NOT_SUPPORTED_YET = frozenset({'eval'}); "
-            "from jaxrl.cli import app; app(prog_name='jaxrl')")
-    result = subprocess.run([sys.executable, "-c", code, "run", str(ROOT / "configs" / "examples" / "full.toml")],
-                            capture_output=True, text=True, cwd=ROOT, timeout=60)
-    assert result.returncode == 2
-    assert "not supported yet: eval" in result.stderr
-    assert "Traceback" not in result.stderr + result.stdout
 
 
 def test_run_bad_config_has_no_traceback(tmp_path):
@@ -223,7 +188,7 @@ def test_run_checks_env_files_before_starting(tmp_path, fake_runner):
 
 
 def test_run_reports_config_errors_from_the_runner(tmp_path, fake_runner):
-    def run(cfg: RunConfig) -> None:
+    def run(cfg: RunConfig, console: Console | None = None) -> None:
         raise ConfigError(cfg.source, [("jax.mesh", "4 devices wanted, 1 found")])
 
     fake_runner.run = run
