@@ -6,7 +6,7 @@ there (`metrics.jsonl`, `config.json`, `checkpoints/`, ...), `jaxrl run` keeps t
 - `console.log`: the run's console output, without colours. A foreground run copies what it prints
   to it (the terminal output is unchanged); a detached run's stdout and stderr are the file itself, so
   it also holds what libraries print.
-- `run.json`: `{"pid", "status", "config", "started", "ended", "exit_code"}`, rewritten whole (a
+- `run.json`: `{"pid", "host", "status", "config", "started", "ended", "exit_code"}`, rewritten whole (a
   temporary file renamed) when the run starts and when it ends. `status` is `running`, `completed`
   (exit 0), `stopped` (SIGTERM/SIGINT: checkpointed, exit 143; or ended by `jaxrl stop`) or `failed`.
   A record that says `running` while its process is gone (SIGKILL, out of memory, a lost machine) reads
@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -40,6 +41,7 @@ LOG = "console.log"
 METRICS = "metrics.jsonl"
 RUN_CONFIG = "config.json"  # written by the runner (`jaxrl.export.write_run_config`)
 DEFAULT_RUNS_DIR = "runs"
+HOST = socket.gethostname()
 _MARKERS = (RECORD, LOG, METRICS, RUN_CONFIG)
 
 
@@ -130,14 +132,18 @@ def status(folder: Path, record: dict[str, Any] | None = None) -> str:
     `unknown` (a folder without `run.json`, from before it existed)."""
     record = read_record(folder) if record is None else record
     state = record.get("status", "unknown")
-    if state == "running" and not (isinstance(record.get("pid"), int) and pid_alive(record["pid"])):
+    if state == "running" and record.get("host", HOST) == HOST and not (
+            isinstance(record.get("pid"), int) and pid_alive(record["pid"])):
         return "died"
-    return state
+    return state  # a run recorded by another host (a shared folder) cannot be checked from here
 
 
 def running_pid(folder: Path) -> int | None:
-    """The pid of the process running this run, None when none is."""
+    """The pid of the process of this host that runs this run, None when none does (another host's
+    run, as process 0 of a multi-host run records it, does not count: the other hosts start it too)."""
     record = read_record(folder)
+    if record.get("host", HOST) != HOST:
+        return None
     return record["pid"] if status(folder, record) == "running" else None
 
 
@@ -215,8 +221,8 @@ def stdout_is(path: Path) -> bool:
 def start(folder: Path, config: Path) -> None:
     """Record this process as running `folder`'s run from `config`."""
     folder.mkdir(parents=True, exist_ok=True)
-    write_record(folder, pid=os.getpid(), status="running", config=str(config), started=time.time(), ended=None,
-                 exit_code=None)
+    write_record(folder, pid=os.getpid(), host=HOST, status="running", config=str(config), started=time.time(),
+                 ended=None, exit_code=None)
 
 
 def finish(folder: Path, exit_code: int) -> None:
@@ -236,8 +242,8 @@ def detach(config: Path, folder: Path) -> int:
         env = os.environ | {"PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen([sys.executable, "-m", "jaxrl", "run", str(config)], stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    write_record(folder, pid=proc.pid, status="running", config=str(config), started=time.time(), ended=None,
-                 exit_code=None)
+    write_record(folder, pid=proc.pid, host=HOST, status="running", config=str(config), started=time.time(),
+                 ended=None, exit_code=None)
     return proc.pid
 
 
@@ -284,6 +290,8 @@ def stop(folder: Path, timeout_s: float, poll_s: float = 0.5) -> str:
     state = status(folder, record)
     if state != "running":
         raise RunsError(f"run {folder.name} is not running ({state})")
+    if record.get("host", HOST) != HOST:
+        raise RunsError(f"run {folder.name} runs on host {record['host']}; stop it there")
     pid = record["pid"]
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
@@ -309,14 +317,21 @@ def deletion_plan(folder: Path) -> tuple[list[Path], list[str]]:
     return local, remote
 
 
+def check_deletable(folder: Path) -> None:
+    """Raises RunsError when the run is running, here or on another host (stop it first)."""
+    record = read_record(folder)
+    if status(folder, record) == "running":
+        where = f"pid {record.get('pid')}" + ("" if record.get("host", HOST) == HOST else f" on {record['host']}")
+        raise RunsError(f"run {folder.name} is running ({where}); stop it first with `jaxrl stop {folder.name}`")
+
+
 def delete(folder: Path) -> tuple[list[Path], list[str]]:
     """Delete what `deletion_plan` lists as local; return the plan.
 
     Raises:
-        RunsError: the run is running (stop it first).
+        RunsError: the run is running (`check_deletable`).
     """
-    if (pid := running_pid(folder)) is not None:
-        raise RunsError(f"run {folder.name} is running (pid {pid}); stop it first with `jaxrl stop {folder.name}`")
+    check_deletable(folder)
     local, remote = deletion_plan(folder)
     for path in local:
         shutil.rmtree(path)

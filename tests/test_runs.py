@@ -165,6 +165,15 @@ def test_a_dead_process_reads_as_died(tmp_path, env):
     assert out.returncode == 2 and "is not running (died)" in out.stderr
     out = jaxrl(env, "logs", "nope", "--runs-dir", tmp_path / "runs")
     assert out.returncode == 2 and "no run 'nope'" in out.stderr and "runs there: crashed, other" in out.stderr
+    # A run recorded by another host (process 0 of a multi-host run, on a shared folder) cannot be checked
+    # from here: it reads as running, is neither stopped nor deleted from here, and does not block a start.
+    runs.write_record(folder, host="elsewhere")
+    assert runs.status(folder) == "running" and runs.running_pid(folder) is None
+    out = jaxrl(env, "stop", "crashed", "--runs-dir", tmp_path / "runs")
+    assert out.returncode == 2 and "runs on host elsewhere; stop it there" in out.stderr
+    out = jaxrl(env, "delete", "crashed", "--yes", "--runs-dir", tmp_path / "runs")
+    assert out.returncode == 2 and "is running (pid " in out.stderr and " on elsewhere)" in out.stderr
+    assert folder.exists()
 
 
 def test_delete_removes_a_separate_local_checkpoint_folder_and_names_gcs(tmp_path, env):
