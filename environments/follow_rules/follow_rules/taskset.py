@@ -116,7 +116,7 @@ class FollowRulesTaskset(vf.Taskset[FollowRulesTask, FollowRulesConfig]):
         tasks = tasks[: c.num_eval_examples] if c.split == "eval" else tasks[c.num_eval_examples :]
         for i, (rules, requests) in enumerate(tasks):
             data = FollowRulesData(
-                id=f"{c.split}-{i}", prompt=turn_message(rules, requests, 0), rules=rules, requests=requests
+                name=f"{c.split}-{i}", prompt=turn_message(rules, requests, 0), rules=rules, requests=requests
             )
             yield FollowRulesTask(data, c.task)
 

@@ -85,4 +85,4 @@ class LowercaseTaskset(vf.Taskset[LowercaseTask, LowercaseConfig]):
         else:
             requests = requests[c.num_eval_examples : c.num_eval_examples + c.num_train_examples]
         for i, request in enumerate(requests):
-            yield LowercaseTask(LowercaseData(id=f"{c.split}-{i}", prompt=f"{INSTRUCTION} {request}"), c.task)
+            yield LowercaseTask(LowercaseData(name=f"{c.split}-{i}", prompt=f"{INSTRUCTION} {request}"), c.task)

@@ -91,6 +91,6 @@ class ReverseTextTaskset(vf.Taskset[ReverseTextTask, ReverseTextConfig]):
         texts = texts[: c.num_eval_examples] if c.split == "eval" else texts[c.num_eval_examples :]
         for i, text in enumerate(texts):
             data = ReverseTextData(
-                id=f"{c.split}-{i}", prompt=PROMPT.format(text=text), text=text, answer=text[::-1]
+                name=f"{c.split}-{i}", prompt=PROMPT.format(text=text), text=text, answer=text[::-1]
             )
             yield ReverseTextTask(data, c.task)
