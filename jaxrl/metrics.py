@@ -47,7 +47,8 @@ class MetricsLogger:
             self.wandb.log(step, {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)})
         line = "  ".join(f"{k} {_fmt(metrics[k])}" for k in HEADLINE if isinstance(metrics.get(k), int | float))
         self._progress.update(self._task, completed=step, description=line)
-        self._progress.console.print(f"step {step:>4}  {line}")
+        if line:  # a row of eval metrics only (step 0: the base model) has its own printed report
+            self._progress.console.print(f"step {step:>4}  {line}")
 
     def close(self) -> None:
         """Stop the progress bar and close the files; the W&B run is marked failed when this is called

@@ -462,3 +462,29 @@ def test_starter_toml_is_valid_and_shows_every_field(tmp_path):
 def test_load_env_file_takes_one_path_too(tmp_path):
     assert load_env_file(write(tmp_path, "A=1\n", "one.env")) == {"A": "1"}
     assert load_env_file([]) == {}
+
+
+def _keys(table: dict, prefix: str = "") -> set[str]:
+    """Dotted keys of a TOML document, arrays of tables merged (`env.id`, `eval.env.args`)."""
+    out = set()
+    for key, value in table.items():
+        rows = value if isinstance(value, list) and value and all(isinstance(v, dict) for v in value) else [value]
+        for row in rows:
+            if isinstance(row, dict) and key != "args":
+                out |= _keys(row, f"{prefix}{key}.")
+            else:
+                out.add(prefix + key)
+    return out
+
+
+def test_full_local_config_sets_every_field_of_the_seeds_full_example():
+    """configs/full_local.toml is the seeds' full example run offline (README): it sets every key the seed
+    sets (values scaled, ids local), and loads."""
+    import tomllib
+
+    root = Path(__file__).parent.parent / "configs"
+    seed = tomllib.loads((root / "examples" / "full.toml").read_text())
+    local = tomllib.loads((root / "full_local.toml").read_text())
+    assert _keys(seed) <= _keys(local), sorted(_keys(seed) - _keys(local))
+    cfg = load_config(root / "full_local.toml")
+    assert cfg.max_async_level == 4 and cfg.oversampling_factor == 2.0 and cfg.eval.eval_base_model
