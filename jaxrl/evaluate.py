@@ -245,7 +245,7 @@ class Evaluator:
         try:
             played = loop.run_until_complete(task)
         except asyncio.CancelledError:
-            loop.run_until_complete(_settle(keep, SETTLE_S))
+            loop.run_until_complete(rollouts.settle(keep, SETTLE_S))
             played = None
         finally:
             if stop is not None:
@@ -296,16 +296,3 @@ class Evaluator:
         if first is not None:
             line = escape(redact(first.strip().splitlines()[0][:300] if first.strip() else first, self.secrets))
             self.console.print(f"[yellow]{kind}: first error: {line}[/]", highlight=False)
-
-
-async def _settle(keep: set[asyncio.Task], timeout_s: float) -> None:
-    """Wait (at most `timeout_s`) for every task but `keep` and this one to finish: a cancelled
-    rollout aborts in shielded tasks of its own (verifiers), which the next step must not find
-    half-done."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while rest := asyncio.all_tasks() - keep - {asyncio.current_task()}:
-        left = deadline - asyncio.get_running_loop().time()
-        if left <= 0:
-            return
-        await asyncio.wait(rest, timeout=left)
-

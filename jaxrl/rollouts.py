@@ -143,3 +143,15 @@ def first_errors(rollouts: list[list[envs.Rollout]], limit: int = 3) -> list[str
         if line not in seen:
             seen.append(line)
     return seen[:limit]
+
+
+async def settle(keep: set[asyncio.Task], timeout_s: float) -> None:
+    """Wait (at most `timeout_s` seconds) for every task of the running loop but `keep` and this one to
+    finish: cancelled rollouts abort in shielded tasks of their own (verifiers), which the next step, or
+    closing the loop, must not find half-done."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while rest := asyncio.all_tasks() - keep - {asyncio.current_task()}:
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            return
+        await asyncio.wait(rest, timeout=left)

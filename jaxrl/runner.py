@@ -336,7 +336,7 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
         train_thread.shutdown()
         producer.cancel()  # rollouts in flight past the last step, or since a failure: dropped
         if serving_tasks is not None:
-            loop.run_until_complete(_settle(serving_tasks, timeout_s=10.0))
+            loop.run_until_complete(rollouts.settle(serving_tasks, timeout_s=10.0))
         loop.run_until_complete(serving.aclose())
         loop.close()
         server.stop()
@@ -348,16 +348,6 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
                   + (f", PEFT adapters in {adapters.directory}" if adapters.enabled else ""))
     return run_dir
 
-
-async def _settle(keep: set[asyncio.Task], timeout_s: float) -> None:
-    """Wait (at most `timeout_s`) for every task but `keep` and this one to finish: cancelled rollouts
-    abort in shielded tasks of their own (verifiers), which closing the loop would destroy mid-way."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while rest := asyncio.all_tasks() - keep - {asyncio.current_task()}:
-        left = deadline - asyncio.get_running_loop().time()
-        if left <= 0:
-            return
-        await asyncio.wait(rest, timeout=left)
 
 
 def _buffer_state(meta: dict) -> BufferState:
