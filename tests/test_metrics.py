@@ -87,7 +87,7 @@ def test_wandb_offline_run_records_history_and_redacted_config(tmp_path, monkeyp
     cfg = RunConfig.model_validate({
         "name": "wb", "model": "m", "batch_size": 4, "rollouts_per_example": 2,
         "env": [{"id": "o/n", "args": {"api_key": SECRET, "split": "train"}}],
-        "wandb": {"project": "proj", "name": "nice-name"}})
+        "wandb": {"project": "proj", "entity": "team", "name": "nice-name"}})
     out = tmp_path / "console.txt"
     console = Console(file=out.open("w"), soft_wrap=True)
     secrets = secret_values({"OPENAI_API_KEY": SECRET}, environ={})
@@ -102,7 +102,7 @@ def test_wandb_offline_run_records_history_and_redacted_config(tmp_path, monkeyp
 
     records = finished_records(tmp_path)
     (run_record,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
-    assert (run_record.project, run_record.display_name) == ("proj", "nice-name")
+    assert (run_record.project, run_record.entity, run_record.display_name) == ("proj", "team", "nice-name")
     config = {item.key: json.loads(item.value_json) for item in run_record.config.update}
     assert config["env"][0]["args"] == {"api_key": "***", "split": "train"}
     assert config["batch_size"] == 4 and config["wandb"]["project"] == "proj"
