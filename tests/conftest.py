@@ -2,7 +2,10 @@
 promotion. These must be set before jax is imported anywhere. The GCS clients are pointed at the
 session's local GCS emulator (see gcs_fixtures.py) before gcsfs, fsspec or tensorstore are imported."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 from gcs_fixtures import configure_clients, free_port
 
@@ -15,6 +18,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# `jaxrl run` subprocesses (set after jax is imported here, so this process does not use it) share one
+# persistent compilation cache: the tiny model's train step and engine compile once per session instead
+# of once per run. A test that sets its own cache keeps it.
+_COMPILE_CACHE = tempfile.mkdtemp(prefix="jaxrl-tests-jit-")
+atexit.register(shutil.rmtree, _COMPILE_CACHE, ignore_errors=True)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _COMPILE_CACHE)
 
 
 import pytest  # noqa: E402
