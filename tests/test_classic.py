@@ -10,6 +10,7 @@ import jax
 import pytest
 from echo_word import EchoAgainEnv, letter_overlap, said_the_word
 from gcs_fixtures import free_port
+from test_multiturn import Recording
 from test_run import _jaxrl, _metrics
 from tokenizers import Tokenizer
 from verifiers.legacy import SingleTurnEnv
@@ -46,20 +47,6 @@ def load_environment(mode="ok"):
     dataset = Dataset.from_list([{"question": "hi", "answer": "hi"}])
     return vf.SingleTurnEnv(dataset=dataset, rubric=vf.Rubric(funcs=[explode]))
 '''
-
-
-class Recording:
-    """The real scheduler behind the server, recording each request's prompt ids, completion, logprobs
-    and seed."""
-
-    def __init__(self, scheduler: Scheduler):
-        self.scheduler, self.model_name, self.max_model_len = scheduler, MODEL, scheduler.max_model_len
-        self.calls: list[tuple[list[int], list[int], list[float], int | None]] = []
-
-    async def generate(self, prompt_ids, params, *args, **kwargs):
-        out = await self.scheduler.generate(prompt_ids, params, *args, **kwargs)
-        self.calls.append((list(prompt_ids), list(out.token_ids), list(out.logprobs), params.seed))
-        return out
 
 
 @pytest.fixture(scope="module")

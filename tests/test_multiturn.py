@@ -89,15 +89,16 @@ def test_training_samples_by_strategy():
 
 
 class Recording:
-    """The real scheduler behind the server, recording each request's prompt ids and completion."""
+    """The real scheduler behind the server, recording each request's prompt ids, completion, logprobs
+    and seed."""
 
     def __init__(self, scheduler: Scheduler):
         self.scheduler, self.model_name, self.max_model_len = scheduler, MODEL, scheduler.max_model_len
-        self.calls: list[tuple[list[int], list[int], list[float]]] = []
+        self.calls: list[tuple[list[int], list[int], list[float], int | None]] = []
 
     async def generate(self, prompt_ids, params, *args, **kwargs):
         out = await self.scheduler.generate(prompt_ids, params, *args, **kwargs)
-        self.calls.append((list(prompt_ids), list(out.token_ids), list(out.logprobs)))
+        self.calls.append((list(prompt_ids), list(out.token_ids), list(out.logprobs), params.seed))
         return out
 
 
@@ -131,7 +132,7 @@ def test_multiturn_traces_through_the_real_server(tiny_server, tiny_model_dir):
         assert r.ok and r.error is None, r.error
         # This rollout's model calls: those whose prompt + completion its token ids extend, in order (two
         # rollouts that sampled the same replies share theirs).
-        mine = {len(p): (p, c, lps) for p, c, lps in backend.calls if r.token_ids[: len(p) + len(c)] == p + c}
+        mine = {len(p): (p, c, lps) for p, c, lps, _ in backend.calls if r.token_ids[: len(p) + len(c)] == p + c}
         calls = [mine[n] for n in sorted(mine)]
         assert len(calls) == TURNS
         mask, logprobs = [False] * len(r.token_ids), [0.0] * len(r.token_ids)
