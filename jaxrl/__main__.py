@@ -1,3 +1,3 @@
-from jaxrl.cli import app
+from jaxrl.cli.main import app
 
 app()

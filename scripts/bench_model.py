@@ -26,9 +26,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxrl import model  # noqa: E402
-from jaxrl.sharding import make_mesh, spec_shardings  # noqa: E402
-from jaxrl.train import Trainer, make_batch, make_optimizer  # noqa: E402
+from jaxrl.model import qwen3 as model  # noqa: E402
+from jaxrl.parallel.sharding import make_mesh, spec_shardings  # noqa: E402
+from jaxrl.rl.train import Trainer, make_batch, make_optimizer  # noqa: E402
 
 QWEN3_06B = model.ModelConfig(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_layers=28,
                               num_heads=16, num_kv_heads=8, head_dim=128, tie_word_embeddings=True)

@@ -34,12 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl import model
-from jaxrl.engine import Engine, pad_prompt
-from jaxrl.model import ModelConfig
-from jaxrl.protocol import SamplingParams
-from jaxrl.scheduler import Scheduler
-from jaxrl.sharding import make_mesh
+from jaxrl.inference.engine import Engine, pad_prompt
+from jaxrl.inference.protocol import SamplingParams
+from jaxrl.inference.scheduler import Scheduler
+from jaxrl.model import qwen3
+from jaxrl.model.qwen3 import ModelConfig
+from jaxrl.parallel.sharding import make_mesh
 
 QWEN3_06B = ModelConfig(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
                         num_kv_heads=8, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t = time.perf_counter()
     # unsafe_rbg: random weights in seconds rather than threefry's half minute; values do not matter here
-    params = jax.jit(lambda k: model.init_params(cfg, k, dtype))(jax.random.key(0, impl="unsafe_rbg"))
+    params = jax.jit(lambda k: qwen3.init_params(cfg, k, dtype))(jax.random.key(0, impl="unsafe_rbg"))
     jax.block_until_ready(params)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     print(f"Qwen3-0.6B shape, random {args.dtype} weights: {n_params / 1e6:.0f}M params "

@@ -17,7 +17,7 @@ from pathlib import Path
 # Run from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxrl import assets  # noqa: E402
+from jaxrl.model import assets  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

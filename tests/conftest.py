@@ -33,7 +33,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def qwen3_tokenizer_dir(tmp_path_factory):
     """A real Qwen3 tokenizer folder (tokenizer.json + config), built offline once per session."""
-    from jaxrl.assets import build_tokenizer
+    from jaxrl.model.assets import build_tokenizer
 
     return build_tokenizer(tmp_path_factory.mktemp("qwen3-tokenizer"))
 
@@ -66,7 +66,7 @@ def tiny_model_dir():
     """The offline tiny Qwen3 (config.json + safetensors + tokenizer) under `<repo>/assets`, built once."""
     from pathlib import Path
 
-    from jaxrl import assets
+    from jaxrl.model import assets
 
     return assets.ensure_tiny_assets(Path(__file__).resolve().parents[1] / "assets").resolve()
 

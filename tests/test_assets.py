@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl import assets, hf, model
+from jaxrl.model import assets, hf, qwen3
 
 transformers = pytest.importorskip("transformers")
 
@@ -115,13 +115,13 @@ def test_tiny_model_loads_in_jaxrl_and_transformers(tiny):
 
     cfg, params = hf.load_hf(tiny)
     assert cfg.vocab_size == 151936 and cfg.tie_word_embeddings and "unembed" not in params
-    assert cfg == model.ModelConfig(vocab_size=151936, hidden_size=64, intermediate_size=192, num_layers=2,
+    assert cfg == qwen3.ModelConfig(vocab_size=151936, hidden_size=64, intermediate_size=192, num_layers=2,
                                     num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
 
     tokens_BT = np.array([[9707, 1879, 151645, 0, 151668, 100]], np.int32)
     positions_BT = jnp.arange(tokens_BT.shape[1], dtype=jnp.int32)[None]
-    hidden_BTD, _ = model.forward(cfg, params, jnp.asarray(tokens_BT), positions_BT)
-    got = np.asarray(model.logits(params, hidden_BTD))
+    hidden_BTD, _ = qwen3.forward(cfg, params, jnp.asarray(tokens_BT), positions_BT)
+    got = np.asarray(qwen3.logits(params, hidden_BTD))
 
     m = transformers.AutoModelForCausalLM.from_pretrained(tiny).eval()
     assert type(m).__name__ == "Qwen3ForCausalLM"
@@ -134,7 +134,7 @@ def test_tiny_model_loads_in_jaxrl_and_transformers(tiny):
 
 def test_tiny_model_is_reproducible(tiny, tmp_path):
     cfg = hf.load_config(tiny)
-    params = model.init_params(cfg, jax.random.key(0))
+    params = qwen3.init_params(cfg, jax.random.key(0))
     _, loaded = hf.load_hf(tiny)
     np.testing.assert_array_equal(np.asarray(loaded["embed"]), np.asarray(params["embed"] * (0.25 / 0.02)))
     np.testing.assert_array_equal(np.asarray(loaded["layers"]["wq"]), np.asarray(params["layers"]["wq"]))
@@ -160,7 +160,7 @@ def test_ensure_is_idempotent_and_replaces_unfinished_builds(tmp_path, monkeypat
 
 
 def test_assets_do_not_import_torch():
-    code = ("import sys, jaxrl.assets, jaxrl.hf\n"
+    code = ("import sys, jaxrl.model.assets, jaxrl.model.hf\n"
             "from transformers import PreTrainedTokenizerFast\n"
             "from transformers.convert_slow_tokenizer import TikTokenConverter\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxrl.buffer import Buffer, BufferExhausted, BufferState, has_signal
-from jaxrl.config import BufferConfig
+from jaxrl.config.schema import BufferConfig
+from jaxrl.rl.buffer import Buffer, BufferExhausted, BufferState, has_signal
 
 FILTER = {"online_difficulty_filtering": True}
 sizes_st = st.lists(st.integers(1, 12), min_size=1, max_size=4)

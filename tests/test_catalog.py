@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from jaxrl import catalog
-from jaxrl.cli import app
+from jaxrl.cli.main import app
+from jaxrl.model import catalog
 
 
 @pytest.fixture

@@ -9,13 +9,13 @@ import httpx
 import jax
 import pytest
 
-from jaxrl import hf
-from jaxrl.chat import ChatTemplate, TextStream
-from jaxrl.engine import Engine
-from jaxrl.protocol import SamplingParams
-from jaxrl.scheduler import Scheduler
-from jaxrl.server import GENERATE_ROUTE, start_server
-from jaxrl.sharding import make_mesh
+from jaxrl.inference.chat import ChatTemplate, TextStream
+from jaxrl.inference.engine import Engine
+from jaxrl.inference.protocol import SamplingParams
+from jaxrl.inference.scheduler import Scheduler
+from jaxrl.inference.server import GENERATE_ROUTE, start_server
+from jaxrl.model import hf
+from jaxrl.parallel.sharding import make_mesh
 
 MODEL = "tiny"
 SEQ_LEN = 128

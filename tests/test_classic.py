@@ -1,4 +1,4 @@
-"""Classic verifiers environments (`load_environment(**args) -> vf.Environment`, `jaxrl.classic`): the
+"""Classic verifiers environments (`load_environment(**args) -> vf.Environment`, `jaxrl.envs.classic`): the
 shipped `jaxrl/echo-word` loaded by id, its groups played over the real server's /v1/chat/completions
 on the tiny Qwen3 (single-turn and 3-turn), failures as failed rollouts, and a 2-step `jaxrl run`."""
 
@@ -15,15 +15,15 @@ from test_run import _jaxrl, _metrics
 from tokenizers import Tokenizer
 from verifiers.legacy import SingleTurnEnv
 
-from jaxrl import hf
-from jaxrl.chat import ChatTemplate
-from jaxrl.classic import chain_turns
-from jaxrl.engine import Engine
-from jaxrl.envs import EnvLoadError, LoadedEnv, Rollout, load_env, run_group
-from jaxrl.protocol import SamplingParams
-from jaxrl.scheduler import Scheduler
-from jaxrl.server import start_server
-from jaxrl.sharding import make_mesh
+from jaxrl.envs.classic import chain_turns
+from jaxrl.envs.loader import EnvLoadError, LoadedEnv, Rollout, load_env, run_group
+from jaxrl.inference.chat import ChatTemplate
+from jaxrl.inference.engine import Engine
+from jaxrl.inference.protocol import SamplingParams
+from jaxrl.inference.scheduler import Scheduler
+from jaxrl.inference.server import start_server
+from jaxrl.model import hf
+from jaxrl.parallel.sharding import make_mesh
 
 MODEL = "policy"
 REPO = Path(__file__).resolve().parents[1]

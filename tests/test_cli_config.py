@@ -10,8 +10,8 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from jaxrl.cli import app
-from jaxrl.config import STARTER_TOML, ConfigError, RunConfig, load_config
+from jaxrl.cli.main import app
+from jaxrl.config.schema import STARTER_TOML, ConfigError, RunConfig, load_config
 
 ROOT = Path(__file__).parent.parent
 EXAMPLES = sorted((ROOT / "configs" / "examples").glob("*.toml"))
@@ -36,7 +36,7 @@ def invoke(*args: str):
 
 def jaxrl(*args: str) -> subprocess.CompletedProcess:
     """The command in a fresh interpreter, as a shell runs it (so a traceback would show)."""
-    code = "from jaxrl.cli import app; app(prog_name='jaxrl')"
+    code = "from jaxrl.cli.main import app; app(prog_name='jaxrl')"
     return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
                           cwd=ROOT, timeout=60)
 
@@ -106,7 +106,7 @@ def test_validate_malformed_env_file(tmp_path):
 
 
 def test_validate_does_not_import_jax():
-    code = ("import sys; from jaxrl.cli import app; "
+    code = ("import sys; from jaxrl.cli.main import app; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'optax', 'torch')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                             timeout=60)
@@ -134,9 +134,9 @@ def test_init_refuses_to_overwrite_without_force(tmp_path):
 
 @pytest.fixture
 def fake_runner(monkeypatch):
-    """Stands in for `jaxrl.runner` (which imports JAX); records the configs it is asked to run and prints
+    """Stands in for `jaxrl.run.runner` (which imports JAX); records the configs it is asked to run and prints
     a line on the console it is given, as the runner does."""
-    module = types.ModuleType("jaxrl.runner")
+    module = types.ModuleType("jaxrl.run.runner")
     module.calls = []
 
     def run(cfg, console=None):
@@ -144,7 +144,7 @@ def fake_runner(monkeypatch):
         (console or Console()).print("step    1  [bold]reward/mean 0.5[/]")
 
     module.run = run
-    monkeypatch.setitem(sys.modules, "jaxrl.runner", module)
+    monkeypatch.setitem(sys.modules, "jaxrl.run.runner", module)
     return module
 
 

@@ -1,4 +1,4 @@
-"""jaxrl.config: the Hosted Training schema, its rules, error messages, .env files and the starter."""
+"""jaxrl.config.schema: the Hosted Training schema, its rules, error messages, .env files and the starter."""
 
 import re
 from pathlib import Path
@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from jaxrl.config import (
+from jaxrl.config.schema import (
     STARTER_TOML,
     ConfigError,
     RunConfig,

@@ -1,4 +1,4 @@
-"""Multi-host runtime: `jaxrl.distributed` settings from the environment, and a real two-process run
+"""Multi-host runtime: `jaxrl.parallel.distributed` settings from the environment, and a real two-process run
 (2 processes x 4 emulated CPU devices on 127.0.0.1, gloo collectives) whose sharded train steps give the
 same loss and LoRA as one process with 8 devices."""
 
@@ -15,10 +15,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl import distributed, model
-from jaxrl.model import LORA_TARGETS, ModelConfig
-from jaxrl.sharding import array_sharding, make_mesh, spec_shardings
-from jaxrl.train import Batch, Trainer, make_batch, make_optimizer
+from jaxrl.model import qwen3
+from jaxrl.model.qwen3 import LORA_TARGETS, ModelConfig
+from jaxrl.parallel import distributed
+from jaxrl.parallel.sharding import array_sharding, make_mesh, spec_shardings
+from jaxrl.rl.train import Batch, Trainer, make_batch, make_optimizer
 
 CFG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8)
@@ -45,10 +46,10 @@ def _train() -> dict:
     mesh = make_mesh(MESH)
     # Weights are born sharded (one jitted init) rather than put leaf by leaf from one device: across
     # processes each such transfer is a collective, and it took 20 s here.
-    base = jax.jit(lambda k: model.init_params(CFG, k),
-                   out_shardings=spec_shardings(model.param_specs(CFG), CFG.dims(), mesh))(jax.random.key(0))
-    lora_sh = spec_shardings(model.lora_specs(CFG, 4, TARGETS), {**CFG.dims(), "R": 4}, mesh)
-    lora = jax.jit(lambda k: model.init_lora(CFG, 4, TARGETS, k), out_shardings=lora_sh)(jax.random.key(1))
+    base = jax.jit(lambda k: qwen3.init_params(CFG, k),
+                   out_shardings=spec_shardings(qwen3.param_specs(CFG), CFG.dims(), mesh))(jax.random.key(0))
+    lora_sh = spec_shardings(qwen3.lora_specs(CFG, 4, TARGETS), {**CFG.dims(), "R": 4}, mesh)
+    lora = jax.jit(lambda k: qwen3.init_lora(CFG, 4, TARGETS, k), out_shardings=lora_sh)(jax.random.key(1))
     trainer = Trainer(CFG, mesh, make_optimizer(1e-2), lora_scale=2.0)
     out = {}
     for mode in ("replicated", "host_local"):

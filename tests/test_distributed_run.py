@@ -7,7 +7,8 @@ import numpy as np
 from gcs_fixtures import free_port
 from test_resume import finish, metrics, reproducible, start, write_config
 
-from jaxrl import export, hf
+from jaxrl.export import exporter
+from jaxrl.model import hf
 
 STEPS = 2
 
@@ -56,9 +57,9 @@ def test_two_processes_train_like_one(tmp_path, tiny_model_dir, gcs, compile_cac
     model_cfg = hf.load_config(tiny_model_dir)
     loras = {}
     for name, cfg in runs.items():
-        source = export.find_source(f"{url}/{name}", config=cfg)
+        source = exporter.find_source(f"{url}/{name}", config=cfg)
         assert source.step == STEPS
-        loras[name] = export.restore_lora(source, model_cfg)
+        loras[name] = exporter.restore_lora(source, model_cfg)
     # Adam moves every element by up to about the learning rate (1e-2) a step, whatever its gradient's
     # size, so an element whose gradient is near zero carries the float differences far (seen: 1e-5).
     # A lost, doubled or misplaced group would move elements by the order of the learning rate.

@@ -5,23 +5,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl import decode, model
-from jaxrl.engine import Engine, pad_prompt
-from jaxrl.model import LORA_TARGETS, ModelConfig
-from jaxrl.protocol import SamplingParams
-from jaxrl.scheduler import Scheduler
-from jaxrl.sharding import make_mesh, spec_shardings
+from jaxrl.inference.engine import Engine, pad_prompt
+from jaxrl.inference.protocol import SamplingParams
+from jaxrl.inference.scheduler import Scheduler
+from jaxrl.model import decode, qwen3
+from jaxrl.model.qwen3 import LORA_TARGETS, ModelConfig
+from jaxrl.parallel.sharding import make_mesh, spec_shardings
 
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8)
 
 
 def _params(seed=0, lora_seed=None):
-    base = model.init_params(CFG, jax.random.key(seed))
+    base = qwen3.init_params(CFG, jax.random.key(seed))
     base = jax.tree.map(lambda x: x * 20 if x.ndim > 1 else x, base)  # sharper logits than std 0.02
     lora = None
     if lora_seed is not None:
-        lora = model.init_lora(CFG, 4, tuple(LORA_TARGETS), jax.random.key(lora_seed))
+        lora = qwen3.init_lora(CFG, 4, tuple(LORA_TARGETS), jax.random.key(lora_seed))
         lora = jax.tree.map(lambda x: x + 0.3, lora)
     return {"base": base, "lora": lora}
 
@@ -29,9 +29,9 @@ def _params(seed=0, lora_seed=None):
 def _reference_logprobs(params, ids, temperature=1.0):
     """log_softmax(logits / T) of every next token, from one full forward pass."""
     toks = jnp.asarray([ids])
-    h, _ = model.forward(CFG, params["base"], toks, jnp.arange(len(ids))[None], lora=params["lora"],
+    h, _ = qwen3.forward(CFG, params["base"], toks, jnp.arange(len(ids))[None], lora=params["lora"],
                          lora_scale=0.5)
-    lp = jax.nn.log_softmax(model.logits(params["base"], h)[0] / temperature, axis=-1)
+    lp = jax.nn.log_softmax(qwen3.logits(params["base"], h)[0] / temperature, axis=-1)
     return np.asarray(lp)
 
 
@@ -73,7 +73,7 @@ def test_decode_step_matches_model_forward_with_cache(unstacked, split):
              "v": jax.random.normal(ks[1], (CFG.num_layers, b, s, CFG.num_kv_heads, CFG.head_dim))}
     tokens = jnp.array([3, 50, 7], jnp.int32)
     positions = jnp.array([0, 9, 23], jnp.int32)
-    want_h, want_cache = model.forward(CFG, params["base"], tokens[:, None], positions[:, None], lora=params["lora"],
+    want_h, want_cache = qwen3.forward(CFG, params["base"], tokens[:, None], positions[:, None], lora=params["lora"],
                                        lora_scale=0.5, cache=cache)
     step = jax.jit(lambda p, c, ly: decode.decode_step(CFG, p["base"], tokens, positions, c, lora=p["lora"],
                                                        lora_scale=0.5, layers=ly))
@@ -136,9 +136,9 @@ def _greedy_reference(params, prompt, n, penalty=1.0):
     """`n` greedy tokens from full forward passes, with a repetition penalty over prompt and output."""
     ids = list(prompt)
     for _ in range(n):
-        h, _ = model.forward(CFG, params["base"], jnp.asarray([ids]), jnp.arange(len(ids))[None],
+        h, _ = qwen3.forward(CFG, params["base"], jnp.asarray([ids]), jnp.arange(len(ids))[None],
                              lora=params["lora"], lora_scale=0.5)
-        lg = np.asarray(model.logits(params["base"], h)[0, -1])
+        lg = np.asarray(qwen3.logits(params["base"], h)[0, -1])
         seen = np.isin(np.arange(CFG.vocab_size), ids)
         lg = np.where(seen, np.where(lg > 0, lg / penalty, lg * penalty), lg)
         ids.append(int(np.argmax(lg)))
@@ -228,7 +228,7 @@ def test_sharded_engine_matches_single_device():
     outs = []
     for shape in ({}, {"data": 2, "fsdp": 2, "tensor": 2}):
         mesh = make_mesh(shape, jax.devices()[: 8 if shape else 1])
-        base = jax.device_put(params["base"], spec_shardings(model.param_specs(CFG), CFG.dims(), mesh))
+        base = jax.device_put(params["base"], spec_shardings(qwen3.param_specs(CFG), CFG.dims(), mesh))
         p = {"base": base, "lora": params["lora"]}
         engine = Engine(CFG, mesh, max_concurrent_decodes=4, max_seq_len=32, lora_scale=0.5)
         state = engine.init_decode_state()

@@ -8,9 +8,9 @@ import textwrap
 import pytest
 from tokenizers import Tokenizer
 
-from jaxrl.envs import EnvLoadError, LoadedEnv, Rollout, load_env, run_group
-from jaxrl.protocol import Completion, SamplingParams
-from jaxrl.server import start_server
+from jaxrl.envs.loader import EnvLoadError, LoadedEnv, Rollout, load_env, run_group
+from jaxrl.inference.protocol import Completion, SamplingParams
+from jaxrl.inference.server import start_server
 
 MODEL = "policy"
 IM_END = 151_645

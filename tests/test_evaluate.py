@@ -1,4 +1,4 @@
-"""`[eval]` and `[val]` (`jaxrl.evaluate`): pass@k against hand-computed values, the check metrics by hand,
+"""`[eval]` and `[val]` (`jaxrl.run.evaluate`): pass@k against hand-computed values, the check metrics by hand,
 which examples, rollouts and seeds each check plays, config errors, and one real run through the CLI."""
 
 import dataclasses
@@ -13,9 +13,10 @@ import sys
 import pytest
 from rich.console import Console
 
-from jaxrl import envs, evaluate
-from jaxrl.config import ConfigError, RunConfig, load_config
-from jaxrl.evaluate import Evaluator, Outcome, check_metrics, pass_at_k, pass_at_k_ks
+from jaxrl.config.schema import ConfigError, RunConfig, load_config
+from jaxrl.envs import loader
+from jaxrl.run import evaluate
+from jaxrl.run.evaluate import Evaluator, Outcome, check_metrics, pass_at_k, pass_at_k_ks
 
 BASE = {"model": "m", "batch_size": 8, "rollouts_per_example": 4, "jax": {"seed": 3}}
 
@@ -59,8 +60,8 @@ def test_check_metrics_by_hand():
 
 
 @pytest.fixture(scope="module")
-def lowercase() -> envs.LoadedEnv:
-    return envs.load_env("jaxrl/lowercase", {"num_eval_examples": 5})
+def lowercase() -> loader.LoadedEnv:
+    return loader.load_env("jaxrl/lowercase", {"num_eval_examples": 5})
 
 
 def test_checks_play_the_configured_examples_rollouts_and_seeds(lowercase):
@@ -84,7 +85,7 @@ def test_checks_play_the_configured_examples_rollouts_and_seeds(lowercase):
         ("val", "b", ["train-0", "train-1", "train-2", "train-3"], 3),  # no eval split: train examples
     ]
     assert "val b: 4 examples of its tasks (it has no eval split) x 3 rollouts" in console.file.getvalue()
-    training_first = 3 * 1_000_003 * 4  # jaxrl.runner: the first training seed of this config
+    training_first = 3 * 1_000_003 * 4  # jaxrl.run.runner: the first training seed of this config
     seeds = [(s.first_seed, s.first_seed + len(s.env.tasks) * s.rollouts_per_example) for s in ev.suites]
     assert seeds == [(training_first - 2**30, training_first - 2**30 + 12),
                      (training_first - 2**30 + 12, training_first - 2**30 + 16),

@@ -17,14 +17,15 @@ import pytest
 from test_resume import finish, metrics, start, wait_for, write_config
 from test_train import _batch, _setup
 
-from jaxrl import hf, runner
-from jaxrl.checkpoint import Checkpointer
-from jaxrl.config import ConfigError, load_config
-from jaxrl.model import init_lora
-from jaxrl.recovery import model_identity, redact, secret_values
-from jaxrl.rollouts import failure_verdict
-from jaxrl.sharding import make_mesh
-from jaxrl.train import Trainer, make_optimizer
+from jaxrl.config.schema import ConfigError, load_config
+from jaxrl.model import hf
+from jaxrl.model.qwen3 import init_lora
+from jaxrl.parallel.sharding import make_mesh
+from jaxrl.rl.rollouts import failure_verdict
+from jaxrl.rl.train import Trainer, make_optimizer
+from jaxrl.run import runner
+from jaxrl.run.checkpoint import Checkpointer
+from jaxrl.run.recovery import model_identity, redact, secret_values
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET_FILE_VALUE = "sk-live-FILE-5ecret-0123456789"
@@ -215,8 +216,8 @@ DISK_FILLER = textwrap.dedent("""
     resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))  # this process may write no file past 1 MB
     import numpy as np
     import jax.numpy as jnp
-    from jaxrl.checkpoint import CheckpointError, Checkpointer
-    from jaxrl.train import TrainState
+    from jaxrl.run.checkpoint import CheckpointError, Checkpointer
+    from jaxrl.rl.train import TrainState
 
     def state(value, n):
         w = np.random.default_rng(value).normal(size=n).astype(np.float32)  # incompressible

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl import gcs as gcs_lib
-from jaxrl.checkpoint import Checkpointer, CheckpointError
-from jaxrl.sharding import make_mesh
-from jaxrl.train import TrainState
+from jaxrl.parallel.sharding import make_mesh
+from jaxrl.rl.train import TrainState
+from jaxrl.run import gcs as gcs_lib
+from jaxrl.run.checkpoint import Checkpointer, CheckpointError
 
 
 def _state(seed: int, mesh=None) -> TrainState:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from jaxrl import hf, model
+from jaxrl.model import hf, qwen3
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 ATOL = 1e-4
 VOCAB = 512
 TOKENS_BT = np.random.default_rng(0).integers(0, VOCAB, size=(2, 12)).astype(np.int32)
-_forward = jax.jit(model.forward, static_argnums=0)  # eager calls would re-trace the layer scan each time
+_forward = jax.jit(qwen3.forward, static_argnums=0)  # eager calls would re-trace the layer scan each time
 
 
 def _hf_model(*, tie: bool, heads: int, kv_heads: int, layers: int = 2, seed: int = 0):
@@ -51,11 +51,11 @@ def _torch_logits(m, tokens_BT: np.ndarray = TOKENS_BT) -> np.ndarray:
         return m(torch.from_numpy(tokens_BT.astype(np.int64))).logits.float().numpy()
 
 
-def _jax_logits(cfg: model.ModelConfig, params: model.Params, tokens_BT: np.ndarray = TOKENS_BT
+def _jax_logits(cfg: qwen3.ModelConfig, params: qwen3.Params, tokens_BT: np.ndarray = TOKENS_BT
                 ) -> np.ndarray:
     positions_BT = np.broadcast_to(np.arange(tokens_BT.shape[1], dtype=np.int32), tokens_BT.shape)
     hidden_BTD, _ = _forward(cfg, params, jnp.asarray(tokens_BT), jnp.asarray(positions_BT))
-    return np.asarray(model.logits(params, hidden_BTD))
+    return np.asarray(qwen3.logits(params, hidden_BTD))
 
 
 def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
@@ -87,7 +87,7 @@ def test_load_matches_transformers(checkpoint):
     cfg, params = hf.load_hf(folder)
     assert cfg.rope_theta == 5000.0 and cfg.rms_norm_eps == 1e-5
     assert ("unembed" in params) == (not cfg.tie_word_embeddings)
-    want_shapes = jax.tree.map(lambda s: s.shape(cfg.dims()), model.param_specs(cfg), is_leaf=model.is_spec)
+    want_shapes = jax.tree.map(lambda s: s.shape(cfg.dims()), qwen3.param_specs(cfg), is_leaf=qwen3.is_spec)
     assert jax.tree.map(lambda x: x.shape, params) == want_shapes
     assert _max_diff(_jax_logits(cfg, params), want) <= ATOL
     if (folder / hf.INDEX_FILE).exists():  # the sharded checkpoint really is split
@@ -131,7 +131,7 @@ def test_kv_cache_decode_matches_full_forward(checkpoint):
 
 def test_load_with_shardings(tmp_path):
     """Each weight lands with the sharding asked for, and the sharded model gives the same logits."""
-    from jaxrl.sharding import make_mesh, spec_shardings
+    from jaxrl.parallel.sharding import make_mesh, spec_shardings
 
     if jax.device_count() < 4:
         pytest.skip("needs 4 devices (tests/conftest.py emulates 8 CPU devices)")
@@ -139,7 +139,7 @@ def test_load_with_shardings(tmp_path):
     m.save_pretrained(tmp_path)
     cfg = hf.load_config(tmp_path)
     mesh = make_mesh({"fsdp": 2, "tensor": 2}, jax.devices()[:4])
-    shardings = spec_shardings(model.param_specs(cfg), cfg.dims(), mesh)
+    shardings = spec_shardings(qwen3.param_specs(cfg), cfg.dims(), mesh)
     _, params = hf.load_hf(tmp_path, shardings=shardings)
     assert jax.tree.all(jax.tree.map(lambda x, s: x.sharding == s, params, shardings))
     assert params["layers"]["wq"].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
@@ -186,16 +186,16 @@ def test_save_hf_keeps_bf16(tmp_path):
 # Errors: checkpoints written by save_hf from a small random config, then damaged.
 
 
-def _tiny_cfg(tie: bool = False) -> model.ModelConfig:
-    return model.ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+def _tiny_cfg(tie: bool = False) -> qwen3.ModelConfig:
+    return qwen3.ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
                              num_kv_heads=1, head_dim=8, tie_word_embeddings=tie)
 
 
-def _random_params(cfg: model.ModelConfig, dtype=np.float32) -> model.Params:
-    """numpy weights of `param_specs(cfg)` (model.init_params would spend seconds compiling its RNG)."""
+def _random_params(cfg: qwen3.ModelConfig, dtype=np.float32) -> qwen3.Params:
+    """numpy weights of `param_specs(cfg)` (qwen3.init_params would spend seconds compiling its RNG)."""
     rng = np.random.default_rng(0)
     return jax.tree.map(lambda s: rng.normal(0.0, 0.02, s.shape(cfg.dims())).astype(dtype),
-                        model.param_specs(cfg), is_leaf=model.is_spec)
+                        qwen3.param_specs(cfg), is_leaf=qwen3.is_spec)
 
 
 @pytest.fixture
@@ -312,5 +312,5 @@ def test_sharded_files_respect_the_limit(tmp_path):
     files = hf.save_hf(tmp_path, cfg, _random_params(cfg), max_shard_bytes=4096)
     index = json.loads((tmp_path / hf.INDEX_FILE).read_text())
     assert sorted(set(index["weight_map"].values())) == [f.name for f in files]
-    biggest = max(math.prod(s.shape(cfg.dims())[1:]) for s in model.param_specs(cfg)["layers"].values()) * 4
+    biggest = max(math.prod(s.shape(cfg.dims())[1:]) for s in qwen3.param_specs(cfg)["layers"].values()) * 4
     assert biggest <= 4096 and all(f.stat().st_size <= 4096 + 2048 for f in files)  # header included

@@ -18,13 +18,13 @@ from gcs_fixtures import free_port
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
 from typer.testing import CliRunner
 
-from jaxrl import hf
-from jaxrl import jetstream as js
-from jaxrl.cli import app
-from jaxrl.engine import Engine
-from jaxrl.protocol import SamplingParams
-from jaxrl.scheduler import Scheduler
-from jaxrl.sharding import make_mesh
+from jaxrl.cli.main import app
+from jaxrl.inference import jetstream as js
+from jaxrl.inference.engine import Engine
+from jaxrl.inference.protocol import SamplingParams
+from jaxrl.inference.scheduler import Scheduler
+from jaxrl.model import hf
+from jaxrl.parallel.sharding import make_mesh
 
 SEQ_LEN = 40
 PROMPTS = [[1, 2, 3, 4, 5], [151644, 872, 198, 9707, 11, 1879, 0], list(range(100, 130)), [42]]

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from jaxrl import rollouts, wandb_log
-from jaxrl.buffer import Buffer
-from jaxrl.config import BufferConfig, RunConfig
-from jaxrl.envs import Rollout
-from jaxrl.metrics import MetricsLogger
-from jaxrl.recovery import secret_values
+from jaxrl.config.schema import BufferConfig, RunConfig
+from jaxrl.envs.loader import Rollout
+from jaxrl.rl import rollouts
+from jaxrl.rl.buffer import Buffer
+from jaxrl.run import wandb_log
+from jaxrl.run.metrics import MetricsLogger
+from jaxrl.run.recovery import secret_values
 
 SECRET = "sk-live-0123456789abcdef"
 

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl import hf, model, moe
-from jaxrl.sharding import make_mesh, spec_shardings
+from jaxrl.model import hf, moe, qwen3
+from jaxrl.parallel.sharding import make_mesh, spec_shardings
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 ATOL = 1e-4
 VOCAB = 256
 TOKENS_BT = np.random.default_rng(1).integers(0, VOCAB, size=(2, 10)).astype(np.int32)
-_stack = jax.jit(model.decoder_stack, static_argnums=0, static_argnames=("scan_layers",))
+_stack = jax.jit(qwen3.decoder_stack, static_argnums=0, static_argnames=("scan_layers",))
 
 # name: (layers, experts, top_k, norm_topk_prob, decoder_sparse_step, mlp_only_layers, tied, max_shard_size)
 CHECKPOINTS = {
@@ -80,9 +80,9 @@ def test_logits_and_every_layer_match_transformers(checkpoint, scan_layers):
     # transformers' hidden_states: the embeddings, each layer's output, the last one after the final norm
     for i in range(cfg.num_layers - 1):
         np.testing.assert_allclose(np.asarray(layers_LBTD[i]), want_hidden[i + 1], atol=ATOL, rtol=0)
-    hidden_BTD = model.rms_norm(x_BTD, params["final_norm"], cfg.rms_norm_eps)
+    hidden_BTD = qwen3.rms_norm(x_BTD, params["final_norm"], cfg.rms_norm_eps)
     np.testing.assert_allclose(np.asarray(hidden_BTD), want_hidden[-1], atol=ATOL, rtol=0)
-    np.testing.assert_allclose(np.asarray(model.logits(params, hidden_BTD)), want_logits, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(qwen3.logits(params, hidden_BTD)), want_logits, atol=ATOL, rtol=0)
 
 
 def test_round_trip_through_save_hf(checkpoint, tmp_path):
@@ -134,17 +134,17 @@ def test_dense_and_grouped_dispatch_agree_with_lora_and_gradients():
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
-def _tiny_cfg(moe_model: bool) -> model.ModelConfig:
+def _tiny_cfg(moe_model: bool) -> qwen3.ModelConfig:
     extra = {} if not moe_model else dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                           norm_topk_prob=True)
-    return model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+    return qwen3.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                              num_kv_heads=2, head_dim=8, tie_word_embeddings=False, **extra)
 
 
 def _loss_and_grads(cfg, params, lora, tokens_BT, mesh):
     def loss(lora):
-        hidden, _ = model.forward(cfg, params, tokens_BT, _positions(tokens_BT), lora=lora, lora_scale=2.0, mesh=mesh)
-        logits = model.logits(params, hidden)
+        hidden, _ = qwen3.forward(cfg, params, tokens_BT, _positions(tokens_BT), lora=lora, lora_scale=2.0, mesh=mesh)
+        logits = qwen3.logits(params, hidden)
         return jnp.mean(jax.nn.logsumexp(logits, axis=-1)), logits
 
     (value, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(lora)
@@ -160,9 +160,9 @@ def test_same_logits_and_gradients_on_every_mesh(moe_model):
     """LoRA on every projection (experts included); expert parallelism where the mesh has an expert axis."""
     cfg = _tiny_cfg(moe_model)
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    params = model.init_params(cfg, jax.random.key(0))
+    params = qwen3.init_params(cfg, jax.random.key(0))
     params = jax.tree.map(lambda x: x * 5 if x.ndim == 3 and x.shape[-1] == cfg.num_experts else x, params)
-    lora = model.init_lora(cfg, 4, targets, jax.random.key(1))
+    lora = qwen3.init_lora(cfg, 4, targets, jax.random.key(1))
     lora = jax.tree.map(lambda x: x + 0.05, lora)  # b = 0 would hide a wrong LoRA path
     tokens = jax.random.randint(jax.random.key(2), (8, 12), 0, cfg.vocab_size)
     want = _loss_and_grads(cfg, params, lora, tokens, None)
@@ -170,8 +170,8 @@ def test_same_logits_and_gradients_on_every_mesh(moe_model):
         if "expert" in shape and not moe_model:
             continue
         mesh = make_mesh(shape)
-        p = jax.device_put(params, spec_shardings(model.param_specs(cfg), cfg.dims(), mesh))
-        lr = jax.device_put(lora, spec_shardings(model.lora_specs(cfg, 4, targets), {**cfg.dims(), "R": 4}, mesh))
+        p = jax.device_put(params, spec_shardings(qwen3.param_specs(cfg), cfg.dims(), mesh))
+        lr = jax.device_put(lora, spec_shardings(qwen3.lora_specs(cfg, 4, targets), {**cfg.dims(), "R": 4}, mesh))
         got = _loss_and_grads(cfg, p, lr, tokens, mesh)
         assert abs(got[0] - want[0]) <= 1e-5, shape
         np.testing.assert_allclose(got[1], want[1], atol=1e-5, rtol=0, err_msg=str(shape))
@@ -181,19 +181,19 @@ def test_same_logits_and_gradients_on_every_mesh(moe_model):
 
 def test_expert_parallel_needs_divisible_experts():
     cfg = _tiny_cfg(True)
-    params = model.init_params(cfg, jax.random.key(0))
+    params = qwen3.init_params(cfg, jax.random.key(0))
     tokens = jnp.zeros((8, 4), jnp.int32)
     with pytest.raises(ValueError, match="4 experts cannot be split over an expert mesh axis of size 8"):
-        model.forward(cfg, params, tokens, _positions(tokens), mesh=make_mesh({"expert": 8}))
+        qwen3.forward(cfg, params, tokens, _positions(tokens), mesh=make_mesh({"expert": 8}))
 
 
 def test_lora_specs_cover_experts_and_dense_layers():
-    cfg = model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
+    cfg = qwen3.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
                             num_kv_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
                             moe_intermediate_size=16, mlp_only_layers=(1,))
-    specs = model.lora_specs(cfg, 4, ("q_proj", "down_proj"))
+    specs = qwen3.lora_specs(cfg, 4, ("q_proj", "down_proj"))
     dims = {**cfg.dims(), "R": 4}
-    shapes = jax.tree.map(lambda s: s.shape(dims), specs, is_leaf=model.is_spec)
+    shapes = jax.tree.map(lambda s: s.shape(dims), specs, is_leaf=qwen3.is_spec)
     assert shapes == {
         "layers": {"wq": {"a": (3, 32, 4), "b": (3, 4, 4, 8)}},
         "mlp": {"w_down": {"a": (1, 48, 4), "b": (1, 4, 32)}},
@@ -207,4 +207,4 @@ def test_from_hf_reads_moe_fields(tmp_path: Path):
     m.save_pretrained(tmp_path)
     cfg = hf.load_config(tmp_path)
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (4, 2, 24, True)
-    assert model.ModelConfig.from_hf(cfg.to_hf()) == cfg
+    assert qwen3.ModelConfig.from_hf(cfg.to_hf()) == cfg

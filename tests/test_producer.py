@@ -1,4 +1,4 @@
-"""The async producer's rules (`jaxrl.producer`): what is in flight, which groups a step takes, which are
+"""The async producer's rules (`jaxrl.rl.producer`): what is in flight, which groups a step takes, which are
 dropped as stale, what a checkpoint keeps; and the version log in front of the real scheduler."""
 
 import asyncio
@@ -8,16 +8,16 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl import model
-from jaxrl.buffer import Buffer, BufferState
-from jaxrl.config import BufferConfig
-from jaxrl.engine import Engine
-from jaxrl.envs import Rollout
-from jaxrl.model import ModelConfig
-from jaxrl.producer import Producer, VersionLog, in_flight_groups
-from jaxrl.protocol import Completion, SamplingParams
-from jaxrl.scheduler import Scheduler
-from jaxrl.sharding import make_mesh
+from jaxrl.config.schema import BufferConfig
+from jaxrl.envs.loader import Rollout
+from jaxrl.inference.engine import Engine
+from jaxrl.inference.protocol import Completion, SamplingParams
+from jaxrl.inference.scheduler import Scheduler
+from jaxrl.model import qwen3
+from jaxrl.model.qwen3 import ModelConfig
+from jaxrl.parallel.sharding import make_mesh
+from jaxrl.rl.buffer import Buffer, BufferState
+from jaxrl.rl.producer import Producer, VersionLog, in_flight_groups
 
 N = 2  # rollouts per group
 
@@ -210,7 +210,7 @@ def test_several_processes_play_their_share_of_each_step():
 def test_version_log_records_expected_seeds_through_the_real_scheduler():
     cfg = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8)
-    params = {"base": model.init_params(cfg, jax.random.key(0)), "lora": None}
+    params = {"base": qwen3.init_params(cfg, jax.random.key(0)), "lora": None}
     engine = Engine(cfg, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=2, max_seq_len=48)
     sched = Scheduler(engine, params, "tiny")
     log = VersionLog(sched)

@@ -1,4 +1,4 @@
-"""`[infrastructure].compute_size` (jaxrl/resources.py): the documented table, the loop's worker threads,
+"""`[infrastructure].compute_size` (jaxrl/run/resources.py): the documented table, the loop's worker threads,
 and the bound on rollouts in flight, through a real verifiers environment and a real server."""
 
 import asyncio
@@ -7,10 +7,11 @@ import threading
 import pytest
 from tokenizers import Tokenizer
 
-from jaxrl import resources, rollouts
-from jaxrl.envs import load_env
-from jaxrl.protocol import Completion, SamplingParams
-from jaxrl.server import start_server
+from jaxrl.envs.loader import load_env
+from jaxrl.inference.protocol import Completion, SamplingParams
+from jaxrl.inference.server import start_server
+from jaxrl.rl import rollouts
+from jaxrl.run import resources
 
 IM_END = 151_645
 

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.checkpoint import Checkpointer
-from jaxrl.train import TrainState
+from jaxrl.rl.train import TrainState
+from jaxrl.run.checkpoint import Checkpointer
 
 REPO = Path(__file__).resolve().parents[1]
 NOT_REPRODUCIBLE = ("time/", "tokens_per_s")  # wall-clock figures
@@ -146,8 +146,8 @@ def test_killed_and_preempted_run_reproduces_the_uninterrupted_one(tmp_path, tin
 WRITER = textwrap.dedent("""
     import sys, time
     import jax.numpy as jnp
-    from jaxrl.checkpoint import Checkpointer
-    from jaxrl.train import TrainState
+    from jaxrl.run.checkpoint import Checkpointer
+    from jaxrl.rl.train import TrainState
 
     def state(value, n):
         return TrainState({"w": jnp.full((n,), value, jnp.float32)}, {"count": jnp.int32(value)}, jnp.int32(value))

@@ -3,17 +3,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl import rl
+from jaxrl.rl import losses
 
 
 def test_group_advantages_subtract_group_mean():
-    adv = rl.group_advantages(np.array([1.0, 0.0, 0.5, 0.5, 0.0, 1.0]), group_size=3)
+    adv = losses.group_advantages(np.array([1.0, 0.0, 0.5, 0.5, 0.0, 1.0]), group_size=3)
     np.testing.assert_allclose(adv, [0.5, -0.5, 0.0, 0.0, -0.5, 0.5], rtol=1e-6)
 
 
 def test_group_advantages_rejects_ragged_groups():
     with pytest.raises(ValueError, match="groups of 4"):
-        rl.group_advantages(np.ones(6), group_size=4)
+        losses.group_advantages(np.ones(6), group_size=4)
 
 
 def test_policy_loss_hand_computed():
@@ -22,8 +22,8 @@ def test_policy_loss_hand_computed():
     inf = jnp.log(jnp.array([[0.5, 0.5, 0.1], [0.2, 0.05, 0.3]]))  # token (1,1): ratio 18 > 8 -> masked
     adv = jnp.array([1.0, -2.0])
     mask = jnp.array([[True, True, True], [True, True, False]])
-    cfg = rl.LossConfig(kl_coef=0.1)
-    loss, m = rl.policy_loss(logp, inf, adv, mask, cfg)
+    cfg = losses.LossConfig(kl_coef=0.1)
+    loss, m = losses.policy_loss(logp, inf, adv, mask, cfg)
     lr = np.log([[1.0, 0.5, 1.0], [1.0, 18.0, 1.0]])
     keep = np.array([[1, 1, 1], [1, 0, 0]])
     ratio = np.exp(lr)
@@ -40,9 +40,9 @@ def test_policy_gradient_raises_logprob_of_positive_advantage():
     inf = jnp.log(jnp.array([[0.3, 0.3]]))
 
     def f(logp):
-        return rl.policy_loss(logp, inf, jnp.array([1.0]), mask)[0]
+        return losses.policy_loss(logp, inf, jnp.array([1.0]), mask)[0]
 
     g = jax.grad(f)(inf)
     assert (np.asarray(g) < 0).all()  # descending the loss raises logp where A > 0
-    g_neg = jax.grad(lambda lp: rl.policy_loss(lp, inf, jnp.array([-1.0]), mask)[0])(inf)
+    g_neg = jax.grad(lambda lp: losses.policy_loss(lp, inf, jnp.array([-1.0]), mask)[0])(inf)
     assert (np.asarray(g_neg) > 0).all()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxrl import assets
+from jaxrl.model import assets
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from matplotlib import image
 
-from jaxrl import resources, runs
+from jaxrl.cli import runs
+from jaxrl.run import resources
 
 NAME = "bg"
 
@@ -203,7 +204,7 @@ def test_plot_draws_eval_curves_from_metrics(tmp_path, env):
     png = image.imread(folder / "plot.png")
     assert png.shape[:2] == (700, 800)  # two panels: reward, then eval/val
     assert png[..., :3].std() > 0.05  # something is drawn
-    from jaxrl.plot import eval_keys
+    from jaxrl.cli.plot import eval_keys
 
     assert eval_keys(rows) == ["eval/lowercase/pass@4", "eval/lowercase/reward/mean", "val/reward/mean"]
     (folder / "metrics.jsonl").write_text("")

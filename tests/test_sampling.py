@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.protocol import SamplingParams
-from jaxrl.sampling import CHUNK, SlotSampling, draw, mark_seen, sample
+from jaxrl.inference.protocol import SamplingParams
+from jaxrl.inference.sampling import CHUNK, SlotSampling, draw, mark_seen, sample
 
 LOGITS = jnp.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 N = 40_000

@@ -20,12 +20,13 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from jaxrl import export, hf, model
-from jaxrl.checkpoint import Checkpointer
-from jaxrl.cli import app
-from jaxrl.config import load_config
-from jaxrl.recovery import model_identity
-from jaxrl.train import TrainState, make_optimizer
+from jaxrl.cli.main import app
+from jaxrl.config.schema import load_config
+from jaxrl.export import exporter
+from jaxrl.model import hf, qwen3
+from jaxrl.rl.train import TrainState, make_optimizer
+from jaxrl.run.checkpoint import Checkpointer
+from jaxrl.run.recovery import model_identity
 
 KEY_VAR = "JAXRL_TEST_SERVE_KEY"
 RANK, ALPHA = 4, 8
@@ -101,11 +102,11 @@ def run_dir(tmp_path_factory, tiny_model_dir):
     cfg = load_config(toml)
     run = tmp / "runs" / "exp"
     run.mkdir(parents=True)
-    export.write_run_config(run, cfg)
+    exporter.write_run_config(run, cfg)
     mcfg, params = hf.load_hf(tiny_model_dir)
     targets = tuple(cfg.jax.lora_targets)
-    specs = model.lora_specs(mcfg, RANK, targets)
-    leaves, treedef = jax.tree.flatten(specs, is_leaf=model.is_spec)
+    specs = qwen3.lora_specs(mcfg, RANK, targets)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=qwen3.is_spec)
     rng = np.random.default_rng(1)
     dims = {**mcfg.dims(), "R": RANK}
     lora = jax.tree.unflatten(treedef, [jnp.asarray(0.3 * rng.standard_normal(s.shape(dims)), jnp.float32)
@@ -139,8 +140,8 @@ def test_serve_a_checkpoint_applies_its_lora(run_dir, tmp_path, compile_cache):
     positions = jnp.arange(tokens.shape[1])[None]
 
     def logprobs(lora_or_none):
-        hidden, _ = model.forward(mcfg, params, tokens, positions, lora=lora_or_none, lora_scale=ALPHA / RANK)
-        lp = np.asarray(jax.nn.log_softmax(model.logits(params, hidden)[0], axis=-1))
+        hidden, _ = qwen3.forward(mcfg, params, tokens, positions, lora=lora_or_none, lora_scale=ALPHA / RANK)
+        lp = np.asarray(jax.nn.log_softmax(qwen3.logits(params, hidden)[0], axis=-1))
         return [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(ids)]
 
     np.testing.assert_allclose(lps, logprobs(lora), atol=1e-4)

@@ -9,8 +9,8 @@ from verifiers.v1 import SamplingConfig, TrainClientConfig
 from verifiers.v1.clients.train import TrainClient
 from verifiers.v1.dialects import ChatDialect
 
-from jaxrl.protocol import Completion, SamplingParams
-from jaxrl.server import GENERATE_ROUTE, start_server
+from jaxrl.inference.protocol import Completion, SamplingParams
+from jaxrl.inference.server import GENERATE_ROUTE, start_server
 
 MODEL = "test-model"
 MAX_MODEL_LEN = 256

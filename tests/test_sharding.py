@@ -6,8 +6,8 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxrl import model
-from jaxrl.sharding import RULES, bytes_per_device, check_rules, logical_spec, make_mesh
+from jaxrl.model import qwen3
+from jaxrl.parallel.sharding import RULES, bytes_per_device, check_rules, logical_spec, make_mesh
 
 
 def test_logical_spec_maps_drops_and_replicates():
@@ -39,14 +39,14 @@ def test_mesh_must_use_every_device():
 
 
 def test_bytes_per_device_matches_placed_arrays():
-    cfg = model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+    cfg = qwen3.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                             num_kv_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
     shape = {"fsdp": 2, "tensor": 2, "expert": 2}
     mesh = make_mesh(shape)
-    from jaxrl.sharding import spec_shardings
+    from jaxrl.parallel.sharding import spec_shardings
 
-    params = jax.device_put(model.init_params(cfg, jax.random.key(0)),
-                            spec_shardings(model.param_specs(cfg), cfg.dims(), mesh))
+    params = jax.device_put(qwen3.init_params(cfg, jax.random.key(0)),
+                            spec_shardings(qwen3.param_specs(cfg), cfg.dims(), mesh))
     device0 = jax.devices()[0]
     placed = sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards if s.device == device0)
-    assert bytes_per_device(model.param_specs(cfg), cfg.dims(), shape, 4) == placed
+    assert bytes_per_device(qwen3.param_specs(cfg), cfg.dims(), shape, 4) == placed

@@ -3,11 +3,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxrl import model
-from jaxrl.checkpoint import Checkpointer
-from jaxrl.model import LORA_TARGETS, ModelConfig
-from jaxrl.sharding import make_mesh, spec_shardings
-from jaxrl.train import Trainer, make_batch, make_optimizer, token_logprobs
+from jaxrl.model import qwen3
+from jaxrl.model.qwen3 import LORA_TARGETS, ModelConfig
+from jaxrl.parallel.sharding import make_mesh, spec_shardings
+from jaxrl.rl.train import Trainer, make_batch, make_optimizer, token_logprobs
+from jaxrl.run.checkpoint import Checkpointer
 
 CFG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8)
@@ -15,10 +15,10 @@ TARGETS = tuple(LORA_TARGETS)
 
 
 def _setup(mesh):
-    base = model.init_params(CFG, jax.random.key(0))
-    base = jax.device_put(base, spec_shardings(model.param_specs(CFG), CFG.dims(), mesh))
-    lora = model.init_lora(CFG, 4, TARGETS, jax.random.key(1))
-    lora = jax.device_put(lora, spec_shardings(model.lora_specs(CFG, 4, TARGETS), {**CFG.dims(), "R": 4}, mesh))
+    base = qwen3.init_params(CFG, jax.random.key(0))
+    base = jax.device_put(base, spec_shardings(qwen3.param_specs(CFG), CFG.dims(), mesh))
+    lora = qwen3.init_lora(CFG, 4, TARGETS, jax.random.key(1))
+    lora = jax.device_put(lora, spec_shardings(qwen3.lora_specs(CFG, 4, TARGETS), {**CFG.dims(), "R": 4}, mesh))
     trainer = Trainer(CFG, mesh, make_optimizer(1e-2), lora_scale=2.0)
     return base, trainer, trainer.init_state(base, lora)
 
@@ -64,7 +64,7 @@ def test_base_weights_bit_identical_and_stateless_in_optimizer():
 
 
 def test_token_logprobs_match_full_softmax():
-    base = model.init_params(CFG, jax.random.key(0))
+    base = qwen3.init_params(CFG, jax.random.key(0))
     h = jax.random.normal(jax.random.key(2), (3, 100, 32))
     y = jax.random.randint(jax.random.key(3), (3, 100), 0, 128)
     temp = jnp.array([1.0, 0.5, 0.0])
@@ -111,7 +111,7 @@ def test_checkpoint_round_trip_and_retention(tmp_path):
         ckpt.save(step, state, {"step": step, "examples_drawn": [step]})
     ckpt.wait()
     assert ckpt.all_steps() == [2, 3]
-    fresh = trainer.init_state(base, model.init_lora(CFG, 4, TARGETS, jax.random.key(9)))
+    fresh = trainer.init_state(base, qwen3.init_lora(CFG, 4, TARGETS, jax.random.key(9)))
     restored, meta = ckpt.restore(3, fresh)
     assert meta == {"step": 3, "examples_drawn": [3]} and int(restored.step) == 3
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), state.lora, restored.lora)
@@ -138,8 +138,8 @@ def test_step_metrics_are_those_of_the_batch():
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
     def logprobs(lora):
-        hidden, _ = model.forward(CFG, base, batch.inputs, positions, lora=lora, lora_scale=2.0)
-        logits = jnp.einsum("BTD,DV->BTV", hidden, model.unembed_matrix(base))
+        hidden, _ = qwen3.forward(CFG, base, batch.inputs, positions, lora=lora, lora_scale=2.0)
+        logits = jnp.einsum("BTD,DV->BTV", hidden, qwen3.unembed_matrix(base))
         return jax.nn.log_softmax(logits, axis=-1)
 
     full = logprobs(state.lora)

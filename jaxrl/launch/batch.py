@@ -7,7 +7,7 @@
 The job has one task per host, all running at once (`parallelism` = `taskCount`). Each task mounts the
 staging folder at `/mnt/disks/jaxrl` (Cloud Storage FUSE), installs `jaxrl[cuda]` with uv and runs
 `jaxrl run` from the mounted `run/` folder, so metrics land in the bucket. Several hosts get a hosts file
-(`requireHostsFile`); `jaxrl.distributed` reads it with `BATCH_TASK_INDEX` and `BATCH_TASK_COUNT` and
+(`requireHostsFile`); `jaxrl.parallel.distributed` reads it with `BATCH_TASK_INDEX` and `BATCH_TASK_COUNT` and
 joins the hosts into one JAX run, coordinated by task 0 on port `JAXRL_COORDINATOR_PORT`.
 """
 

@@ -1,7 +1,7 @@
 """Per-chip memory of a jaxrl run: base weights, LoRA with its optimizer state, rollout KV cache and
-training activations, placed by the logical-axis rules of `jaxrl.sharding` (standard library only).
+training activations, placed by the logical-axis rules of `jaxrl.parallel.sharding` (standard library only).
 
-`python -m jaxrl.launch.memory` prints the table of docs/tpu.md. The rules, as `jaxrl.sharding.RULES`
+`python -m jaxrl.launch.memory` prints the table of docs/tpu.md. The rules, as `jaxrl.parallel.sharding.RULES`
 has them: `embed` on `fsdp`; `heads`, `kv_heads`, `mlp`, `vocab` on `tensor`; `experts` on `expert`;
 `batch` on (`data`, `fsdp`, `expert`). A dimension the mesh axes do not divide is replicated.
 """

@@ -1,0 +1,550 @@
+"""The `jaxrl` command: `validate`, `init` and `run` a Hosted Training TOML file; manage local runs as
+`prime rl` manages hosted ones (`list`, `logs`, `stop`, `delete`, `checkpoints`, `plot`: `jaxrl.cli.runs`);
+`models`, `export` and `serve`.
+
+`validate`, `init` and the run management commands (but `checkpoints`) import no JAX, so they answer in
+well under a second.
+Config problems exit with status 2 and one line per problem, never a traceback.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from jaxrl.config.schema import (
+    STARTER_TOML,
+    ConfigError,
+    RunConfig,
+    load_config,
+    load_env_file,
+    resolve_model_path,
+)
+
+app = typer.Typer(help="JAX RL trainer for LLMs, driven by Prime Hosted Training TOML files.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+# Messages quote TOML tables like [jax]; rich must print them as they are, not read them as markup.
+out = Console(soft_wrap=True, highlight=False)
+err = Console(stderr=True, soft_wrap=True, highlight=False)
+
+ConfigPath = Annotated[Path, typer.Argument(help="Run config (TOML).", show_default=False)]
+
+
+def _fail(message: str) -> typer.Exit:
+    err.print(message, markup=False)
+    return typer.Exit(code=2)
+
+
+def _load(path: Path) -> RunConfig:
+    """The config, its `env_file`s parsed as a check; exit 2 listing the problems found."""
+    try:
+        cfg = load_config(path)
+        load_env_file(cfg.env_file)
+        return cfg
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+
+
+@app.command()
+def validate(path: ConfigPath) -> None:
+    """Check a config and print it with every default filled in (JSON on stdout, notes on stderr)."""
+    cfg = _load(path)
+    out.print_json(data=cfg.model_dump(mode="json"))
+    try:
+        err.print(f"model weights: {resolve_model_path(cfg)}", markup=False)
+    except ConfigError as exc:
+        err.print(f"note: `jaxrl run` would stop here: {exc}", style="yellow", markup=False)
+
+
+@app.command()
+def init(
+    path: Annotated[Path, typer.Argument(help="File to write.")] = Path("rl.toml"),
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
+) -> None:
+    """Write a commented starter config (required keys set, optional ones commented out)."""
+    if path.exists() and not force:
+        raise _fail(f"{path} already exists; pass --force to overwrite it")
+    path.write_text(STARTER_TOML, encoding="utf-8")
+    out.print(f"wrote {path}; check it with `jaxrl validate {path}`", markup=False)
+
+
+@app.command()
+def run(
+    path: ConfigPath,
+    detach: Annotated[bool, typer.Option("--detach", help="Run in the background (a new session, so closing the "
+                                                          "terminal does not stop it); output to the run "
+                                                          "folder's console.log.")] = False,
+) -> None:
+    """Train: load the config, then start the run (in the foreground, or in
+    the background with --detach). Its console output is also kept in <output_dir>/<name>/console.log."""
+    import os
+
+    from jaxrl.cli import runs
+    from jaxrl.run.recovery import run_dir_of, run_name
+
+    cfg = _load(path)
+    run_dir, name = run_dir_of(cfg), run_name(cfg)
+    pid = runs.running_pid(run_dir)
+    if pid is not None and pid != os.getpid():  # a detached run's own process finds itself recorded
+        raise _fail(f"jaxrl run: run {name} is already running (pid {pid}) in {run_dir}; follow it with "
+                    f"`jaxrl logs {name} --follow`, stop it with `jaxrl stop {name}`")
+    if detach:
+        pid = runs.detach(path.resolve(), run_dir)
+        where = "" if cfg.jax.output_dir == runs.DEFAULT_RUNS_DIR else f" --runs-dir {cfg.jax.output_dir}"
+        out.print(f"started run {name} in the background (pid {pid}); its folder is {run_dir}\n"
+                  f"follow it:  jaxrl logs {name}{where} --follow\n"
+                  f"stop it:    jaxrl stop {name}{where}", markup=False)
+        return
+    from jaxrl.parallel import distributed  # heavy (JAX), as is the runner: kept off the validate/init path
+
+    try:  # join a multi-host run (JAX_* variables, GCP Batch, Cloud TPU pod) before any device is touched
+        distributed.initialize(distributed.from_env())
+    except ValueError as exc:
+        raise _fail(f"jaxrl run: {exc}") from None
+    if not distributed.is_primary():  # process 0 alone keeps the run's record and log
+        _train(cfg)
+        return
+    runs.start(run_dir, path.resolve())
+    if runs.stdout_is(run_dir / runs.LOG):  # detached: stdout and stderr already go to the log
+        _train(cfg, run_dir=run_dir)
+        return
+    with (run_dir / runs.LOG).open("a", encoding="utf-8") as log:
+        log.write(f"--- jaxrl run {path.resolve()} {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
+        _train(cfg, runs.TeeConsole(log, soft_wrap=True), log, run_dir)
+
+
+def _train(cfg: RunConfig, console: Console | None = None, log: Any = None, run_dir: Path | None = None) -> None:
+    """Run the runner; print (and copy to `log`) its errors without traceback and exit with its status;
+    record how the run ended in `run_dir`'s `run.json` when given."""
+    import traceback
+
+    from jaxrl.cli import runs
+    from jaxrl.run.recovery import RunError
+    from jaxrl.run.runner import run as run_training
+
+    code, message = 1, None
+    try:
+        run_training(cfg, console)  # it loads the `env_file` secrets into the environment
+        code = 0
+    except ConfigError as exc:
+        code, message = 2, str(exc)
+    except RunError as exc:  # a checkpoint that cannot be written, failing environments, preemption
+        code, message = exc.exit_code, f"jaxrl run: {exc}"
+    except KeyboardInterrupt:  # a second Ctrl-C
+        code = 130
+        raise
+    except BaseException:
+        if log is not None:
+            log.write(traceback.format_exc())
+        raise
+    finally:
+        if log is not None and message is not None:
+            log.write(message + "\n")
+        if run_dir is not None:
+            runs.finish(run_dir, code)
+    if message is not None:
+        err.print(message, markup=False)
+    if code:
+        raise typer.Exit(code=code)
+
+
+def _parse_mesh(text: str) -> dict[str, int]:
+    from jaxrl.parallel.sharding import MESH_AXES
+
+    mesh = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        axis, _, size = part.partition("=")
+        if axis.strip() not in MESH_AXES or not size.strip().isdigit() or int(size) < 1:
+            raise _fail(f"--mesh: {part!r} is not AXIS=SIZE with AXIS one of {', '.join(MESH_AXES)}")
+        mesh[axis.strip()] = int(size)
+    return mesh
+
+
+@app.command()
+def models(
+    mesh: Annotated[str, typer.Option(help="Mesh to size shards for, e.g. 'fsdp=8,expert=4'.")] = "",
+    config: Annotated[Path | None, typer.Option(help="Take the mesh and dtype from this run config.")] = None,
+    dtype: Annotated[str, typer.Option(help="Weight dtype: bfloat16 or float32.")] = "bfloat16",
+    lora_rank: Annotated[int, typer.Option(help="LoRA rank for the adapter + AdamW state column.")] = 16,
+) -> None:
+    """List the supported architectures and Hosted Training models: parameters (total and active per
+    token), and the bytes each device holds for the weights and for LoRA + AdamW state on a mesh."""
+    import math
+
+    import jax
+    from rich.table import Table
+
+    from jaxrl.model import catalog, qwen3
+    from jaxrl.parallel.sharding import bytes_per_device
+
+    shape = _parse_mesh(mesh)
+    if config is not None:
+        cfg = _load(config)
+        shape, dtype, lora_rank = cfg.jax.mesh.model_dump(), cfg.jax.dtype, cfg.jax.lora_rank
+    if dtype not in ("bfloat16", "float32"):
+        raise _fail(f"--dtype: {dtype!r} is not bfloat16 or float32")
+    itemsize = 2 if dtype == "bfloat16" else 4
+    devices = math.prod(shape.values()) if shape else 1
+    out.print("architectures: " + ", ".join(f"{k} ({v})" for k, v in catalog.ARCHITECTURES.items()))
+    table = Table(title=f"Hosted Training models on mesh {shape or {'fsdp': 1}} ({devices} devices), {dtype}")
+    for col in ("model", "params", "active/token", "weights/device", f"LoRA r{lora_rank}+AdamW/device"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for name, hf_config in catalog.HOSTED_MODELS.items():
+        mcfg = qwen3.ModelConfig.from_hf(hf_config)
+        dims = mcfg.dims()
+        specs = qwen3.param_specs(mcfg)
+        total = sum(math.prod(s.shape(dims)) for s in jax.tree.leaves(specs, is_leaf=qwen3.is_spec))
+        inactive = 3 * mcfg.hidden_size * mcfg.moe_intermediate_size * (mcfg.num_experts - mcfg.num_experts_per_tok)
+        active = total - inactive * len(mcfg.moe_layers)
+        targets = tuple(qwen3.LORA_TARGETS)
+        lora = bytes_per_device(qwen3.lora_specs(mcfg, lora_rank, targets), {**dims, "R": lora_rank}, shape, 4)
+        table.add_row(name, f"{total / 1e9:.2f} B", f"{active / 1e9:.2f} B",
+                      f"{bytes_per_device(specs, dims, shape, itemsize) / 2**30:.2f} GiB",
+                      f"{3 * lora / 2**30:.2f} GiB")
+    Console(width=max(out.width, 130), highlight=False).print(table)
+    out.print("A model name in a config is found as a local folder, a gs:// URL, or an id in the local "
+              f"Hugging Face cache ({catalog.hf_cache_dir()}); nothing is downloaded.", markup=False)
+
+
+@app.command("export")
+def export_(
+    ref: Annotated[str, typer.Argument(metavar="RUN_OR_CHECKPOINT", show_default=False,
+                                       help="A run folder (<output_dir>/<name>), its checkpoints folder, or one "
+                                            "step's folder (a gs:// one with --config).")],
+    out_dir: Annotated[Path, typer.Option("--out", help="Folder to write.", show_default=False)],
+    merged: Annotated[bool, typer.Option("--merged", help="A HF checkpoint, LoRA folded in (the default).")] = False,
+    adapter: Annotated[bool, typer.Option("--adapter", help="A PEFT LoRA adapter folder instead.")] = False,
+    step: Annotated[int | None, typer.Option(help="Checkpoint step. Default: the step folder's, else the latest.",
+                                             show_default=False)] = None,
+    config: Annotated[Path | None, typer.Option(help="The run's TOML, for a checkpoint whose run folder has no "
+                                                     "config.json.", show_default=False)] = None,
+) -> None:
+    """Write a run's trained model to Hugging Face format: merged weights, or a PEFT adapter."""
+    if merged and adapter:
+        raise _fail("jaxrl export: pass --merged or --adapter, not both")
+    from jaxrl.export import exporter as exporting  # heavy (JAX): kept off the validate/init path
+
+    try:
+        source = exporting.find_source(ref, step, config)
+        exporting.export(source, out_dir, adapter=adapter)
+    except exporting.ExportError as exc:
+        raise _fail(f"jaxrl export: {exc}") from None
+    kind = "PEFT adapter" if adapter else "merged model"
+    out.print(f"wrote the {kind} of checkpoint step {source.step} ({source.checkpoint_dir}) to {out_dir}",
+              markup=False)
+
+
+@app.command()
+def serve(
+    ref: Annotated[str, typer.Argument(metavar="MODEL_OR_CHECKPOINT", show_default=False,
+                                       help="A HF model folder (config.json + safetensors), or a run folder, its "
+                                            "checkpoints folder or one step's (as `jaxrl export` takes).")],
+    host: Annotated[str, typer.Option(help="Address to bind; anything but loopback should come with an API "
+                                           "key.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind (0: a free one).")] = 8000,
+    decode_slots: Annotated[int, typer.Option(help="Sequences decoded at once; more requests wait in the queue.")] = 32,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence, prompt and completion.")] = 4096,
+    api_key_env: Annotated[str | None, typer.Option(help="Environment variable holding the API key clients must "
+                                                         "send as 'Authorization: Bearer <key>'.",
+                                                    show_default=False)] = None,
+    max_pending: Annotated[int, typer.Option(help="Requests queued or running at once; more get a 503.")] = 1024,
+    name: Annotated[str | None, typer.Option(help="Model name for clients and /v1/models. Default: "
+                                                  "MODEL_OR_CHECKPOINT as given.", show_default=False)] = None,
+    step: Annotated[int | None, typer.Option(help="Checkpoint step (default: the latest).", show_default=False)] = None,
+    config: Annotated[Path | None, typer.Option(help="The run's TOML, for a checkpoint without its run folder.",
+                                                show_default=False)] = None,
+    dtype: Annotated[str | None, typer.Option(help="Weights: float32 or bfloat16. Default: the run's, else "
+                                                   "float32.", show_default=False)] = None,
+    mesh: Annotated[str, typer.Option(help="Mesh, e.g. 'tensor=4'. Default: every device on fsdp.")] = "",
+    warmup: Annotated[bool, typer.Option(help="Compile every prompt length bucket before serving.")] = True,
+    jetstream: Annotated[bool, typer.Option(help="Serve over JetStream's gRPC server instead (the jaxrl[jetstream] "
+                                                 "extra): greedy, token ids and text back, no logprobs.")] = False,
+) -> None:
+    """Serve a model or a run's checkpoint over HTTP: OpenAI chat completions (streaming too), vLLM's
+    token-in/token-out route, /v1/models and /health; or, with --jetstream, over JetStream's gRPC server
+    (jaxrl.inference.jetstream). Ctrl-C stops it."""
+    import os
+    import signal
+    import threading
+    import time
+
+    if dtype not in (None, "float32", "bfloat16"):
+        raise _fail(f"--dtype: {dtype!r} is not float32 or bfloat16")
+    if max_pending < 1:
+        raise _fail(f"--max-pending must be >= 1, got {max_pending}")
+    api_key = None
+    if api_key_env is not None:
+        api_key = os.environ.get(api_key_env)
+        if not api_key:
+            raise _fail(f"--api-key-env: the environment variable {api_key_env} is not set or empty")
+    shape = _parse_mesh(mesh)
+    if jetstream:
+        _check_jetstream(api_key, port)
+    from jaxrl.cli import serve as serving  # heavy (JAX): kept off the validate/init path
+    from jaxrl.inference.server import start_server
+
+    try:
+        loaded = serving.load(ref, name=name, decode_slots=decode_slots, seq_len=seq_len, step=step, config=config,
+                              dtype=dtype, mesh_shape=shape)
+    except serving.ServeError as exc:
+        raise _fail(f"jaxrl serve: {exc}") from None
+    err.print(f"serving {loaded.description}", markup=False)
+    scheduler = loaded.scheduler
+    try:
+        if warmup:
+            t0 = time.perf_counter()
+            buckets = serving.warmup(scheduler)
+            err.print(f"compiled {buckets} prompt buckets + decode in {time.perf_counter() - t0:.1f}s", markup=False)
+        if jetstream:
+            handle, where = _start_jetstream(loaded, host, port), f"grpc://{host}:{port} (JetStream Orchestrator)"
+        else:
+            try:
+                handle = start_server(scheduler, host, port, chat_template=loaded.chat_template, api_key=api_key,
+                                      max_pending=max_pending)
+            except OSError as exc:
+                raise _fail(f"jaxrl serve: cannot listen on {host}:{port}: {exc}") from None
+            where = f"{handle.base_url} (chat: {handle.base_url}/chat/completions)"
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+            err.print(f"warning: serving on {host} without an API key (--api-key-env)", style="yellow", markup=False)
+        out.print(f"serving {scheduler.model_name!r} at {where}; Ctrl-C stops", markup=False)
+        while not stop.wait(0.5):
+            pass
+        err.print("stopping", markup=False)
+        handle.stop()
+    finally:
+        scheduler.stop()
+
+
+def _check_jetstream(api_key: str | None, port: int) -> None:
+    """Refuse what `serve --jetstream` cannot do, before the model loads."""
+    if api_key is not None:
+        raise _fail("--jetstream: JetStream's gRPC server has no API keys; drop --api-key-env")
+    if port == 0:
+        raise _fail("--jetstream needs a --port other than 0 (JetStream's server does not say which port it got)")
+    try:
+        import jaxrl.inference.jetstream  # noqa: F401 - about 5 s (TensorFlow): paid here, before the model loads
+    except ImportError as exc:
+        raise _fail(f"--jetstream needs the jetstream extra (pip install 'jaxrl[jetstream]'): {exc}") from None
+
+
+def _start_jetstream(loaded: Any, host: str, port: int) -> Any:
+    """JetStream's gRPC server over the loaded engine and weights (`jaxrl.inference.jetstream.serve`), with the
+    served tokenizer and its end-of-turn ids; `stop()` ends it."""
+    from jaxrl.inference import jetstream as js
+
+    template, scheduler = loaded.chat_template, loaded.scheduler
+    try:
+        tokenizer = js.HFTokenizer(template.tokenizer.backend_tokenizer, template.stop_token_ids)
+        return js.serve(js.JetStreamEngine(scheduler.engine, scheduler.params, tokenizer), port, host)
+    except ValueError as exc:
+        raise _fail(f"jaxrl serve --jetstream: {exc}") from None
+    except OSError as exc:
+        raise _fail(f"jaxrl serve: cannot listen on {host}:{port}: {exc}") from None
+
+
+RunsDir = Annotated[Path, typer.Option("--runs-dir", envvar="JAXRL_RUNS_DIR",
+                                       help="Folder holding the runs: a config's [jax] output_dir.")]
+RunRef = Annotated[str, typer.Argument(metavar="RUN", show_default=False,
+                                       help="A run's name (its folder under --runs-dir) or the path of its folder.")]
+_STATUS_STYLE = {"running": "cyan", "completed": "green", "stopped": "yellow", "failed": "red", "died": "red"}
+
+
+def _run_folder(ref: str, runs_dir: Path) -> Path:
+    from jaxrl.cli import runs
+
+    try:
+        return runs.resolve(ref, runs_dir)
+    except runs.RunsError as exc:
+        raise _fail(str(exc)) from None
+
+
+@app.command("list")
+def list_(runs_dir: RunsDir = Path("runs")) -> None:
+    """List the runs under --runs-dir: status (running, completed, stopped, failed, died), last step,
+    last reward/mean, start time."""
+    from rich.table import Table
+
+    from jaxrl.cli import runs
+
+    found = [runs.info(folder) for folder in runs.find_runs(runs_dir)]
+    if not found:
+        out.print(f"no runs in {runs_dir}" + ("" if runs_dir.is_dir() else " (no such folder)"), markup=False)
+        return
+    table = Table(title=f"runs in {runs_dir}")
+    for col in ("run", "status", "step", "reward/mean", "started", "pid"):
+        table.add_column(col, justify="right" if col in ("step", "reward/mean", "pid") else "left")
+    for r in found:
+        step = "-" if r.step is None else f"{r.step}/{r.max_steps}" if r.max_steps else str(r.step)
+        started = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.started)) if r.started else "-"
+        table.add_row(r.name, f"[{_STATUS_STYLE.get(r.status, 'default')}]{r.status}[/]", step,
+                      "-" if r.reward is None else f"{r.reward:.3f}", started,
+                      str(r.pid) if r.status == "running" else "")
+    Console(width=max(out.width, 100), highlight=False).print(table)
+
+
+@app.command()
+def logs(
+    ref: RunRef,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new output until the run ends.")]
+    = False,
+    tail: Annotated[int | None, typer.Option("--tail", "-n", help="Start with the last N lines only.",
+                                             show_default=False)] = None,
+    runs_dir: RunsDir = Path("runs"),
+) -> None:
+    """Print a run's console output (its console.log); with --follow, until the run ends."""
+    import sys
+
+    from jaxrl.cli import runs
+
+    folder = _run_folder(ref, runs_dir)
+    if not (folder / runs.LOG).exists() and not follow:
+        raise _fail(f"jaxrl logs: {folder} has no {runs.LOG} (a run started before jaxrl kept one)")
+    if not follow:
+        lines = (folder / runs.LOG).read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+        sys.stdout.write("".join(lines if tail is None else lines[-tail:] if tail else []))
+        return
+    try:
+        for chunk in runs.follow(folder, tail):
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        return
+    out.print(f"[run {folder.name}: {runs.status(folder)}]", markup=False)
+
+
+@app.command()
+def stop(
+    ref: RunRef,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the run to checkpoint and exit.")] = 300.0,
+    runs_dir: RunsDir = Path("runs"),
+) -> None:
+    """Stop a running run: SIGTERM, then it finishes the train step in progress, saves a checkpoint and
+    exits (`jaxrl run` on its config again resumes it)."""
+    from jaxrl.cli import runs
+
+    folder = _run_folder(ref, runs_dir)
+    try:
+        if (pid := runs.running_pid(folder)) is not None:
+            err.print(f"stopping run {folder.name} (pid {pid}): waiting for its checkpoint ...", markup=False)
+        state = runs.stop(folder, timeout)
+    except runs.RunsError as exc:
+        raise _fail(f"jaxrl stop: {exc}") from None
+    if state == "running":
+        err.print(f"jaxrl stop: run {folder.name} is still running after {timeout:g}s; it exits after its "
+                  f"checkpoint (see `jaxrl logs {folder.name}`)", markup=False)
+        raise typer.Exit(code=1)
+    last = runs.last_lines(folder, 1)
+    out.print(f"run {folder.name}: {state}" + (f"; its log ends: {last[0]}" if last else ""), markup=False)
+
+
+@app.command()
+def delete(
+    ref: RunRef,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    runs_dir: RunsDir = Path("runs"),
+) -> None:
+    """Delete a run: its folder, and its checkpoint folder when that is a separate local one
+    (`[jax] checkpoint_dir`). Checkpoints on gs:// are left in place, and said so. Refuses a running run."""
+    from jaxrl.cli import runs
+
+    folder = _run_folder(ref, runs_dir)
+    try:
+        runs.check_deletable(folder)
+    except runs.RunsError as exc:
+        raise _fail(f"jaxrl delete: {exc}") from None
+    local, remote = runs.deletion_plan(folder)
+    if not yes:
+        out.print(f"run {folder.name} ({runs.status(folder)}): deleting removes\n"
+                  + "\n".join(f"  {p}" for p in local), markup=False)
+        if not typer.confirm(f"delete run {folder.name}?", default=False):
+            raise _fail("jaxrl delete: nothing deleted")
+    try:
+        runs.delete(folder)
+    except (runs.RunsError, OSError) as exc:
+        raise _fail(f"jaxrl delete: {exc}") from None
+    out.print(f"deleted run {folder.name}: " + ", ".join(map(str, local)), markup=False)
+    for url in remote:
+        out.print(f"not deleted: its checkpoints and adapters on GCS, {url} (remove them with "
+                  f"`gcloud storage rm -r {url}`)", markup=False)
+
+
+@app.command()
+def checkpoints(ref: RunRef, runs_dir: RunsDir = Path("runs")) -> None:
+    """List a run's complete checkpoints (local or gs://) and PEFT adapter folders, with the reward/mean
+    of each step."""
+    from rich.table import Table
+
+    from jaxrl.cli import runs
+
+    folder = _run_folder(ref, runs_dir)
+    directory, adapters = runs.checkpoint_dir(folder), runs.adapters_dir(folder)
+    steps: list[int] = []
+    if directory.startswith("gs://") or Path(directory).is_dir():
+        import logging
+
+        from jaxrl.run.checkpoint import Checkpointer  # heavy (JAX, Orbax): only here
+
+        logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax warns that a read-only manager saves nothing
+        try:
+            checkpointer = Checkpointer(directory, read_only=True)
+            steps = checkpointer.all_steps()
+            checkpointer.close()
+        except Exception as exc:  # noqa: BLE001 - storage errors of any layer
+            raise _fail(f"jaxrl checkpoints: cannot list {directory}: {type(exc).__name__}: {exc}") from None
+    adapter_steps = _adapter_steps(adapters)
+    rewards = {r["step"]: r.get("reward/mean") for r in runs.metrics_rows(folder) if isinstance(r.get("step"), int)}
+    if not steps and not adapter_steps:
+        out.print(f"run {folder.name} has no checkpoint yet (in {directory})", markup=False)
+        return
+    table = Table(title=f"run {folder.name}: checkpoints in {directory}")
+    for col in ("step", "checkpoint", "adapter", "reward/mean"):
+        table.add_column(col, justify="right" if col in ("step", "reward/mean") else "left")
+    for step in sorted(set(steps) | set(adapter_steps)):
+        reward = rewards.get(step)
+        table.add_row(str(step), "yes" if step in steps else "-", f"step_{step}" if step in adapter_steps else "-",
+                      f"{reward:.3f}" if isinstance(reward, int | float) else "-")
+    out.print(table)
+    if adapter_steps:
+        out.print(f"PEFT adapters in {adapters}", markup=False)
+    if steps:
+        out.print(f"export one: jaxrl export {folder} --step {steps[-1]} --out DIR [--adapter]", markup=False)
+
+
+def _adapter_steps(directory: str) -> list[int]:
+    """Steps of the complete PEFT adapter folders `step_<n>` in `directory` (local or gs://)."""
+    from etils import epath
+
+    from jaxrl.export.exporter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+    path = epath.Path(directory)
+    if not path.exists():
+        return []
+    return sorted(int(p.name[5:]) for p in path.iterdir() if p.name.startswith("step_") and p.name[5:].isdigit()
+                  and (p / ADAPTER_CONFIG).exists() and (p / ADAPTER_WEIGHTS).exists())
+
+
+@app.command()
+def plot(
+    ref: RunRef,
+    out_path: Annotated[Path | None, typer.Option("--out", help="PNG to write. Default: <run folder>/plot.png.",
+                                                  show_default=False)] = None,
+    runs_dir: RunsDir = Path("runs"),
+) -> None:
+    """Write a PNG of a run's reward curve (reward/mean +- reward/std, per environment too) and, when its
+    metrics have them, its eval/ and val/ curves."""
+    from jaxrl.cli import runs
+    from jaxrl.cli.plot import plot_run
+
+    folder = _run_folder(ref, runs_dir)
+    try:
+        written = plot_run(runs.metrics_rows(folder), out_path or folder / "plot.png", f"run {folder.name}")
+    except ValueError as exc:
+        raise _fail(f"jaxrl plot: {folder}: {exc}") from None
+    out.print(f"wrote {written}", markup=False)

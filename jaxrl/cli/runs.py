@@ -1,0 +1,338 @@
+"""Local run management behind `jaxrl run --detach`, `list`, `logs`, `stop`, `delete` and `checkpoints`.
+
+A run is its folder `<output_dir>/<name>` (`jaxrl.run.recovery.run_dir_of`). Besides what the runner writes
+there (`metrics.jsonl`, `config.json`, `checkpoints/`, ...), `jaxrl run` keeps two files in it:
+
+- `console.log`: the run's console output, without colours. A foreground run copies what it prints
+  to it (the terminal output is unchanged); a detached run's stdout and stderr are the file itself, so
+  it also holds what libraries print.
+- `run.json`: `{"pid", "host", "status", "config", "started", "ended", "exit_code"}`, rewritten whole (a
+  temporary file renamed) when the run starts and when it ends. `status` is `running`, `completed`
+  (exit 0), `stopped` (SIGTERM/SIGINT: checkpointed, exit 143; or ended by `jaxrl stop`) or `failed`.
+  A record that says `running` while its process is gone (SIGKILL, out of memory, a lost machine) reads
+  as `died`.
+
+`jaxrl list` looks for runs in one runs folder: `--runs-dir`, else `$JAXRL_RUNS_DIR`, else `runs`, the
+default `output_dir` (both relative to the working directory, as `output_dir` is). A run is named by
+its folder name there, or by a path to its folder. No JAX here: these commands answer at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from rich.console import Console
+from rich.control import Control
+
+RECORD = "run.json"
+LOG = "console.log"
+METRICS = "metrics.jsonl"
+RUN_CONFIG = "config.json"  # written by the runner (`jaxrl.export.exporter.write_run_config`)
+DEFAULT_RUNS_DIR = "runs"
+HOST = socket.gethostname()
+_MARKERS = (RECORD, LOG, METRICS, RUN_CONFIG)
+
+
+class RunsError(Exception):
+    """A run management request that cannot be done; the message says why and what exists."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInfo:
+    """One run as `jaxrl list` shows it. `step`: last step in metrics.jsonl (None: no row yet);
+    `max_steps` and `reward` (last `reward/mean`) are None when unknown."""
+
+    name: str
+    folder: Path
+    status: str
+    pid: int | None
+    step: int | None
+    max_steps: int | None
+    reward: float | None
+    started: float | None
+
+
+def is_run(folder: Path) -> bool:
+    """Whether `folder` is a run folder (it holds one of the files `jaxrl run` writes)."""
+    return folder.is_dir() and any((folder / m).exists() for m in _MARKERS)
+
+
+def find_runs(runs_dir: Path) -> list[Path]:
+    """The run folders directly under `runs_dir`, by name; [] when it does not exist."""
+    if not runs_dir.is_dir():
+        return []
+    return sorted(p for p in runs_dir.iterdir() if is_run(p))
+
+
+def resolve(ref: str, runs_dir: Path) -> Path:
+    """The run folder `ref` names: a run name under `runs_dir`, or a path to a run folder.
+
+    Raises:
+        RunsError: no such run; the message lists the runs under `runs_dir`.
+    """
+    for candidate in (runs_dir / ref, Path(ref).expanduser()):
+        if is_run(candidate):
+            return candidate
+    known = [p.name for p in find_runs(runs_dir)]
+    where = f"{runs_dir}" + ("" if runs_dir.is_dir() else " (no such folder)")
+    listing = f"runs there: {', '.join(known)}" if known else "it holds no run"
+    raise RunsError(f"no run {ref!r} in {where}; {listing} (another runs folder: --runs-dir DIR)")
+
+
+def read_record(folder: Path) -> dict[str, Any]:
+    """`run.json` of a run folder; {} when there is none or it cannot be read."""
+    try:
+        data = json.loads((folder / RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_record(folder: Path, **fields: Any) -> dict[str, Any]:
+    """Update `run.json` with `fields` (atomically); returns the new record."""
+    record = read_record(folder) | fields
+    tmp = folder / f".{RECORD}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(folder / RECORD)
+    return record
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` is a live (not zombie) process that is a jaxrl command, as far as /proc tells
+    (a reused pid of another program reads as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, as another user's
+        return True
+    proc = Path(f"/proc/{pid}")
+    with contextlib.suppress(OSError):
+        if proc.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+            return False
+        if b"jaxrl" not in proc.joinpath("cmdline").read_bytes():
+            return False
+    return True
+
+
+def status(folder: Path, record: dict[str, Any] | None = None) -> str:
+    """`running`, `completed`, `stopped`, `failed`, `died` (recorded as running, process gone) or
+    `unknown` (a folder without `run.json`, from before it existed)."""
+    record = read_record(folder) if record is None else record
+    state = record.get("status", "unknown")
+    if state == "running" and record.get("host", HOST) == HOST and not (
+            isinstance(record.get("pid"), int) and pid_alive(record["pid"])):
+        return "died"
+    return state  # a run recorded by another host (a shared folder) cannot be checked from here
+
+
+def running_pid(folder: Path) -> int | None:
+    """The pid of the process of this host that runs this run, None when none does (another host's
+    run, as process 0 of a multi-host run records it, does not count: the other hosts start it too)."""
+    record = read_record(folder)
+    if record.get("host", HOST) != HOST:
+        return None
+    return record["pid"] if status(folder, record) == "running" else None
+
+
+def metrics_rows(folder: Path) -> list[dict[str, Any]]:
+    """The rows of `metrics.jsonl` (a torn last line is skipped)."""
+    rows = []
+    with contextlib.suppress(FileNotFoundError):
+        for line in (folder / METRICS).read_text(encoding="utf-8").splitlines():
+            with contextlib.suppress(ValueError):
+                if isinstance(row := json.loads(line), dict):
+                    rows.append(row)
+    return rows
+
+
+def run_config(folder: Path) -> dict[str, Any]:
+    """`config.json` that the runner writes (`{"config", "resolved"}`); {} before it exists."""
+    with contextlib.suppress(OSError, ValueError):
+        data = json.loads((folder / RUN_CONFIG).read_text(encoding="utf-8"))
+        if isinstance(data, dict):
+            return data
+    return {}
+
+
+def info(folder: Path) -> RunInfo:
+    """What `jaxrl list` shows of one run."""
+    record = read_record(folder)
+    rows = [r for r in metrics_rows(folder) if isinstance(r.get("step"), int)]
+    last = rows[-1] if rows else {}
+    reward = next((r["reward/mean"] for r in reversed(rows) if isinstance(r.get("reward/mean"), int | float)), None)
+    max_steps = run_config(folder).get("config", {}).get("max_steps")
+    return RunInfo(folder.name, folder, status(folder, record), record.get("pid"), last.get("step"),
+                   max_steps, reward, record.get("started"))
+
+
+def checkpoint_dir(folder: Path) -> str:
+    """The run's checkpoint folder or `gs://` URL, as its `config.json` resolved it; else the default
+    `<run folder>/checkpoints`."""
+    return run_config(folder).get("resolved", {}).get("checkpoint_dir") or str(folder / "checkpoints")
+
+
+def adapters_dir(folder: Path) -> str:
+    """Where the run's `[adapters]` go: `<run folder>/adapters`, or `adapters/` in the checkpoint folder
+    when that is elsewhere (`jaxrl.export.exporter.adapters_dir_of`)."""
+    ckpt = checkpoint_dir(folder)
+    if Path(ckpt) == folder / "checkpoints":
+        return str(folder / "adapters")
+    return f"{ckpt.rstrip('/')}/adapters"
+
+
+class TeeConsole(Console):
+    """A Console that also prints, without colour or live redraws, everything passed to `print` into
+    `log` (a text file): the terminal sees exactly what a plain Console shows."""
+
+    def __init__(self, log: IO[str], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._copy = Console(file=log, soft_wrap=True, highlight=False, no_color=True, force_terminal=False,
+                             width=200)
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        super().print(*objects, **kwargs)
+        if objects and not any(isinstance(o, Control) for o in objects):  # progress redraws stay on the terminal
+            self._copy.print(*objects, **kwargs)
+            self._copy.file.flush()
+
+
+def stdout_is(path: Path) -> bool:
+    """Whether this process's stdout is the file `path` (a detached run writes its log that way)."""
+    try:
+        out, target = os.fstat(sys.stdout.fileno()), os.stat(path)
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (out.st_dev, out.st_ino) == (target.st_dev, target.st_ino)
+
+
+def start(folder: Path, config: Path) -> None:
+    """Record this process as running `folder`'s run from `config`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    write_record(folder, pid=os.getpid(), host=HOST, status="running", config=str(config), started=time.time(),
+                 ended=None, exit_code=None)
+
+
+def finish(folder: Path, exit_code: int) -> None:
+    """Record how this process's run ended: exit 0 completed, 143/130 (SIGTERM/SIGINT) stopped, else failed."""
+    state = "completed" if exit_code == 0 else "stopped" if exit_code in (130, 143) else "failed"
+    write_record(folder, status=state, ended=time.time(), exit_code=exit_code)
+
+
+def detach(config: Path, folder: Path) -> int:
+    """Start `python -m jaxrl run CONFIG` in a new session (it outlives the terminal and ignores its
+    Ctrl-C), stdin closed, stdout and stderr appended to `<folder>/console.log`; record it as running
+    and return its pid. The child sees the log as its stdout and so does not copy its console again."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / LOG).open("a", encoding="utf-8") as log:
+        log.write(f"--- jaxrl run {config} (detached) {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
+        log.flush()
+        env = os.environ | {"PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen([sys.executable, "-m", "jaxrl", "run", str(config)], stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    write_record(folder, pid=proc.pid, host=HOST, status="running", config=str(config), started=time.time(),
+                 ended=None, exit_code=None)
+    return proc.pid
+
+
+def last_lines(folder: Path, n: int) -> list[str]:
+    """The last `n` non-empty lines of the run's log ([] without one)."""
+    with contextlib.suppress(FileNotFoundError):
+        lines = (folder / LOG).read_text(encoding="utf-8", errors="replace").splitlines()
+        return [line for line in lines if line.strip()][-n:]
+    return []
+
+
+def follow(folder: Path, tail: int | None = None, poll_s: float = 0.5) -> Iterator[str]:
+    """The log's text, then (while the run is running) what is appended, until the run ends; the last
+    `tail` lines only at first when given."""
+    path = folder / LOG
+    pos = 0
+    if tail is not None and path.exists():
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+        yield "".join(lines[-tail:] if tail else [])
+        pos = path.stat().st_size
+    while True:
+        alive = running_pid(folder) is not None  # read before the file, so the last lines are not missed
+        if path.exists():
+            with path.open("rb") as f:
+                f.seek(pos)
+                chunk = f.read()
+            pos += len(chunk)
+            if chunk:
+                yield chunk.decode("utf-8", errors="replace")
+        if not alive:
+            return
+        time.sleep(poll_s)
+
+
+def stop(folder: Path, timeout_s: float, poll_s: float = 0.5) -> str:
+    """SIGTERM the run's process (it finishes the train step in progress, checkpoints and exits 143) and
+    wait up to `timeout_s` for it to exit; return its status then (`running` if it has not exited).
+    A run that ended without recording how (killed during start-up) is recorded as stopped.
+
+    Raises:
+        RunsError: the run is not running.
+    """
+    record = read_record(folder)
+    state = status(folder, record)
+    if state != "running":
+        raise RunsError(f"run {folder.name} is not running ({state})")
+    if record.get("host", HOST) != HOST:
+        raise RunsError(f"run {folder.name} runs on host {record['host']}; stop it there")
+    pid = record["pid"]
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while pid_alive(pid):
+        if time.monotonic() > deadline:
+            return "running"
+        time.sleep(poll_s)
+    if read_record(folder).get("status") == "running":
+        write_record(folder, status="stopped", ended=time.time(), exit_code=None)
+    return status(folder)
+
+
+def deletion_plan(folder: Path) -> tuple[list[Path], list[str]]:
+    """`(local folders to delete, gs:// locations left alone)`: the run folder, and its checkpoint folder
+    (which holds its adapters) when that is outside it."""
+    local, remote = [folder], []
+    ckpt = checkpoint_dir(folder)
+    if ckpt.startswith("gs://"):
+        remote.append(ckpt)
+    elif not Path(ckpt).resolve().is_relative_to(folder.resolve()) and Path(ckpt).exists():
+        local.append(Path(ckpt))
+    return local, remote
+
+
+def check_deletable(folder: Path) -> None:
+    """Raises RunsError when the run is running, here or on another host (stop it first)."""
+    record = read_record(folder)
+    if status(folder, record) == "running":
+        where = f"pid {record.get('pid')}" + ("" if record.get("host", HOST) == HOST else f" on {record['host']}")
+        raise RunsError(f"run {folder.name} is running ({where}); stop it first with `jaxrl stop {folder.name}`")
+
+
+def delete(folder: Path) -> tuple[list[Path], list[str]]:
+    """Delete what `deletion_plan` lists as local; return the plan.
+
+    Raises:
+        RunsError: the run is running (`check_deletable`).
+    """
+    check_deletable(folder)
+    local, remote = deletion_plan(folder)
+    for path in local:
+        shutil.rmtree(path)
+    return local, remote

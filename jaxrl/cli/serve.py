@@ -1,0 +1,121 @@
+"""`jaxrl serve`: the inference server over a Hugging Face model folder or a run's checkpoint.
+
+A folder holding safetensors weights is served as it is (`jaxrl.model.hf.load_hf`); anything else is read
+as a run, its checkpoints folder or one step's (`jaxrl.export.exporter.find_source`): the run's base model,
+with the checkpoint's LoRA applied at `lora_alpha / lora_rank`, and the run's tokenizer. The weights
+are sharded over every visible device (or `mesh`), as in `jaxrl run`; one `Engine` + `Scheduler` serve
+them, behind `jaxrl.inference.server` (OpenAI chat completions, vLLM's token route, `/v1/models`, `/health`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.inference.chat import ChatTemplate
+from jaxrl.inference.engine import Engine
+from jaxrl.inference.protocol import SamplingParams
+from jaxrl.inference.scheduler import Scheduler
+from jaxrl.model import hf
+from jaxrl.model.qwen3 import lora_specs, param_specs
+from jaxrl.parallel.sharding import make_mesh, spec_shardings
+
+
+class ServeError(Exception):
+    """The model cannot be served: what is wrong and where (no traceback for the user)."""
+
+
+@dataclasses.dataclass
+class Loaded:
+    """What `load` found: the scheduler serving the weights, the chat template, and a line saying what
+    is being served."""
+
+    scheduler: Scheduler
+    chat_template: ChatTemplate
+    description: str
+
+
+def _is_hf_folder(ref: str) -> bool:
+    p = Path(ref).expanduser()
+    return (p / "config.json").is_file() and any(p.glob("*.safetensors"))
+
+
+def load(ref: str, *, name: str | None = None, decode_slots: int = 32, seq_len: int = 4096,
+         step: int | None = None, config: str | Path | None = None, dtype: str | None = None,
+         mesh_shape: dict[str, int] | None = None, seed: int = 0) -> Loaded:
+    """Load `ref` (a HF folder, or a run/checkpoint as `jaxrl export` takes it, with `step` and
+    `config`) and start a scheduler over it.
+
+    Args:
+        name: the model name clients send and `/v1/models` lists (default: `ref` as given).
+        decode_slots: sequences decoded at once (more requests wait in the queue).
+        seq_len: tokens per sequence, prompt and completion (the KV cache length).
+        dtype: "float32" or "bfloat16" weights; default: the run's, float32 for a HF folder.
+        mesh_shape: mesh axis sizes (`jaxrl.parallel.sharding.MESH_AXES`); default: every device on fsdp.
+        seed: base seed of requests that send none.
+
+    Raises:
+        ServeError: no such model, checkpoint or tokenizer, a tokenizer without a chat template, a
+            mesh that does not fit the devices, or weights that do not load.
+    """
+    from jaxrl.export import exporter as export  # pulls in the trainer's modules: only a checkpoint needs them
+
+    lora, lora_scale, source = None, 0.0, None
+    if _is_hf_folder(ref):
+        model_path = tokenizer_path = str(Path(ref).expanduser())
+    else:
+        try:
+            source = export.find_source(ref, step, config)
+        except export.ExportError as exc:
+            raise ServeError(f"{ref} is not a model folder (config.json + safetensors) nor a run's checkpoint: "
+                             f"{exc}") from None
+        model_path, tokenizer_path = source.model_path, source.tokenizer_path
+    dtype = dtype or (source.dtype if source else "float32")
+    try:
+        mesh = make_mesh(mesh_shape or {})
+    except ValueError as exc:
+        raise ServeError(f"--mesh: {exc}") from None
+    try:
+        mcfg = hf.load_config(model_path)
+        _, base = hf.load_hf(model_path, dtype=jnp.bfloat16 if dtype == "bfloat16" else jnp.float32,
+                             shardings=spec_shardings(param_specs(mcfg), mcfg.dims(), mesh))
+    except (OSError, ValueError) as exc:
+        raise ServeError(f"cannot load the model from {model_path}: {exc}") from None
+    if source is not None:
+        try:
+            restored = export.restore_lora(source, mcfg)
+        except export.ExportError as exc:
+            raise ServeError(str(exc)) from None
+        dims = {**mcfg.dims(), "R": source.lora_rank}
+        lora = jax.device_put(restored, spec_shardings(lora_specs(mcfg, source.lora_rank, source.lora_targets),
+                                                       dims, mesh))
+        lora_scale = source.lora_alpha / source.lora_rank
+    try:
+        template = ChatTemplate.load(tokenizer_path, model_path)
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
+    if seq_len < 2:
+        raise ServeError(f"--seq-len must be >= 2, got {seq_len}")
+    if decode_slots < 1:
+        raise ServeError(f"--decode-slots must be >= 1, got {decode_slots}")
+    engine = Engine(mcfg, mesh, decode_slots, seq_len, lora_scale=lora_scale,
+                    cache_dtype=jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
+    scheduler = Scheduler(engine, {"base": base, "lora": lora}, model_name=name or ref, seed=seed)
+    what = f"checkpoint step {source.step} of {source.checkpoint_dir} (LoRA r{source.lora_rank} on " \
+           f"{model_path})" if source else model_path
+    return Loaded(scheduler, template, f"{what}, {dtype}, mesh {dict(mesh.shape)}")
+
+
+def warmup(scheduler: Scheduler) -> int:
+    """Compile every prefill bucket and the decode steps for plain and truncated sampling (what chat
+    clients send most), so that first requests do not wait for XLA; returns the buckets compiled."""
+
+    async def both() -> int:
+        await scheduler.warmup(SamplingParams(top_p=0.9))
+        return await scheduler.warmup(SamplingParams())
+
+    return asyncio.run(both())

@@ -1,0 +1,616 @@
+"""Run configuration: Prime Hosted Training TOML files, plus one `[jax]` table for what they lack.
+
+One pydantic model per TOML table, mirroring the Hosted Training schema field for field. Every table
+forbids unknown keys, TOML types are taken strictly (`batch_size = "8"` is an error, not 8), and the
+cross-field rules of the schema are checked at load. `load_config` turns every problem into one
+`ConfigError` line `<file>: <dotted.key>: <reason>`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import tomllib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ENV_ID = re.compile(r"[A-Za-z0-9._-]+/[A-Za-z0-9._-]+(@[A-Za-z0-9._-]+)?")
+LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_TARGETS: tuple[str, ...] = get_args(LoraTarget)
+
+
+class ConfigError(Exception):
+    """A config that cannot be used. `problems` holds `(key, reason)` pairs, `key` dotted (`env.0.id`)
+    or "" for the file as a whole; str() is one `<file>: <key>: <reason>` line per problem."""
+
+    def __init__(self, source: str | Path, problems: list[tuple[str, str]]):
+        self.source, self.problems = str(source), problems
+        super().__init__("\n".join(f"{self.source}: {k + ': ' if k else ''}{r}" for k, r in problems))
+
+
+class _Invalid(ValueError):
+    """Raised by `RunConfig`'s cross-field check with every broken rule, so all of them are reported."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        super().__init__("; ".join(f"{k}: {r}" for k, r in problems))
+        self.problems = problems
+
+
+class _Table(BaseModel):
+    """Base of every TOML table: unknown keys are errors and TOML types are not coerced."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
+
+
+def _minus_one_or_positive(meaning: str) -> AfterValidator:
+    def check(value: int) -> int:
+        if value == -1 or value >= 1:
+            return value
+        raise ValueError(f"must be -1 ({meaning}) or >= 1, got {value}")
+
+    return AfterValidator(check)
+
+
+def _env_id(value: str) -> str:
+    if not ENV_ID.fullmatch(value):
+        raise ValueError(f"{value!r} is not in owner/name[@version] form")
+    return value
+
+
+AllOrPositive = Annotated[int, _minus_one_or_positive("all")]
+EnvId = Annotated[str, AfterValidator(_env_id)]
+
+
+class SamplingConfig(_Table):
+    """`[sampling]`: how the policy samples during rollouts."""
+
+    max_tokens: int | None = Field(None, ge=1)
+    """Max tokens sampled per model turn. Must be < `jax.seq_len`. Default None: only `jax.seq_len` limits."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature, >= 0 (0 = greedy). Default 1.0."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass in (0, 1] (Holtzman et al. 2019); 1.0 = off. Default 1.0. Not in Hosted
+    Training."""
+    top_k: Annotated[int, _minus_one_or_positive("off")] = -1
+    """Keep only the k most likely tokens; -1 = off. Default -1. Not in Hosted Training."""
+
+
+class EnvConfig(_Table):
+    """`[[env]]`: one training environment."""
+
+    id: EnvId
+    """Environments Hub id, `owner/name` with an optional `@version`. Required."""
+    name: str | None = None
+    """Display name, to tell apart copies of one environment with different args. Default: the id."""
+    args: dict[str, Any] = {}
+    """Keyword arguments for the environment's `load_environment()`. Default {}."""
+    taskset: dict[str, Any] | None = None
+    """verifiers v1 taskset table, passed through unchanged. Default None."""
+    harness: dict[str, Any] | None = None
+    """verifiers v1 harness table, passed through unchanged. Default None."""
+
+    @property
+    def display_name(self) -> str:
+        """`name`, else `id`: the label of this environment in logs and metrics."""
+        return self.name or self.id
+
+
+class WandbConfig(_Table):
+    """`[wandb]`: Weights & Biases logging (offline, to the run folder, when WANDB_API_KEY is not set)."""
+
+    project: str | None = None
+    """W&B project name. Default None (W&B's own default)."""
+    entity: str | None = None
+    """W&B team or user. Default None (the API key's default entity)."""
+    name: str | None = None
+    """W&B run name. Default None (the run's `name`)."""
+
+
+class EvalEnvConfig(_Table):
+    """`[[eval.env]]`: one eval environment, with optional overrides of the `[eval]` defaults."""
+
+    id: EnvId
+    """Environments Hub id, `owner/name` with an optional `@version`. Required."""
+    name: str | None = None
+    """Display name. Default: the id."""
+    args: dict[str, Any] = {}
+    """Keyword arguments for the environment's `load_environment()`. Default {}."""
+    num_examples: AllOrPositive | None = None
+    """Examples to evaluate (-1 = all). Default None: `eval.num_examples`."""
+    rollouts_per_example: int | None = Field(None, ge=1)
+    """Rollouts per eval example. Default None: `eval.rollouts_per_example`."""
+
+    @property
+    def display_name(self) -> str:
+        """`name`, else `id`: the label of this environment's metrics (`eval/<name>/...`)."""
+        return self.name or self.id
+
+
+class EvalConfig(_Table):
+    """`[eval]`: online evaluation during training (`jaxrl.run.evaluate`): each environment's first
+    `num_examples` examples of its eval split (its loaded tasks when it has none), with the run's
+    `[sampling]`; metrics `eval/<env>/reward/mean`, `eval/<env>/pass@k`, ... in the step's row."""
+
+    interval: int = Field(100, ge=1)
+    """Evaluate after every N-th training step. Default 100."""
+    num_examples: AllOrPositive = -1
+    """Examples per eval environment (-1 = all). Default -1."""
+    rollouts_per_example: int = Field(1, ge=1)
+    """Rollouts per eval example. Default 1."""
+    eval_base_model: bool = True
+    """Also evaluate the base (untrained) model, before step 1: a metrics row at step 0. Default true."""
+    env: list[EvalEnvConfig] = []
+    """`[[eval.env]]` tables, each with a distinct display name. Default []: evaluate on the training
+    environments."""
+
+
+class ValConfig(_Table):
+    """`[val]`: validation on the training environments' eval splits (their train examples when they have
+    none), with the run's `[sampling]` (`jaxrl.run.evaluate`); metrics `val/reward/mean`, ... (and
+    `val/<env>/...` with several environments) in the step's row."""
+
+    num_examples: int = Field(64, ge=1)
+    """Validation examples per check and training environment (its first ones; fewer when its split is
+    smaller). Default 64."""
+    rollouts_per_example: int = Field(1, ge=1)
+    """Rollouts per validation example. Default 1."""
+    interval: int = Field(5, ge=1)
+    """Validate every N training steps. Default 5."""
+
+
+class BufferConfig(_Table):
+    """`[buffer]`: which examples are sampled, and online difficulty filtering (`jaxrl.rl.buffer`)."""
+
+    online_difficulty_filtering: bool = False
+    """Leave out of training the groups whose rewards are all equal (mean exactly 0 or 1 with binary
+    rewards: zero advantages), and sample examples by difficulty (the four fields below apply only when
+    this is true). Default false."""
+    easy_threshold: float = Field(0.8, ge=0, le=1)
+    """An example whose latest group's mean reward is >= this is "easy", in [0, 1]. Default 0.8."""
+    hard_threshold: float = Field(0.2, ge=0, le=1)
+    """An example whose latest group's mean reward is <= this is "hard", in [0, 1], <= easy_threshold.
+    Default 0.2."""
+    easy_fraction: float = Field(0.0, ge=0, le=1)
+    """Share of each environment's easy examples kept in sampling (a seeded choice); the rest are no
+    longer drawn. In [0, 1]. Default 0.0."""
+    hard_fraction: float = Field(0.0, ge=0, le=1)
+    """Share of each environment's hard examples kept in sampling, in [0, 1]. Default 0.0."""
+    env_ratios: list[float] | None = None
+    """Sampling weight of each `[[env]]`, one per env, >= 0 with a positive sum: the share of groups each
+    environment gets; multi-env only (ignored with a single env). Default None: equal shares."""
+    skip_verification: bool = False
+    """Skip the pre-flight check: one smoke rollout of each environment before step 1, whose failure stops
+    the run before any training. Default false."""
+    seed: int = 42
+    """Seed of the example order and of which easy/hard examples are kept. Default 42."""
+
+
+class CheckpointsConfig(_Table):
+    """`[checkpoints]`: Orbax checkpoints of the training state."""
+
+    interval: int = Field(10, ge=1)
+    """Save a checkpoint every N steps. Default 10 (Hosted Training uses a cluster default)."""
+    keep_cloud: AllOrPositive = 5
+    """Most recent checkpoints kept, locally or on `gs://` (-1 = all); older ones are deleted once a newer
+    one is complete. Default 5."""
+
+
+class AdaptersConfig(_Table):
+    """`[adapters]`: the LoRA as PEFT adapter folders during a run (`jaxrl.export.exporter.RunAdapters`), in
+    `<output_dir>/<name>/adapters/step_<n>`, or `<checkpoint_dir>/<name>/adapters/step_<n>` (a folder or
+    `gs://`) when `[jax] checkpoint_dir` is set."""
+
+    interval: int = Field(0, ge=0)
+    """Export the adapter every N steps and after the last (0 = only after the last step). Default 0."""
+    keep_last: AllOrPositive = 3
+    """Adapters kept (-1 = all). Default 3."""
+
+
+class InfrastructureConfig(_Table):
+    """`[infrastructure]`: environment container resources on Hosted Training; here, the CPU share of the
+    environments, which run in the trainer's process (`jaxrl.run.resources`)."""
+
+    compute_size: Literal["S", "M", "L"] = "M"
+    """CPU the environments get, scaled to this machine's cores C: worker threads for env work (the run
+    loop's default executor, used by `asyncio.to_thread`) S max(1, C//4), M max(2, C//2), L max(4, C);
+    rollouts in flight at once S 8*C, M 32*C, L no limit. Default "M"."""
+
+
+class MeshConfig(_Table):
+    """`[jax.mesh]`: device mesh shape; the product of the axes must equal the device count."""
+
+    data: int = Field(1, ge=1)
+    """Data-parallel axis size. Default 1."""
+    fsdp: int = Field(1, ge=1)
+    """Fully-sharded data-parallel axis size (params sharded, batch split). Default 1."""
+    tensor: int = Field(1, ge=1)
+    """Tensor-parallel axis size (heads and MLP sharded). Default 1."""
+    expert: int = Field(1, ge=1)
+    """Expert-parallel axis size (MoE experts sharded). Default 1."""
+
+
+class JaxConfig(_Table):
+    """`[jax]`: everything a local JAX run needs that the Hosted Training schema does not have."""
+
+    model_path: str | None = None
+    """Local Hugging Face checkpoint folder (relative to the config file) or `gs://` URL. Default None:
+    `model` itself must be such a folder; nothing is downloaded."""
+    tokenizer_path: str | None = None
+    """Tokenizer folder (relative to the config file). Default None: the model folder."""
+    mesh: MeshConfig = MeshConfig()
+    """Device mesh shape. Default all axes 1."""
+    seq_len: int = Field(4096, ge=2)
+    """Max tokens of one trajectory (prompt plus completions), the KV cache and training length.
+    Default 4096, above the 2048 `max_tokens` of the Hosted Training examples."""
+    lora_rank: int = Field(16, ge=1)
+    """LoRA rank r; the update is scaled by `lora_alpha / lora_rank`. Default 16."""
+    lora_targets: list[LoraTarget] = Field(list(LORA_TARGETS), min_length=1)
+    """Hugging Face projection names that get LoRA adapters. Default: all seven attention and MLP ones."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the frozen base weights and activations; LoRA and optimizer state stay float32."""
+    output_dir: str = "runs"
+    """Local folder (relative to the working directory) of each run's metrics and, unless
+    `checkpoint_dir` is set, checkpoints: `<output_dir>/<name>/`. Default "runs"."""
+    checkpoint_dir: str | None = None
+    """Folder or `gs://bucket/path` URL for checkpoints: `<checkpoint_dir>/<name>/<step>`. Default None:
+    `<output_dir>/<name>/checkpoints`."""
+    rollout_timeout: float = Field(600.0, gt=0)
+    """Seconds one rollout (its model calls, environment and reward) may take; a slower one is dropped
+    and counted as failed. Default 600."""
+    seed: int = 0
+    """Seed of LoRA initialisation and sampling. Default 0."""
+    decode_slots: int = Field(32, ge=1)
+    """Max concurrent decodes (KV cache rows) in the rollout engine. Default 32."""
+    remat: bool = False
+    """Recompute activations in the backward pass to save memory (`jax.checkpoint`). Default false."""
+    host: str = "127.0.0.1"
+    """Address of the rollout server that environments call. Default "127.0.0.1"."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port of the rollout server; 0 = pick a free port. Default 0."""
+
+
+class RunConfig(_Table):
+    """A whole run: a Hosted Training TOML file plus the optional `[jax]` table."""
+
+    name: str | None = None
+    """Display name of the run. Default None."""
+    model: str
+    """Hugging Face model id (or a local folder, see `jax.model_path`). Required."""
+    max_steps: int = Field(100, ge=1)
+    """Training steps; each consumes one batch. Default 100."""
+    batch_size: int = Field(128, ge=1)
+    """Rollouts per training batch; a multiple of `rollouts_per_example`. Default 128."""
+    rollouts_per_example: int = Field(8, ge=1)
+    """Rollouts per dataset example (the GRPO group size). Default 8."""
+    trajectory_strategy: Literal["interleaved", "branching"] = "interleaved"
+    """How a multi-turn trace becomes training samples: "interleaved" (one sample per trace, every turn's
+    sampled tokens masked in) or "branching" (one sample per turn: that turn's prompt and completion, only
+    the completion masked in; each with its trace's advantage). Default "interleaved"."""
+    learning_rate: float = Field(1e-4, gt=0)
+    """Learning rate of the LoRA parameters. Default 1e-4."""
+    lora_alpha: int = Field(16, ge=1)
+    """LoRA alpha; updates are scaled by `lora_alpha / jax.lora_rank`. Default 16."""
+    oversampling_factor: float = Field(2.0, ge=1)
+    """Rollouts in flight per `batch_size` rollouts (whole groups, rounded up); a step trains on the first
+    groups to finish (`jaxrl.rl.producer`). Default 2.0."""
+    max_async_level: int = Field(2, ge=0)
+    """Max policy versions the oldest token of a trained rollout may lag the trainer (older groups are
+    dropped); >= `oversampling_factor`. 0 (jaxrl's addition, with `oversampling_factor = 1`): synchronous,
+    generation waits for each step's update, and a run is reproducible token for token. Default 2."""
+    env_file: list[str] = []
+    """.env files with secrets, relative to the config file (absolute after `load_config`). Default []."""
+    checkpoint_id: str | None = Field(None, min_length=1)
+    """Checkpoint whose LoRA weights a new run starts from (optimizer, step and data position start
+    fresh): `"<run>"` (its latest checkpoint) or `"<run>/<step>"`, a run under the same checkpoint root,
+    or a path (absolute, `./`/`../` relative to this file, or `gs://`) to a run's checkpoint folder or
+    to one step's folder. It must be of the same model and LoRA shape. Ignored when the run already
+    has checkpoints of its own (it resumes from them). Default None."""
+    sampling: SamplingConfig = SamplingConfig()
+    """`[sampling]`. Default: all its defaults."""
+    env: list[EnvConfig] = Field(min_length=1)
+    """`[[env]]` training environments; at least one."""
+    wandb: WandbConfig | None = None
+    """`[wandb]`. Default None: no W&B logging."""
+    eval: EvalConfig | None = None
+    """`[eval]`. Default None: no online evaluation."""
+    val: ValConfig | None = None
+    """`[val]`. Default None: no validation."""
+    buffer: BufferConfig = BufferConfig()
+    """`[buffer]`. Default: all its defaults (no difficulty filtering)."""
+    checkpoints: CheckpointsConfig = CheckpointsConfig()
+    """`[checkpoints]`. Default: all its defaults."""
+    adapters: AdaptersConfig = AdaptersConfig()
+    """`[adapters]`. Default: all its defaults."""
+    infrastructure: InfrastructureConfig = InfrastructureConfig()
+    """`[infrastructure]`. Default: all its defaults."""
+    jax: JaxConfig = JaxConfig()
+    """`[jax]`, the one table Hosted Training does not have. Default: all its defaults."""
+
+    _source: Path | None = None  # the file loaded, set by `load_config`; a pydantic private attribute
+
+    @property
+    def source(self) -> Path:
+        """The file this config was loaded from, absolute (`<config>` when built in code)."""
+        return self._source or Path("<config>")
+
+    @property
+    def config_dir(self) -> Path:
+        """Folder of the config file; relative paths in it are resolved from here (cwd when built in code)."""
+        return self._source.parent if self._source else Path.cwd()
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> RunConfig:
+        problems = []
+        if self.batch_size % self.rollouts_per_example:
+            problems.append(("batch_size", f"{self.batch_size} is not divisible by rollouts_per_example "
+                                           f"({self.rollouts_per_example})"))
+        if self.max_async_level == 0 and self.oversampling_factor != 1:
+            problems.append(("oversampling_factor", f"{self.oversampling_factor} must be 1 with max_async_level = 0 "
+                                                    f"(synchronous: a rollout beyond the batch would be stale at "
+                                                    f"the next step)"))
+        elif 0 < self.max_async_level < self.oversampling_factor:
+            problems.append(("max_async_level", f"{self.max_async_level} must be >= oversampling_factor "
+                                                f"({self.oversampling_factor})"))
+        if self.sampling.max_tokens is not None and self.sampling.max_tokens >= self.jax.seq_len:
+            problems.append(("sampling.max_tokens", f"{self.sampling.max_tokens} must be < jax.seq_len "
+                                                    f"({self.jax.seq_len}); raise [jax] seq_len"))
+        names = [e.display_name for e in self.env]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                problems.append((f"env.{i}.name", f"{name!r} is also the name of env.{names.index(name)}; give "
+                                                  f"each [[env]] a distinct `name` (it labels its metrics)"))
+        eval_names = [e.display_name for e in self.eval.env] if self.eval else []
+        for i, name in enumerate(eval_names):
+            if name in eval_names[:i]:
+                problems.append((f"eval.env.{i}.name", f"{name!r} is also the name of eval.env."
+                                                       f"{eval_names.index(name)}; give each [[eval.env]] a "
+                                                       f"distinct `name` (it labels its metrics)"))
+        buf = self.buffer
+        if buf.hard_threshold > buf.easy_threshold:
+            problems.append(("buffer.hard_threshold", f"{buf.hard_threshold} must be <= easy_threshold "
+                                                      f"({buf.easy_threshold})"))
+        if buf.env_ratios is not None:
+            if len(self.env) > 1 and len(buf.env_ratios) != len(self.env):
+                problems.append(("buffer.env_ratios", f"has {len(buf.env_ratios)} entries for "
+                                                      f"{len(self.env)} [[env]] tables"))
+            if any(r < 0 for r in buf.env_ratios) or sum(buf.env_ratios) <= 0:
+                problems.append(("buffer.env_ratios", "entries must be >= 0 with a positive sum"))
+        if self.jax.output_dir.startswith("gs://"):
+            problems.append(("jax.output_dir", "must be a local folder (metrics are written there); "
+                                               "put checkpoints on gs:// with [jax] checkpoint_dir"))
+        if len(set(self.jax.lora_targets)) != len(self.jax.lora_targets):
+            problems.append(("jax.lora_targets", "lists a projection twice"))
+        if problems:
+            raise _Invalid(problems)
+        return self
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """Read, validate and resolve a TOML run config. `env_file` entries become absolute paths (relative
+    ones are taken from the config file's folder). Raises ConfigError listing every problem found."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(path, [("", "file not found")]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(path, [("", f"cannot read: {exc}")]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(path, [("", f"invalid TOML: {exc}")]) from None
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(path, _problems(exc)) from None
+    cfg._source = path.resolve()
+    env_files = [(cfg.config_dir / Path(p).expanduser()).resolve() for p in cfg.env_file]
+    missing = [(f"env_file.{i}", f"file not found: {p}") for i, p in enumerate(env_files) if not p.is_file()]
+    if missing:
+        raise ConfigError(path, missing)
+    cfg.env_file = [str(p) for p in env_files]
+    return cfg
+
+
+def resolve_model_path(cfg: RunConfig) -> str:
+    """The checkpoint folder (or `gs://` URL) to load weights from: `jax.model_path`, else `model`, each
+    found as a `gs://` URL, a local folder (relative to the config file) or an HF id in the local HF cache
+    (`jaxrl.model.catalog.resolve_model`). Raises ConfigError naming every place looked in when none has it."""
+    from jaxrl.model.catalog import ModelNotFoundError, resolve_model
+
+    key, where = ("jax.model_path", cfg.jax.model_path) if cfg.jax.model_path else ("model", cfg.model)
+    try:
+        return resolve_model(where, cfg.config_dir)
+    except ModelNotFoundError as exc:
+        hint = "" if key == "jax.model_path" else "; set [jax] model_path to a local Hugging Face checkpoint"
+        raise ConfigError(cfg.source, [(key, f"{exc}{hint}")]) from None
+
+
+def resolve_tokenizer_path(cfg: RunConfig) -> str:
+    """The tokenizer folder: `jax.tokenizer_path` (relative to the config file), else the model's."""
+    if cfg.jax.tokenizer_path is None:
+        return resolve_model_path(cfg)
+    folder = cfg.config_dir / Path(cfg.jax.tokenizer_path).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(cfg.source, [("jax.tokenizer_path", f"{cfg.jax.tokenizer_path!r} is not a folder")])
+    return str(folder.resolve())
+
+
+def load_env_file(paths: Iterable[str | Path] | str | Path) -> dict[str, str]:
+    """Parse .env files into a dict, later files overriding earlier ones. Lines are `KEY=VALUE`, with an
+    optional `export ` prefix; `#` starts a comment (inside unquoted values only after a space); values
+    may be single quoted (literal) or double quoted (`\\n`, `\\"`, `\\\\` escapes). Raises ConfigError for
+    a missing file or a malformed line."""
+    values: dict[str, str] = {}
+    for path in [paths] if isinstance(paths, str | Path) else paths:
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            raise ConfigError(path, [("", "env file not found")]) from None
+        for number, line in enumerate(lines, 1):
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            try:
+                key, value = _env_line(line)
+            except ValueError as exc:
+                raise ConfigError(path, [(f"line {number}", str(exc))]) from None
+            values[key] = value
+    return values
+
+
+_ENV_LINE = re.compile(r"\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.*?)\s*")
+_ESCAPES = {"n": "\n", "t": "\t", '"': '"', "\\": "\\"}
+
+
+def _env_line(line: str) -> tuple[str, str]:
+    """(key, value) of one `KEY=VALUE` line; ValueError saying why when it is malformed."""
+    match = _ENV_LINE.fullmatch(line)
+    if match is None:
+        raise ValueError("expected KEY=VALUE")
+    key, raw = match.groups()
+    if not raw or raw[0] not in "'\"":
+        return key, re.split(r"\s#", raw, maxsplit=1)[0].rstrip()
+    quote, out, i = raw[0], [], 1
+    while i < len(raw) and raw[i] != quote:
+        escaped = quote == '"' and raw[i] == "\\" and i + 1 < len(raw)
+        out.append(_ESCAPES.get(raw[i + 1], "\\" + raw[i + 1]) if escaped else raw[i])
+        i += 2 if escaped else 1
+    rest = raw[i + 1:].strip()
+    if i >= len(raw) or (rest and not rest.startswith("#")):
+        raise ValueError(f"unterminated or malformed {quote}-quoted value")
+    return key, "".join(out)
+
+
+def _problems(exc: ValidationError) -> list[tuple[str, str]]:
+    """Turn pydantic errors into `(dotted key, reason)` pairs in the words of a TOML file."""
+    problems = []
+    for err in exc.errors():
+        key = ".".join(str(part) for part in err["loc"])
+        cause = err.get("ctx", {}).get("error")
+        if isinstance(cause, _Invalid):
+            problems += cause.problems
+        elif err["type"] == "extra_forbidden":
+            problems.append((key, _unknown_key(err["loc"])))
+        elif err["type"] == "missing":
+            problems.append((key, "required key is missing"))
+        elif err["type"] == "value_error":  # raised by our own validators, which quote the value
+            problems.append((key, err["msg"].removeprefix("Value error, ")))
+        else:
+            problems.append((key, f"{err['msg']}, got {repr(err['input'])[:60]}"))
+    return problems
+
+
+def _unknown_key(loc: tuple[str | int, ...]) -> str:
+    table: type[BaseModel] | None = RunConfig
+    for part in loc[:-1]:
+        if table is not None and isinstance(part, str):
+            field = table.model_fields.get(part)
+            table = _model_in(field.annotation) if field else None
+    if table is None:
+        return "unknown key"
+    if table is RunConfig and loc[-1] in JaxConfig.model_fields:
+        return f"unknown key (it belongs in the [jax] table: jax.{loc[-1]})"
+    known = list(table.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(known)}"
+    return f"unknown key ({hint})"
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for arg in get_args(annotation) if (m := _model_in(arg))), None)
+
+
+STARTER_TOML = '''\
+# A training run: the Prime Hosted Training schema (`prime rl run` reads this file too) plus an
+# optional [jax] table for local settings. Optional keys are shown commented out at their defaults.
+# Check it with `jaxrl validate rl.toml`; start it with `jaxrl run rl.toml`.
+
+model = "PrimeIntellect/Qwen3-0.6B-Reverse-Text-SFT"  # HF model id, or a local folder
+max_steps = 100                # training steps, one batch each
+batch_size = 128               # rollouts per batch, a multiple of rollouts_per_example
+rollouts_per_example = 8       # rollouts per example (the group size)
+
+# name = "my-run"              # display name
+# learning_rate = 1e-4         # LoRA learning rate
+# lora_alpha = 16              # LoRA updates are scaled by lora_alpha / [jax] lora_rank
+# env_file = ["secrets.env"]   # .env files with secrets, relative to this file
+# checkpoint_id = "other-run/200"  # warm start from another run's LoRA: "run", "run/step" or a path
+# trajectory_strategy = "interleaved"  # multi-turn: one sample per trace; "branching": one per turn
+# oversampling_factor = 2.0    # rollouts in flight per batch_size rollouts
+# max_async_level = 2          # policy versions a trained token may lag; >= oversampling_factor; 0: synchronous
+
+[sampling]
+max_tokens = 512               # tokens sampled per turn, < [jax] seq_len
+# temperature = 1.0            # >= 0; 0 = greedy
+# top_p = 1.0                  # nucleus sampling; 1.0 = off (jaxrl only)
+# top_k = -1                   # keep the k most likely tokens; -1 = off (jaxrl only)
+
+[[env]]                        # one [[env]] table per training environment
+id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
+# name = "reverse-text"        # display name
+# args = { split = "train" }   # keyword arguments of load_environment()
+# taskset = {}                 # verifiers v1 taskset table, passed to the environment as is
+# harness = {}                 # verifiers v1 harness table, passed to the environment as is
+
+# [buffer]
+# online_difficulty_filtering = false  # drop groups with all-equal rewards; sample by difficulty
+# easy_threshold = 0.8         # latest mean reward >= this: easy
+# hard_threshold = 0.2         # latest mean reward <= this: hard
+# easy_fraction = 0.0          # share of easy examples still sampled
+# hard_fraction = 0.0          # share of hard examples still sampled
+# env_ratios = [0.5, 0.5]      # share of groups per [[env]] (multi-env only)
+# skip_verification = false    # skip the pre-flight rollout of each env
+# seed = 42                    # example order
+
+# [eval]                       # online eval: eval/<env>/reward/mean, eval/<env>/pass@k, ...
+# interval = 100               # evaluate after every N steps
+# num_examples = -1            # examples of each env's eval split; -1 = all
+# rollouts_per_example = 1
+# eval_base_model = true       # also the untrained model, as step 0
+# [[eval.env]]                 # default: the [[env]] environments
+# id = "primeintellect/eval-env"
+# args = { split = "test" }
+# num_examples = 30            # overrides [eval]
+# rollouts_per_example = 4     # overrides [eval]
+
+# [val]                        # validation on the [[env]] eval splits: val/reward/mean, ...
+# num_examples = 64            # per environment
+# rollouts_per_example = 1
+# interval = 5
+
+# [wandb]                      # offline run in the run folder when WANDB_API_KEY is unset
+# project = "my-project"
+# entity = "my-team"
+# name = "my-run-name"
+
+# [checkpoints]
+# interval = 10                # save every N steps (Hosted Training: cluster default)
+# keep_cloud = 5               # checkpoints kept (-1 = all)
+
+# [jax]                        # local settings; Hosted Training has no such table
+# model_path = "path/to/hf-checkpoint"  # local HF folder or gs:// URL; default: `model` as a path
+# tokenizer_path = "path/to/tokenizer"  # default: the model folder
+# mesh = { data = 1, fsdp = 1, tensor = 1, expert = 1 }  # device mesh; product = device count
+# seq_len = 4096               # tokens per trajectory (prompt and completions)
+# lora_rank = 16
+# lora_targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# dtype = "float32"            # base weights: "float32" or "bfloat16"
+# output_dir = "runs"          # metrics (and checkpoints) under <output_dir>/<name>; a local folder
+# checkpoint_dir = "gs://bucket/ckpts"  # checkpoints under <checkpoint_dir>/<name>; folder or gs:// URL
+# rollout_timeout = 600        # seconds per rollout; a slower one is dropped and counted as failed
+# seed = 0
+# decode_slots = 32            # concurrent decodes in the rollout engine
+# remat = false                # recompute activations in the backward pass
+# host = "127.0.0.1"           # rollout server address
+# port = 0                     # rollout server port; 0 = a free one
+
+# [adapters]
+# interval = 0                 # export every N steps; 0 = at the end only
+# keep_last = 3                # -1 = all
+#
+# [infrastructure]
+# compute_size = "M"           # CPU for the environments: "S", "M" or "L" (README, "Resources")
+'''

@@ -1,0 +1,388 @@
+"""OpenAI chat completions over a `GenerateBackend`: chat template in, text (or server-sent events) out.
+
+    POST /v1/chat/completions {"model", "messages", "stream", sampling fields, ...}
+      -> {"id", "object": "chat.completion", "created", "model", "choices": [{"index", "message":
+          {"role": "assistant", "content"}, "logprobs", "finish_reason"}], "usage"}
+      or, with "stream": true, `data: {chat.completion.chunk}` events and a final `data: [DONE]`
+
+The messages are rendered by the tokenizer's chat template (transformers `apply_chat_template`, with
+the request's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`) and sampled until one of the
+model's end-of-turn ids (its `generation_config.json` `eos_token_id`, else the tokenizer's), a stop
+string, or `max_tokens`. Streaming is incremental: the backend hands each token over as it is sampled
+(`on_token`), and each event carries the text decoded since the last one. Text is decoded with
+offsets, holding back a token whose bytes end mid-character (vLLM's incremental detokenizer), and,
+while stop strings are set, the last `len(longest stop) - 1` characters, which could begin one. A
+request that hits a stop string is cancelled in the backend at once.
+
+Sampling fields: `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `max_tokens` or
+`max_completion_tokens`, `seed`, `stop` (a string or a list of up to 16), `stop_token_ids`; `n`,
+`presence_penalty`, `frequency_penalty`, `top_logprobs` only at their neutral values (1, 0, 0, 0), and
+`logit_bias` empty. Extras, as vLLM's: `logprobs: true` gives each sampled token's logprob under the
+sampling distribution; `return_token_ids: true` adds `prompt_token_ids` to the response (the first
+event when streaming) and `token_ids` to each choice (each event), which is what a trainer needs to
+train on the exact tokens; `return_tokens_as_token_ids: true` names each logprob's token
+`token_id:<id>`; `skip_special_tokens: false` keeps special tokens in the text. Other fields (`user`,
+`tool_choice`, `parallel_tool_calls`, ...) are ignored, as vLLM ignores them; `tools` (tool-call
+parsing is not built) and non-text content parts are refused with a 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from jaxrl.inference.protocol import Completion, GenerateBackend, SamplingParams
+from jaxrl.inference.wire import BadRequest, is_int, sampling_from
+
+CHAT_ROUTE = "/v1/chat/completions"
+MAX_STOP_STRINGS = 16
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+# Neutral values of OpenAI fields this server has no sampling for; anything else is refused.
+_NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "top_logprobs": 0}
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTemplate:
+    """A tokenizer with a chat template, and the token ids that end an assistant turn."""
+
+    tokenizer: Any  # transformers.PreTrainedTokenizerBase
+    stop_token_ids: tuple[int, ...]
+
+    @classmethod
+    def load(cls, folder: str | Path, model_folder: str | Path | None = None) -> ChatTemplate:
+        """The tokenizer in `folder` (transformers `AutoTokenizer`, offline); end-of-turn ids from the
+        `eos_token_id` of `generation_config.json` in `model_folder` or `folder`, else the tokenizer's.
+
+        Raises:
+            ValueError: the folder holds no tokenizer, or a tokenizer without a chat template.
+        """
+        from transformers import AutoTokenizer  # about 1 s to import: only a server that chats pays it
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot load a tokenizer from {folder}: {exc}") from None
+        if not tokenizer.chat_template:
+            raise ValueError(f"the tokenizer in {folder} has no chat template")
+        stop: list[int] = []
+        for where in (model_folder, folder):
+            path = Path(where) / "generation_config.json" if where is not None else None
+            if path is not None and path.is_file():
+                eos = json.loads(path.read_text()).get("eos_token_id")
+                stop = [eos] if is_int(eos) else [t for t in eos or [] if is_int(t)]
+                if stop:
+                    break
+        if not stop and tokenizer.eos_token_id is not None:
+            stop = [tokenizer.eos_token_id]
+        return cls(tokenizer, tuple(stop))
+
+    def render(self, messages: list[dict], template_kwargs: dict[str, Any]) -> list[int]:
+        """Prompt token ids for `messages` with the assistant's turn opened; raises `BadRequest` when
+        the template refuses them (it may raise on a role order it does not know)."""
+        reserved = sorted(set(template_kwargs) & _template_parameters(self.tokenizer))
+        if reserved:
+            raise BadRequest(f"chat_template_kwargs may not set {', '.join(reserved)}")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                      **template_kwargs)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        except Exception as exc:  # noqa: BLE001 - jinja2 errors and the template's raise_exception alike
+            raise BadRequest(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}") from None
+
+
+def _template_parameters(tokenizer: Any) -> set[str]:
+    """`apply_chat_template`'s own parameters: a request's template variables may not set them (one is
+    `chat_template`, which would run the client's Jinja)."""
+    params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    return {p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD}
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatRequest:
+    """A validated chat request: prompt ids, sampling, stop strings and what the response carries."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    return_token_ids: bool = False
+    tokens_as_ids: bool = False
+    skip_special_tokens: bool = True
+
+
+def _flag(body: dict, key: str, default: bool = False) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BadRequest(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def _messages(raw: Any) -> list[dict]:
+    """Messages with text content only (parts joined), `developer` read as `system`."""
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("messages must be a non-empty list")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise BadRequest(f"messages[{i}] must be an object")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise BadRequest(f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}, got {role!r}")
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise BadRequest(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string, a list of text parts or null")
+        out.append({**m, "role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def parse_chat_request(body: Any, template: ChatTemplate, model_name: str, max_model_len: int) -> ChatRequest:
+    """Validates a chat completions body and renders its prompt; raises `BadRequest` (404 for another
+    model's name, 400 for anything else, naming the field)."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise BadRequest(f"model {model!r} does not exist; this server serves {model_name!r}", 404)
+    for key, neutral in _NEUTRAL.items():
+        if body.get(key) is not None and body[key] != neutral:
+            raise BadRequest(f"{key}={body[key]!r} is not supported (only {neutral!r})")
+    if body.get("logit_bias"):
+        raise BadRequest("logit_bias is not supported")
+    if body.get("tools"):
+        raise BadRequest("tools are not supported by this server (no tool-call parsing)")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise BadRequest("response_format is not supported (only {'type': 'text'})")
+    messages = _messages(body.get("messages"))
+    template_kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(template_kwargs, dict):
+        raise BadRequest("chat_template_kwargs must be an object")
+
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else ([] if stop is None else stop)
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
+        raise BadRequest(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them")
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest("stream_options must be an object")
+    include_usage = _flag(options or {}, "include_usage")
+
+    prompt_ids = template.render(messages, template_kwargs)
+    if len(prompt_ids) >= max_model_len:
+        raise BadRequest(f"the prompt is {len(prompt_ids)} tokens; this model's context is {max_model_len} "
+                         "(prompt and completion)")
+    fields = {k: body.get(k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")}
+    fields["max_tokens"] = body.get("max_completion_tokens", body.get("max_tokens"))
+    fields["stop_token_ids"] = body.get("stop_token_ids")
+    params = sampling_from(fields, len(prompt_ids), max_model_len)
+    if not _flag(body, "ignore_eos"):
+        params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, *template.stop_token_ids))
+    return ChatRequest(prompt_ids, params, tuple(stop), stream, include_usage, _flag(body, "logprobs"),
+                       _flag(body, "return_token_ids"), _flag(body, "return_tokens_as_token_ids"),
+                       _flag(body, "skip_special_tokens", True))
+
+
+class TextStream:
+    """Sampled tokens to text, incrementally, cut before the first stop string.
+
+    `add` decodes only a window of recent tokens (vLLM's prefix/read offsets), so a long completion
+    costs O(n) decoding, not O(n^2); a token whose bytes end mid-character waits for the next one.
+    """
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...], skip_special_tokens: bool) -> None:
+        self._tok, self._stop, self._skip = tokenizer, stop, skip_special_tokens
+        self._hold = max(map(len, stop), default=1) - 1  # chars that might begin a stop string
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.stopped = False  # a stop string was found; `text` ends before it
+        self._prefix = self._read = self._sent = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def add(self, token_id: int) -> None:
+        """Append one sampled token (ignored after a stop string)."""
+        if self.stopped:
+            return
+        self.token_ids.append(token_id)
+        self._advance(final=False)
+
+    def _advance(self, final: bool) -> None:
+        before = self._decode(self.token_ids[self._prefix:self._read])
+        now = self._decode(self.token_ids[self._prefix:])
+        if len(now) > len(before) and (final or not now.endswith("\ufffd")):
+            self._check(len(self.text), now[len(before):])
+            self._prefix, self._read = self._read, len(self.token_ids)
+
+    def _check(self, old_len: int, new: str) -> None:
+        self.text += new
+        start = max(0, old_len - self._hold)
+        hits = [i for s in self._stop if (i := self.text.find(s, start)) >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+
+    def finish(self) -> None:
+        """Decode what `add` held back (a trailing partial character comes out as U+FFFD)."""
+        if not self.stopped:
+            self._advance(final=True)
+
+    def take(self, final: bool = False) -> str:
+        """The text not taken yet, minus what could still turn out to begin a stop string."""
+        end = len(self.text) if final or self.stopped else max(self._sent, len(self.text) - self._hold)
+        out, self._sent = self.text[self._sent:end], end
+        return out
+
+
+class ChatRun:
+    """One chat request running in the backend; its tokens arrive in a queue as they are sampled.
+
+    Created (and the backend request started) before the response begins, so `on_done` (the server's
+    admission count) is called exactly once when the backend request ends, however the client leaves.
+    """
+
+    def __init__(self, backend: GenerateBackend, template: ChatTemplate, req: ChatRequest,
+                 on_done: Callable[[], None]) -> None:
+        self.req = req
+        self.text = TextStream(template.tokenizer, req.stop, req.skip_special_tokens)
+        self._tok = template.tokenizer
+        self._queue: asyncio.Queue[tuple[int, float] | None] = asyncio.Queue()
+        self.task = asyncio.ensure_future(backend.generate(req.prompt_ids, req.params, on_token=self._on_token))
+        # The task ends after every on_token call it caused (both are scheduled on this loop in order),
+        # so None is always the last item of the queue.
+        self.task.add_done_callback(lambda _: (self._queue.put_nowait(None), on_done()))
+        self.logprobs: list[float] = []
+
+    def _on_token(self, token: int, logprob: float) -> None:
+        self._queue.put_nowait((token, logprob))
+
+    async def steps(self) -> AsyncIterator[tuple[list[int], list[float]]]:
+        """The tokens (and logprobs) added to `text` since the last step, as they arrive; ends when the
+        backend request ends or a stop string is found (the request is then cancelled). Raises what
+        the backend raised."""
+        try:
+            done = False
+            while not done:
+                items = [await self._queue.get()]
+                while not self._queue.empty():
+                    items.append(self._queue.get_nowait())
+                ids, lps = [], []
+                for item in items:
+                    if item is None:
+                        done = True
+                        break
+                    self.text.add(item[0])
+                    ids.append(item[0])
+                    lps.append(item[1])
+                    if self.text.stopped:
+                        done = True
+                        break
+                self.logprobs += lps
+                if done and not self.text.stopped:
+                    self.text.finish()
+                    self.task.result()  # raises the backend's error, if any
+                yield ids, lps
+        finally:
+            self.task.cancel()
+
+    @property
+    def finish_reason(self) -> str:
+        if self.text.stopped:
+            return "stop"
+        done = self.task.result() if self.task.done() and not self.task.cancelled() else None
+        return done.finish_reason if isinstance(done, Completion) else "length"
+
+    def usage(self) -> dict[str, int]:
+        p, c = len(self.req.prompt_ids), len(self.text.token_ids)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def logprob_entries(self, ids: list[int], lps: list[float]) -> dict[str, list[dict]]:
+        """OpenAI's `logprobs` object for these tokens (no alternatives: `top_logprobs` is empty)."""
+        entries = []
+        for t, lp in zip(ids, lps, strict=True):
+            text = self._tok.decode([t], skip_special_tokens=False)
+            entries.append({"token": f"token_id:{t}" if self.req.tokens_as_ids else text, "logprob": lp,
+                            "bytes": list(text.encode("utf-8")), "top_logprobs": []})
+        return {"content": entries}
+
+
+def _head(model_name: str, kind: str) -> dict[str, Any]:
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": model_name}
+
+
+async def complete(run: ChatRun, model_name: str) -> dict[str, Any]:
+    """The non-streaming response body; raises what the backend raised."""
+    async for _ in run.steps():
+        pass
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": run.text.take(final=True)},
+        "logprobs": run.logprob_entries(run.text.token_ids, run.logprobs) if run.req.logprobs else None,
+        "finish_reason": run.finish_reason,
+    }
+    body = {**_head(model_name, "chat.completion"), "choices": [choice], "usage": run.usage()}
+    if run.req.return_token_ids:
+        choice["token_ids"] = run.text.token_ids
+        body["prompt_token_ids"] = run.req.prompt_ids
+    return body
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+async def stream(run: ChatRun, model_name: str) -> AsyncIterator[str]:
+    """Server-sent events: a role chunk, one chunk per batch of tokens, a chunk with `finish_reason`,
+    a usage chunk (with `stream_options.include_usage`), then `data: [DONE]`. An error in the backend
+    after the stream began becomes an `{"error": ...}` event before `[DONE]`."""
+    head = _head(model_name, "chat.completion.chunk")
+
+    def chunk(delta: dict, finish: str | None = None, **extra: Any) -> str:
+        return _event({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
+                                            **extra}]})
+
+    first = {"prompt_token_ids": run.req.prompt_ids} if run.req.return_token_ids else {}
+    yield _event({**head, **first, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]})
+    try:
+        async for ids, lps in run.steps():
+            text = run.text.take()
+            extra: dict[str, Any] = {}
+            if run.req.logprobs and ids:
+                extra["logprobs"] = run.logprob_entries(ids, lps)
+            if run.req.return_token_ids and ids:
+                extra["token_ids"] = ids
+            if text or extra:
+                yield chunk({"content": text}, **extra)
+        if rest := run.text.take(final=True):
+            yield chunk({"content": rest})
+        yield chunk({}, run.finish_reason)
+        if run.req.include_usage:
+            yield _event({**head, "choices": [], "usage": run.usage()})
+    except ValueError as exc:
+        yield _event({"error": {"message": str(exc), "code": 400}})
+    except Exception as exc:  # noqa: BLE001 - the status line is sent: the error can only go in the stream
+        yield _event({"error": {"message": f"backend error: {type(exc).__name__}: {exc}", "code": 500}})
+    yield "data: [DONE]\n\n"

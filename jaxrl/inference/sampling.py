@@ -1,0 +1,134 @@
+"""Token sampling on device, one pass or a few over the vocabulary, no sort.
+
+Per row: repetition penalty, then temperature, then the truncations (min_p, top_k, top_p over the
+top-k set renormalised, in vLLM's order), then one draw by inverse CDF. Each truncation keeps the
+tokens whose probability is at least a threshold; the top_k and top_p thresholds are found by
+bisection over the bit patterns of float32 probabilities (monotone for non-negative floats), so 31
+fused compare-and-reduce passes over [B, V] give the exact threshold with no sort (a sort of 151,936
+logits per row cost about 50 ms per row on 2 CPU cores). The draw uses one uniform per row and a
+two-level cumulative sum (chunk sums, then within the chosen chunk), so no per-token random numbers
+(Tunix spends 115 ms per step in `jax.random.categorical` over that vocabulary).
+
+The reported logprob is that of the drawn token under `log_softmax(penalised_logits / T)`, before
+truncation, as vLLM reports it by default; the trainer recomputes the same quantity (T = 0, greedy,
+reports T = 1).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxrl.inference.protocol import SamplingParams
+
+CHUNK = 256  # tokens per chunk of the two-level cumulative sum
+_ONE_BITS = 0x3F800000  # float32 1.0
+
+
+@struct.dataclass
+class SlotSampling:
+    """Sampling settings of each row, all [B]: float32 temperature, top_p, min_p, repetition_penalty;
+    int32 top_k (<= 0: off)."""
+
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+    min_p: jax.Array
+    repetition_penalty: jax.Array
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> SlotSampling:
+        """One row with `params`' settings."""
+        f32 = jnp.float32
+        return cls(jnp.array([params.temperature], f32), jnp.array([params.top_p], f32),
+                   jnp.array([params.top_k], jnp.int32), jnp.array([params.min_p], f32),
+                   jnp.array([params.repetition_penalty], f32))
+
+    @classmethod
+    def neutral(cls, b: int) -> SlotSampling:
+        """`b` greedy rows with every truncation and the penalty off."""
+        f32 = jnp.float32
+        return cls(jnp.zeros((b,), f32), jnp.ones((b,), f32), jnp.zeros((b,), jnp.int32), jnp.zeros((b,), f32),
+                   jnp.ones((b,), f32))
+
+
+def _largest_threshold(ok, b: int) -> jax.Array:
+    """Per row, the largest float32 t in [0, 1] with `ok(t_B1)` true, for `ok` true at 0 and monotone
+    (true up to the threshold, false above it). Bisection over bit patterns; float32 [B]."""
+
+    def step(_, lo_hi):
+        lo, hi = lo_hi
+        mid = lo + (hi - lo) // 2
+        good = ok(jax.lax.bitcast_convert_type(mid, jnp.float32)[:, None])[:, 0]
+        return jnp.where(good, mid, lo), jnp.where(good, hi, mid)
+
+    lo = jnp.zeros((b,), jnp.int32)
+    hi = jnp.full((b,), _ONE_BITS + 1, jnp.int32)
+    lo, _ = jax.lax.fori_loop(0, 31, step, (lo, hi))
+    return jax.lax.bitcast_convert_type(lo, jnp.float32)
+
+
+def _truncate(p_BV: jax.Array, s: SlotSampling) -> jax.Array:
+    """Zero every token that min_p, top_k or top_p drops. `p_BV`: unnormalised probabilities with
+    each row's maximum equal to 1."""
+    b, v = p_BV.shape
+    k_B = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, v), v)[:, None]
+    t_k = _largest_threshold(lambda t: jnp.sum(p_BV >= t, axis=-1, keepdims=True) >= k_B, b)
+    p_BV = jnp.where(p_BV >= jnp.maximum(t_k, s.min_p)[:, None], p_BV, 0.0)
+    need_B1 = (s.top_p * jnp.sum(p_BV, axis=-1))[:, None]
+    t_p = _largest_threshold(lambda t: jnp.sum(jnp.where(p_BV >= t, p_BV, 0.0), axis=-1, keepdims=True) >= need_B1,
+                             b)
+    return jnp.where(p_BV >= t_p[:, None], p_BV, 0.0)
+
+
+def _last_positive(w_BX: jax.Array) -> jax.Array:
+    x = w_BX.shape[-1]
+    return x - 1 - jnp.argmax(w_BX[:, ::-1] > 0, axis=-1)
+
+
+def draw(w_BV: jax.Array, u_B: jax.Array) -> jax.Array:
+    """Index of the token whose cumulative weight first reaches `u * total`, for u in (0, 1]; never a
+    zero-weight token. `w_BV`: non-negative weights, each row with one positive at least. int32 [B]."""
+    b, v = w_BV.shape
+    n = -(-v // CHUNK)
+    w_BNC = jnp.pad(w_BV, ((0, 0), (0, n * CHUNK - v))).reshape(b, n, CHUNK)
+    chunk_BN = jnp.sum(w_BNC, axis=-1)
+    cdf_BN = jnp.cumsum(chunk_BN, axis=-1)
+    target_B = u_B * cdf_BN[:, -1]
+    c_B = jnp.minimum(jnp.sum(cdf_BN < target_B[:, None], axis=-1), _last_positive(chunk_BN))
+    rest_B = target_B - jnp.take_along_axis(cdf_BN - chunk_BN, c_B[:, None], axis=-1)[:, 0]
+    w_BC = jnp.take_along_axis(w_BNC, c_B[:, None, None], axis=1)[:, 0]
+    i_B = jnp.minimum(jnp.sum(jnp.cumsum(w_BC, axis=-1) < rest_B[:, None], axis=-1), _last_positive(w_BC))
+    return (c_B * CHUNK + i_B).astype(jnp.int32)
+
+
+def sample(logits_BV: jax.Array, s: SlotSampling, keys_B: jax.Array, *, truncate: bool,
+           seen_BV: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Sample one token per row; return (tokens int32 [B], logprobs float32 [B]).
+
+    Args:
+        logits_BV: float32 logits.
+        keys_B: one PRNG key per row.
+        truncate: (static) apply min_p / top_k / top_p; False skips their passes (every row has them off).
+        seen_BV: bool, tokens already in each row's prompt or output; None: no repetition penalty.
+    """
+    logits_BV = logits_BV.astype(jnp.float32)
+    if seen_BV is not None:
+        r_B1 = s.repetition_penalty[:, None]
+        logits_BV = jnp.where(seen_BV, jnp.where(logits_BV > 0, logits_BV / r_B1, logits_BV * r_B1), logits_BV)
+    greedy_B = s.temperature <= 0.0
+    scaled_BV = logits_BV / jnp.where(greedy_B, 1.0, s.temperature)[:, None]
+    top_B1 = jnp.max(scaled_BV, axis=-1, keepdims=True)
+    p_BV = jnp.exp(scaled_BV - top_B1)  # unnormalised, max 1
+    log_z_B = jnp.log(jnp.sum(p_BV, axis=-1))
+    w_BV = _truncate(p_BV, s) if truncate else p_BV
+    u_B = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, ()))(keys_B)  # (0, 1]
+    tokens_B = jnp.where(greedy_B, jnp.argmax(logits_BV, axis=-1), draw(w_BV, u_B)).astype(jnp.int32)
+    picked_B = jnp.take_along_axis(scaled_BV, tokens_B[:, None], axis=-1)[:, 0]
+    return tokens_B, picked_B - top_B1[:, 0] - log_z_B
+
+
+def mark_seen(seen_BV: jax.Array, tokens_B: jax.Array) -> jax.Array:
+    """`seen_BV` with each row's token set."""
+    return seen_BV.at[jnp.arange(tokens_B.shape[0]), tokens_B].set(True)

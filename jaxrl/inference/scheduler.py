@@ -1,0 +1,294 @@
+"""Continuous batching over the engine's decode slots, in a background thread.
+
+Between two decode steps the scheduler admits waiting requests into free slots (prefill in a length
+bucket, then insert), so a batch is never padded to its longest request; a slot is freed the moment
+its request stops. The only host/device synchronisation in the loop is reading sampled tokens, which
+must be handed out anyway, and it runs one step behind the device: each iteration dispatches its
+prefills and the next decode step before it reads what the previous step sampled, so the device always
+has a step queued while the host hands out tokens (nanodo reads its metrics one step late for the same
+reason). The price is one discarded token: a slot whose request samples a stop token at step N has
+already been given step N + 1. A request's length is known at dispatch, so the step that samples its
+last token frees its slot for the next prefill at once. `update_params` swaps the weights between two
+decode steps; requests in flight keep their KV cache and go on under the new weights, and every sampled token
+records the policy version that produced it. A request may pass `on_token`, called on its event loop
+with each token as it is sampled (for streaming); a request whose future is cancelled (its caller gave
+up) is skipped before prefill or dropped from its slot at the next step.
+
+Prefills run one request at a time, not batched per bucket: a batch's matmuls round differently with
+its size (hidden states 4e-6 apart between a batch of 4 and of 1 on the Qwen3-0.6B shape), so a seeded
+request's tokens would depend on which requests happened to arrive beside it, and a resumed run would
+not reproduce the tokens of the run it resumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from jaxrl.inference.engine import DecodeState, Engine, pad_prompt
+from jaxrl.inference.protocol import Completion, SamplingParams
+from jaxrl.model.qwen3 import Params
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    queued_at: float = dataclasses.field(default_factory=time.perf_counter)
+    ttft_s: float | None = None
+    on_token: Callable[[int, float], None] | None = None
+    slot: int | None = None  # the decode slot it holds, None once its last token is dispatched
+    dispatched: int = 0  # tokens dispatched to the device, read or not
+    done: bool = False  # finished or cancelled: tokens still in flight for it are discarded
+
+    def add(self, token: int, logprob: float, version: int) -> bool:
+        """Record a sampled token; True when the request is finished."""
+        if self.ttft_s is None:
+            self.ttft_s = time.perf_counter() - self.queued_at
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        self.versions.append(version)
+        if self.on_token is not None:
+            self.loop.call_soon_threadsafe(self.on_token, token, logprob)
+        return token in self.params.stop_token_ids or len(self.tokens) >= self.max_tokens
+
+    def finish(self) -> None:
+        stopped = bool(self.tokens) and self.tokens[-1] in self.params.stop_token_ids
+        done = Completion(self.tokens, self.logprobs, "stop" if stopped else "length", self.versions, self.ttft_s)
+        self.loop.call_soon_threadsafe(_resolve, self.future, done)
+
+    def fail(self, exc: BaseException) -> None:
+        self.loop.call_soon_threadsafe(_reject, self.future, exc)
+
+
+@dataclasses.dataclass
+class _Sampled:
+    """What a dispatched prefill or decode step samples, not read yet: token ids int32 [R] and logprobs
+    float32 [R] (device arrays), the request of each row (None: a free slot), and the policy version."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    rows: list[_Request | None]
+    version: int
+
+
+def _resolve(fut: asyncio.Future, value: Completion) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _reject(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
+
+
+class Scheduler:
+    """A `GenerateBackend` that serves requests from one `Engine` with continuous batching.
+
+    Args:
+        engine: the engine; its `max_concurrent_decodes` is the number of slots.
+        params: engine params `{"base", "lora"}`.
+        model_name: the name `/v1/models` reports.
+        seed: base PRNG seed for requests without their own `seed`.
+    """
+
+    def __init__(self, engine: Engine, params: Params, model_name: str, seed: int = 0) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.max_model_len = engine.max_seq_len
+        self.policy_version = 0
+        self._params = engine.prepare(params)
+        self._pending: tuple[Params, int] | None = None
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._slots: list[_Request | None] = [None] * engine.max_concurrent_decodes
+        self._state: DecodeState | None = None
+        self._unread: collections.deque[_Sampled] = collections.deque()  # dispatched, in device order
+        self._cv = threading.Condition()
+        self._stop = False
+        self._base_key = jax.random.key(seed)
+        self._n_requests = 0
+        self.decode_steps = 0
+        self._thread = threading.Thread(target=self._run, name="jaxrl-scheduler", daemon=True)
+        self._thread.start()
+
+    # GenerateBackend ------------------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       on_token: Callable[[int, float], None] | None = None) -> Completion:
+        """Queue a request and wait for its completion. `on_token(token, logprob)` is called on the
+        caller's event loop for each sampled token, before the completion is returned.
+
+        Raises:
+            ValueError: an empty prompt, a token id outside the vocabulary, or a prompt that leaves no
+                room to sample in `max_seq_len`.
+        """
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if not all(0 <= t < self.engine.cfg.vocab_size for t in prompt_ids):
+            raise ValueError(f"the prompt holds a token id outside the vocabulary [0, {self.engine.cfg.vocab_size})")
+        room = self.engine.max_seq_len - len(prompt_ids)
+        if room < 1:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in max_model_len "
+                             f"{self.engine.max_seq_len}")
+        loop = asyncio.get_running_loop()
+        req = _Request(list(prompt_ids), params, min(params.max_tokens, room), loop, loop.create_future(),
+                       on_token=on_token)
+        with self._cv:
+            if self._stop:
+                raise RuntimeError("the scheduler is stopped")
+            self._waiting.append(req)
+            self._cv.notify()
+        return await req.future
+
+    async def warmup(self, params: SamplingParams) -> int:
+        """Compile every prefill bucket and the decode step for `params`'s kind of sampling (truncating
+        or not, penalizing or not) before real traffic, so that no request's latency, and no rollout's
+        timeout, includes XLA compilation. Runs one short request per bucket through the normal path.
+
+        Returns:
+            The number of prefill buckets compiled.
+        """
+        probe = dataclasses.replace(params, max_tokens=2, stop_token_ids=(), seed=0)
+        await asyncio.gather(*[self.generate([0] * n, probe) for n in self.engine.buckets])
+        return len(self.engine.buckets)
+
+    # weights --------------------------------------------------------------------------------------
+    def update_params(self, params: Params, version: int) -> None:
+        """Use `params` from the next decode step on; tokens sampled after it report `version`."""
+        with self._cv:
+            self._pending = (params, version)
+            self._cv.notify()
+
+    def stop(self) -> None:
+        """Stop the loop; requests still queued or in flight fail with RuntimeError."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    @property
+    def params(self) -> Params:
+        """The engine params (`Engine.prepare`d) that the next prefill and decode step use."""
+        return self._params
+
+    @property
+    def active(self) -> int:
+        return sum(r is not None for r in self._slots)
+
+    # the loop -------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._state = self.engine.init_decode_state()
+            while True:
+                with self._cv:
+                    while (not self._stop and not self._waiting and not self.active and self._pending is None
+                           and not self._unread):
+                        self._cv.wait()
+                    if self._stop:
+                        break
+                    if self._pending is not None:
+                        new, self.policy_version = self._pending
+                        self._params = self.engine.prepare(new)
+                        self._pending = None
+                    admit = []
+                    while self._waiting and len(admit) < self._slots.count(None):
+                        admit.append(self._waiting.popleft())
+                for req in admit:
+                    self._admit(req)
+                ready = len(self._unread)  # the previous step and this iteration's prefills
+                self._step()
+                for _ in range(ready):
+                    self._hand_out(self._unread[0])
+                    self._unread.popleft()
+        except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear about it
+            log.exception("scheduler loop failed")
+            self._fail_all(exc)
+            return
+        self._fail_all(RuntimeError("the scheduler is stopped"))
+
+    def _key(self, req: _Request) -> jax.Array:
+        self._n_requests += 1
+        if req.params.seed is not None:
+            return jax.random.key(req.params.seed)
+        return jax.random.fold_in(self._base_key, self._n_requests)
+
+    def _admit(self, req: _Request) -> None:
+        """Dispatch `req`'s prefill and, unless that samples its last token, its insert into a free slot."""
+        if req.future.cancelled():
+            return
+        try:
+            bucket = self.engine.bucket(len(req.prompt_ids))
+            prefix = self.engine.prefill(params=self._params, padded_tokens=pad_prompt(req.prompt_ids, bucket),
+                                         true_length=len(req.prompt_ids), sampling=req.params, key=self._key(req))
+        except Exception as exc:  # noqa: BLE001 - a bad request must not stop the loop
+            req.fail(exc)
+            return
+        req.dispatched = 1
+        self._unread.append(_Sampled(prefix.token, prefix.logprob, [req], self.policy_version))
+        if req.dispatched < req.max_tokens:
+            req.slot = self._slots.index(None)
+            self._state = self.engine.insert(prefix, self._state, req.slot)
+            self._slots[req.slot] = req
+
+    def _step(self) -> None:
+        """Dispatch one decode step over the occupied slots, if any."""
+        for req in self._slots:
+            if req is not None and req.future.cancelled():
+                req.done = True
+                self._release(req)
+        rows = list(self._slots)
+        active = [r for r in rows if r is not None]
+        if not active:
+            return
+        self._state, result = self.engine.generate(self._params, self._state,
+                                                   truncate=any(r.params.truncates for r in active),
+                                                   penalize=any(r.params.penalizes for r in active))
+        self.decode_steps += 1
+        self._unread.append(_Sampled(result.tokens, result.logprobs, rows, self.policy_version))
+        for req in active:
+            req.dispatched += 1
+            if req.dispatched >= req.max_tokens:
+                self._release(req)
+
+    def _hand_out(self, sampled: _Sampled) -> None:
+        """Read `sampled` (waits for the device) and give each live request its token."""
+        tokens, logprobs = np.asarray(sampled.tokens), np.asarray(sampled.logprobs)
+        for row, req in enumerate(sampled.rows):
+            if req is None or req.done:
+                continue
+            if req.future.cancelled() or req.add(int(tokens[row]), float(logprobs[row]), sampled.version):
+                req.done = True
+                self._release(req)
+                req.finish()
+
+    def _release(self, req: _Request) -> None:
+        if req.slot is not None:
+            self._slots[req.slot] = None
+            req.slot = None
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cv:
+            in_flight = [r for sampled in self._unread for r in sampled.rows if r is not None]
+            reqs = [r for r in self._slots if r is not None] + list(self._waiting) + in_flight
+            self._slots = [None] * len(self._slots)
+            self._waiting.clear()
+            self._unread.clear()
+        for r in {id(r): r for r in reqs}.values():
+            if not r.done:
+                r.done = True
+                r.fail(exc)

@@ -1,0 +1,362 @@
+"""The inference server: vLLM's token-in/token-out route and OpenAI chat completions over a `GenerateBackend`.
+
+verifiers' train client (`verifiers.v1.clients.train.TrainClient`, via `renderers.client.generate`)
+renders chats to token ids itself and POSTs them to `/inference/v1/generate`; it checks that every
+sampled token comes with a finite logprob tagged `token_id:<id>`. `/v1/models` tells it the context
+length, so it refuses an overlong prompt before sending it. Eval clients and people use
+`/v1/chat/completions` (`jaxrl.inference.chat`; served when the app is given a chat template).
+
+    POST /inference/v1/generate  {"model", "token_ids", "sampling_params": {...}}
+      -> {"request_id", "prompt_token_ids", "choices": [{"index", "token_ids",
+          "logprobs": {"content": [{"token": "token_id:<id>", "logprob"}]}, "finish_reason"}], "usage"}
+    POST /v1/chat/completions    OpenAI's format, streaming or not (see `jaxrl.inference.chat`)
+    GET  /v1/models              -> {"object": "list", "data": [{"id", "object", "max_model_len", ...}]}
+    GET  /health                 -> {"status": "ok", "pending": <generation requests queued or running>}
+
+Every refusal is `{"error": {"message", "code"}}`: 400 for a request the server cannot serve (naming
+the field), 404 for another model's name, 401 without the API key (when one is set; `/health` is
+open), 413 for a body over the limit, 503 with `Retry-After` while `max_pending` generation requests
+are queued or running (below that bound requests wait in the scheduler's queue), 500 for an error in
+the backend. The server runs uvicorn on its own event loop in a daemon thread (`start_server`);
+`backend.generate` is awaited on that loop, so a backend that computes on other threads must hand its
+results back thread-safely.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+import logging
+import math
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from jaxrl.inference import chat
+from jaxrl.inference.chat import ChatTemplate
+from jaxrl.inference.protocol import Completion, GenerateBackend, SamplingParams
+from jaxrl.inference.wire import BadRequest, is_int, sampling_from
+
+logger = logging.getLogger(__name__)
+
+GENERATE_ROUTE = "/inference/v1/generate"
+DEFAULT_MAX_PENDING = 1024
+DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+
+# Sampling keys the train client sends that cannot change the sampled tokens here, so they are
+# accepted and ignored: `skip_special_tokens` only shapes detokenized text (this route returns ids);
+# `routed_experts_prompt_start` asks for MoE routing replay data, which the client reads only when the
+# response carries `routed_experts` (this one never does).
+_IGNORED_SAMPLING_KEYS = frozenset({"skip_special_tokens", "routed_experts_prompt_start"})
+# vLLM knobs accepted only at the value that disables them (what a client that sets them everywhere
+# sends by default); any other value would ask for sampling this engine does not do.
+_NEUTRAL_SAMPLING_VALUES: dict[str, Any] = {
+    "n": 1,
+    "min_tokens": 0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "ignore_eos": False,
+}
+_SAMPLING_KEYS = frozenset(
+    {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "stop_token_ids", "seed",
+     "logprobs"}
+) | _IGNORED_SAMPLING_KEYS | frozenset(_NEUTRAL_SAMPLING_VALUES)
+# Top-level request keys besides the three the route needs: `cache_salt` isolates vLLM's prefix cache
+# between tenants and `priority` orders its queue; neither changes what is sampled.
+_REQUEST_KEYS = frozenset({"model", "token_ids", "sampling_params", "cache_salt", "priority", "request_id"})
+
+
+def error_response(message: str, status: int, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status, headers=headers)
+
+
+def parse_sampling(raw: Any, prompt_len: int, max_model_len: int) -> SamplingParams:
+    """Validates a generate request's `sampling_params` object (`jaxrl.inference.wire.sampling_from`'s fields,
+    plus vLLM's that this route accepts) into `SamplingParams`; raises `BadRequest`."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise BadRequest("sampling_params must be an object")
+    unknown = sorted(set(raw) - _SAMPLING_KEYS)
+    if unknown:
+        raise BadRequest(f"unsupported sampling parameter(s): {', '.join(unknown)}")
+    for key, neutral in _NEUTRAL_SAMPLING_VALUES.items():
+        if key in raw and raw[key] is not None and raw[key] != neutral:
+            raise BadRequest(f"sampling parameter {key}={raw[key]!r} is not supported (only {neutral!r})")
+    # The response always carries the sampled token's own logprob, which is what `logprobs` 0 or 1
+    # asks vLLM for; more would mean top-k alternatives per position, which this route does not return.
+    logprobs = raw.get("logprobs")
+    if logprobs is not None and (not is_int(logprobs) or logprobs not in (0, 1)):
+        raise BadRequest(f"logprobs must be 0 or 1, got {logprobs!r}")
+    return sampling_from(raw, prompt_len, max_model_len)
+
+
+def parse_generate_request(
+    body: Any, backend: GenerateBackend
+) -> tuple[list[int], SamplingParams, str | None]:
+    """Validates a generate request body: (prompt ids, sampling, request id or None); raises `BadRequest`."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    unknown = sorted(set(body) - _REQUEST_KEYS)
+    if unknown:
+        raise BadRequest(f"unsupported request field(s): {', '.join(unknown)}")
+    model = body.get("model")
+    if model is not None and model != backend.model_name:
+        raise BadRequest(f"model {model!r} does not exist; this server serves {backend.model_name!r}", 404)
+    token_ids = body.get("token_ids")
+    if token_ids is None:
+        raise BadRequest("token_ids is required")
+    if not isinstance(token_ids, list) or not token_ids:
+        raise BadRequest("token_ids must be a non-empty list of integers")
+    if not all(is_int(t) and t >= 0 for t in token_ids):
+        raise BadRequest("token_ids must contain only non-negative integers")
+    request_id = body.get("request_id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise BadRequest("request_id must be a string")
+    params = parse_sampling(body.get("sampling_params"), len(token_ids), backend.max_model_len)
+    return token_ids, params, request_id
+
+
+def generate_response(request_id: str, prompt_ids: list[int], completion: Completion) -> dict:
+    """The response body for one finished request. Raises ValueError for a completion that breaks the
+    backend contract (the client would reject it: one finite logprob per token)."""
+    tokens, logprobs = completion.token_ids, completion.logprobs
+    if len(tokens) != len(logprobs):
+        raise ValueError(f"backend returned {len(tokens)} tokens but {len(logprobs)} logprobs")
+    if not all(math.isfinite(lp) for lp in logprobs):
+        raise ValueError("backend returned a non-finite logprob")
+    content = [{"token": f"token_id:{t}", "logprob": float(lp)} for t, lp in zip(tokens, logprobs, strict=True)]
+    return {
+        "request_id": request_id,
+        "prompt_token_ids": prompt_ids,
+        "choices": [
+            {
+                "index": 0,
+                "token_ids": tokens,
+                "logprobs": {"content": content},
+                "finish_reason": completion.finish_reason,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(tokens),
+            "total_tokens": len(prompt_ids) + len(tokens),
+        },
+    }
+
+
+class Admission:
+    """Counts the generation requests queued or running; refuses one more beyond `limit` (a 503),
+    so that a flood is answered at once instead of piling up without bound. Used from the event loop
+    only, hence no lock."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"max_pending must be >= 1, got {limit}")
+        self.limit = limit
+        self.active = 0
+
+    def enter(self) -> bool:
+        if self.active >= self.limit:
+            return False
+        self.active += 1
+        return True
+
+    def leave(self) -> None:
+        self.active -= 1
+
+
+class RequireApiKey:
+    """ASGI middleware: every HTTP request but `GET /health` must carry `Authorization: Bearer <key>`
+    (a 401 otherwise, as OpenAI's API answers). The comparison takes constant time."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                response = error_response("missing or wrong API key (send Authorization: Bearer <key>)", 401,
+                                          {"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def read_json(request: Request, max_bytes: int) -> Any:
+    """The request's JSON body; raises `BadRequest` (413 beyond `max_bytes`, 400 for anything that is
+    not JSON, including nesting too deep for the parser)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise BadRequest(f"request body of {declared} bytes exceeds the limit of {max_bytes}", 413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise BadRequest(f"request body exceeds the limit of {max_bytes} bytes", 413)
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise BadRequest(f"invalid JSON body: {e}") from None
+
+
+def build_app(backend: GenerateBackend, *, chat_template: ChatTemplate | None = None, api_key: str | None = None,
+              max_pending: int = DEFAULT_MAX_PENDING, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> ASGIApp:
+    """The ASGI app serving `backend` (routes in the module docstring).
+
+    Args:
+        chat_template: the tokenizer `/v1/chat/completions` renders with; None: no chat route.
+        api_key: when set, required as `Authorization: Bearer <key>` on every route but `/health`.
+        max_pending: generation requests (both routes) queued or running at once; one more gets a 503
+            with `Retry-After`.
+        max_body_bytes: larger request bodies get a 413.
+    """
+    created = int(time.time())
+    admission = Admission(max_pending)
+
+    def overloaded() -> JSONResponse:
+        return error_response(f"server overloaded: {admission.active} requests queued or running (limit "
+                              f"{admission.limit}); retry later", 503, {"Retry-After": "1"})
+
+    async def generate(request: Request) -> JSONResponse:
+        try:
+            prompt_ids, params, request_id = parse_generate_request(await read_json(request, max_body_bytes),
+                                                                    backend)
+        except BadRequest as e:
+            return error_response(str(e), e.status)
+        if not admission.enter():
+            return overloaded()
+        try:
+            completion = await backend.generate(prompt_ids, params)
+        except ValueError as e:  # the backend's contract: a request it cannot serve
+            return error_response(str(e), 400)
+        except Exception as e:  # noqa: BLE001 - one failed request must not take the server down
+            logger.exception("backend failed on a generate request")
+            return error_response(f"backend error: {type(e).__name__}: {e}", 500)
+        finally:
+            admission.leave()
+        try:
+            payload = generate_response(request_id or f"gen-{uuid.uuid4().hex}", prompt_ids, completion)
+        except ValueError as e:
+            logger.error("backend broke its contract: %s", e)
+            return error_response(f"backend error: {e}", 500)
+        return JSONResponse(payload)
+
+    async def chat_completions(request: Request) -> Response:
+        assert chat_template is not None
+        try:
+            body = await read_json(request, max_body_bytes)
+            req = chat.parse_chat_request(body, chat_template, backend.model_name, backend.max_model_len)
+        except BadRequest as e:
+            return error_response(str(e), e.status)
+        if not admission.enter():
+            return overloaded()
+        run = chat.ChatRun(backend, chat_template, req, admission.leave)
+        if req.stream:
+            return StreamingResponse(chat.stream(run, backend.model_name), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            return JSONResponse(await chat.complete(run, backend.model_name))
+        except ValueError as e:
+            return error_response(str(e), 400)
+        except Exception as e:  # noqa: BLE001 - one failed request must not take the server down
+            logger.exception("backend failed on a chat request")
+            return error_response(f"backend error: {type(e).__name__}: {e}", 500)
+
+    async def models(request: Request) -> JSONResponse:
+        card = {
+            "id": backend.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "jaxrl",
+            "max_model_len": backend.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok", "pending": admission.active})
+
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, HTTPException)
+        return error_response(exc.detail, exc.status_code)
+
+    routes = [
+        Route(GENERATE_ROUTE, generate, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ]
+    if chat_template is not None:
+        routes.append(Route(chat.CHAT_ROUTE, chat_completions, methods=["POST"]))
+    app: ASGIApp = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    return RequireApiKey(app, api_key) if api_key else app
+
+
+@dataclasses.dataclass
+class ServerHandle:
+    """A running server. `base_url` is the OpenAI-style root ("http://HOST:PORT/v1") that verifiers'
+    `TrainClientConfig.base_url` takes; the generate route lives beside it, at the server root."""
+
+    host: str
+    port: int
+    _server: uvicorn.Server
+    _thread: threading.Thread
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Asks uvicorn to exit and waits up to `timeout` seconds for its thread."""
+        self._server.should_exit = True
+        self._thread.join(timeout)
+
+
+def start_server(
+    backend: GenerateBackend, host: str = "127.0.0.1", port: int = 0, *, startup_timeout: float = 30.0,
+    chat_template: ChatTemplate | None = None, api_key: str | None = None, max_pending: int = DEFAULT_MAX_PENDING,
+) -> ServerHandle:
+    """Serves `backend` on `host:port` (0: a free port) from a daemon thread; returns once the server
+    accepts connections. `chat_template`, `api_key` and `max_pending` are `build_app`'s. Raises
+    RuntimeError if it has not started within `startup_timeout` seconds, OSError if the port cannot be
+    bound."""
+    # Binding here, not in uvicorn, gives port 0's real port before the thread starts and surfaces
+    # a bind error in the caller.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    bound_port = sock.getsockname()[1]
+    app = build_app(backend, chat_template=chat_template, api_key=api_key, max_pending=max_pending)
+    # A stream still open at shutdown is cut after a few seconds rather than holding the exit.
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="jaxrl-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout
+    while not server.started:
+        if not thread.is_alive():
+            sock.close()
+            raise RuntimeError(f"server on {host}:{bound_port} exited during startup")
+        if time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"server on {host}:{bound_port} did not start in {startup_timeout:g} s")
+        time.sleep(0.01)
+    return ServerHandle(host=host, port=bound_port, _server=server, _thread=thread)

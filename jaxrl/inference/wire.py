@@ -1,0 +1,97 @@
+"""Request validation shared by the server's routes: the error type and the sampling fields.
+
+Every value a client sends is checked here before it reaches the engine, so that no request can push
+a value the device code would overflow on (a float beyond float32, a seed beyond int64) or silently
+misread (a bool where a number belongs: JSON `true` is a Python int).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from jaxrl.inference.protocol import SamplingParams
+
+FLOAT32_MAX = 3.4028234663852886e38
+INT32_MAX = 2**31 - 1
+# vLLM's _SAMPLING_EPS: a temperature below it is greedy decoding (dividing logits by it would overflow).
+GREEDY_BELOW = 1e-5
+
+
+class BadRequest(ValueError):
+    """A request the server refuses: HTTP `status` with `message` in the JSON error body."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """A JSON number (not a bool) that float32 holds without overflow."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) \
+        and abs(value) <= FLOAT32_MAX
+
+
+def sampling_from(raw: Mapping[str, Any], prompt_len: int, max_model_len: int) -> SamplingParams:
+    """`SamplingParams` from the sampling fields of a request (absent or null: the default); raises
+    `BadRequest` naming the field.
+
+    Fields: temperature (>= 0; below 1e-5 greedy, as in vLLM), top_p (0, 1], top_k (integer; <= 0 off),
+    min_p [0, 1], repetition_penalty (> 0), max_tokens (integer >= 1; default: the room left in the
+    context, `max_model_len - prompt_len`, as in vLLM), stop_token_ids (non-negative integers), seed
+    (an int64). Keys other than these are the caller's business.
+    """
+    defaults = SamplingParams()
+
+    def number(key: str, ok, rule: str) -> float:
+        value = raw.get(key)
+        if value is None:
+            return getattr(defaults, key)
+        if not is_number(value) or not ok(value):
+            raise BadRequest(f"{key} must be {rule}, got {value!r}")
+        return float(value)
+
+    temperature = number("temperature", lambda v: v >= 0, "a number >= 0")
+    top_p = number("top_p", lambda v: 0 < v <= 1, "in (0, 1]")
+    min_p = number("min_p", lambda v: 0 <= v <= 1, "in [0, 1]")
+    repetition_penalty = number("repetition_penalty", lambda v: v > 0, "a number > 0")
+
+    top_k = raw.get("top_k")
+    if top_k is None:
+        top_k = defaults.top_k
+    elif not is_int(top_k):
+        raise BadRequest(f"top_k must be an integer, got {top_k!r}")
+
+    max_tokens = raw.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = max_model_len - prompt_len
+        if max_tokens < 1:
+            raise BadRequest(f"a prompt of {prompt_len} tokens fills the context of {max_model_len}")
+    elif not is_int(max_tokens) or max_tokens < 1:
+        raise BadRequest(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+
+    stop = raw.get("stop_token_ids")
+    if stop is None:
+        stop = []
+    elif not isinstance(stop, list) or not all(is_int(t) and t >= 0 for t in stop):
+        raise BadRequest("stop_token_ids must be a list of non-negative integers")
+
+    seed = raw.get("seed")
+    if seed is not None and not (is_int(seed) and -(2**63) <= seed < 2**63):
+        raise BadRequest(f"seed must be a 64-bit integer, got {seed!r}")
+
+    return SamplingParams(
+        temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+        top_p=top_p,
+        top_k=min(top_k, INT32_MAX) if top_k > 0 else -1,  # beyond the vocabulary keeps every token anyway
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        max_tokens=max_tokens,
+        stop_token_ids=tuple(stop),
+        seed=seed,
+    )

@@ -1,0 +1,353 @@
+"""Hugging Face Qwen3 checkpoints (`config.json` + safetensors) to and from jaxrl params.
+
+A checkpoint folder holds `config.json` and either one `model.safetensors` or shards listed by
+`model.safetensors.index.json`, with transformers' `Qwen3ForCausalLM` tensor names. HF stores each
+layer separately and each Linear weight as [out, in]; jaxrl stacks layers on a leading `L` axis and
+keeps each weight as [in..., out...] with heads split out (`jaxrl.model.qwen3.param_specs`):
+
+    model.embed_tokens.weight                [V, D]    -> embed       [V, D]
+    model.layers.{i}.self_attn.q_proj.weight [N*H, D]  -> wq          [L, D, N, H]
+    model.layers.{i}.self_attn.o_proj.weight [D, N*H]  -> wo          [L, N, H, D]
+    model.layers.{i}.mlp.down_proj.weight    [D, F]    -> mlp/w_down  [Q, F, D]  (layers with a dense MLP)
+    model.layers.{i}.mlp.gate.weight         [E, D]    -> moe/router  [U, D, E]  (layers with an MoE block)
+    model.layers.{i}.mlp.experts.{e}.up_proj.weight [I, D] -> moe/w_up [U, E, D, I]
+    lm_head.weight                           [V, D]    -> unembed     [D, V]   (untied models only)
+
+and so on for every weight in the tables below. Checkpoints store each expert separately (as
+transformers 5 still saves them); jaxrl stacks them on an `E` axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import safetensors.numpy
+
+from jaxrl.model.qwen3 import ModelConfig, Params, param_specs
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# our name -> (HF name, letters of our shape that HF stores last, as a Linear's input; "" = same layout)
+_TOP: dict[str, tuple[str, str]] = {
+    "embed": ("model.embed_tokens.weight", ""),
+    "final_norm": ("model.norm.weight", ""),
+    "unembed": ("lm_head.weight", "D"),
+}
+_GROUPS: dict[str, dict[str, tuple[str, str]]] = {}
+_GROUPS["layers"] = {
+    "attn_norm": ("model.layers.{i}.input_layernorm.weight", ""),
+    "wq": ("model.layers.{i}.self_attn.q_proj.weight", "D"),
+    "wk": ("model.layers.{i}.self_attn.k_proj.weight", "D"),
+    "wv": ("model.layers.{i}.self_attn.v_proj.weight", "D"),
+    "wo": ("model.layers.{i}.self_attn.o_proj.weight", "NH"),
+    "q_norm": ("model.layers.{i}.self_attn.q_norm.weight", ""),
+    "k_norm": ("model.layers.{i}.self_attn.k_norm.weight", ""),
+    "mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", ""),
+}
+_GROUPS["mlp"] = {
+    "w_gate": ("model.layers.{i}.mlp.gate_proj.weight", "D"),
+    "w_up": ("model.layers.{i}.mlp.up_proj.weight", "D"),
+    "w_down": ("model.layers.{i}.mlp.down_proj.weight", "F"),
+}
+_GROUPS["moe"] = {
+    "router": ("model.layers.{i}.mlp.gate.weight", "D"),
+    "w_gate": ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "D"),
+    "w_up": ("model.layers.{i}.mlp.experts.{e}.up_proj.weight", "D"),
+    "w_down": ("model.layers.{i}.mlp.experts.{e}.down_proj.weight", "I"),
+}
+
+# Tensors some Qwen3 checkpoints carry that the model does not use.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+_SAFETENSORS_DTYPES: dict[str, Any] = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """One jaxrl weight and the HF tensors that store it: one per (layer, expert) index when stacked."""
+
+    key: tuple[str, ...]  # path in the params pytree
+    hf_name: str  # "{i}" stands for the layer index, "{e}" for the expert index
+    shape: tuple[int, ...]  # our shape of one HF tensor (without the stack axes)
+    n_in: int  # leading axes of `shape` that HF stores last (a Linear's input); 0: same layout
+    layers: tuple[int, ...] | None  # layer index of each entry of the leading stack axis; None: unstacked
+    experts: int = 0  # > 0: a second stack axis with one HF tensor per expert
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        if not self.n_in:
+            return self.shape
+        return math.prod(self.shape[self.n_in:]), math.prod(self.shape[: self.n_in])
+
+    @property
+    def stack_shape(self) -> tuple[int, ...]:
+        """Our leading stack axes: (), (layers,) or (layers, experts)."""
+        if self.layers is None:
+            return ()
+        return (len(self.layers), self.experts) if self.experts else (len(self.layers),)
+
+    def entries(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(HF name, index into our stack axes) of every HF tensor of this weight."""
+        if self.layers is None:
+            return [(self.hf_name, ())]
+        experts = range(self.experts) if self.experts else [None]
+        return [(self.hf_name.format(i=i, e=e), (j,) if e is None else (j, e))
+                for j, i in enumerate(self.layers) for e in experts]
+
+    def to_ours(self, t: np.ndarray) -> np.ndarray:
+        return t.T.reshape(self.shape) if self.n_in else t
+
+    def to_hf(self, w: np.ndarray) -> np.ndarray:
+        return w.reshape(self.hf_shape[::-1]).T if self.n_in else w
+
+
+class _Stored(NamedTuple):
+    """One HF tensor to write: entry `index` of `weight`'s stack axes, in `dtype`."""
+
+    name: str
+    tensor: _Tensor
+    weight: Any
+    index: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.tensor.hf_shape) * self.dtype.itemsize
+
+    def array(self) -> np.ndarray:
+        w = np.asarray(self.weight[self.index] if self.index else self.weight)
+        return np.ascontiguousarray(self.tensor.to_hf(w), dtype=self.dtype)
+
+
+def _layout(cfg: ModelConfig) -> list[_Tensor]:
+    """Every weight of `param_specs(cfg)` with its HF names and layouts."""
+    dims = cfg.dims()
+    layer_ids = {"layers": tuple(range(cfg.num_layers)), "mlp": cfg.mlp_layers, "moe": cfg.moe_layers}
+    out = []
+    for name, spec in param_specs(cfg).items():
+        if name not in _GROUPS:
+            hf_name, fan_in = _TOP[name]
+            assert spec.letters.startswith(fan_in), (name, spec.letters, fan_in)
+            out.append(_Tensor((name,), hf_name, spec.shape(dims), len(fan_in), None))
+            continue
+        for wname, wspec in spec.items():
+            hf_name, fan_in = _GROUPS[name][wname]
+            n_stack = 2 if "{e}" in hf_name else 1
+            assert wspec.letters[n_stack:].startswith(fan_in), (wname, wspec.letters, fan_in)
+            out.append(_Tensor((name, wname), hf_name, wspec.shape(dims)[n_stack:], len(fan_in), layer_ids[name],
+                               cfg.num_experts if n_stack == 2 else 0))
+    return out
+
+
+def tensor_names(cfg: ModelConfig) -> dict[tuple[str, ...], list[tuple[str, tuple[int, ...]]]]:
+    """For each weight of `param_specs(cfg)`, keyed by its path in the params (`("layers", "wq")`): the
+    HF name of every tensor that stores it, with that tensor's index into the weight's stack axes
+    (`()`, `(layer,)` or `(layer, expert)`), e.g. `("model.layers.3.self_attn.q_proj.weight", (3,))`."""
+    return {t.key: t.entries() for t in _layout(cfg)}
+
+
+def load_config(folder: str | Path) -> ModelConfig:
+    """The architecture in `folder/config.json`.
+
+    Raises:
+        FileNotFoundError: the folder or its config.json does not exist.
+        ValueError: config.json is not a Qwen3 config (see `ModelConfig.from_hf`).
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint folder {folder} has no {CONFIG_FILE}")
+    try:
+        return ModelConfig.from_hf(json.loads(path.read_text()))
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Memory-mapped views of every tensor in one safetensors file (bytes are read on first touch).
+
+    safetensors' own numpy reader cannot return bfloat16, the dtype most checkpoints use, so the file is
+    read here, following the format's spec: a little-endian u64 header size, a JSON header
+    {name: {dtype, shape, data_offsets}}, then the tensors' bytes.
+    """
+    with path.open("rb") as f:
+        (header_size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_size))
+    header.pop("__metadata__", None)
+    if not header:
+        return {}
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_size)
+    out = {}
+    for name, info in header.items():
+        if info["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
+        begin, end = info["data_offsets"]
+        if end - begin != math.prod(info["shape"]) * dtype.itemsize or end > data.size:
+            raise ValueError(f"{path}: tensor {name!r} has corrupt data offsets {info['data_offsets']}")
+        out[name] = data[begin:end].view(dtype).reshape(info["shape"])
+    return out
+
+
+def _open_weights(folder: Path) -> dict[str, np.ndarray]:
+    """HF name -> memory-mapped tensor, over `model.safetensors` or the shards its index lists."""
+    single, index = folder / WEIGHTS_FILE, folder / INDEX_FILE
+    if single.is_file():  # as transformers does, prefer the single file when both exist
+        return _read_safetensors(single)
+    if not index.is_file():
+        raise FileNotFoundError(f"checkpoint folder {folder} has neither {WEIGHTS_FILE} nor {INDEX_FILE}")
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    tensors: dict[str, np.ndarray] = {}
+    for shard in shards:
+        if not (folder / shard).is_file():
+            raise FileNotFoundError(f"checkpoint folder {folder} lacks {shard}, listed in {INDEX_FILE}")
+        tensors.update(_read_safetensors(folder / shard))
+    return tensors
+
+
+def _at(tree: Mapping[str, Any], key: tuple[str, ...]) -> Any:
+    for k in key:
+        tree = tree[k]
+    return tree
+
+
+def load_hf(folder: str | Path, dtype: Any = jnp.float32, *,
+            shardings: Any | None = None) -> tuple[ModelConfig, Params]:
+    """Read a HF Qwen3 checkpoint into a params pytree with the structure of `param_specs(cfg)`.
+
+    Weights are converted one at a time from memory-mapped files, so host memory peaks at the params
+    plus one stacked weight.
+
+    Args:
+        folder: holds `config.json` and `model.safetensors` (or shards and `model.safetensors.index.json`).
+        dtype: dtype of every returned array (the checkpoint's, e.g. bf16, is converted).
+        shardings: optional pytree of `jax.sharding.Sharding` with the params' structure (e.g.
+            `jaxrl.parallel.sharding.spec_shardings(param_specs(cfg), cfg.dims(), mesh)`; get `cfg` from
+            `load_config`); each weight is placed with its sharding. None: the default device.
+
+    Returns:
+        The config and the params (embed [V, D], layers {wq [L, D, N, H], ...}, final_norm [D], and
+        unembed [D, V] when the embeddings are not tied).
+
+    Raises:
+        FileNotFoundError: the folder, config.json, the weights, or a shard the index lists is missing.
+        ValueError: config.json is not Qwen3; a tensor is missing, has the wrong shape, or is not
+            part of this architecture (the message names the tensor).
+    """
+    folder = Path(folder)
+    cfg = load_config(folder)
+    tensors = _open_weights(folder)
+    layout = _layout(cfg)
+
+    expected = {n for t in layout for n, _ in t.entries()}
+    missing = sorted(expected - tensors.keys())
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"checkpoint {folder}: tensor {missing[0]!r} is missing{more}")
+    unused = {n for n in tensors.keys() - expected if not n.endswith(_IGNORED_SUFFIXES)}
+    if cfg.tie_word_embeddings:
+        unused.discard("lm_head.weight")  # some tied checkpoints store a copy of the embedding
+    if unused:
+        raise ValueError(f"checkpoint {folder}: tensors {sorted(unused)[:5]} are not part of a Qwen3 "
+                         f"model with this config.json ({len(unused)} in all)")
+
+    np_dtype = np.dtype(dtype)
+    params: Params = {}
+    for t in layout:
+        host = np.empty(t.stack_shape + t.shape, np_dtype)
+        for name, index in t.entries():
+            src = tensors[name]
+            if tuple(src.shape) != t.hf_shape:
+                raise ValueError(f"checkpoint {folder}: tensor {name!r} has shape {tuple(src.shape)}, "
+                                 f"expected {t.hf_shape} from config.json")
+            host[index] = t.to_ours(src)
+        sharding = None if shardings is None else _at(shardings, t.key)
+        value = jax.device_put(host, sharding)
+        if len(t.key) == 2:
+            params.setdefault(t.key[0], {})[t.key[1]] = value
+        else:
+            params[t.key[0]] = value
+        del host
+    return cfg, params
+
+
+def save_hf(folder: str | Path, cfg: ModelConfig, params: Params, *, max_shard_bytes: int | None = None,
+            dtype: Any | None = None) -> list[Path]:
+    """Write `params` as a HF Qwen3 checkpoint that `Qwen3ForCausalLM.from_pretrained(folder)` loads.
+
+    Writes `config.json` (`cfg.to_hf()`) and `model.safetensors`, or, with `max_shard_bytes`, shards
+    `model-0000k-of-0000n.safetensors` of at most that many bytes each (a tensor larger than the limit
+    gets a shard of its own) plus `model.safetensors.index.json`. Weight files already in the folder
+    are deleted first so that no stale shard or index is left beside the new ones.
+
+    Args:
+        params: the structure of `param_specs(cfg)` (jax or numpy arrays).
+        dtype: dtype of the stored tensors; None keeps each weight's own dtype.
+
+    Returns:
+        The weight files written.
+
+    Raises:
+        ValueError: a weight is missing from `params` or has a shape other than `cfg` implies.
+    """
+    folder = Path(folder)
+    entries: list[_Stored] = []
+    for t in _layout(cfg):
+        try:
+            w = _at(params, t.key)
+        except KeyError:
+            raise ValueError(f"params lack the weight {'/'.join(t.key)}") from None
+        want = t.stack_shape + t.shape
+        if tuple(w.shape) != want:
+            raise ValueError(f"params weight {'/'.join(t.key)} has shape {tuple(w.shape)}, expected {want}")
+        out_dtype = np.dtype(dtype if dtype is not None else w.dtype)
+        w = np.asarray(w)  # one device-to-host copy per weight, not one per layer and expert
+        entries += [_Stored(name, t, w, index, out_dtype) for name, index in t.entries()]
+
+    shards: list[list[_Stored]] = [[]]
+    shard_bytes = 0
+    for e in entries:
+        if max_shard_bytes is not None and shards[-1] and shard_bytes + e.nbytes > max_shard_bytes:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(e)
+        shard_bytes += e.nbytes
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in [*folder.glob("model*.safetensors"), folder / INDEX_FILE]:
+        old.unlink(missing_ok=True)
+    sharded = max_shard_bytes is not None
+    files, weight_map, total = [], {}, 0
+    for k, shard in enumerate(shards, start=1):
+        path = folder / (f"model-{k:05d}-of-{len(shards):05d}.safetensors" if sharded else WEIGHTS_FILE)
+        tensors = {e.name: e.array() for e in shard}
+        safetensors.numpy.save_file(tensors, path, metadata={"format": "pt"})
+        del tensors
+        weight_map.update((e.name, path.name) for e in shard)
+        total += sum(e.nbytes for e in shard)
+        files.append(path)
+    if sharded:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+    hf = cfg.to_hf()
+    hf["torch_dtype"] = np.dtype(dtype if dtype is not None else _at(params, ("embed",)).dtype).name
+    (folder / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
+    return files

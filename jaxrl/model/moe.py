@@ -1,0 +1,168 @@
+"""Qwen3-MoE's sparse MLP block: top-k routing and two dispatch paths, both dropless.
+
+Letters as in `jaxrl.model.qwen3`, plus M tokens (B * T flattened), X the top-k slots of a token, and
+A = M * X token-expert assignments.
+
+Routing follows transformers' `Qwen3MoeTopKRouter`: probabilities `softmax(h @ router)` in fp32, the
+`num_experts_per_tok` largest with their expert ids, renormalised to sum to 1 when `norm_topk_prob`.
+The block's output is `sum_k p_k * expert_k(h)` with SwiGLU experts `down(silu(gate(h)) * up(h))`.
+
+- `experts_dense` runs every expert on every token and weights the results (E / k times the useful
+  FLOPs): simple and fast for the handful of experts of test models.
+- `experts_grouped` sorts the assignments by expert and runs each expert on its own rows with
+  `jax.lax.ragged_dot`: only the useful FLOPs, for real expert counts.
+- `moe_block` with an `expert` mesh axis larger than 1 is expert parallel (`shard_map`): every device
+  holds E / ep experts; the tokens of the ep devices of an expert group are all-gathered, each device
+  runs its experts on the rows routed to them (`experts_grouped`), and a reduce-scatter returns each
+  token's summed output to the device that owns it (the all-gather dispatcher of Megatron-LM's MoE).
+  Nothing has a capacity, so no token is ever dropped; the price is that the all-gather moves every
+  token to each of the ep devices rather than only to its k experts. Expert weights sharded over
+  `fsdp`/`tensor` are gathered per layer inside the block (ZeRO-3 style).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxrl.parallel.sharding import RULES, logical_spec
+
+# Logical axes of each expert weight ([E, in, out], without the layer stack); declared here once and
+# used by `jaxrl.model.qwen3.param_specs` and by the expert-parallel block's shard_map specs.
+EXPERT_AXES: dict[str, tuple[str | None, ...]] = {
+    "w_gate": ("experts", "embed", "mlp"),
+    "w_up": ("experts", "embed", "mlp"),
+    "w_down": ("experts", "mlp", "embed"),
+}
+DENSE_DISPATCH_MAX_EXPERTS = 8  # up to this many experts, one device runs `experts_dense`
+
+
+def route(h_MD: jax.Array, router_DE: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+    """Top-k routing. Returns expert ids [M, X] int32 and their weights [M, X] float32."""
+    logits_ME = jnp.einsum("MD,DE->ME", h_MD, router_DE).astype(jnp.float32)
+    probs_ME = jax.nn.softmax(logits_ME, axis=-1)
+    w_MX, idx_MX = jax.lax.top_k(probs_ME, top_k)
+    if norm_topk_prob:
+        w_MX = w_MX / jnp.sum(w_MX, axis=-1, keepdims=True)
+    return idx_MX.astype(jnp.int32), w_MX
+
+
+def _expert_lora(x: jax.Array, ab: dict[str, jax.Array] | None, scale: float, lhs: str) -> jax.Array | float:
+    """Per-expert LoRA delta [M, E, out] for input `x` with letters `lhs`: "MD" (one input for all
+    experts) or "MEI" (each expert's own input)."""
+    if ab is None:
+        return 0.0
+    xa_MER = jnp.einsum(f"{lhs},E{lhs[-1]}R->MER", x, ab["a"])
+    return (scale * jnp.einsum("MER,ERO->MEO", xa_MER, ab["b"])).astype(x.dtype)
+
+
+def experts_dense(h_MD: jax.Array, idx_MX: jax.Array, w_MX: jax.Array, we: dict[str, jax.Array],
+                  lwe: dict[str, Any] | None, lora_scale: float) -> jax.Array:
+    """Every expert on every token, combined with the routing weights. Returns [M, D] in h's dtype.
+
+    `we`: w_gate/w_up [E, D, I], w_down [E, I, D]; `lwe`: optional LoRA factors per weight,
+    `a` [E, in, R] and `b` [E, R, out].
+    """
+    lwe = lwe or {}
+    e = we["w_gate"].shape[0]
+    combine_ME = jnp.sum(jax.nn.one_hot(idx_MX, e, dtype=jnp.float32) * w_MX[..., None], axis=1)
+    gate_MEI = jnp.einsum("MD,EDI->MEI", h_MD, we["w_gate"]) + _expert_lora(h_MD, lwe.get("w_gate"), lora_scale, "MD")
+    up_MEI = jnp.einsum("MD,EDI->MEI", h_MD, we["w_up"]) + _expert_lora(h_MD, lwe.get("w_up"), lora_scale, "MD")
+    act_MEI = jax.nn.silu(gate_MEI) * up_MEI
+    out_MED = jnp.einsum("MEI,EID->MED", act_MEI, we["w_down"]) + _expert_lora(
+        act_MEI, lwe.get("w_down"), lora_scale, "MEI")
+    return jnp.einsum("MED,ME->MD", out_MED, combine_ME.astype(out_MED.dtype))
+
+
+def experts_grouped(h_MD: jax.Array, idx_MX: jax.Array, w_MX: jax.Array, we: dict[str, jax.Array],
+                    lwe: dict[str, Any] | None, lora_scale: float, first_expert: jax.Array | int = 0) -> jax.Array:
+    """The experts `first_expert ... first_expert + E_local - 1` (those in `we`) on the assignments
+    routed to them, as grouped matmuls (`jax.lax.ragged_dot`). Assignments to other experts
+    contribute nothing. Returns [M, D] in h's dtype; weights and LoRA as in `experts_dense`.
+    """
+    lwe = lwe or {}
+    e_local = we["w_gate"].shape[0]
+    m, x = idx_MX.shape
+    local_A = idx_MX.reshape(m * x) - first_expert
+    mine_A = (local_A >= 0) & (local_A < e_local)
+    group_A = jnp.where(mine_A, local_A, e_local)  # other experts' rows sort last, past every group
+    order_A = jnp.argsort(group_A, stable=True)
+    token_A = order_A // x
+    sizes_E = jnp.bincount(group_A, length=e_local + 1)[:e_local].astype(jnp.int32)
+    rows_AD = h_MD[token_A]
+
+    def matmul(v, name):
+        y = jax.lax.ragged_dot(v, we[name], sizes_E)
+        if (ab := lwe.get(name)) is not None:
+            va = jax.lax.ragged_dot(v, ab["a"], sizes_E)
+            y = y + (lora_scale * jax.lax.ragged_dot(va, ab["b"], sizes_E)).astype(y.dtype)
+        return y
+
+    act_AI = jax.nn.silu(matmul(rows_AD, "w_gate")) * matmul(rows_AD, "w_up")
+    out_AD = matmul(act_AI, "w_down")
+    weight_A = jnp.where(mine_A, w_MX.reshape(m * x), 0.0)[order_A]
+    return jnp.zeros_like(h_MD).at[token_A].add((out_AD * weight_A[:, None]).astype(h_MD.dtype))
+
+
+def _gather_non_expert(x: jax.Array, spec: PartitionSpec) -> jax.Array:
+    """All-gather every sharded dimension of a local block except its `expert` sharding."""
+    for dim, axes in enumerate(spec):
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        others = tuple(a for a in axes if a != "expert")
+        if others:
+            x = jax.lax.all_gather(x, others, axis=dim, tiled=True)
+    return x
+
+
+def moe_block(h_BTD: jax.Array, router_DE: jax.Array, we: dict[str, jax.Array], lwe: dict[str, Any] | None,
+              *, top_k: int, norm_topk_prob: bool, lora_scale: float, mesh: Mesh | None = None,
+              dispatch: str = "auto") -> jax.Array:
+    """The sparse MLP block on [B, T, D] hidden states; returns [B, T, D] in their dtype.
+
+    Args:
+        router_DE: the router weight (HF `mlp.gate`).
+        we, lwe: expert weights and optional LoRA factors (see `experts_dense`).
+        mesh: the device mesh; with an `expert` axis of size > 1 the block is expert parallel.
+        dispatch: on one expert shard, "dense", "grouped", or "auto" (dense up to
+            `DENSE_DISPATCH_MAX_EXPERTS` experts).
+
+    Raises:
+        ValueError: the expert count is not a multiple of the `expert` mesh axis.
+    """
+    b, t, d = h_BTD.shape
+    idx_MX, w_MX = route(h_BTD.reshape(b * t, d), router_DE, top_k, norm_topk_prob)
+    e = we["w_gate"].shape[0]
+    ep = 1 if mesh is None else mesh.shape["expert"]
+    if ep == 1:
+        dense = dispatch == "dense" or (dispatch == "auto" and e <= DENSE_DISPATCH_MAX_EXPERTS)
+        run = experts_dense if dense else experts_grouped
+        return run(h_BTD.reshape(b * t, d), idx_MX, w_MX, we, lwe, lora_scale).reshape(b, t, d)
+    if e % ep:
+        raise ValueError(f"{e} experts cannot be split over an expert mesh axis of size {ep}")
+
+    tok_spec = logical_spec(("batch", None), (b * t, d), mesh, RULES)
+    route_spec = PartitionSpec(tok_spec[0], None)
+    split = "expert" in ((tok_spec[0],) if isinstance(tok_spec[0], str) else tuple(tok_spec[0] or ()))
+    w_specs = {k: logical_spec(EXPERT_AXES[k], v.shape, mesh, RULES) for k, v in we.items()}
+    lw_specs = {k: {"a": logical_spec((*EXPERT_AXES[k][:2], None), ab["a"].shape, mesh, RULES),
+                    "b": logical_spec((EXPERT_AXES[k][0], None, EXPERT_AXES[k][2]), ab["b"].shape, mesh, RULES)}
+                for k, ab in (lwe or {}).items()}
+
+    def local(h_MD, idx_MX, w_MX, we, lwe):
+        if split:  # bring the expert group's tokens together
+            h_MD, idx_MX, w_MX = (jax.lax.all_gather(v, "expert", axis=0, tiled=True) for v in (h_MD, idx_MX, w_MX))
+        we = {k: _gather_non_expert(v, w_specs[k]) for k, v in we.items()}
+        lwe = {k: {f: _gather_non_expert(v, lw_specs[k][f]) for f, v in ab.items()} for k, ab in lwe.items()}
+        first = jax.lax.axis_index("expert") * we["w_gate"].shape[0]
+        out_MD = experts_grouped(h_MD, idx_MX, w_MX, we, lwe, lora_scale, first)
+        if split:  # sum over the experts and hand each token back to its owner
+            return jax.lax.psum_scatter(out_MD, "expert", scatter_dimension=0, tiled=True)
+        return jax.lax.psum(out_MD, "expert")
+
+    out_MD = jax.shard_map(local, mesh=mesh, in_specs=(tok_spec, route_spec, route_spec, w_specs, lw_specs),
+                           out_specs=tok_spec, check_vma=False)(
+        h_BTD.reshape(b * t, d), idx_MX, w_MX, we, lwe or {})
+    return out_MD.reshape(b, t, d)

@@ -1,0 +1,445 @@
+"""Qwen3 and Qwen3-MoE in JAX over a params pytree, with LoRA and a KV cache.
+
+Letters used in names and einsums:
+  B batch   T query positions   S key positions (KV cache length)   L layers
+  D model   N query heads       K kv heads       G query heads per kv head (N // K)
+  H head    F MLP hidden        V vocabulary     R LoRA rank
+  E experts I expert MLP hidden Q layers with a dense MLP   U layers with an MoE block (Q + U = L)
+
+The architecture follows transformers' `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` (RMSNorm before
+attention and MLP, RMSNorm on every query and key head before RoPE, grouped-query attention, a SwiGLU
+MLP or a top-k mixture of SwiGLU experts, `jaxrl.model.moe`). Each weight is declared once in `param_specs`;
+initialisation (`init_params`), shardings (`jaxrl.parallel.sharding`) and checkpoint restore targets are derived
+from that one declaration. The params have three stacks: `layers` (attention and norms, [L, ...]),
+`mlp` (dense MLPs, [Q, ...]) and `moe` (router and experts, [U, ...]). A model whose layers are all of
+one kind runs them with `jax.lax.scan` (compile time flat in depth); a mixed stack is unrolled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxrl.model import moe
+from jaxrl.parallel.spec import ParamSpec, is_spec
+
+Params = dict[str, Any]
+KVCache = dict[str, jax.Array]  # {"k": [L,B,S,K,H], "v": [L,B,S,K,H]}
+
+# HF projection name -> (our weight name, how many of its non-stack axes are the projection's input)
+LORA_TARGETS: dict[str, tuple[str, int]] = {
+    "q_proj": ("wq", 1),
+    "k_proj": ("wk", 1),
+    "v_proj": ("wv", 1),
+    "o_proj": ("wo", 2),
+    "gate_proj": ("w_gate", 1),
+    "up_proj": ("w_up", 1),
+    "down_proj": ("w_down", 1),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Qwen3 checkpoint, read from its HF `config.json`."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 40960
+    num_experts: int = 0  # 0: a dense Qwen3
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Build from a parsed HF `config.json` dict.
+
+        Raises:
+            ValueError: the architecture is not Qwen3, or a required key is missing.
+        """
+        model_type = hf.get("model_type")
+        if model_type not in ("qwen3", "qwen3_moe"):
+            raise ValueError(f"model_type {model_type!r} is not supported (expected 'qwen3' or 'qwen3_moe')")
+        try:
+            n_heads = hf["num_attention_heads"]
+            moe = {}
+            if model_type == "qwen3_moe":
+                moe = dict(
+                    num_experts=int(hf.get("num_experts", hf.get("num_local_experts", 0))),
+                    num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                    moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                    decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+                    mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+                )
+            return cls(
+                vocab_size=hf["vocab_size"],
+                hidden_size=hf["hidden_size"],
+                intermediate_size=hf["intermediate_size"],
+                num_layers=hf["num_hidden_layers"],
+                num_heads=n_heads,
+                num_kv_heads=hf.get("num_key_value_heads", n_heads),
+                head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+                rope_theta=float(hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 1e6))),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
+                **moe,
+            )
+        except KeyError as e:
+            raise ValueError(f"config.json lacks the key {e.args[0]!r}") from None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def layer_is_moe(self, i: int) -> bool:
+        """Whether layer `i` has an MoE block (transformers' Qwen3MoeDecoderLayer rule)."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.layer_is_moe(i))
+
+    @property
+    def mlp_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if not self.layer_is_moe(i))
+
+    def to_hf(self) -> dict[str, Any]:
+        """The HF `config.json` dict that `from_hf` reads back into this config."""
+        moe = {}
+        if self.is_moe:
+            moe = {
+                "num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
+                "decoder_sparse_step": self.decoder_sparse_step, "mlp_only_layers": list(self.mlp_only_layers),
+            }
+        return {
+            "architectures": ["Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"],
+            "model_type": "qwen3_moe" if self.is_moe else "qwen3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "torch_dtype": "float32",
+            "bos_token_id": 151643,
+            "eos_token_id": 151645,
+            **moe,
+        }
+
+    def dims(self) -> dict[str, int]:
+        """Letter -> size, for the shapes in `param_specs`."""
+        return {
+            "V": self.vocab_size, "D": self.hidden_size, "F": self.intermediate_size, "L": self.num_layers,
+            "N": self.num_heads, "K": self.num_kv_heads, "H": self.head_dim,
+            "E": self.num_experts, "I": self.moe_intermediate_size,
+            "Q": len(self.mlp_layers), "U": len(self.moe_layers),
+        }
+
+
+def param_specs(cfg: ModelConfig) -> dict[str, Any]:
+    """The declaration of every base weight (a pytree of `ParamSpec` with the params' structure)."""
+    layers = {
+        "attn_norm": ParamSpec("LD", ("layers", "embed"), "ones"),
+        "wq": ParamSpec("LDNH", ("layers", "embed", "heads", "head_dim")),
+        "wk": ParamSpec("LDKH", ("layers", "embed", "kv_heads", "head_dim")),
+        "wv": ParamSpec("LDKH", ("layers", "embed", "kv_heads", "head_dim")),
+        "wo": ParamSpec("LNHD", ("layers", "heads", "head_dim", "embed")),
+        "q_norm": ParamSpec("LH", ("layers", "head_dim"), "ones"),
+        "k_norm": ParamSpec("LH", ("layers", "head_dim"), "ones"),
+        "mlp_norm": ParamSpec("LD", ("layers", "embed"), "ones"),
+    }
+    specs: dict[str, Any] = {
+        "embed": ParamSpec("VD", ("vocab", "embed")),
+        "layers": layers,
+        "final_norm": ParamSpec("D", ("embed",), "ones"),
+    }
+    if cfg.mlp_layers:
+        specs["mlp"] = {
+            "w_gate": ParamSpec("QDF", ("layers", "embed", "mlp")),
+            "w_up": ParamSpec("QDF", ("layers", "embed", "mlp")),
+            "w_down": ParamSpec("QFD", ("layers", "mlp", "embed")),
+        }
+    if cfg.moe_layers:
+        specs["moe"] = {
+            "router": ParamSpec("UDE", ("layers", "embed", None)),
+            "w_gate": ParamSpec("UEDI", ("layers", *moe.EXPERT_AXES["w_gate"])),
+            "w_up": ParamSpec("UEDI", ("layers", *moe.EXPERT_AXES["w_up"])),
+            "w_down": ParamSpec("UEID", ("layers", *moe.EXPERT_AXES["w_down"])),
+        }
+    if not cfg.tie_word_embeddings:
+        specs["unembed"] = ParamSpec("DV", ("embed", "vocab"))
+    return specs
+
+
+def lora_specs(cfg: ModelConfig, rank: int, targets: tuple[str, ...]) -> dict[str, Any]:
+    """Declarations of the LoRA factors, derived from the base weights they adapt.
+
+    For a target weight with stack letters P (`L`, `Q`, or `U` plus `E` for experts, one adapter per
+    expert), input letters X and output letters Y, `a` is [P, X, R] and `b` is [P, R, Y], in the groups
+    (`layers`, `mlp`, `moe`) that hold the weight; `gate_proj`/`up_proj`/`down_proj` adapt both dense
+    MLPs and experts. `b` starts at zero so a fresh adapter leaves the model unchanged (LoRA, Hu et al.
+    2021, sec. 4.1); the axes of `a`/`b` are the base weight's, so they shard alike.
+    """
+    base = param_specs(cfg)
+    out: dict[str, Any] = {}
+    for t in targets:
+        name, n_in = LORA_TARGETS[t]
+        for group in ("layers", "mlp", "moe"):
+            if name not in base.get(group, {}):
+                continue
+            spec = base[group][name]
+            p = 2 if group == "moe" else 1
+            pre, x, y = spec.letters[:p], spec.letters[p:p + n_in], spec.letters[p + n_in:]
+            ax_pre, ax_x, ax_y = spec.axes[:p], spec.axes[p:p + n_in], spec.axes[p + n_in:]
+            out.setdefault(group, {})[name] = {
+                "a": ParamSpec(pre + x + "R", (*ax_pre, *ax_x, None), "normal"),
+                "b": ParamSpec(pre + "R" + y, (*ax_pre, None, *ax_y), "zeros"),
+            }
+    return out
+
+
+def init_from_specs(specs: Any, dims: dict[str, int], key: jax.Array, dtype: Any) -> Any:
+    """Random weights for a pytree of `ParamSpec` (normal std 0.02, or ones / zeros)."""
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for spec, k in zip(leaves, keys, strict=True):
+        shape = spec.shape(dims)
+        if spec.init == "ones":
+            out.append(jnp.ones(shape, dtype))
+        elif spec.init == "zeros":
+            out.append(jnp.zeros(shape, dtype))
+        else:
+            out.append((0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32) -> Params:
+    """Random base weights with the structure of `param_specs(cfg)`."""
+    return init_from_specs(param_specs(cfg), cfg.dims(), key, dtype)
+
+
+def init_lora(cfg: ModelConfig, rank: int, targets: tuple[str, ...], key: jax.Array,
+              dtype: Any = jnp.float32) -> Params:
+    """Fresh LoRA factors (`b` = 0) for `targets` at `rank`."""
+    return init_from_specs(lora_specs(cfg, rank, targets), {**cfg.dims(), "R": rank}, key, dtype)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm (Zhang & Sennrich 2019) over the last axis, computed in fp32, returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    w = w.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + w.shape)
+    return (y * w).astype(x.dtype)
+
+
+def rope(x_BTXH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (Su et al. 2021) in HF's rotate-half layout, any head count X."""
+    h = x_BTXH.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    ang_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_freq[None, None]
+    cos = jnp.cos(ang_BTh)[:, :, None, :]
+    sin = jnp.sin(ang_BTh)[:, :, None, :]
+    x = x_BTXH.astype(jnp.float32)
+    x1, x2 = x[..., : h // 2], x[..., h // 2:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTXH.dtype)
+
+
+def _lora_delta(x: jax.Array, ab: dict[str, jax.Array] | None, scale: float, out_shape: tuple[int, ...]):
+    if ab is None:
+        return 0.0
+    flat = x.reshape(*x.shape[:2], -1)
+    delta = jnp.einsum("BTI,IR,RO->BTO", flat, ab["a"].reshape(-1, ab["a"].shape[-1]),
+                       ab["b"].reshape(ab["b"].shape[0], -1))
+    return (scale * delta).reshape(*x.shape[:2], *out_shape).astype(x.dtype)
+
+
+def _attention(cfg: ModelConfig, lora_scale: float, x_BTD, positions_BT, w, lw, k_cache, v_cache, key_pos_BS):
+    """Attention with its residual. Returns the new residual stream and this layer's key/value cache."""
+    b, t, _ = x_BTD.shape
+    nk, g, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    lw = lw or {}
+
+    h_BTD = rms_norm(x_BTD, w["attn_norm"], cfg.rms_norm_eps)
+    q_BTNH = jnp.einsum("BTD,DNH->BTNH", h_BTD, w["wq"]) + _lora_delta(h_BTD, lw.get("wq"), lora_scale,
+                                                                         (cfg.num_heads, hd))
+    k_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, w["wk"]) + _lora_delta(h_BTD, lw.get("wk"), lora_scale, (nk, hd))
+    v_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, w["wv"]) + _lora_delta(h_BTD, lw.get("wv"), lora_scale, (nk, hd))
+    q_BTNH = rope(rms_norm(q_BTNH, w["q_norm"], cfg.rms_norm_eps), positions_BT, cfg.rope_theta)
+    k_BTKH = rope(rms_norm(k_BTKH, w["k_norm"], cfg.rms_norm_eps), positions_BT, cfg.rope_theta)
+
+    if k_cache is None:  # self-attention over this chunk (training, prefill)
+        k_BSKH, v_BSKH = k_BTKH, v_BTKH
+    else:  # write this chunk at its positions, then attend over the whole cache (decode)
+        rows = jnp.arange(b)[:, None]
+        k_BSKH = k_cache.at[rows, positions_BT].set(k_BTKH.astype(k_cache.dtype))
+        v_BSKH = v_cache.at[rows, positions_BT].set(v_BTKH.astype(v_cache.dtype))
+
+    q_BTKGH = q_BTNH.reshape(b, t, nk, g, hd)
+    scores_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH.astype(q_BTKGH.dtype)).astype(jnp.float32)
+    scores_BKGTS = scores_BKGTS / math.sqrt(hd)
+    mask_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
+    scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, -1e30)
+    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(x_BTD.dtype)
+    attn_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH.astype(x_BTD.dtype))
+    attn_BTNH = attn_BTKGH.reshape(b, t, cfg.num_heads, hd)
+    out_BTD = jnp.einsum("BTNH,NHD->BTD", attn_BTNH, w["wo"]) + _lora_delta(attn_BTNH, lw.get("wo"), lora_scale,
+                                                                             (cfg.hidden_size,))
+    return x_BTD + out_BTD, k_BSKH, v_BSKH
+
+
+def _mlp(cfg: ModelConfig, lora_scale: float, h_BTD, w, lw) -> jax.Array:
+    """The dense SwiGLU MLP (no residual)."""
+    lw = lw or {}
+    f = (cfg.intermediate_size,)
+    gate_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, w["w_gate"]) + _lora_delta(h_BTD, lw.get("w_gate"), lora_scale, f)
+    up_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, w["w_up"]) + _lora_delta(h_BTD, lw.get("w_up"), lora_scale, f)
+    act_BTF = jax.nn.silu(gate_BTF) * up_BTF
+    return jnp.einsum("BTF,FD->BTD", act_BTF, w["w_down"]) + _lora_delta(act_BTF, lw.get("w_down"), lora_scale,
+                                                                         (cfg.hidden_size,))
+
+
+def _decoder_layer(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | None, x_BTD, positions_BT,
+                   key_pos_BS, xs):
+    """One decoder layer of `kind` ("mlp" or "moe"); `xs` holds its weights, LoRA and cache slices."""
+    w, lw, mw, mlw, kc, vc = xs
+    x_BTD, k, v = _attention(cfg, lora_scale, x_BTD, positions_BT, w, lw, kc, vc, key_pos_BS)
+    h_BTD = rms_norm(x_BTD, w["mlp_norm"], cfg.rms_norm_eps)
+    if kind == "mlp":
+        out_BTD = _mlp(cfg, lora_scale, h_BTD, mw, mlw)
+    else:
+        experts = {n: mw[n] for n in moe.EXPERT_AXES}
+        out_BTD = moe.moe_block(h_BTD, mw["router"], experts, mlw, top_k=cfg.num_experts_per_tok,
+                                norm_topk_prob=cfg.norm_topk_prob, lora_scale=lora_scale, mesh=mesh)
+    return x_BTD + out_BTD, k, v
+
+
+def decoder_stack(
+    cfg: ModelConfig,
+    params: Params,
+    tokens_BT: jax.Array,
+    positions_BT: jax.Array,
+    *,
+    lora: Params | None = None,
+    lora_scale: float = 0.0,
+    cache: KVCache | None = None,
+    remat: bool = False,
+    mesh: Mesh | None = None,
+    scan_layers: bool = True,
+) -> tuple[jax.Array, KVCache, jax.Array]:
+    """`forward` before the final norm, plus every layer's output: returns (residual stream [B, T, D],
+    cache, layer outputs [L, B, T, D]). Arguments as in `forward`."""
+    x_BTD = params["embed"][tokens_BT]
+    b = tokens_BT.shape[0]
+    if cache is None:
+        key_pos_BS = positions_BT
+    else:
+        s = cache["k"].shape[2]
+        key_pos_BS = jnp.broadcast_to(jnp.arange(s, dtype=positions_BT.dtype), (b, s))
+    lora = lora or {}
+    kc, vc = (None, None) if cache is None else (cache["k"], cache["v"])
+    kinds = ["moe" if cfg.layer_is_moe(i) else "mlp" for i in range(cfg.num_layers)]
+
+    def body_of(kind):
+        def body(x, xs):
+            x, k, v = _decoder_layer(cfg, kind, lora_scale, mesh, x, positions_BT, key_pos_BS, xs)
+            return x, (k, v, x)
+        return jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable) if remat else body
+
+    if scan_layers and len(set(kinds)) == 1:
+        kind = kinds[0]
+        xs = (params["layers"], lora.get("layers"), params[kind], lora.get(kind), kc, vc)
+        x_BTD, (k_L, v_L, h_L) = jax.lax.scan(body_of(kind), x_BTD, xs)
+        return x_BTD, {"k": k_L, "v": v_L}, h_L
+
+    bodies = {kind: body_of(kind) for kind in set(kinds)}
+    seen = {"mlp": 0, "moe": 0}
+    outs = []
+    for i, kind in enumerate(kinds):
+        j = seen[kind]
+        seen[kind] += 1
+        xs = jax.tree.map(lambda a, i=i: a[i], (params["layers"], lora.get("layers"), None, None, kc, vc))
+        group = jax.tree.map(lambda a, j=j: a[j], (params[kind], lora.get(kind)))
+        x_BTD, out = bodies[kind](x_BTD, (xs[0], xs[1], *group, xs[4], xs[5]))
+        outs.append(out)
+    k_L, v_L, h_L = (jnp.stack(z) for z in zip(*outs, strict=True))
+    return x_BTD, {"k": k_L, "v": v_L}, h_L
+
+
+def forward(
+    cfg: ModelConfig,
+    params: Params,
+    tokens_BT: jax.Array,
+    positions_BT: jax.Array,
+    *,
+    lora: Params | None = None,
+    lora_scale: float = 0.0,
+    cache: KVCache | None = None,
+    remat: bool = False,
+    mesh: Mesh | None = None,
+    scan_layers: bool = True,
+) -> tuple[jax.Array, KVCache]:
+    """Run the decoder stack; return final-norm hidden states and the key/value cache.
+
+    Args:
+        tokens_BT: int32 token ids [B, T].
+        positions_BT: int32 absolute positions [B, T]. A query attends to keys whose position is <= its
+            own, so right padding (positions after the real tokens) is never attended to by real tokens.
+        lora: LoRA factors from `init_lora` (or None); their product is scaled by `lora_scale`
+            (alpha / rank).
+        cache: None to attend within `tokens_BT` (training, prefill); or a cache {"k","v"} of shape
+            [L, B, S, K, H] where index s holds position s: the chunk is written at `positions_BT` and
+            attends to every cache entry at a position <= its own (decode).
+        remat: rematerialise each layer's activations in the backward pass.
+        mesh: the device mesh the params live on; MoE blocks are expert parallel when its `expert` axis
+            is larger than 1 (`jaxrl.model.moe.moe_block`). None: no expert parallelism.
+        scan_layers: run a stack whose layers are all of one kind with `lax.scan` (compile time flat in
+            depth); False unrolls it (as a mixed dense/MoE stack always is).
+
+    Returns:
+        hidden_BTD in the params' dtype, and {"k","v"}: [L, B, T, K, H] (no cache given) or the
+        updated [L, B, S, K, H] cache.
+
+    Raises:
+        ValueError: the expert count is not a multiple of the mesh's `expert` axis.
+    """
+    x_BTD, cache, _ = decoder_stack(cfg, params, tokens_BT, positions_BT, lora=lora, lora_scale=lora_scale,
+                                    cache=cache, remat=remat, mesh=mesh, scan_layers=scan_layers)
+    return rms_norm(x_BTD, params["final_norm"], cfg.rms_norm_eps), cache
+
+
+def unembed_matrix(params: Params) -> jax.Array:
+    """The output projection [D, V]: `unembed`, or the transposed input embedding when tied."""
+    return params["unembed"] if "unembed" in params else params["embed"].T
+
+
+def logits(params: Params, hidden_BTD: jax.Array) -> jax.Array:
+    """fp32 logits [B, T, V] from final hidden states [B, T, D]."""
+    return jnp.einsum("BTD,DV->BTV", hidden_BTD, unembed_matrix(params)).astype(jnp.float32)

@@ -1,0 +1,267 @@
+"""Rollouts generated while the trainer trains (`max_async_level`, `oversampling_factor`).
+
+The producer keeps example groups in flight on the run's event loop: each group is drawn from the
+buffer, numbered `t` in launch order over the run (its rollouts sample with the seeds `seed_of(t) + i`,
+so a group's tokens depend on its number, never on when it ran), and played by `play`. It launches
+groups while fewer than `in_flight` are launched and not yet trained on (`ceil(batch_size x
+oversampling_factor / rollouts_per_example)` groups, prime-rl's in-flight rollouts = batch_size x
+oversampling_factor), and only while the engine's policy is recent enough for the next step to train
+them: engine version v >= next step - `max_async_level` (prime-rl's orchestrator waits, before it
+generates step n's batch, for policy n - async_level).
+
+The engine swaps weights between decode steps with requests in flight (`Scheduler.update_params`), so
+one rollout's tokens may come from several policy versions. `VersionLog` sits in front of the engine
+and records the version of every token sampled for a request whose seed a launched group expects (each
+rollout's requests, over all its turns, carry its seed). Step s, run by the trainer at policy version s,
+takes the first groups to finish whose OLDEST token is of version >= s - `max_async_level`, the first
+`per_step` of them in finishing order, trained in launch order; a finished group with an older token is
+dropped whole (its advantages are relative to the group) and counted. With `max_async_level = 0` the
+producer launches only after the step's weight update, so step s's groups are exactly the next
+`per_step` groups drawn, all of version s: the synchronous loop.
+
+Several processes (`share` set) play one step's groups between them, so they run the synchronous mode
+only: each draws the same groups, plays its share, and `take` hands back the step's groups, its own
+played, the others' rollouts left to gather.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxrl.envs.loader import Rollout
+from jaxrl.inference.protocol import Completion, GenerateBackend, SamplingParams
+from jaxrl.rl.buffer import Buffer, BufferExhausted, BufferState
+
+Job = tuple[int, int]
+"""(env index, example index)."""
+
+
+def in_flight_groups(batch_size: int, rollouts_per_example: int, oversampling_factor: float) -> int:
+    """Groups kept in flight: `batch_size x oversampling_factor` rollouts, rounded up to whole groups."""
+    return math.ceil(batch_size * oversampling_factor / rollouts_per_example - 1e-9)
+
+
+class VersionLog:
+    """A `GenerateBackend` in front of `backend` that records, for the seeds `expect` was given, the
+    policy version of each token sampled for a request with that seed. Requests with other seeds (or
+    none) pass through unrecorded. Thread-safe: the server awaits `generate` on its own thread."""
+
+    def __init__(self, backend: GenerateBackend) -> None:
+        self._backend = backend
+        self._lock = threading.Lock()
+        self._versions: dict[int, list[int]] = {}
+
+    @property
+    def model_name(self) -> str:
+        return self._backend.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self._backend.max_model_len
+
+    def expect(self, seeds: Sequence[int]) -> None:
+        """Record the tokens of requests with these seeds from now on."""
+        with self._lock:
+            for s in seeds:
+                self._versions.setdefault(s, [])
+
+    def pop(self, seeds: Sequence[int]) -> list[int]:
+        """The versions recorded for `seeds` (in order of seed, then of completion) and stop recording them."""
+        with self._lock:
+            return [v for s in seeds for v in self._versions.pop(s, [])]
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       on_token: Callable[[int, float], None] | None = None) -> Completion:
+        completion = await self._backend.generate(prompt_ids, params, on_token=on_token)
+        if params.seed is not None:
+            with self._lock:
+                if (log := self._versions.get(params.seed)) is not None:
+                    log.extend(completion.policy_versions)
+        return completion
+
+
+@dataclasses.dataclass(eq=False)
+class Group:
+    """One example group. `version`: the engine's policy version at launch, a lower bound of its tokens'.
+    `task`: plays it (None: another process plays it). `rollouts` / `versions` (every token's policy
+    version): set when it finished."""
+
+    t: int
+    job: Job
+    version: int
+    task: asyncio.Task | None
+    rollouts: list[Rollout] | None = None
+    versions: list[int] = dataclasses.field(default_factory=list)
+    finished: int = -1  # rank in finishing order over the run
+
+    @property
+    def oldest(self) -> int:
+        """Policy version of its oldest token (its launch version when no token was recorded)."""
+        return min(self.versions, default=self.version)
+
+
+@dataclasses.dataclass
+class Taken:
+    """What `Producer.take` gives one step: its groups in launch order and the finished groups dropped
+    as stale while it waited."""
+
+    groups: list[Group]
+    stale: list[Group]
+
+    def metrics(self, step: int, rollouts_per_group: int, in_flight: int) -> dict[str, float]:
+        """`async/staleness_mean` and `async/staleness_max` (policy versions the step's own played tokens
+        lag version `step`), `async/stale_dropped` (rollouts dropped, in whole groups) and
+        `async/in_flight` (rollouts launched and not yet trained on once the step's batch was taken)."""
+        lag = np.array([step - v for g in self.groups for v in g.versions], np.float64)
+        return {"async/staleness_mean": float(lag.mean()) if lag.size else 0.0,
+                "async/staleness_max": float(lag.max()) if lag.size else 0.0,
+                "async/stale_dropped": float(sum(len(g.rollouts or []) for g in self.stale)),
+                "async/in_flight": float(in_flight * rollouts_per_group)}
+
+
+class Producer:
+    """Keeps groups in flight on the running event loop; see the module docstring.
+
+    Args:
+        loop: the run's event loop, which plays the groups (it runs whenever the runner waits on it).
+        buffer, state: the example buffer and its state (draws of every group launched so far).
+        play: `play(job, first_seed)` plays one group on the loop and never raises (`rollouts.collect`).
+        log: the `VersionLog` the engine's server answers through.
+        seed_of: first rollout seed of group `t`; rollout i samples with `seed_of(t) + i`.
+        rollouts_per_group, per_step: rollouts of a group; groups a step trains on (all processes).
+        in_flight: groups kept launched and not trained on; `per_step` when `max_async_level` is 0.
+        max_async_level: policy versions the oldest token of a trained group may lag the trainer.
+        step: the next step to train (policy version `step` is the engine's).
+        next_t, resumed: the next group number, and `(t, job)` of groups a checkpoint had in flight,
+            launched again first (`checkpoint`).
+        share: positions of each step's groups this process plays, with several processes; None: all.
+        last_step: the run's last step (`max_steps`): no group is launched once it is taken (they would
+            be played for nothing). None: no end.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, buffer: Buffer, state: BufferState,
+                 play: Callable[[Job, int], Awaitable[list[Rollout]]], log: VersionLog,
+                 seed_of: Callable[[int], int], rollouts_per_group: int, per_step: int, in_flight: int,
+                 max_async_level: int, step: int, next_t: int,
+                 resumed: Sequence[tuple[int, Job]] = (), share: slice | None = None,
+                 last_step: int | None = None) -> None:
+        if share is not None and (max_async_level or in_flight != per_step):
+            raise ValueError("several processes share a step's groups only with max_async_level = 0 and "
+                             "oversampling_factor = 1")
+        self._loop, self.buffer, self.state, self.log = loop, buffer, state, log
+        self._play, self._seed_of, self._n = play, seed_of, rollouts_per_group
+        self.per_step, self.in_flight, self.max_async_level = per_step, max(in_flight, per_step), max_async_level
+        self.version = self.next_step = step
+        self.next_t = next_t
+        self.share, self.last_step = share, last_step
+        self.groups: list[Group] = []
+        self._resumed = list(resumed)
+        self._stale: list[Group] = []
+        self._finished = 0
+        self.exhausted: BufferExhausted | None = None
+
+    def seeds(self, t: int) -> range:
+        return range(self._seed_of(t), self._seed_of(t) + self._n)
+
+    # launching ------------------------------------------------------------------------------------
+    def set_version(self, version: int) -> None:
+        """The engine serves policy `version` from now on (call right after `Scheduler.update_params`)."""
+        self.version = version
+        self.refill()
+
+    def refill(self) -> None:
+        """Launch groups up to `in_flight` while the engine's policy is recent enough for the next step.
+        A `BufferExhausted` from the draw is kept in `exhausted` (until a later draw succeeds: groups in
+        flight may still bring an example back into sampling, and may still serve a step)."""
+        if self.version < self.next_step - self.max_async_level or (
+                self.last_step is not None and self.next_step >= self.last_step):
+            return
+        want = self.in_flight - len(self.groups)
+        if want <= 0:
+            return
+        launch, self._resumed = self._resumed[:want], self._resumed[want:]
+        if len(launch) < want:
+            try:
+                jobs, self.state = self.buffer.draw(self.state, want - len(launch))
+                self.exhausted = None
+            except BufferExhausted as exc:
+                self.exhausted = exc
+                jobs = []
+            launch += [(self.next_t + i, job) for i, job in enumerate(jobs)]
+            self.next_t += len(jobs)
+        for pos, (t, job) in enumerate(launch):
+            task = None
+            if self.share is None or self.share.start <= pos < self.share.stop:
+                self.log.expect(self.seeds(t))
+                task = self._loop.create_task(self._play(job, self._seed_of(t)))
+            self.groups.append(Group(t, job, self.version, task))
+
+    # taking ---------------------------------------------------------------------------------------
+    async def take(self, step: int) -> Taken:
+        """Wait for step `step`'s groups (see the module docstring) and hand them over; their places are
+        refilled. Cancelling it leaves every group in flight (a checkpoint then lists them).
+
+        Raises:
+            BufferExhausted: the buffer has no example left and too few groups are in flight to fill the step.
+        """
+        self.next_step = step
+        while True:
+            for g in sorted((g for g in self.groups if g.task is not None and g.task.done()), key=lambda g: g.t):
+                if g.rollouts is None:
+                    g.rollouts, g.versions = g.task.result(), self.log.pop(self.seeds(g.t))
+                    g.finished, self._finished = self._finished, self._finished + 1
+            for g in [g for g in self.groups if g.rollouts is not None and g.oldest < step - self.max_async_level]:
+                self.groups.remove(g)  # finished, not taken by an earlier step, and now too old
+                self._stale.append(g)
+            ready = [g for g in self.groups if g.rollouts is not None]
+            if self.share is not None and len(ready) == sum(g.task is not None for g in self.groups):
+                taken = self.groups  # one step's groups, all of them (see the module docstring)
+                break
+            if self.share is None and len(ready) >= self.per_step:
+                taken = sorted(ready, key=lambda g: g.finished)[:self.per_step]
+                break
+            self.refill()
+            pending = [g.task for g in self.groups if g.task is not None and not g.task.done()]
+            if not pending:
+                raise self.exhausted or BufferExhausted("no group in flight")
+            await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        self.groups = [g for g in self.groups if all(g is not x for x in taken)]
+        stale, self._stale = self._stale, []
+        self.next_step = step + 1
+        self.refill()
+        return Taken(sorted(taken, key=lambda g: g.t), stale)
+
+    def record(self, jobs: Sequence[Job], rewards: Sequence[Sequence[float]]) -> list[bool]:
+        """`Buffer.record` on the producer's state: which of a step's groups to train on."""
+        keep, self.state = self.buffer.record(self.state, jobs, rewards)
+        return keep
+
+    def checkpoint(self) -> dict[str, Any]:
+        """What a checkpoint saves of the producer: the next group number and the `(t, env, example)` of
+        every group launched and not trained on, which a resumed run launches again first (their
+        rollouts are dropped: a resumed run redoes them from its restored policy)."""
+        return {"next_group": self.next_t,
+                "in_flight": [[g.t, *g.job] for g in self.groups] + [[t, *job] for t, job in self._resumed]}
+
+    @staticmethod
+    def resumed(meta: dict[str, Any], step: int, per_step: int) -> tuple[int, list[tuple[int, Job]]]:
+        """`(next_t, resumed)` from checkpoint metadata; a checkpoint from before the producer had none
+        in flight and `per_step` groups drawn per step."""
+        saved = meta.get("producer")
+        if saved is None:
+            return step * per_step, []
+        return int(saved["next_group"]), [(int(t), (int(e), int(x))) for t, e, x in saved["in_flight"]]
+
+    def cancel(self) -> None:
+        """Cancel every group in flight (they finish cancelling when the loop runs next)."""
+        for g in self.groups:
+            if g.task is not None:
+                g.task.cancel()
+        self.groups = []

@@ -1,0 +1,158 @@
+"""One step's rollouts: every rollout under its own timeout, failures dropped and counted, group
+advantages over the survivors, the step's rollout metrics, and the rule that stops a run whose
+environments mostly fail.
+
+A rollout fails when its environment, harness or reward raises, when it produces no sampled token,
+when its reward is not finite, or when it takes longer than `[jax] rollout_timeout` (an environment
+that hangs in `await`; one that blocks the event loop's thread cannot be interrupted from inside
+the process). Failed rollouts are left out of the batch and of their group's advantages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxrl.envs import loader
+from jaxrl.inference.protocol import SamplingParams
+from jaxrl.rl import losses
+
+FAILURE_WINDOW = 3
+"""Steps over which the failed-rollout fraction is taken."""
+MAX_FAILED_FRACTION = 0.5
+"""A run stops when more than this fraction of the rollouts of the last `FAILURE_WINDOW` steps failed."""
+
+
+async def collect(loaded: list[loader.LoadedEnv], jobs: list[tuple[int, int]], n: int, client: dict[str, Any],
+                  sampling: SamplingParams, first_seed: int, timeout_s: float,
+                  in_flight: asyncio.Semaphore | None = None) -> list[list[loader.Rollout]]:
+    """Play `n` rollouts of each `(env index, example index)` job, concurrently; one list per job.
+
+    Rollout `i` of job `g` samples with seed `first_seed + g * n + i`, so a run (and its resume) samples
+    the same tokens whatever order requests reach the engine in. Never raises for a failing rollout.
+    `in_flight` (shared by every call of a run: `jaxrl.run.resources`, `[infrastructure].compute_size`)
+    bounds the rollouts running at once; `timeout_s` counts from when a rollout gets its place.
+    """
+
+    async def one(env_i: int, example: int, seed: int) -> list[loader.Rollout]:
+        async with in_flight or contextlib.nullcontext():
+            return await play(env_i, example, seed)
+
+    async def play(env_i: int, example: int, seed: int) -> list[loader.Rollout]:
+        env = loaded[env_i]
+        try:
+            out = await asyncio.wait_for(
+                loader.run_group(env, example, 1, sampling=dataclasses.replace(sampling, seed=seed), **client),
+                timeout_s)
+        except TimeoutError:
+            return [_failed(env, example, f"timed out after {timeout_s:g}s ([jax] rollout_timeout)")]
+        except Exception as exc:  # noqa: BLE001 - an environment may fail in any way; the step goes on
+            return [_failed(env, example, f"{type(exc).__name__}: {exc}")]
+        return [r if r.ok is False or math.isfinite(r.reward) else
+                dataclasses.replace(r, ok=False, error=f"non-finite reward {r.reward}", token_ids=[], loss_mask=[],
+                                    logprobs=[]) for r in out]
+
+    groups = await asyncio.gather(*[
+        asyncio.gather(*[one(env_i, example, first_seed + g * n + i) for i in range(n)])
+        for g, (env_i, example) in enumerate(jobs)
+    ])
+    return [[r for rollout in group for r in rollout] for group in groups]
+
+
+async def preflight(loaded: list[loader.LoadedEnv], client: dict[str, Any], sampling: SamplingParams,
+                    timeout_s: float, in_flight: asyncio.Semaphore | None = None) -> list[str]:
+    """One smoke rollout of each environment's first task before step 1 (`[buffer] skip_verification`
+    turns it off): an environment that cannot produce a scored rollout is caught before any training,
+    and the client side (tokenizer, renderer, HTTP clients) is loaded outside the rollout timeout.
+
+    Returns:
+        One line per failing environment, `"<env>: <error>"`; empty when every one passed.
+    """
+    probe = dataclasses.replace(sampling, seed=0)
+    out = await collect(loaded, [(i, 0) for i in range(len(loaded))], 1, client, probe, 0, timeout_s, in_flight)
+    return [f"{env.name}: {group[0].error}" for env, group in zip(loaded, out, strict=True) if not group[0].ok]
+
+
+def _failed(env: loader.LoadedEnv, example: int, error: str) -> loader.Rollout:
+    return loader.Rollout([], [], [], 0.0, False, False, error, env.name, example)
+
+
+def advantages(group: list[loader.Rollout]) -> np.ndarray:
+    """Group advantages (float32) over the group's successful rollouts; failed ones are dropped."""
+    rewards = np.array([r.reward for r in group if r.ok], np.float32)
+    return losses.group_advantages(rewards, rewards.size) if rewards.size else rewards
+
+
+def step_metrics(rollouts: list[list[loader.Rollout]], names: list[str], multi_env: bool) -> dict[str, float]:
+    """Reward, length, truncation and failure metrics of one step (`names`: each group's env name).
+
+    Over successful rollouts: `reward/mean`, `reward/std`, `seq_len` (tokens of prompt and completion),
+    `is_truncated` (share); over all: `rollouts/failed`, `rollouts/timed_out`. With `multi_env`, each
+    environment `<env>` of the step also gets `reward/<env>/mean`, `reward/<env>/std`, `seq_len/<env>`,
+    `is_truncated/<env>` and `rollouts/<env>/failed`.
+    """
+    flat = [r for g in rollouts for r in g]
+    out = _rollout_metrics(flat, "")
+    out["rollouts/timed_out"] = float(sum(1 for r in flat if r.error and r.error.startswith("timed out")))
+    if multi_env:
+        for name in sorted(set(names)):
+            out |= _rollout_metrics([r for g, n in zip(rollouts, names, strict=True) if n == name for r in g],
+                                    f"/{name}")
+    return out
+
+
+def _rollout_metrics(flat: list[loader.Rollout], env: str) -> dict[str, float]:
+    ok = [r for r in flat if r.ok]
+    rewards = np.array([r.reward for r in ok], np.float32)
+    return {
+        f"reward{env}/mean": float(rewards.mean()) if rewards.size else float("nan"),
+        f"reward{env}/std": float(rewards.std()) if rewards.size else 0.0,
+        f"seq_len{env}": float(np.mean([len(r.token_ids) for r in ok])) if ok else 0.0,
+        f"is_truncated{env}": float(np.mean([r.is_truncated for r in ok])) if ok else 0.0,
+        f"rollouts{env}/failed": float(len(flat) - len(ok)),
+    }
+
+
+def failure_verdict(history: Sequence[tuple[int, int]]) -> str | None:
+    """Why the run must stop, or None. `history` holds `(failed, total)` rollouts per step, oldest
+    first. Stops when the last step had no successful rollout, or when more than
+    `MAX_FAILED_FRACTION` of the rollouts of the last `FAILURE_WINDOW` steps failed."""
+    if not history:
+        return None
+    failed, total = history[-1]
+    if total and failed == total:
+        return f"every rollout of the step failed ({failed}/{total})"
+    window = history[-FAILURE_WINDOW:]
+    failed, total = sum(f for f, _ in window), sum(t for _, t in window)
+    if len(window) == FAILURE_WINDOW and total and failed / total > MAX_FAILED_FRACTION:
+        return (f"{failed} of the last {total} rollouts ({len(window)} steps) failed, more than "
+                f"{MAX_FAILED_FRACTION:.0%}")
+    return None
+
+
+def first_errors(rollouts: list[list[loader.Rollout]], limit: int = 3) -> list[str]:
+    """The distinct error messages of a step's failed rollouts, at most `limit`, in order."""
+    seen: list[str] = []
+    for r in (r for g in rollouts for r in g if not r.ok and r.error):
+        line = r.error.strip().splitlines()[0][:300] if r.error.strip() else r.error
+        if line not in seen:
+            seen.append(line)
+    return seen[:limit]
+
+
+async def settle(keep: set[asyncio.Task], timeout_s: float) -> None:
+    """Wait (at most `timeout_s` seconds) for every task of the running loop but `keep` and this one to
+    finish: cancelled rollouts abort in shielded tasks of their own (verifiers), which the next step, or
+    closing the loop, must not find half-done."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while rest := asyncio.all_tasks() - keep - {asyncio.current_task()}:
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            return
+        await asyncio.wait(rest, timeout=left)

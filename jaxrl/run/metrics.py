@@ -1,0 +1,59 @@
+"""Per-step metrics: a console progress bar with the headline figures, JSON lines in the run folder, and
+optionally a W&B run (`jaxrl.run.wandb_log`)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from jaxrl.run.wandb_log import WandbRun
+
+HEADLINE = ("reward/mean", "reward/std", "seq_len", "tokens_per_s", "time/step")
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.3g}" if abs(value) < 1e4 else f"{value:.0f}"
+
+
+class MetricsLogger:
+    """Writes one JSON object per step to `<run_dir>/metrics.jsonl` and shows a progress bar whose text
+    carries `HEADLINE`; each step's headline is also printed as a line, so logs keep the history. Every
+    row also goes to `wandb` when given."""
+
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, console: Console | None = None,
+                 wandb: WandbRun | None = None) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.console = console or Console()
+        self.wandb = wandb
+        self._file = self.path.open("a", encoding="utf-8")
+        self._progress = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
+                                  TimeElapsedColumn(), TextColumn("{task.description}"), console=self.console)
+        self._task = self._progress.add_task("", total=total_steps, completed=start_step)
+        self._progress.start()
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Record `metrics` (floats) of optimizer step `step` (1-based)."""
+        clean = {k: (float(v) if isinstance(v, int | float) and math.isfinite(float(v)) else
+                     (None if isinstance(v, float) else v)) for k, v in metrics.items()}
+        self._file.write(json.dumps({"step": step, **clean}) + "\n")
+        self._file.flush()
+        if self.wandb:
+            self.wandb.log(step, {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)})
+        line = "  ".join(f"{k} {_fmt(metrics[k])}" for k in HEADLINE if isinstance(metrics.get(k), int | float))
+        self._progress.update(self._task, completed=step, description=line)
+        if line:  # a row of eval metrics only (step 0: the base model) has its own printed report
+            self._progress.console.print(f"step {step:>4}  {line}")
+
+    def close(self) -> None:
+        """Stop the progress bar and close the files; the W&B run is marked failed when this is called
+        while an exception propagates (from a `finally` block)."""
+        self._progress.stop()
+        self._file.close()
+        if self.wandb:
+            self.wandb.finish(exit_code=1 if sys.exc_info()[0] is not None else 0)
