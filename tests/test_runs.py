@@ -182,6 +182,7 @@ def test_delete_removes_a_separate_local_checkpoint_folder_and_names_gcs(tmp_pat
     for name, ckpt in [("local", str(tmp_path / "ckpts" / "local")), ("cloud", "gs://bucket/ckpts/cloud")]:
         (runs_dir / name).mkdir(parents=True)
         (runs_dir / name / "config.json").write_text(json.dumps({"config": {}, "resolved": {"checkpoint_dir": ckpt}}))
+        runs.write_record(runs_dir / name, pid=1, host=runs.HOST, status="failed")
     (tmp_path / "ckpts" / "local" / "1").mkdir(parents=True)
     out = jaxrl(env, "delete", "local", "--yes", "--runs-dir", runs_dir)
     assert out.returncode == 0 and not (runs_dir / "local").exists() and not (tmp_path / "ckpts" / "local").exists()

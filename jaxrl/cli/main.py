@@ -451,28 +451,28 @@ def delete(
     runs_dir: RunsDir = Path("runs"),
 ) -> None:
     """Delete a run: its folder, and its checkpoint folder when that is a separate local one
-    (`[jax] checkpoint_dir`). Checkpoints on gs:// are left in place, and said so. Refuses a running run."""
+    (`[jax] checkpoint_dir`). Checkpoints on gs:// are left in place, and said so. Refuses a running run,
+    and any folder that is not a run (it holds `run.json`) inside --runs-dir."""
     from jaxrl.cli import runs
 
     folder = _run_folder(ref, runs_dir)
     try:
-        runs.check_deletable(folder)
+        runs.check_deletable(folder, runs_dir)
     except runs.RunsError as exc:
         raise _fail(f"jaxrl delete: {exc}") from None
-    local, remote = runs.deletion_plan(folder)
+    local, kept = runs.deletion_plan(folder)
     if not yes:
         out.print(f"run {folder.name} ({runs.status(folder)}): deleting removes\n"
                   + "\n".join(f"  {p}" for p in local), markup=False)
         if not typer.confirm(f"delete run {folder.name}?", default=False):
             raise _fail("jaxrl delete: nothing deleted")
     try:
-        runs.delete(folder)
+        runs.delete(folder, runs_dir)
     except (runs.RunsError, OSError) as exc:
         raise _fail(f"jaxrl delete: {exc}") from None
     out.print(f"deleted run {folder.name}: " + ", ".join(map(str, local)), markup=False)
-    for url in remote:
-        out.print(f"not deleted: its checkpoints and adapters on GCS, {url} (remove them with "
-                  f"`gcloud storage rm -r {url}`)", markup=False)
+    for what in kept:
+        out.print(f"not deleted: {what}", markup=False)
 
 
 @app.command()

@@ -306,33 +306,62 @@ def stop(folder: Path, timeout_s: float, poll_s: float = 0.5) -> str:
 
 
 def deletion_plan(folder: Path) -> tuple[list[Path], list[str]]:
-    """`(local folders to delete, gs:// locations left alone)`: the run folder, and its checkpoint folder
-    (which holds its adapters) when that is outside it."""
-    local, remote = [folder], []
+    """`(local folders to delete, locations left alone)`: the run folder, and its checkpoint folder (which
+    holds its adapters) when that is a separate local one; `gs://` checkpoint folders, and a separate
+    folder that `_separate_checkpoints_problem` refuses, are left alone and listed with why."""
+    local, kept = [folder], []
     ckpt = checkpoint_dir(folder)
     if ckpt.startswith("gs://"):
-        remote.append(ckpt)
+        kept.append(f"its checkpoints and adapters on GCS, {ckpt} (remove them with `gcloud storage rm -r {ckpt}`)")
     elif not Path(ckpt).resolve().is_relative_to(folder.resolve()) and Path(ckpt).exists():
-        local.append(Path(ckpt))
-    return local, remote
+        if problem := _separate_checkpoints_problem(Path(ckpt), folder):
+            kept.append(f"its checkpoint folder {ckpt} ({problem})")
+        else:
+            local.append(Path(ckpt))
+    return local, kept
 
 
-def check_deletable(folder: Path) -> None:
-    """Raises RunsError when the run is running, here or on another host (stop it first)."""
+def _separate_checkpoints_problem(ckpt: Path, folder: Path) -> str | None:
+    """Why the checkpoint folder recorded in a run's `config.json` is not deleted with it (None: it is):
+    `<checkpoint_dir>/<name>` must end in the run's name and hold neither the run, its runs folder nor the
+    working directory (a hand-edited or older `config.json` could name any folder)."""
+    if ckpt.is_symlink() or not ckpt.is_dir():
+        return "not a plain folder"
+    real = ckpt.resolve()
+    if real.name != folder.name:
+        return f"its name is not the run's, {folder.name!r}"
+    if any(real == p or real in p.parents for p in (folder.resolve(), Path.cwd().resolve())):
+        return "it holds the run folder or the working directory"
+    return None
+
+
+def check_deletable(folder: Path, runs_dir: Path) -> None:
+    """Raises RunsError when `folder` is not a run folder (one that holds `run.json`, not a symbolic link)
+    strictly inside `runs_dir`, holds the working directory, or is running, here or on another host (stop
+    it first). A name like `.` or `..` thus never reaches the runs folder or its parent."""
+    real, root = folder.resolve(), runs_dir.resolve()
+    if folder.is_symlink() or not folder.is_dir() or root not in real.parents:
+        raise RunsError(f"refused to delete {folder}: not a run folder inside the runs folder {runs_dir} "
+                        f"(another runs folder: --runs-dir DIR); nothing deleted")
+    if not (folder / RECORD).is_file():
+        raise RunsError(f"refused to delete {folder}: it has no {RECORD}, so `jaxrl run` did not make it; "
+                        f"nothing deleted")
+    if real == Path.cwd().resolve() or real in Path.cwd().resolve().parents:
+        raise RunsError(f"refused to delete {folder}: it holds the working directory; nothing deleted")
     record = read_record(folder)
     if status(folder, record) == "running":
         where = f"pid {record.get('pid')}" + ("" if record.get("host", HOST) == HOST else f" on {record['host']}")
         raise RunsError(f"run {folder.name} is running ({where}); stop it first with `jaxrl stop {folder.name}`")
 
 
-def delete(folder: Path) -> tuple[list[Path], list[str]]:
+def delete(folder: Path, runs_dir: Path) -> tuple[list[Path], list[str]]:
     """Delete what `deletion_plan` lists as local; return the plan.
 
     Raises:
-        RunsError: the run is running (`check_deletable`).
+        RunsError: `check_deletable` refuses the folder.
     """
-    check_deletable(folder)
-    local, remote = deletion_plan(folder)
+    check_deletable(folder, runs_dir)
+    local, kept = deletion_plan(folder)
     for path in local:
         shutil.rmtree(path)
-    return local, remote
+    return local, kept

@@ -60,8 +60,42 @@ def _env_id(value: str) -> str:
     return value
 
 
+def _control_chars(value: str) -> list[str]:
+    return [repr(c) for c in dict.fromkeys(value) if ord(c) < 32 or 127 <= ord(c) < 160]
+
+
+def folder_name_problem(value: str) -> str | None:
+    """Why `value` cannot be one folder's name (empty, `.`, `..`, a path separator, a control character),
+    None when it can. Run names become `<output_dir>/<name>`, and `jaxrl delete` removes that folder."""
+    if value in ("", ".", ".."):
+        return f"{value!r} cannot name a folder (it must not be empty, '.' or '..')"
+    if "/" in value or "\\" in value:
+        return f"{value!r} holds a path separator; a name is one folder, not a path"
+    if bad := _control_chars(value):
+        return f"{value!r} holds control characters ({', '.join(bad)})"
+    return None
+
+
+def _folder_name(value: str) -> str:
+    if problem := folder_name_problem(value):
+        raise ValueError(problem)
+    return value
+
+
+def _path(value: str) -> str:
+    if not value:
+        raise ValueError("an empty path names no folder")
+    if bad := _control_chars(value):
+        raise ValueError(f"{value!r} holds control characters ({', '.join(bad)})")
+    return value
+
+
 AllOrPositive = Annotated[int, _minus_one_or_positive("all")]
 EnvId = Annotated[str, AfterValidator(_env_id)]
+FolderName = Annotated[str, AfterValidator(_folder_name)]
+"""A name that becomes one folder or one metric key segment: no '.', '..', separators or control characters."""
+PathStr = Annotated[str, AfterValidator(_path)]
+"""A file or folder path (or `gs://` URL): not empty, no control characters."""
 
 
 class SamplingConfig(_Table):
@@ -83,8 +117,9 @@ class EnvConfig(_Table):
 
     id: EnvId
     """Environments Hub id, `owner/name` with an optional `@version`. Required."""
-    name: str | None = None
-    """Display name, to tell apart copies of one environment with different args. Default: the id."""
+    name: FolderName | None = None
+    """Display name, to tell apart copies of one environment with different args (it labels metrics
+    `eval/<name>/...`, so no '/', '.', '..' or control characters). Default: the id."""
     args: dict[str, Any] = {}
     """Keyword arguments for the environment's `load_environment()`. Default {}."""
     taskset: dict[str, Any] | None = None
@@ -114,8 +149,8 @@ class EvalEnvConfig(_Table):
 
     id: EnvId
     """Environments Hub id, `owner/name` with an optional `@version`. Required."""
-    name: str | None = None
-    """Display name. Default: the id."""
+    name: FolderName | None = None
+    """Display name (no '/', '.', '..' or control characters). Default: the id."""
     args: dict[str, Any] = {}
     """Keyword arguments for the environment's `load_environment()`. Default {}."""
     num_examples: AllOrPositive | None = None
@@ -235,10 +270,10 @@ class MeshConfig(_Table):
 class JaxConfig(_Table):
     """`[jax]`: everything a local JAX run needs that the Hosted Training schema does not have."""
 
-    model_path: str | None = None
+    model_path: PathStr | None = None
     """Local Hugging Face checkpoint folder (relative to the config file) or `gs://` URL. Default None:
     `model` itself must be such a folder; nothing is downloaded."""
-    tokenizer_path: str | None = None
+    tokenizer_path: PathStr | None = None
     """Tokenizer folder (relative to the config file). Default None: the model folder."""
     mesh: MeshConfig = MeshConfig()
     """Device mesh shape. Default all axes 1."""
@@ -251,10 +286,10 @@ class JaxConfig(_Table):
     """Hugging Face projection names that get LoRA adapters. Default: all seven attention and MLP ones."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the frozen base weights and activations; LoRA and optimizer state stay float32."""
-    output_dir: str = "runs"
+    output_dir: PathStr = "runs"
     """Local folder (relative to the working directory) of each run's metrics and, unless
     `checkpoint_dir` is set, checkpoints: `<output_dir>/<name>/`. Default "runs"."""
-    checkpoint_dir: str | None = None
+    checkpoint_dir: PathStr | None = None
     """Folder or `gs://bucket/path` URL for checkpoints: `<checkpoint_dir>/<name>/<step>`. Default None:
     `<output_dir>/<name>/checkpoints`."""
     rollout_timeout: float = Field(600.0, gt=0)
@@ -275,8 +310,9 @@ class JaxConfig(_Table):
 class RunConfig(_Table):
     """A whole run: a Hosted Training TOML file plus the optional `[jax]` table."""
 
-    name: str | None = None
-    """Display name of the run. Default None."""
+    name: FolderName | None = None
+    """Display name of the run and its folder `<jax.output_dir>/<name>`: one folder name (no '/', '.',
+    '..' or control characters). Default None: the config file's name without `.toml`."""
     model: str
     """Hugging Face model id (or a local folder, see `jax.model_path`). Required."""
     max_steps: int = Field(100, ge=1)
@@ -300,9 +336,9 @@ class RunConfig(_Table):
     """Max policy versions the oldest token of a trained rollout may lag the trainer (older groups are
     dropped); >= `oversampling_factor`. 0 (jaxrl's addition, with `oversampling_factor = 1`): synchronous,
     generation waits for each step's update, and a run is reproducible token for token. Default 2."""
-    env_file: list[str] = []
+    env_file: list[PathStr] = []
     """.env files with secrets, relative to the config file (absolute after `load_config`). Default []."""
-    checkpoint_id: str | None = Field(None, min_length=1)
+    checkpoint_id: PathStr | None = None
     """Checkpoint whose LoRA weights a new run starts from (optimizer, step and data position start
     fresh): `"<run>"` (its latest checkpoint) or `"<run>/<step>"`, a run under the same checkpoint root,
     or a path (absolute, `./`/`../` relative to this file, or `gs://`) to a run's checkpoint folder or
@@ -405,6 +441,8 @@ def load_config(path: str | Path) -> RunConfig:
     except ValidationError as exc:
         raise ConfigError(path, _problems(exc)) from None
     cfg._source = path.resolve()
+    if cfg.name is None and (problem := folder_name_problem(path.stem)):
+        raise ConfigError(path, [("name", f"not set, and the file's name {problem}; set name")])
     env_files = [(cfg.config_dir / Path(p).expanduser()).resolve() for p in cfg.env_file]
     missing = [(f"env_file.{i}", f"file not found: {p}") for i, p in enumerate(env_files) if not p.is_file()]
     if missing:
