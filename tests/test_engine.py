@@ -245,3 +245,34 @@ def test_sharded_engine_matches_single_device():
         outs.append((toks, lps))
     assert outs[0][0] == outs[1][0]
     np.testing.assert_allclose(outs[0][1], outs[1][1], atol=1e-5)
+
+
+def test_weight_copies_only_on_cpu_and_the_same_tokens_without_them():
+    """The per-layer copy and the [D, V] unembedding are made on CPU only; on TPU/GPU (`unstack` False)
+    the engine's params are the training arrays themselves, and it samples the same tokens."""
+    from jaxrl.inference.engine import copies_weights
+
+    assert copies_weights("cpu") and not any(copies_weights(p) for p in ("tpu", "gpu", "cuda", "rocm"))
+    params = _params(lora_seed=1)
+    mesh = make_mesh({}, jax.devices()[:1])
+    outs = []
+    for unstack in (None, False):
+        engine = Engine(CFG, mesh, max_concurrent_decodes=2, max_seq_len=32, lora_scale=0.5, unstack=unstack)
+        prepared = engine.prepare(params)
+        if unstack is None:  # decided by the CPU mesh
+            assert engine.unstack and {"layers", "unembed"} <= prepared.keys()
+        else:
+            assert prepared.keys() == {"base", "lora"} and prepared["base"] is params["base"]
+            assert engine.init_decode_state().cache["k"].shape == (CFG.num_layers, 2, 32, 2, 8)
+        state = engine.init_decode_state()
+        prefix = engine.prefill(params=prepared, padded_tokens=pad_prompt([3, 1, 4, 1, 5], 16), true_length=5,
+                                sampling=SamplingParams(temperature=0.0))
+        state = engine.insert(prefix, state, 0)
+        toks, lps = [], []
+        for _ in range(6):
+            state, res = engine.generate(prepared, state, truncate=False)
+            toks.append(int(res.tokens[0]))
+            lps.append(float(res.logprobs[0]))
+        outs.append((toks, lps))
+    assert outs[0][0] == outs[1][0]
+    np.testing.assert_allclose(outs[0][1], outs[1][1], atol=1e-5)

@@ -2,6 +2,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from jaxrl.model import qwen3
 from jaxrl.model.qwen3 import LORA_TARGETS, ModelConfig
@@ -154,3 +155,34 @@ def test_step_metrics_are_those_of_the_batch():
         state.lora)
     np.testing.assert_allclose(metrics["optim/grad_norm"], optax.tree.norm(grads), rtol=1e-4)
     assert float(metrics["optim/grad_norm"]) > 0
+
+
+@pytest.mark.parametrize(("shape", "n", "micro"), [({}, 1, 3), ({"data": 2, "fsdp": 2}, 4, 4)])
+def test_gradient_accumulation_matches_one_pass(shape, n, micro):
+    """k micro-batches (3 of 3 rows, the last padded; or 2 of 4 rows over 4 batch shards) give the same
+    LoRA update, optimizer state and metrics as one pass over the 8-row batch (fp32, 1e-5)."""
+    mesh = make_mesh(shape, jax.devices()[:n])
+    base, one_pass, state0 = _setup(mesh)
+    accumulating = Trainer(CFG, mesh, make_optimizer(1e-2), lora_scale=2.0, micro_batch_size=micro)
+    assert accumulating.micro_batches(8) == -(-8 // micro) > 1
+    results = []
+    for trainer in (one_pass, accumulating):
+        state = state0
+        for i in range(2):
+            state, metrics = trainer.step(state, base, _batch(i))
+        results.append((jax.tree.map(np.asarray, (state.lora, state.opt_state)),
+                        {k: float(v) for k, v in metrics.items()}))
+    (t0, m0), (t1, m1) = results
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5), t0, t1)
+    assert m0.keys() == m1.keys()
+    for k in m0:
+        np.testing.assert_allclose(m1[k], m0[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    assert m0["optim/grad_norm"] > 0
+
+
+def test_default_micro_batch_rule():
+    from jaxrl.rl.train import default_micro_batch
+
+    assert default_micro_batch(4096, 64) == 256  # 4 sequences x 4096 tokens on each of 64 shards
+    assert default_micro_batch(32_768, 8) == 8  # at least one sequence per shard
+    assert default_micro_batch(256, 1) == 64

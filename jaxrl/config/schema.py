@@ -301,6 +301,12 @@ class JaxConfig(_Table):
     """Max concurrent decodes (KV cache rows) in the rollout engine. Default 32."""
     remat: bool = False
     """Recompute activations in the backward pass to save memory (`jax.checkpoint`). Default false."""
+    micro_batch_size: int | None = Field(None, ge=1)
+    """Sequences per train pass (all chips together): a step's batch is trained in ceil(rows / this)
+    micro-batches whose gradients are accumulated, the same update as one pass with one micro-batch's
+    activations in memory; best a multiple of the batch shards (mesh data x fsdp x expert). Default None:
+    16,384 tokens per batch shard, `batch shards x max(1, 16384 // seq_len)` sequences
+    (`jaxrl.rl.train.default_micro_batch`); a smaller batch is one pass."""
     host: str = "127.0.0.1"
     """Address of the rollout server that environments call. Default "127.0.0.1"."""
     port: int = Field(0, ge=0, le=65535)

@@ -72,6 +72,15 @@ class ResultTokens:
     logprobs: jax.Array
 
 
+def copies_weights(platform: str) -> bool:
+    """Whether an engine on devices of `platform` ("cpu", "tpu", "gpu", "cuda", "rocm": `jax.Device.platform`)
+    keeps the per-layer weight copy and the [D, V] unembedding (`Engine.prepare`): only on CPU, where
+    they were measured to speed up decode (docs/benchmarks.md, issue 4: XLA's CPU dot reads a [V, D]
+    tied embedding at 17 GB/s against 27 GB/s as [D, V]). On an accelerator the engine reads the training
+    weights in place: the copies would cost a second base model's worth of HBM."""
+    return platform == "cpu"
+
+
 def prefill_buckets(max_prefill_length: int, smallest: int = 16) -> tuple[int, ...]:
     """Padded prompt lengths: powers of two from `smallest` up to `max_prefill_length` (included)."""
     out, n = [], smallest
@@ -88,8 +97,11 @@ class Engine:
     Engine params are `{"base": params, "lora": lora_or_None}`, plus, from `prepare`, `"layers"`: the
     per-layer copy that decode steps read (`jaxrl.model.decode.unstack_layers`; about 2x faster decode on CPU
     for a second copy of the layer weights, with the KV cache one buffer per layer likewise), and
-    `"unembed"`, the unembedding as a [D, V] array; `unstack=False` keeps one copy of the weights, a
-    stacked cache, and scans the stack. LoRA
+    `"unembed"`, the unembedding as a [D, V] array; `unstack=False` keeps one copy of the weights (the
+    training weights, read in place), a stacked cache, and scans the stack. `unstack` None (the default)
+    decides by the mesh's platform (`copies_weights`): the copies only on CPU, where memory is plentiful
+    and they were measured faster; never on TPU or GPU, where they would double the engine's HBM for
+    weights. LoRA
     products are scaled by `lora_scale` (alpha / rank). `max_seq_len` (S) is the cache length: prompt
     plus sampled tokens.
     """
@@ -100,9 +112,11 @@ class Engine:
     max_seq_len: int
     lora_scale: float = 0.0
     cache_dtype: Any = jnp.float32
-    unstack: bool = True
+    unstack: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.unstack is None:
+            self.unstack = copies_weights(self.mesh.devices.flat[0].platform)
         self._base_layers: tuple[Any, list] | None = None  # (the base it was made from, its per-layer view)
         self.max_prefill_length = self.max_seq_len - 1
         self.buckets = prefill_buckets(self.max_prefill_length)

@@ -114,6 +114,12 @@ def array_sharding(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
     return NamedSharding(mesh, logical_spec(axes, shape, mesh, rules))
 
 
+def batch_shards(mesh: Mesh, rules: Rules = RULES) -> int:
+    """How many pieces a batch axis is split into on `mesh`: the product of the mesh axes that `batch`
+    maps to (data x fsdp x expert)."""
+    return math.prod(mesh.shape[a] for a in rules["batch"])
+
+
 def bytes_per_device(specs: Any, dims: Mapping[str, int], mesh_shape: Mapping[str, int], itemsize: int,
                      rules: Rules = RULES) -> int:
     """Bytes of the largest shard of a pytree of `ParamSpec` on a mesh of `mesh_shape` (no devices needed):

@@ -4,6 +4,12 @@ The trained tree is `{"base": params, "lora": lora}`. `optax.multi_transform` gi
 AdamW (with global-norm clipping) and the `base` leaves `optax.set_to_zero()`, which keeps no state; the
 step applies updates to the LoRA leaves only, so base weights stay bit-identical (and their gradients,
 never used, are removed by XLA).
+
+Gradient accumulation: with `micro_batch_size` m, a batch of B sequences is padded (rows with no loss
+token) to k = ceil(B / m) micro-batches of m, and the step scans over them inside one jitted program
+(`accumulate`), so only one micro-batch's activations are live at a time. The loss and its metrics are
+means over loss tokens, so micro-batch i is weighted by its share of the batch's loss tokens: the update
+and the metrics equal one pass over the whole batch (up to float rounding).
 """
 
 from __future__ import annotations
@@ -24,6 +30,15 @@ from jaxrl.parallel.sharding import array_sharding
 from jaxrl.rl import losses
 
 TOKENS_PER_LOGIT_CHUNK = 256
+TOKENS_PER_SHARD = 16_384  # default micro-batch: tokens each batch shard trains per pass (`default_micro_batch`)
+
+
+def default_micro_batch(seq_len: int, batch_shards: int) -> int:
+    """Sequences per micro-batch when `[jax] micro_batch_size` is unset: `TOKENS_PER_SHARD` tokens on each
+    of the `batch_shards` chips the batch is split over (data x fsdp x expert), and at least one sequence
+    per shard. With remat, a chip then keeps L x 16,384 x D x 2 bytes of residual stream (Qwen3-30B-A3B:
+    3 GiB), the size at which `jaxrl compile` fits the Hosted models on every slice of docs/tpu.md."""
+    return batch_shards * max(1, TOKENS_PER_SHARD // seq_len)
 
 
 def trainable_labels(params: Params) -> Params:
@@ -134,10 +149,11 @@ class Trainer:
     lora_scale: float
     loss_cfg: losses.LossConfig = dataclasses.field(default_factory=losses.LossConfig)
     remat: bool = False
+    micro_batch_size: int | None = None  # sequences per pass; None: the whole batch in one pass
 
     def __post_init__(self) -> None:
         # Nothing is donated: the rollout engine may still hold the previous LoRA while this step runs.
-        self._step = jax.jit(self._step_impl)
+        self._step = jax.jit(self._step_impl, static_argnames=("micro_batches",))
 
     def init_state(self, base: Params, lora: Params) -> TrainState:
         """A state at step 0 (arrays placed as they are)."""
@@ -149,17 +165,26 @@ class Trainer:
             lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated), opt_state)
         return TrainState(lora=lora, opt_state=opt_state, step=jax.device_put(jnp.zeros((), jnp.int32), replicated))
 
+    def micro_batches(self, rows: int) -> int:
+        """How many micro-batches a batch of `rows` sequences is trained in (1 without `micro_batch_size`)."""
+        return 1 if self.micro_batch_size is None else -(-rows // self.micro_batch_size)
+
     def shard_batch(self, batch: Batch) -> dict[str, jax.Array]:
-        """Place a host batch on the mesh, batch axis over (data, fsdp)."""
+        """Place a host batch on the mesh, batch axis over (data, fsdp), after padding it with rows that
+        hold no loss token to a whole number of micro-batches."""
+        rows, k = batch.inputs.shape[0], self.micro_batches(batch.inputs.shape[0])
+        pad = k * self.micro_batch_size - rows if k > 1 else 0
         out = {}
         for name, arr in dataclasses.asdict(batch).items():
+            arr = np.pad(arr, [(0, pad)] + [(0, 0)] * (arr.ndim - 1))
             axes = ("batch",) + (None,) * (arr.ndim - 1)
             out[name] = jax.device_put(arr, array_sharding(axes, arr.shape, self.mesh))
         return out
 
     def step(self, state: TrainState, base: Params, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step on `batch`. Metrics stay on device (read them late)."""
-        return self._step(state, base, self.shard_batch(batch))
+        return self._step(state, base, self.shard_batch(batch),
+                          micro_batches=self.micro_batches(batch.inputs.shape[0]))
 
     def loss(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
         b, t = batch["inputs"].shape
@@ -173,13 +198,22 @@ class Trainer:
         metrics["policy/entropy"] = jnp.sum(entropy * mask) / jnp.maximum(mask.sum(), 1.0)
         return loss, metrics
 
-    def _step_impl(self, state: TrainState, base: Params, batch: dict[str, jax.Array]):
+    def loss_weight(self, batch: dict[str, jax.Array]) -> jax.Array:
+        """A micro-batch's weight in the accumulated loss: its loss-token count (float32 scalar), since
+        `loss` and its metrics are means over loss tokens (`losses.policy_loss`)."""
+        return batch["loss_mask"].astype(jnp.float32).sum()
+
+    def _step_impl(self, state: TrainState, base: Params, batch: dict[str, jax.Array], micro_batches: int = 1):
         params = {"base": base, "lora": state.lora}
         # Differentiate the LoRA leaves only: XLA does not prune the base gradients of a full-tree grad
         # (measured: a third of the step on the tiny model). The frozen branch of the optimizer never
         # reads its gradients, so zeros stand in for them (and are pruned).
-        (loss, metrics), lora_grads = jax.value_and_grad(
-            lambda lora: self.loss({"base": base, "lora": lora}, batch), has_aux=True)(state.lora)
+        loss_and_grad = jax.value_and_grad(lambda lora, b: self.loss({"base": base, "lora": lora}, b), has_aux=True)
+        if micro_batches == 1:
+            (loss, metrics), lora_grads = loss_and_grad(state.lora, batch)
+        else:
+            (loss, metrics), lora_grads = accumulate(loss_and_grad, self.loss_weight, state.lora,
+                                                     split_micro_batches(batch, micro_batches, self.mesh))
         grads = {"base": jax.tree.map(jnp.zeros_like, base), "lora": lora_grads}
         grad_norm = optax.tree.norm(lora_grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -191,3 +225,42 @@ class Trainer:
         metrics = {**metrics, "loss": loss, "optim/grad_norm": grad_norm,
                    "optim/skipped": 1.0 - finite.astype(jnp.float32)}
         return TrainState(new_lora, opt_state, state.step + finite.astype(jnp.int32)), metrics
+
+
+def split_micro_batches(batch: dict[str, jax.Array], k: int, mesh: Mesh) -> dict[str, jax.Array]:
+    """Each [B, ...] array as [k, B / k, ...]: micro-batch i takes rows i, i + k, i + 2k, ..., so that each
+    micro-batch is spread over the batch shards as the whole batch is (rows are sharded in contiguous
+    blocks): when B / k is a multiple of the shard count, no row moves between chips."""
+
+    def one(x):
+        x = jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
+        axes = (None, "batch") + (None,) * (x.ndim - 2)
+        return jax.lax.with_sharding_constraint(x, array_sharding(axes, x.shape, mesh))
+
+    return jax.tree.map(one, batch)
+
+
+def accumulate(loss_and_grad: Any, weight: Any, lora: Params,
+               micro_kB: dict[str, jax.Array]) -> tuple[tuple[jax.Array, dict], Params]:
+    """`((loss, metrics), grads)` of the whole batch from its micro-batches, one at a time (`jax.lax.scan`).
+
+    Args:
+        loss_and_grad: `(lora, micro_batch) -> ((loss, metrics), grads)`, each a mean over the micro-batch.
+        weight: `micro_batch -> float32 scalar`, how much of the whole batch's mean a micro-batch holds
+            (its loss-token count); micro-batch i counts `weight_i / sum(weight)` (0 for every one when
+            the sum is 0, as the one-pass mean of no tokens is).
+        lora: the differentiated LoRA tree.
+        micro_kB: the batch as [k, B / k, ...] arrays (`split_micro_batches`).
+    """
+    weights_k = jax.vmap(weight)(micro_kB)
+    shares_k = weights_k / jnp.maximum(weights_k.sum(), 1.0)
+    first = jax.tree.map(lambda x: x[0], micro_kB)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(loss_and_grad, lora, first))
+
+    def body(total, xs):
+        micro, share = xs
+        out = loss_and_grad(lora, micro)
+        return jax.tree.map(lambda t, o: t + share.astype(o.dtype) * o, total, out), None
+
+    total, _ = jax.lax.scan(body, zeros, (micro_kB, shares_k))
+    return total

@@ -50,11 +50,11 @@ from jaxrl.inference.server import start_server
 from jaxrl.model import hf
 from jaxrl.model.qwen3 import init_lora, lora_specs, param_specs
 from jaxrl.parallel import distributed
-from jaxrl.parallel.sharding import make_mesh, spec_shardings
+from jaxrl.parallel.sharding import batch_shards, make_mesh, spec_shardings
 from jaxrl.rl import rollouts
 from jaxrl.rl.buffer import Buffer, BufferExhausted, BufferState
 from jaxrl.rl.producer import Producer, VersionLog, in_flight_groups
-from jaxrl.rl.train import Trainer, TrainState, make_batch, make_optimizer
+from jaxrl.rl.train import Trainer, TrainState, default_micro_batch, make_batch, make_optimizer
 from jaxrl.run import evaluate, resources, wandb_log
 from jaxrl.run.checkpoint import Checkpointer, CheckpointError
 from jaxrl.run.metrics import MetricsLogger
@@ -146,7 +146,9 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
         exporter.write_run_config(run_dir, cfg)  # what `jaxrl export` reads
     adapters = exporter.RunAdapters(cfg, mcfg, exporter.adapters_dir_of(cfg), console)
 
-    trainer = Trainer(mcfg, mesh, make_optimizer(cfg.learning_rate), lora_scale=lora_scale, remat=jcfg.remat)
+    micro = jcfg.micro_batch_size or default_micro_batch(jcfg.seq_len, batch_shards(mesh))
+    trainer = Trainer(mcfg, mesh, make_optimizer(cfg.learning_rate), lora_scale=lora_scale, remat=jcfg.remat,
+                      micro_batch_size=micro)
     state = trainer.init_state(base, lora)
     identity = model_identity(cfg.model, dataclasses.asdict(mcfg), jcfg.lora_rank, targets)
     loaded = []
