@@ -13,6 +13,7 @@ from jaxrl.run.checkpoint import Checkpointer
 CFG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8)
 TARGETS = tuple(LORA_TARGETS)
+LR = 1e-2
 
 
 def _setup(mesh):
@@ -20,7 +21,7 @@ def _setup(mesh):
     base = jax.device_put(base, spec_shardings(qwen3.param_specs(CFG), CFG.dims(), mesh))
     lora = qwen3.init_lora(CFG, 4, TARGETS, jax.random.key(1))
     lora = jax.device_put(lora, spec_shardings(qwen3.lora_specs(CFG, 4, TARGETS), {**CFG.dims(), "R": 4}, mesh))
-    trainer = Trainer(CFG, mesh, make_optimizer(1e-2), lora_scale=2.0)
+    trainer = Trainer(CFG, mesh, make_optimizer(LR), lora_scale=2.0)
     return base, trainer, trainer.init_state(base, lora)
 
 
@@ -76,20 +77,104 @@ def test_token_logprobs_match_full_softmax():
     np.testing.assert_allclose(ent, -(jnp.exp(full) * full).sum(-1), atol=1e-4)
 
 
-def test_sharded_train_step_matches_single_device():
-    results = []
-    for shape, n in (({}, 1), ({"data": 2, "fsdp": 2, "tensor": 2}, 8)):
-        mesh = make_mesh(shape, jax.devices()[:n])
-        base, trainer, state = _setup(mesh)
-        for i in range(2):
-            state, metrics = trainer.step(state, base, _batch(i))
-        results.append((jax.tree.map(np.asarray, state.lora), {k: float(v) for k, v in metrics.items()}))
-        if n == 8:
-            assert len(jax.tree.leaves(state.lora)[0].sharding.device_set) == 8
-    (l0, m0), (l1, m1) = results
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), l0, l1)
-    for k in m0:
-        np.testing.assert_allclose(m0[k], m1[k], rtol=1e-4, atol=1e-6, err_msg=k)
+# float32 unit roundoff (half the machine epsilon) and the accumulation lengths of the sharded-parity tests below.
+U32 = float(np.finfo(np.float32).eps) / 2
+PARITY_BATCH, PARITY_WIDTH = 8, 31  # _batch(): 8 samples, pad_to 32 -> 31 positions
+ADAM_EPS = 1e-8  # optax.adamw's default, which make_optimizer keeps
+# Terms summed along the longest reduction path from the loss to a LoRA gradient: the loss and each weight
+# gradient over the batch's tokens (twice), the logsumexp over the vocabulary, and per layer the contractions over
+# the hidden size, the attention span, the heads x head_dim, the MLP width and the LoRA rank (forward and backward).
+N_ACC = 2 * PARITY_BATCH * PARITY_WIDTH + CFG.vocab_size + 2 * CFG.num_layers * (
+    CFG.hidden_size + PARITY_WIDTH + CFG.num_heads * CFG.head_dim + CFG.intermediate_size + 4)
+# Two float32 evaluations of the same sums in different orders differ by at most 2 gamma_n relative to the terms'
+# magnitudes (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., eq. 3.4: gamma_n = n u / (1 - n u)).
+GRAD_RTOL = 2 * N_ACC * U32 / (1 - N_ACC * U32)
+
+
+def _lora_grads(trainer, base, lora, batch):
+    """The LoRA gradient of the trainer's loss (what the step's optimizer receives) and the loss's metrics."""
+    return jax.jit(jax.grad(lambda factors: trainer.loss({"base": base, "lora": factors}, trainer.shard_batch(batch)),
+                            has_aux=True))(lora)
+
+
+@pytest.fixture(scope="module")
+def parity():
+    """The same model, LoRA (every factor non-zero: fresh LoRA has b = 0, so a would get no gradient) and
+    optimizer state on one device ("one") and on a data 2 x fsdp 2 x tensor 2 mesh ("mesh"), as
+    (base, trainer, state); and the one-device LoRA gradient of `_batch(0)` with its metrics."""
+    setups = {}
+    for name, shape, n in (("one", {}, 1), ("mesh", {"data": 2, "fsdp": 2, "tensor": 2}, 8)):
+        base, trainer, state = _setup(make_mesh(shape, jax.devices()[:n]))
+        noise = jax.tree.map(lambda x: np.random.default_rng(3).standard_normal(x.shape).astype(np.float32), state.lora)
+        lora = jax.tree_util.tree_map_with_path(
+            lambda p, x, e: jax.device_put(x + 0.05 * e, x.sharding) if p[-1].key == "b" else x, state.lora, noise)
+        setups[name] = (base, trainer, trainer.init_state(base, lora))
+    assert len(jax.tree.leaves(setups["mesh"][2].lora)[0].sharding.device_set) == 8
+    base, trainer, state = setups["one"]
+    return setups, _lora_grads(trainer, base, state.lora, _batch(0))
+
+
+def test_sharded_gradients_match_single_device(parity):
+    """Sharding the train step changes only the order of float32 sums. From the same LoRA and batch, the gradients
+    before the optimizer agree per leaf as ||g8 - g1|| <= GRAD_RTOL ||g1||, and the loss's metrics within
+    GRAD_RTOL: GRAD_RTOL = 2 gamma_n (about 1.2e-4 here), n = N_ACC the terms accumulated along the longest path
+    from the loss to a LoRA factor, is the forward-error bound of float32 summation in any order (Higham eq. 3.4),
+    twice for two orders. Measured on 2 cores: about 5e-7."""
+    setups, (g1, m1) = parity
+    base, trainer, state = setups["mesh"]
+    g8, m8 = _lora_grads(trainer, base, state.lora, _batch(0))
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g1), jax.tree.leaves(g8), strict=True):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a) > 0, jax.tree_util.keystr(path)
+        assert np.linalg.norm(a - b) <= GRAD_RTOL * np.linalg.norm(a), jax.tree_util.keystr(path)
+    for k in m1:
+        np.testing.assert_allclose(float(m8[k]), float(m1[k]), rtol=GRAD_RTOL, atol=0, err_msg=k)
+
+
+def test_sharded_optimizer_matches_single_device(parity):
+    """The optimizer over sharded state: the same gradients (the one-device ones of two batches) through the
+    trainer's AdamW on each mesh's optimizer state. Adam is elementwise and the clipping norm is below
+    max_grad_norm, so the two updates agree to the rounding of a few elementwise operations: 16 u lr."""
+    setups, (g_first, _) = parity
+    base, trainer, state = setups["one"]
+    grads = [g_first, _lora_grads(trainer, base, state.lora, _batch(1))[0]]
+    moves = []
+    for base, trainer, state in setups.values():
+        update = jax.jit(trainer.tx.update)
+        params, zeros = {"base": base, "lora": state.lora}, jax.tree.map(jnp.zeros_like, base)
+        opt_state, steps = state.opt_state, []
+        for g in grads:
+            g = jax.device_put(jax.tree.map(np.asarray, g), jax.tree.map(lambda x: x.sharding, state.lora))
+            u, opt_state = update({"base": zeros, "lora": g}, opt_state, params)
+            steps.append(jax.tree.map(np.asarray, u["lora"]))
+        moves.append(steps)
+    for s1, s8 in zip(*moves, strict=True):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=0, atol=16 * U32 * LR), s1, s8)
+
+
+def test_sharded_train_step_matches_single_device(parity):
+    """One whole `Trainer.step` on each mesh. Adam's first step moves each element by -lr c g / (c |g| + eps)
+    (after bias correction m = c g and v = c^2 g^2; c the clipping factor): about lr in magnitude whatever the
+    gradient's size, so the steps are compared by sign and magnitude. Every move is at most lr; where
+    |g1_i| >= 2 GRAD_RTOL ||g1|| (so, by the gradient test's bound, both meshes' gradients have its sign and are
+    within a factor 2 of each other) the two moves differ by at most lr eps / (c |g1_i|) plus the rounding of the
+    update and of the add (8 u lr + 2 u |w_i|). Elements with a smaller gradient may move either way on either
+    mesh: float32 noise, not sharding."""
+    setups, (g1, _) = parity
+    after = {}
+    for name, (base, trainer, state) in setups.items():
+        new, metrics = trainer.step(state, base, _batch(0))
+        after[name] = (jax.tree.map(np.asarray, new.lora), float(metrics["optim/grad_norm"]))
+    c = min(1.0, 1.0 / after["one"][1])
+    leaves = (jax.tree.leaves(t) for t in (setups["one"][2].lora, g1, after["one"][0], after["mesh"][0]))
+    for w0, g, w1, w8 in zip(*leaves, strict=True):
+        w0, g = np.asarray(w0, np.float64), np.abs(np.asarray(g, np.float64))
+        for w in (w1, w8):
+            assert np.all(np.abs(w - w0) <= LR * (1 + 8 * U32) + 2 * U32 * np.abs(w0))
+        firm = g >= 2 * GRAD_RTOL * np.linalg.norm(g)
+        bound = LR * ADAM_EPS / (c * np.where(firm, g, 1.0)) + 8 * U32 * LR + 2 * U32 * np.abs(w0)
+        assert np.all(np.abs(w8 - w1)[firm] <= bound[firm])
+        assert firm.mean() > 0.9  # the comparison covers most elements
 
 
 def test_non_finite_loss_skips_the_step():
