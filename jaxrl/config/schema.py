@@ -15,11 +15,17 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ENV_ID = re.compile(r"[A-Za-z0-9._-]+/[A-Za-z0-9._-]+(@[A-Za-z0-9._-]+)?")
 LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_TARGETS: tuple[str, ...] = get_args(LoraTarget)
+INT_MAX = 2**31 - 1
+"""Largest integer any field takes: counts, steps, token lengths and seeds reach the device as int32."""
+FLOAT_MAX = 3.4028234663852886e38
+"""Largest float any field takes (float32's): sampling settings reach the device as float32."""
+SEED_MULTIPLIER = 1_000_003
+"""Rollout seeds are `(jax.seed * SEED_MULTIPLIER + group number) * rollouts_per_example + i` (the run loop)."""
 
 
 class ConfigError(Exception):
@@ -42,7 +48,18 @@ class _Invalid(ValueError):
 class _Table(BaseModel):
     """Base of every TOML table: unknown keys are errors and TOML types are not coerced."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True, allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _fits_the_device(cls, value: Any) -> Any:
+        """Integers within int32 and floats within float32 (TOML integers are unbounded, and inf and nan
+        are refused by `allow_inf_nan`): a value past them would overflow where the run uses it."""
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_MAX:
+            raise ValueError(f"{value} is beyond {INT_MAX} (2**31 - 1), the largest integer jaxrl takes")
+        if isinstance(value, float) and abs(value) > FLOAT_MAX:
+            raise ValueError(f"{value} is beyond float32's range ({FLOAT_MAX:.4g})")
+        return value
 
 
 def _minus_one_or_positive(meaning: str) -> AfterValidator:
@@ -219,8 +236,8 @@ class BufferConfig(_Table):
     skip_verification: bool = False
     """Skip the pre-flight check: one smoke rollout of each environment before step 1, whose failure stops
     the run before any training. Default false."""
-    seed: int = 42
-    """Seed of the example order and of which easy/hard examples are kept. Default 42."""
+    seed: int = Field(42, ge=0)
+    """Seed of the example order and of which easy/hard examples are kept, >= 0. Default 42."""
 
 
 class CheckpointsConfig(_Table):
@@ -295,8 +312,9 @@ class JaxConfig(_Table):
     rollout_timeout: float = Field(600.0, gt=0)
     """Seconds one rollout (its model calls, environment and reward) may take; a slower one is dropped
     and counted as failed. Default 600."""
-    seed: int = 0
-    """Seed of LoRA initialisation and sampling. Default 0."""
+    seed: int = Field(0, ge=0)
+    """Seed of LoRA initialisation and sampling, >= 0; with `rollouts_per_example`, the run's rollout seeds
+    `(seed * 1000003 + group) * rollouts_per_example + i` must fit in 63 bits. Default 0."""
     decode_slots: int = Field(32, ge=1)
     """Max concurrent decodes (KV cache rows) in the rollout engine. Default 32."""
     remat: bool = False
@@ -420,6 +438,11 @@ class RunConfig(_Table):
                                                       f"{len(self.env)} [[env]] tables"))
             if any(r < 0 for r in buf.env_ratios) or sum(buf.env_ratios) <= 0:
                 problems.append(("buffer.env_ratios", "entries must be >= 0 with a positive sum"))
+        if self.jax.seed * SEED_MULTIPLIER * self.rollouts_per_example + 4 * self.max_steps * self.batch_size * \
+                self.oversampling_factor >= 2**63:
+            problems.append(("jax.seed", f"{self.jax.seed} is too large for rollouts_per_example = "
+                                         f"{self.rollouts_per_example}: rollout seeds (seed * {SEED_MULTIPLIER} + "
+                                         f"group) * rollouts_per_example must stay below 2**63"))
         if self.jax.output_dir.startswith("gs://"):
             problems.append(("jax.output_dir", "must be a local folder (metrics are written there); "
                                                "put checkpoints on gs:// with [jax] checkpoint_dir"))

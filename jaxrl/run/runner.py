@@ -91,8 +91,8 @@ def run(cfg: RunConfig, console: Console | None = None) -> Path:
     environment variables) are replaced by `***` in the messages of the errors below.
 
     Raises:
-        ConfigError: the model folder is missing or unreadable, an environment cannot be loaded, or
-            `checkpoint_id` names no checkpoint or one of another model.
+        ConfigError: the mesh does not fit the devices, the model folder is missing or unreadable, an
+            environment cannot be loaded, or `checkpoint_id` names no checkpoint or one of another model.
         CheckpointError: a checkpoint cannot be written or read (storage down, disk full, another
             model's checkpoint in this run's folder); the run's local files are kept.
         RunError: most rollouts failed (`jaxrl.rl.rollouts.failure_verdict`).
@@ -119,7 +119,10 @@ def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     jcfg = cfg.jax
-    mesh = make_mesh(jcfg.mesh.model_dump())
+    try:
+        mesh = make_mesh(jcfg.mesh.model_dump())
+    except ValueError as exc:  # a mesh of another device count: only the devices here tell
+        raise ConfigError(cfg.source, [("jax.mesh", str(exc))]) from None
     engine_mesh = distributed.local_mesh(mesh)  # this host's devices: its rollout engine's
     dtype = jnp.bfloat16 if jcfg.dtype == "bfloat16" else jnp.float32
     model_path, tokenizer_path = resolve_model_path(cfg), resolve_tokenizer_path(cfg)
