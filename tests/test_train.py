@@ -7,7 +7,7 @@ import pytest
 from jaxrl.model import qwen3
 from jaxrl.model.qwen3 import LORA_TARGETS, ModelConfig
 from jaxrl.parallel.sharding import make_mesh, spec_shardings
-from jaxrl.rl.train import Trainer, make_batch, make_optimizer, token_logprobs
+from jaxrl.rl.train import Trainer, loss_width, make_batch, make_optimizer, sampled_logprobs
 from jaxrl.run.checkpoint import Checkpointer
 
 CFG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -65,16 +65,33 @@ def test_base_weights_bit_identical_and_stateless_in_optimizer():
     assert len(jax.tree.leaves(state.opt_state.inner_states["lora"])) == 2 * n_lora + 1  # mu, nu, count
 
 
-def test_token_logprobs_match_full_softmax():
+def test_sampled_logprobs_match_full_softmax_at_loss_positions_only():
     base = qwen3.init_params(CFG, jax.random.key(0))
     h = jax.random.normal(jax.random.key(2), (3, 100, 32))
     y = jax.random.randint(jax.random.key(3), (3, 100), 0, 128)
     temp = jnp.array([1.0, 0.5, 0.0])
-    lp, ent = token_logprobs(base, h, y, temp)
+    rng = np.random.default_rng(0)
+    mask = rng.random((3, 100)) < 0.4
+    mask[2] = False  # a row without loss tokens
+    positions = np.full((3, loss_width(mask.sum(1).max())), 100, np.int32)
+    for i in range(3):
+        positions[i, : mask[i].sum()] = np.flatnonzero(mask[i])
+    lp, ent = sampled_logprobs(base, h, y, jnp.asarray(positions), temp)
     logits = jnp.einsum("BTD,DV->BTV", h, base["embed"].T) / jnp.array([1.0, 0.5, 1.0])[:, None, None]
     full = jax.nn.log_softmax(logits, axis=-1)
-    np.testing.assert_allclose(lp, jnp.take_along_axis(full, y[..., None], -1)[..., 0], atol=1e-5)
-    np.testing.assert_allclose(ent, -(jnp.exp(full) * full).sum(-1), atol=1e-4)
+    want_lp = jnp.take_along_axis(full, y[..., None], -1)[..., 0]
+    want_ent = -(jnp.exp(full) * full).sum(-1)
+    np.testing.assert_allclose(lp, np.where(mask, want_lp, 0.0), atol=1e-5)
+    np.testing.assert_allclose(ent, np.where(mask, want_ent, 0.0), atol=1e-4)
+
+
+def test_make_batch_lists_each_rows_loss_positions():
+    b = make_batch([([1, 2, 3, 4, 5], [False, True, False, True, True], [0.0] * 5), ([1, 2], [False, False], [0, 0])],
+                   np.zeros(2), 1.0, 8)
+    assert b.loss_mask[0].tolist() == [True, False, True, True, False, False, False]
+    assert b.loss_positions.shape == (2, 7)  # loss_width(3) = 16, capped at T = 7
+    assert b.loss_positions.tolist() == [[0, 2, 3, 7, 7, 7, 7], [7] * 7]
+    assert [loss_width(n) for n in (0, 16, 17, 25, 33, 49, 65, 97)] == [16, 16, 24, 32, 48, 64, 96, 128]
 
 
 # float32 unit roundoff (half the machine epsilon) and the accumulation lengths of the sharded-parity tests below.

@@ -24,12 +24,11 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl.model import qwen3
+from jaxrl.model import head, qwen3
 from jaxrl.model.qwen3 import ModelConfig, Params
 from jaxrl.parallel.sharding import array_sharding
 from jaxrl.rl import losses
 
-TOKENS_PER_LOGIT_CHUNK = 256
 TOKENS_PER_SHARD = 16_384  # default micro-batch: tokens each batch shard trains per pass (`default_micro_batch`)
 
 
@@ -73,7 +72,9 @@ class Batch:
 
     inputs, targets: int32 [B, T]; loss_mask: bool [B, T] (True on sampled tokens);
     inference_logprobs: float32 [B, T] (engine logprobs, 0 elsewhere); advantages: float32 [B];
-    temperature: float32 [B] (the sampling temperature; 0 is scored at 1).
+    temperature: float32 [B] (the sampling temperature; 0 is scored at 1); loss_positions: int32 [B, K],
+    each row's loss-token positions in order, padded with T (the train step computes logprobs there
+    only; K is the most loss tokens of a row, rounded up by `loss_width`).
     """
 
     inputs: np.ndarray
@@ -82,6 +83,16 @@ class Batch:
     inference_logprobs: np.ndarray
     advantages: np.ndarray
     temperature: np.ndarray
+    loss_positions: np.ndarray
+
+
+def loss_width(n: int) -> int:
+    """K for rows of at most `n` loss tokens: the next of 16, 24, 32, 48, 64, 96, ... (2^k and 1.5 x 2^k),
+    so that the train step compiles for a handful of K and computes at most a third more than needed."""
+    k = 16
+    while k < n:
+        k = k * 3 // 2 if k & (k - 1) == 0 else k * 4 // 3
+    return k
 
 
 def make_batch(samples: list[tuple[list[int], list[bool], list[float]]], advantages: np.ndarray,
@@ -105,38 +116,39 @@ def make_batch(samples: list[tuple[list[int], list[bool], list[float]]], advanta
         targets[i, : n - 1] = ids[1:]
         mask[i, : n - 1] = sampled[1:]
         logp[i, : n - 1] = lps[1:]
+    counts = mask.sum(axis=1)
+    positions = np.full((b, min(loss_width(int(counts.max(initial=0))), t)), t, np.int32)
+    for i in range(b):
+        positions[i, : counts[i]] = np.flatnonzero(mask[i])
     return Batch(inputs, targets, mask, logp, np.asarray(advantages, np.float32),
-                 np.full((b,), temperature, np.float32))
+                 np.full((b,), temperature, np.float32), positions)
 
 
-def token_logprobs(params: Params, hidden_BTD: jax.Array, targets_BT: jax.Array,
-                   temperature_B: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Logprob of each target under `softmax(logits / T)` and the distribution's entropy, both float32
-    [B, T], without materialising [B, T, V] logits: tokens go through the output projection in chunks of
-    `TOKENS_PER_LOGIT_CHUNK`, each rematerialised in the backward pass."""
+def sampled_logprobs(params: Params, hidden_BTD: jax.Array, targets_BT: jax.Array, positions_BK: jax.Array,
+                     temperature_B: jax.Array, *, entropy_grad: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Logprob of each target under `softmax(logits / T)` and the distribution's entropy at the positions
+    the loss reads, computed there only (`jaxrl.model.head`: the projection and log-softmax fused, in
+    chunks); float32 [B, T] each, 0 at every other position.
+
+    Args:
+        positions_BK: int32 positions into T of each row's loss tokens (`Batch.loss_positions`); entries
+            >= T are padding and read nothing.
+        temperature_B: float32; 0 (greedy) is scored at 1.
+        entropy_grad: (static) whether the entropy is differentiable (a third vocabulary matmul per chunk).
+    """
     b, t, d = hidden_BTD.shape
-    n = b * t
-    c = min(TOKENS_PER_LOGIT_CHUNK, n)
-    pad = (-n) % c
-    inv_t = 1.0 / jnp.where(temperature_B > 0, temperature_B, 1.0)
-    h = jnp.pad(hidden_BTD.reshape(n, d), ((0, pad), (0, 0))).reshape(-1, c, d)
-    y = jnp.pad(targets_BT.reshape(n), (0, pad)).reshape(-1, c)
-    s = jnp.pad(jnp.repeat(inv_t, t), (0, pad)).reshape(-1, c)
-    w_DV = qwen3.unembed_matrix(params)
+    k = positions_BK.shape[1]
+    h_BKD = jnp.take_along_axis(hidden_BTD, positions_BK[:, :, None], axis=1, mode="clip")
+    y_BK = jnp.take_along_axis(targets_BT, positions_BK, axis=1, mode="clip")
+    inv_t_B = 1.0 / jnp.where(temperature_B > 0, temperature_B, 1.0)
+    logp, entropy = head.token_logprobs(qwen3.unembed_matrix(params), h_BKD.reshape(b * k, d), y_BK.reshape(-1),
+                                        jnp.repeat(inv_t_B, k), entropy_grad=entropy_grad)
+    rows_B1 = jnp.arange(b)[:, None]
 
-    @jax.checkpoint
-    def chunk(args):
-        h_CD, y_C, s_C = args
-        logits_CV = jnp.einsum("CD,DV->CV", h_CD, w_DV).astype(jnp.float32) * s_C[:, None]
-        lse_C = jax.nn.logsumexp(logits_CV, axis=-1)
-        # The target's logit from its own column: no gather over the [C, V] block.
-        target_C = jnp.einsum("CD,DC->C", h_CD, w_DV[:, y_C]).astype(jnp.float32) * s_C
-        p_CV = jax.lax.stop_gradient(jnp.exp(logits_CV - lse_C[:, None]))
-        entropy_C = lse_C - jnp.sum(p_CV * jax.lax.stop_gradient(logits_CV), axis=-1)
-        return target_C - lse_C, jax.lax.stop_gradient(entropy_C)
+    def scatter(x):
+        return jnp.zeros((b, t), jnp.float32).at[rows_B1, positions_BK].set(x.reshape(b, k), mode="drop")
 
-    logp, entropy = jax.lax.map(chunk, (h, y, s))
-    return logp.reshape(-1)[:n].reshape(b, t), entropy.reshape(-1)[:n].reshape(b, t)
+    return scatter(logp), scatter(entropy)
 
 
 @dataclasses.dataclass
@@ -176,7 +188,9 @@ class Trainer:
         pad = k * self.micro_batch_size - rows if k > 1 else 0
         out = {}
         for name, arr in dataclasses.asdict(batch).items():
-            arr = np.pad(arr, [(0, pad)] + [(0, 0)] * (arr.ndim - 1))
+            # padding rows: no loss token (their loss positions point past the row, as in `make_batch`)
+            fill = arr.shape[1] if name == "loss_positions" else 0
+            arr = np.pad(arr, [(0, pad)] + [(0, 0)] * (arr.ndim - 1), constant_values=fill)
             axes = ("batch",) + (None,) * (arr.ndim - 1)
             out[name] = jax.device_put(arr, array_sharding(axes, arr.shape, self.mesh))
         return out
@@ -191,7 +205,8 @@ class Trainer:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         hidden, _ = qwen3.forward(self.cfg, params["base"], batch["inputs"], positions, lora=params["lora"],
                                   lora_scale=self.lora_scale, remat=self.remat, mesh=self.mesh)
-        logp, entropy = token_logprobs(params["base"], hidden, batch["targets"], batch["temperature"])
+        logp, entropy = sampled_logprobs(params["base"], hidden, batch["targets"], batch["loss_positions"],
+                                         batch["temperature"])
         loss, metrics = losses.policy_loss(logp, batch["inference_logprobs"], batch["advantages"],
                                        batch["loss_mask"], self.loss_cfg)
         mask = batch["loss_mask"].astype(jnp.float32)
