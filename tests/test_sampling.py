@@ -143,3 +143,28 @@ def test_draw_never_picks_a_zero_weight_token():
 def test_mark_seen():
     seen = mark_seen(jnp.zeros((2, 5), bool), jnp.array([1, 4]))
     assert np.asarray(seen).tolist() == [[False, True, False, False, False], [False, False, False, False, True]]
+
+
+def test_chi_square_with_every_truncation_at_once():
+    """Temperature, then top_k, min_p and top_p together, over a vocabulary of several chunks: the draws'
+    frequencies pass Pearson's chi-square test against the truncated, renormalised distribution (fixed
+    seed, p > 0.001), nothing outside it is drawn, and the logprobs are the untruncated tempered ones."""
+    from scipy.stats import chisquare
+
+    v, n = 2 * CHUNK + 11, N
+    logits = jax.random.normal(jax.random.key(7), (v,)) * 2.0
+    toks, lps = _draws(logits=logits, n=n, temperature=0.8, top_k=20, min_p=0.05, top_p=0.9)
+    p = _softmax(np.asarray(logits) / 0.8)
+    order = np.argsort(-p)
+    q = np.zeros(v)
+    q[order[:20]] = p[order[:20]]  # top_k
+    q[q < 0.05 * p.max()] = 0.0  # min_p
+    q /= q.sum()
+    kept_sorted = np.cumsum(np.sort(q)[::-1])
+    nucleus = order[: int(np.searchsorted(kept_sorted, 0.9) + 1)]  # top_p over what is left, renormalised
+    want = np.zeros(v)
+    want[nucleus] = q[nucleus] / q[nucleus].sum()
+    counts = np.bincount(toks, minlength=v)
+    assert counts[want == 0].sum() == 0 and len(nucleus) > 3
+    assert chisquare(counts[nucleus], want[nucleus] * n).pvalue > 1e-3
+    np.testing.assert_allclose(lps, np.log(p)[toks], rtol=1e-5)
