@@ -37,6 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 from rich.console import Console
 from rich.markup import escape
 
@@ -61,6 +62,7 @@ from jaxrl.run.metrics import MetricsLogger
 from jaxrl.run.recovery import (
     Preempted,
     RunError,
+    StopRequest,
     checkpoint_dir_of,
     identity_mismatch,
     model_identity,
@@ -103,7 +105,7 @@ def run(cfg: RunConfig, console: Console | None = None) -> Path:
     os.environ.update(env_values)
     secrets = secret_values(env_values)
     try:
-        return _run(cfg, console, secrets)
+        return Run(cfg, console, secrets).run()
     except (RunError, ConfigError) as exc:
         exc.args = tuple(redact(str(a), secrets) if isinstance(a, str) else a for a in exc.args)
         if isinstance(exc, ConfigError):
@@ -111,252 +113,389 @@ def run(cfg: RunConfig, console: Console | None = None) -> Path:
         raise
 
 
-def _run(cfg: RunConfig, console: Console, secrets: list[str]) -> Path:
-    if jax.process_count() > 1 and cfg.max_async_level:
-        raise ConfigError(cfg.source, [("max_async_level", f"{cfg.max_async_level}: generation overlapping training "
-                                                           f"is built for one process only; a multi-host run needs "
-                                                           f"max_async_level = 0 and oversampling_factor = 1")])
-    run_dir = run_dir_of(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    jcfg = cfg.jax
-    try:
-        mesh = make_mesh(jcfg.mesh.model_dump())
-    except ValueError as exc:  # a mesh of another device count: only the devices here tell
-        raise ConfigError(cfg.source, [("jax.mesh", str(exc))]) from None
-    engine_mesh = distributed.local_mesh(mesh)  # this host's devices: its rollout engine's
-    dtype = jnp.bfloat16 if jcfg.dtype == "bfloat16" else jnp.float32
-    model_path, tokenizer_path = resolve_model_path(cfg), resolve_tokenizer_path(cfg)
-    t0 = time.perf_counter()
-    try:
-        mcfg = hf.load_config(model_path)
-        _, base = hf.load_hf(model_path, dtype, shardings=spec_shardings(param_specs(mcfg), mcfg.dims(), mesh))
-        engine_base = base if engine_mesh is mesh else hf.load_hf(
-            model_path, dtype, shardings=spec_shardings(param_specs(mcfg), mcfg.dims(), engine_mesh))[1]
-    except Exception as exc:  # noqa: BLE001 - a missing, truncated or malformed checkpoint, in any layer
-        key = "jax.model_path" if jcfg.model_path else "model"
-        raise ConfigError(cfg.source, [(key, f"cannot load the model from {model_path}: "
-                                             f"{type(exc).__name__}: {exc}")]) from None
-    targets = tuple(jcfg.lora_targets)
-    lora_sh = spec_shardings(lora_specs(mcfg, jcfg.lora_rank, targets), {**mcfg.dims(), "R": jcfg.lora_rank}, mesh)
-    # Through numpy: a device array on one host's device would take a cross-host transfer per leaf.
-    lora = jax.device_put(jax.device_get(init_lora(mcfg, jcfg.lora_rank, targets, jax.random.key(jcfg.seed))),
-                          lora_sh)
-    lora_scale = cfg.lora_alpha / jcfg.lora_rank
-    console.print(f"[bold]jaxrl[/] run [cyan]{run_dir}[/]: model {model_path} "
-                  f"({sum(x.size for x in jax.tree.leaves(base)) / 1e6:.1f}M params, {jcfg.dtype}), "
-                  f"mesh {dict(mesh.shape)}, loaded in {time.perf_counter() - t0:.1f}s")
-    if distributed.is_primary():
-        exporter.write_run_config(run_dir, cfg)  # what `jaxrl export` reads
-    adapters = exporter.RunAdapters(cfg, mcfg, exporter.adapters_dir_of(cfg), console)
+@dataclasses.dataclass
+class Step:
+    """One step's data as it moves through the phases. `step` counts from 0 (the step it trains is logged
+    as `step + 1`, the policy version it publishes). `groups`: the step's groups of rollouts, from every
+    process, in launch order, with `jobs` their `(env index, example index)`; `trained`: those `judge`
+    kept for training. Times are `time.perf_counter()` seconds."""
 
-    micro = jcfg.micro_batch_size or default_micro_batch(jcfg.seq_len, batch_shards(mesh))
-    trainer = Trainer(mcfg, mesh, make_optimizer(cfg.learning_rate), lora_scale=lora_scale, remat=jcfg.remat,
-                      micro_batch_size=micro)
-    state = trainer.init_state(base, lora)
-    identity = model_identity(cfg.model, dataclasses.asdict(mcfg), jcfg.lora_rank, targets)
-    loaded = []
-    for i, e in enumerate(cfg.env):
+    step: int
+    t_start: float
+    jobs: list[tuple[int, int]]
+    groups: list[list[loader.Rollout]]
+    metrics: dict[str, float]
+    trained: list[list[loader.Rollout]] = dataclasses.field(default_factory=list)
+
+
+class Run:
+    """One run, in phases (the model is prime-rl's orchestrator: one method per phase).
+
+    `setup` loads the model, the LoRA, the environments and the last checkpoint; `start` the engine, its
+    server and the rollout producer; `preflight` compiles the engine, serves the environments, plays one
+    rollout of each and evaluates the base model. Then each step is `gather` (its groups, from the
+    producer and every process) -> `judge` (metrics, failure verdict, difficulty filter) -> `train` (one
+    optimizer step) -> `publish` (the new LoRA to the engine) -> `record` (eval, metrics, checkpoint,
+    adapters); `close` stops what `start` started. `run` drives them. A phase to add is a method here,
+    called from `run` or `step`, reading the attributes the phases above it set.
+    """
+
+    def __init__(self, cfg: RunConfig, console: Console, secrets: list[str]) -> None:
+        self.cfg, self.console, self.secrets = cfg, console, secrets
+        self.n = cfg.rollouts_per_example
+        self.groups_per_step = cfg.batch_size // cfg.rollouts_per_example
+        self.run_dir = run_dir_of(cfg)
+        self.primary = distributed.is_primary()
+        self.history: list[tuple[int, int]] = []  # (failed, played) rollouts per step: the failure verdict's
+        self.stop: StopRequest | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.serving_tasks: set[asyncio.Task] | None = None  # the tasks running before the first group
+
+    def run(self) -> Path:
+        """All phases; return the run folder. Raises what `jaxrl.run.runner.run` documents."""
+        self.setup()
+        if self.start_step >= self.cfg.max_steps:
+            self.console.print(f"run already complete ({self.start_step}/{self.cfg.max_steps} steps)")
+            self.ckpt.close()
+            return self.run_dir
+        self.start()
         try:
-            loaded.append(loader.load_env(e.id, e.args, e.taskset, e.harness))
+            with stop_on_signals() as self.stop:
+                self.preflight()
+                self.producer.refill()
+                for step in range(self.start_step, self.cfg.max_steps):
+                    if distributed.any_process(self.stop.requested) or not self.step(step):
+                        break
+                if distributed.any_process(self.stop.requested):
+                    self.preempted()
+            self.ckpt.wait()
+        finally:
+            self.close()
+        self.console.print(f"done: {self.cfg.max_steps} steps; metrics in {self.run_dir / 'metrics.jsonl'}, "
+                           f"checkpoints in {self.ckpt.directory}"
+                           + (f", PEFT adapters in {self.adapters.directory}" if self.adapters.enabled else ""))
+        return self.run_dir
+
+    def step(self, step: int) -> bool:
+        """One step's phases; False when a signal stopped it before its rollouts were in."""
+        if (s := self.gather(step)) is None:
+            return False
+        self.judge(s)
+        s.metrics |= self.train(s)
+        self.publish(s.step + 1)
+        self.record(s)
+        return True
+
+    # -- setup ---------------------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Load the model, the LoRA, the trainer state, the environments and the last checkpoint; sets
+        `start_step` (the first step to run) and `meta` (that checkpoint's metadata, {} when none)."""
+        cfg = self.cfg
+        if jax.process_count() > 1 and cfg.max_async_level:
+            raise ConfigError(cfg.source, [("max_async_level", f"{cfg.max_async_level}: generation overlapping "
+                                                               f"training is built for one process only; a "
+                                                               f"multi-host run needs max_async_level = 0 and "
+                                                               f"oversampling_factor = 1")])
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.load_model()
+        if self.primary:
+            exporter.write_run_config(self.run_dir, cfg)  # what `jaxrl export` reads
+        self.adapters = exporter.RunAdapters(cfg, self.mcfg, exporter.adapters_dir_of(cfg), self.console)
+        micro = cfg.jax.micro_batch_size or default_micro_batch(cfg.jax.seq_len, batch_shards(self.mesh))
+        self.trainer = Trainer(self.mcfg, self.mesh, make_optimizer(cfg.learning_rate), lora_scale=self.lora_scale,
+                               remat=cfg.jax.remat, micro_batch_size=micro)
+        self.state = self.trainer.init_state(self.base, self.init_lora())
+        self.identity = model_identity(cfg.model, dataclasses.asdict(self.mcfg), cfg.jax.lora_rank,
+                                       tuple(cfg.jax.lora_targets))
+        self.load_envs()
+        self.ckpt = Checkpointer(checkpoint_dir_of(cfg), keep=cfg.checkpoints.keep_cloud)
+        self.buffer = Buffer(tuple(len(env.tasks) for env in self.envs), cfg.buffer)
+        buffer_state = BufferState.fresh(len(self.envs))
+        self.start_step, self.meta = 0, {}
+        if (latest := self.ckpt.latest_step()) is not None:
+            self.state, self.meta = _restore(self.ckpt, latest, self.state, self.identity)
+            self.start_step = int(self.meta["step"])
+            buffer_state = _buffer_state(self.meta)
+            self.console.print(f"resuming from checkpoint step {self.start_step} in {self.ckpt.directory}")
+        elif cfg.checkpoint_id:
+            self.state = self.trainer.init_state(self.base, _warm_start(cfg, self.state, self.identity,
+                                                                        self.console))
+        self.buffer_state = buffer_state
+        self.done = self.saved = self.start_step  # last step run; last step checkpointed
+        if self.primary and (dropped := trim_metrics(self.run_dir / "metrics.jsonl", self.start_step)):
+            self.console.print(f"dropped {dropped} metrics rows past step {self.start_step} "
+                               f"(steps run after the last checkpoint)")
+
+    def load_model(self) -> None:
+        """The base weights on the trainer's mesh (`base`) and on this host's engine mesh (`engine_base`:
+        the same arrays with one process). Raises ConfigError (key `model` or `jax.model_path`) when the
+        checkpoint cannot be loaded."""
+        cfg, jcfg = self.cfg, self.cfg.jax
+        try:
+            self.mesh = make_mesh(jcfg.mesh.model_dump())
+        except ValueError as exc:  # a mesh of another device count: only the devices here tell
+            raise ConfigError(cfg.source, [("jax.mesh", str(exc))]) from None
+        self.engine_mesh = distributed.local_mesh(self.mesh)  # this host's devices: its rollout engine's
+        self.dtype = jnp.bfloat16 if jcfg.dtype == "bfloat16" else jnp.float32
+        self.model_path, self.tokenizer_path = resolve_model_path(cfg), resolve_tokenizer_path(cfg)
+        t0 = time.perf_counter()
+        try:
+            self.mcfg = mcfg = hf.load_config(self.model_path)
+            self.base = hf.load_hf(self.model_path, self.dtype,
+                                   shardings=spec_shardings(param_specs(mcfg), mcfg.dims(), self.mesh))[1]
+            self.engine_base = self.base if self.engine_mesh is self.mesh else hf.load_hf(
+                self.model_path, self.dtype, shardings=spec_shardings(param_specs(mcfg), mcfg.dims(),
+                                                                      self.engine_mesh))[1]
+        except Exception as exc:  # noqa: BLE001 - a missing, truncated or malformed checkpoint, in any layer
+            key = "jax.model_path" if jcfg.model_path else "model"
+            raise ConfigError(cfg.source, [(key, f"cannot load the model from {self.model_path}: "
+                                                 f"{type(exc).__name__}: {exc}")]) from None
+        self.lora_scale = cfg.lora_alpha / jcfg.lora_rank
+        self.console.print(f"[bold]jaxrl[/] run [cyan]{self.run_dir}[/]: model {self.model_path} "
+                           f"({sum(x.size for x in jax.tree.leaves(self.base)) / 1e6:.1f}M params, {jcfg.dtype}), "
+                           f"mesh {dict(self.mesh.shape)}, loaded in {time.perf_counter() - t0:.1f}s")
+
+    def lora_shardings(self, mesh: Mesh) -> Any:
+        """Shardings of the LoRA factors on `mesh`."""
+        jcfg = self.cfg.jax
+        return spec_shardings(lora_specs(self.mcfg, jcfg.lora_rank, tuple(jcfg.lora_targets)),
+                              {**self.mcfg.dims(), "R": jcfg.lora_rank}, mesh)
+
+    def init_lora(self) -> Any:
+        """Fresh LoRA factors (from `[jax] seed`) on the trainer's mesh."""
+        jcfg = self.cfg.jax
+        # Through numpy: a device array on one host's device would take a cross-host transfer per leaf.
+        lora = init_lora(self.mcfg, jcfg.lora_rank, tuple(jcfg.lora_targets), jax.random.key(jcfg.seed))
+        return jax.device_put(jax.device_get(lora), self.lora_shardings(self.mesh))
+
+    def load_envs(self) -> None:
+        """The training environments (`envs`), the eval ones (`eval_envs`) and the chat template the server
+        renders classic environments' chats with. Raises ConfigError (key `env.<i>.id` or `env`)."""
+        self.envs = []
+        for i, e in enumerate(self.cfg.env):
+            try:
+                self.envs.append(loader.load_env(e.id, e.args, e.taskset, e.harness))
+            except loader.EnvLoadError as exc:
+                raise ConfigError(self.cfg.source, [(f"env.{i}.id", str(exc))]) from None
+        self.eval_envs = evaluate.load_eval_envs(self.cfg)  # [[eval.env]]
+        try:  # classic envs play over the server's /v1/chat/completions
+            self.chat_template = loader.chat_template(self.envs + self.eval_envs, self.tokenizer_path,
+                                                      self.model_path)
         except loader.EnvLoadError as exc:
-            raise ConfigError(cfg.source, [(f"env.{i}.id", str(exc))]) from None
-    eval_envs = evaluate.load_eval_envs(cfg)  # [[eval.env]]
-    try:  # classic envs play over the server's /v1/chat/completions
-        chat_template = loader.chat_template(loaded + eval_envs, tokenizer_path, model_path)
-    except loader.EnvLoadError as exc:
-        raise ConfigError(cfg.source, [("env", str(exc))]) from None
-    ckpt = Checkpointer(checkpoint_dir_of(cfg), keep=cfg.checkpoints.keep_cloud)
-    buffer = Buffer(tuple(len(env.tasks) for env in loaded), cfg.buffer)
-    buffer_state = BufferState.fresh(len(loaded))
-    start, meta = 0, {}
-    if (latest := ckpt.latest_step()) is not None:
-        state, meta = _restore(ckpt, latest, state, identity)
-        start = int(meta["step"])
-        buffer_state = _buffer_state(meta)
-        console.print(f"resuming from checkpoint step {start} in {ckpt.directory}")
-    elif cfg.checkpoint_id:
-        state = trainer.init_state(base, _warm_start(cfg, state, identity, console))
-    if distributed.is_primary() and (dropped := trim_metrics(run_dir / "metrics.jsonl", start)):
-        console.print(f"dropped {dropped} metrics rows past step {start} (steps run after the last checkpoint)")
-    if start >= cfg.max_steps:
-        console.print(f"run already complete ({start}/{cfg.max_steps} steps)")
-        ckpt.close()
-        return run_dir
+            raise ConfigError(self.cfg.source, [("env", str(exc))]) from None
 
-    wandb_run = wandb_log.start(cfg, run_dir, secrets, console) if distributed.is_primary() else None
-    engine = Engine(mcfg, engine_mesh, jcfg.decode_slots, jcfg.seq_len, lora_scale=lora_scale, cache_dtype=dtype)
-    engine_lora_sh = spec_shardings(lora_specs(mcfg, jcfg.lora_rank, targets), {**mcfg.dims(), "R": jcfg.lora_rank},
-                                    engine_mesh)
+    def start(self) -> None:
+        """Start the W&B run, the engine and its scheduler and server, the event loop, the evaluator and the
+        rollout producer; `close` stops them."""
+        cfg, jcfg = self.cfg, self.cfg.jax
+        wandb_run = wandb_log.start(cfg, self.run_dir, self.secrets, self.console) if self.primary else None
+        engine = Engine(self.mcfg, self.engine_mesh, jcfg.decode_slots, jcfg.seq_len, lora_scale=self.lora_scale,
+                        cache_dtype=self.dtype)
+        self.engine_lora_sh = self.lora_shardings(self.engine_mesh)
+        self.scheduler = Scheduler(engine, self.engine_params(), model_name=cfg.model,
+                                   seed=jcfg.seed * 1_000_003 + self.start_step)
+        self.scheduler.policy_version = self.start_step
+        versions = VersionLog(self.scheduler)  # the policy version of each token of the producer's rollouts
+        self.server = start_server(versions, host=jcfg.host, port=jcfg.port, chat_template=self.chat_template)
+        self.sampling = SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+                                       top_k=cfg.sampling.top_k, max_tokens=cfg.sampling.max_tokens or jcfg.seq_len - 1)
+        self.client = {"base_url": self.server.base_url, "model_name": cfg.model, "tokenizer_path": self.tokenizer_path}
+        self.logger = MetricsLogger(self.run_dir, cfg.max_steps, self.start_step, self.console,
+                                    wandb_run) if self.primary else None
+        self.loop = loop = asyncio.new_event_loop()  # one loop for the run: verifiers' HTTP clients outlive a step
+        env_resources = resources.env_resources(cfg.infrastructure.compute_size)
+        resources.apply(loop, env_resources)
+        self.in_flight = asyncio.Semaphore(env_resources.max_in_flight) if env_resources.max_in_flight else None
+        self.console.print(env_resources.describe(cfg.infrastructure.compute_size))
+        self.evaluator = evaluate.Evaluator(cfg, self.envs, self.eval_envs, self.client, self.sampling, self.console,
+                                            self.secrets, self.in_flight)  # [eval]
+        self.serving = contextlib.AsyncExitStack()
+        n, groups = self.n, self.groups_per_step
+        next_t, resumed = Producer.resumed(self.meta, self.start_step, groups)
+        self.producer = Producer(loop, self.buffer, self.buffer_state, self.play, versions,
+                                 lambda t: (jcfg.seed * 1_000_003 + t) * n, n, groups,
+                                 in_flight_groups(cfg.batch_size, n, cfg.oversampling_factor), cfg.max_async_level,
+                                 self.start_step, next_t, resumed,
+                                 share=distributed.share(groups) if jax.process_count() > 1 else None,
+                                 last_step=cfg.max_steps)
+        self.train_thread = ThreadPoolExecutor(1, thread_name_prefix="jaxrl-train")  # the loop plays meanwhile
 
-    def engine_lora(lora: Any) -> Any:
-        """The trainer's LoRA, placed for this host's engine (a collective with several processes)."""
-        return lora if engine_mesh is mesh else jax.device_put(distributed.to_host(lora), engine_lora_sh)
+    def engine_params(self) -> dict[str, Any]:
+        """The engine's parameters: its base weights and the trainer's LoRA, placed for this host's engine
+        (a collective with several processes)."""
+        lora = self.state.lora
+        if self.engine_mesh is not self.mesh:
+            lora = jax.device_put(distributed.to_host(lora), self.engine_lora_sh)
+        return {"base": self.engine_base, "lora": lora}
 
-    scheduler = Scheduler(engine, {"base": engine_base, "lora": engine_lora(state.lora)}, model_name=cfg.model,
-                          seed=jcfg.seed * 1_000_003 + start)
-    scheduler.policy_version = start
-    versions = VersionLog(scheduler)  # the policy version of each token of the producer's rollouts
-    server = start_server(versions, host=jcfg.host, port=jcfg.port, chat_template=chat_template)
-    sampling = SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
-                              top_k=cfg.sampling.top_k,
-                              max_tokens=cfg.sampling.max_tokens or jcfg.seq_len - 1)
-    client = {"base_url": server.base_url, "model_name": cfg.model, "tokenizer_path": tokenizer_path}
-    logger = MetricsLogger(run_dir, cfg.max_steps, start, console, wandb_run) if distributed.is_primary() else None
-    groups = cfg.batch_size // cfg.rollouts_per_example
-    loop = asyncio.new_event_loop()  # one loop for the run: verifiers' HTTP clients outlive a step
-    env_resources = resources.env_resources(cfg.infrastructure.compute_size)
-    resources.apply(loop, env_resources)
-    in_flight = asyncio.Semaphore(env_resources.max_in_flight) if env_resources.max_in_flight else None
-    console.print(env_resources.describe(cfg.infrastructure.compute_size))
-    evaluator = evaluate.Evaluator(cfg, loaded, eval_envs, client, sampling, console, secrets, in_flight)  # [eval]
-    serving = contextlib.AsyncExitStack()
-    done, saved = start, start
-    history: list[tuple[int, int]] = []
-    n = cfg.rollouts_per_example
-
-    async def play(job: tuple[int, int], first_seed: int) -> list[loader.Rollout]:
-        out = await rollouts.collect(loaded, [job], n, client, sampling, first_seed, jcfg.rollout_timeout, in_flight)
+    async def play(self, job: tuple[int, int], first_seed: int) -> list[loader.Rollout]:
+        """The `rollouts_per_example` rollouts of one group (the producer's `play`)."""
+        jcfg = self.cfg.jax
+        out = await rollouts.collect(self.envs, [job], self.n, self.client, self.sampling, first_seed,
+                                     jcfg.rollout_timeout, self.in_flight)
         return out[0]
 
-    next_t, resumed = Producer.resumed(meta, start, groups)
-    producer = Producer(loop, buffer, buffer_state, play, versions, lambda t: (jcfg.seed * 1_000_003 + t) * n, n,
-                        groups, in_flight_groups(cfg.batch_size, n, cfg.oversampling_factor), cfg.max_async_level,
-                        start, next_t, resumed, share=distributed.share(groups) if jax.process_count() > 1 else None,
-                        last_step=cfg.max_steps)
-    train_thread = ThreadPoolExecutor(1, thread_name_prefix="jaxrl-train")  # the loop plays rollouts meanwhile
-    serving_tasks: set[asyncio.Task] | None = None  # the tasks running before the first group is launched
+    # -- pre-flight ------------------------------------------------------------------------------------------
 
-    def save(step: int) -> None:
-        buf = producer.state
-        ckpt.save(step, state, {"step": step, "examples_drawn": list(buf.drawn), "buffer": buf.to_json(),
-                                "producer": producer.checkpoint(), "policy_version": step, "identity": identity})
+    def preflight(self) -> None:
+        """Compile the engine, serve the environments for the run, play one rollout of each environment
+        (unless `[buffer] skip_verification`) and evaluate the base model (`[eval] eval_base_model`, as
+        step 0). Raises RunError when a pre-flight rollout fails on any process."""
+        cfg, loop, console = self.cfg, self.loop, self.console
+        # Rollouts in flight are cancelled at every run's end, not only on a signal.
+        loop.set_exception_handler(lambda lp, context: None if isinstance(
+            context.get("exception"), asyncio.CancelledError) else lp.default_exception_handler(context))
+        t_warm = time.perf_counter()
+        buckets = loop.run_until_complete(self.scheduler.warmup(self.sampling))
+        console.print(f"engine compiled ({buckets} prefill buckets + decode) in {time.perf_counter() - t_warm:.1f}s")
+        for env in self.envs:  # one interception server and client per env for the whole run
+            loop.run_until_complete(self.serving.enter_async_context(env.serving()))
+        loop.run_until_complete(self.serving.enter_async_context(self.evaluator.serving()))
+        if not cfg.buffer.skip_verification:
+            t_check = time.perf_counter()
+            failing = loop.run_until_complete(rollouts.preflight(
+                self.envs, self.client, self.sampling, max(cfg.jax.rollout_timeout, PREFLIGHT_TIMEOUT_S),
+                self.in_flight))
+            failing = list(dict.fromkeys(line for lines in distributed.all_gather_objects(failing) for line in lines))
+            if failing:
+                raise RunError("pre-flight rollout failed before step 1 (set [buffer] skip_verification = true "
+                               "to skip this check):\n  " + "\n  ".join(failing))
+            console.print(f"pre-flight: one rollout of each environment passed in "
+                          f"{time.perf_counter() - t_check:.1f}s")
+        if self.start_step == 0 and (base_metrics := self.evaluator.run(0, loop, self.stop)) and self.logger:
+            self.logger.log(0, base_metrics)  # [eval] eval_base_model: the untrained model, as step 0
+        self.serving_tasks = asyncio.all_tasks(loop)
 
-    def train(batch: Any) -> tuple[TrainState, dict[str, float]]:
-        new_state, train_metrics = trainer.step(state, base, batch)
-        return new_state, {k: float(v) for k, v in jax.device_get(train_metrics).items()}
+    # -- each step ----------------------------------------------------------------------------------------
 
-    try:
-        with stop_on_signals() as stop:
-            # Rollouts in flight are cancelled at every run's end, not only on a signal.
-            loop.set_exception_handler(lambda lp, context: None if isinstance(
-                context.get("exception"), asyncio.CancelledError) else lp.default_exception_handler(context))
-            t_warm = time.perf_counter()
-            buckets = loop.run_until_complete(scheduler.warmup(sampling))
-            console.print(f"engine compiled ({buckets} prefill buckets + decode) in "
-                          f"{time.perf_counter() - t_warm:.1f}s")
-            for env in loaded:  # one interception server and client per env for the whole run
-                loop.run_until_complete(serving.enter_async_context(env.serving()))
-            loop.run_until_complete(serving.enter_async_context(evaluator.serving()))
-            if not cfg.buffer.skip_verification:
-                t_check = time.perf_counter()
-                failing = loop.run_until_complete(rollouts.preflight(
-                    loaded, client, sampling, max(jcfg.rollout_timeout, PREFLIGHT_TIMEOUT_S), in_flight))
-                failing = list(dict.fromkeys(line for lines in distributed.all_gather_objects(failing)
-                                             for line in lines))
-                if failing:
-                    raise RunError("pre-flight rollout failed before step 1 (set [buffer] skip_verification = true "
-                                   "to skip this check):\n  " + "\n  ".join(failing))
-                console.print(f"pre-flight: one rollout of each environment passed in "
-                              f"{time.perf_counter() - t_check:.1f}s")
-            if start == 0 and (base_metrics := evaluator.run(0, loop, stop)) and logger:
-                logger.log(0, base_metrics)  # [eval] eval_base_model: the untrained model, as step 0
-            serving_tasks = asyncio.all_tasks(loop)
-            producer.refill()
-            for step in range(start, cfg.max_steps):
-                if distributed.any_process(stop.requested):
-                    break
-                t_step = time.perf_counter()
-                take = loop.create_task(producer.take(step))
-                stop.on_signal = lambda take=take: loop.call_soon_threadsafe(take.cancel)
-                try:
-                    taken = loop.run_until_complete(take)
-                except asyncio.CancelledError:
-                    taken = None
-                except BufferExhausted as exc:
-                    raise RunError(f"step {step + 1}: stopping, {exc} (resumes from checkpoint step {saved})") from None
-                finally:
-                    stop.on_signal = None
-                shares = distributed.all_gather_objects(None if taken is None else [
-                    [dataclasses.asdict(r) for r in g.rollouts] for g in taken.groups if g.rollouts is not None])
-                if any(share is None for share in shares):  # preempted mid-rollouts: redone on resume
-                    break
-                step_rollouts = [[loader.Rollout(**r) for r in group] for share in shares for group in share]
-                jobs = [g.job for g in taken.groups]
-                t_rollout = time.perf_counter() - t_step  # the wait: rollouts in flight overlap the previous step
-                metrics = rollouts.step_metrics(step_rollouts, [cfg.env[i].display_name for i, _ in jobs],
-                                                len(cfg.env) > 1) | taken.metrics(step, n, len(producer.groups))
-                kept = [r for group in step_rollouts for r in group if r.ok]
-                history.append((len([r for g in step_rollouts for r in g]) - len(kept),
-                                sum(len(g) for g in step_rollouts)))
-                if verdict := rollouts.failure_verdict(history):
-                    errors = "\n  ".join(rollouts.first_errors(step_rollouts))
-                    raise RunError(f"step {step + 1}: stopping, {verdict}; fix the environment and run again "
-                                   f"(resumes from checkpoint step {saved}). First errors:\n  {errors}")
-                if metrics["rollouts/failed"]:
-                    first = escape(redact(rollouts.first_errors(step_rollouts, 1)[0], secrets))
-                    console.print(f"[yellow]step {step + 1}: {metrics['rollouts/failed']:.0f} rollouts failed and "
-                                  f"were dropped[/]; first: {first}", highlight=False)
-                keep = producer.record(jobs, [[r.reward for r in g if r.ok] for g in step_rollouts])
-                metrics |= buffer.metrics(producer.state, keep)
-                trained = [g for g, k in zip(step_rollouts, keep, strict=True) if k]
-                trained_ok = [r for g in trained for r in g if r.ok]
-                t_train = time.perf_counter()
-                samples: list = []
-                if trained_ok:
-                    advantages = np.concatenate([rollouts.advantages(group) for group in trained])
-                    width = pad_length(max(len(r.token_ids) for r in trained_ok), jcfg.seq_len)
-                    samples, sample_advantages = loader.training_samples(trained_ok, advantages,
-                                                                       cfg.trajectory_strategy)
-                    batch = make_batch(samples, sample_advantages, sampling.temperature, width)
-                    state, train_metrics = loop.run_until_complete(loop.run_in_executor(train_thread, train, batch))
-                    if train_metrics["optim/skipped"]:
-                        console.print(f"[yellow]step {step + 1}: loss or gradient not finite; update skipped, "
-                                      f"weights unchanged[/]")
-                else:  # online difficulty filtering left no group with a reward signal: nothing to learn from
-                    train_metrics = {"optim/skipped": 1.0}
-                    console.print(f"[yellow]step {step + 1}: every group's rewards were equal (filtered by "
-                                  f"[buffer] online_difficulty_filtering); no update[/]")
-                scheduler.update_params({"base": engine_base, "lora": engine_lora(state.lora)}, version=step + 1)
-                producer.set_version(step + 1)
-                now = time.perf_counter()
-                sampled = sum(sum(r.loss_mask) for r in kept)
-                metrics |= train_metrics | {
-                    "time/rollout": t_rollout, "time/train": now - t_train, "time/step": now - t_step,
-                    "tokens_per_s": sampled / (now - t_step), "train/samples": float(len(samples)),
-                }
-                metrics |= evaluator.run(step + 1, loop, stop)  # [eval] / [val] when due, on the new weights
-                if logger:
-                    logger.log(step + 1, metrics)
-                done = step + 1
-                if done % cfg.checkpoints.interval == 0 or done == cfg.max_steps or \
-                        distributed.any_process(stop.requested):
-                    save(done)
-                    saved = done
-                adapters.after_step(done, state.lora)
-            if distributed.any_process(stop.requested):
-                if saved != done:
-                    save(done)
-                ckpt.wait()
-                raise Preempted(f"{stop.signal or 'a signal to another host'}: stopped after step {done}; "
-                                f"checkpoint step {done} is in {ckpt.directory}. Run the same command again to resume.")
-        ckpt.wait()
-    finally:
-        if logger:
-            logger.close()
-        train_thread.shutdown()
-        producer.cancel()  # rollouts in flight past the last step, or since a failure: dropped
-        if serving_tasks is not None:
-            loop.run_until_complete(rollouts.settle(serving_tasks, timeout_s=10.0))
-        loop.run_until_complete(serving.aclose())
-        loop.close()
-        server.stop()
-        scheduler.stop()
+    def gather(self, step: int) -> Step | None:
+        """Wait for step `step`'s groups from the producer and gather every process's share; None when a
+        signal came first (its rollouts are played again on resume). Raises RunError when the buffer has no
+        example left to draw."""
+        loop, stop = self.loop, self.stop
+        t_start = time.perf_counter()
+        take = loop.create_task(self.producer.take(step))
+        stop.on_signal = lambda: loop.call_soon_threadsafe(take.cancel)
+        try:
+            taken = loop.run_until_complete(take)
+        except asyncio.CancelledError:
+            taken = None
+        except BufferExhausted as exc:
+            raise RunError(f"step {step + 1}: stopping, {exc} (resumes from checkpoint step {self.saved})") from None
+        finally:
+            stop.on_signal = None
+        shares = distributed.all_gather_objects(None if taken is None else [
+            [dataclasses.asdict(r) for r in g.rollouts] for g in taken.groups if g.rollouts is not None])
+        if any(share is None for share in shares):  # preempted mid-rollouts: redone on resume
+            return None
+        groups = [[loader.Rollout(**r) for r in group] for share in shares for group in share]
+        metrics = taken.metrics(step, self.n, len(self.producer.groups))
+        # the wait: rollouts in flight overlap the previous step
+        metrics["time/rollout"] = time.perf_counter() - t_start
+        return Step(step, t_start, [g.job for g in taken.groups], groups, metrics)
+
+    def judge(self, s: Step) -> None:
+        """The step's rollout metrics, the failure verdict over the run so far (RunError when most rollouts
+        fail), and the groups to train on (`s.trained`: online difficulty filtering, `[buffer]`)."""
+        cfg, groups = self.cfg, s.groups
+        s.metrics = rollouts.step_metrics(groups, [cfg.env[i].display_name for i, _ in s.jobs],
+                                          len(cfg.env) > 1) | s.metrics
+        played = sum(len(g) for g in groups)
+        self.history.append((played - sum(r.ok for g in groups for r in g), played))
+        if verdict := rollouts.failure_verdict(self.history):
+            errors = "\n  ".join(rollouts.first_errors(groups))
+            raise RunError(f"step {s.step + 1}: stopping, {verdict}; fix the environment and run again "
+                           f"(resumes from checkpoint step {self.saved}). First errors:\n  {errors}")
+        if s.metrics["rollouts/failed"]:
+            first = escape(redact(rollouts.first_errors(groups, 1)[0], self.secrets))
+            self.console.print(f"[yellow]step {s.step + 1}: {s.metrics['rollouts/failed']:.0f} rollouts failed and "
+                               f"were dropped[/]; first: {first}", highlight=False)
+        keep = self.producer.record(s.jobs, [[r.reward for r in g if r.ok] for g in groups])
+        s.metrics |= self.buffer.metrics(self.producer.state, keep)
+        s.trained = [g for g, k in zip(groups, keep, strict=True) if k]
+
+    def train(self, s: Step) -> dict[str, float]:
+        """One optimizer step on `s.trained`'s successful rollouts, in the train thread while the event loop
+        plays rollouts; returns its metrics (`optim/*`, `train/samples`, `time/train`)."""
+        cfg, loop = self.cfg, self.loop
+        t_train = time.perf_counter()
+        trained_ok = [r for g in s.trained for r in g if r.ok]
+        if not trained_ok:  # online difficulty filtering left no group with a reward signal: nothing to learn from
+            self.console.print(f"[yellow]step {s.step + 1}: every group's rewards were equal (filtered by "
+                               f"[buffer] online_difficulty_filtering); no update[/]")
+            return {"optim/skipped": 1.0, "time/train": time.perf_counter() - t_train, "train/samples": 0.0}
+        advantages = np.concatenate([rollouts.advantages(group) for group in s.trained])
+        width = pad_length(max(len(r.token_ids) for r in trained_ok), cfg.jax.seq_len)
+        samples, sample_advantages = loader.training_samples(trained_ok, advantages, cfg.trajectory_strategy)
+        batch = make_batch(samples, sample_advantages, self.sampling.temperature, width)
+        self.state, metrics = loop.run_until_complete(loop.run_in_executor(self.train_thread, self._train, batch))
+        if metrics["optim/skipped"]:
+            self.console.print(f"[yellow]step {s.step + 1}: loss or gradient not finite; update skipped, "
+                               f"weights unchanged[/]")
+        return metrics | {"time/train": time.perf_counter() - t_train, "train/samples": float(len(samples))}
+
+    def _train(self, batch: Any) -> tuple[TrainState, dict[str, float]]:
+        new_state, metrics = self.trainer.step(self.state, self.base, batch)
+        return new_state, {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+    def publish(self, version: int) -> None:
+        """Hand the trainer's LoRA to the engine as policy `version`; the producer's next groups play it."""
+        self.scheduler.update_params(self.engine_params(), version=version)
+        self.producer.set_version(version)
+
+    def record(self, s: Step) -> None:
+        """Step timings, eval / val when due (on the new weights), the metrics row, the checkpoint when due
+        (every `[checkpoints] interval` steps, the last step, or a signal on any process) and the PEFT
+        adapters when due."""
+        cfg = self.cfg
+        now = time.perf_counter()
+        sampled = sum(sum(r.loss_mask) for g in s.groups for r in g if r.ok)
+        s.metrics |= {"time/step": now - s.t_start, "tokens_per_s": sampled / (now - s.t_start)}
+        s.metrics |= self.evaluator.run(s.step + 1, self.loop, self.stop)
+        if self.logger:
+            self.logger.log(s.step + 1, s.metrics)
+        self.done = s.step + 1
+        if self.done % cfg.checkpoints.interval == 0 or self.done == cfg.max_steps or \
+                distributed.any_process(self.stop.requested):
+            self.save(self.done)
+        self.adapters.after_step(self.done, self.state.lora)
+
+    def save(self, step: int) -> None:
+        """Checkpoint the train state with the data position (buffer, producer) after step `step`."""
+        buf = self.producer.state
+        self.ckpt.save(step, self.state, {"step": step, "examples_drawn": list(buf.drawn), "buffer": buf.to_json(),
+                                          "producer": self.producer.checkpoint(), "policy_version": step,
+                                          "identity": self.identity})
+        self.saved = step
+
+    # -- the end --------------------------------------------------------------------------------------------
+
+    def preempted(self) -> None:
+        """A signal stopped the run: checkpoint the last complete step and raise Preempted."""
+        if self.saved != self.done:
+            self.save(self.done)
+        self.ckpt.wait()
+        raise Preempted(f"{self.stop.signal or 'a signal to another host'}: stopped after step {self.done}; "
+                        f"checkpoint step {self.done} is in {self.ckpt.directory}. Run the same command again to "
+                        f"resume.")
+
+    def close(self) -> None:
+        """Stop what `start` started, whether the run ended, failed or was stopped: the metrics files, the
+        train thread, rollouts in flight (dropped), the environments' servers, the event loop, the server,
+        the scheduler and the checkpointer."""
+        if self.logger:
+            self.logger.close()
+        self.train_thread.shutdown()
+        self.producer.cancel()  # rollouts in flight past the last step, or since a failure: dropped
+        if self.serving_tasks is not None:
+            self.loop.run_until_complete(rollouts.settle(self.serving_tasks, timeout_s=10.0))
+        self.loop.run_until_complete(self.serving.aclose())
+        self.loop.close()
+        self.server.stop()
+        self.scheduler.stop()
         with contextlib.suppress(Exception):
-            ckpt.close()
-    console.print(f"done: {cfg.max_steps} steps; metrics in {run_dir / 'metrics.jsonl'}, "
-                  f"checkpoints in {ckpt.directory}"
-                  + (f", PEFT adapters in {adapters.directory}" if adapters.enabled else ""))
-    return run_dir
+            self.ckpt.close()
 
 
 
