@@ -168,7 +168,7 @@ def set_up(cfg: RunConfig, model_dir: Path) -> None:
     tx = make_optimizer(cfg.learning_rate)
     params = {"base": {}, "lora": lora}
     tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
-    jax.random.key(jcfg.seed * SEED_MULTIPLIER + cfg.max_steps)  # the engine's base key on resume
+    jax.random.key(cfg.sampling_seed * SEED_MULTIPLIER + cfg.max_steps)  # the engine's base key on resume
     n = cfg.rollouts_per_example
     groups = cfg.batch_size // n
     buffer = Buffer(tuple(5 for _ in cfg.env), cfg.buffer)
@@ -176,8 +176,9 @@ def set_up(cfg: RunConfig, model_dir: Path) -> None:
     in_flight_groups(cfg.batch_size, n, cfg.oversampling_factor)
     resources.env_resources(cfg.infrastructure.compute_size)
     last_group = 4 * cfg.max_steps * math.ceil(groups * cfg.oversampling_factor)
-    seed = (jcfg.seed * SEED_MULTIPLIER + last_group) * n + n - 1
+    seed = (cfg.sampling_seed * SEED_MULTIPLIER + last_group) * n + n - 1
     sampling = SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
+                              repetition_penalty=cfg.sampling.repetition_penalty or 1.0,
                               max_tokens=cfg.sampling.max_tokens or jcfg.seq_len - 1, seed=seed)
     context = loader.model_context("http://127.0.0.1:1/v1", cfg.model, model_dir, sampling)
     body = json.loads(json.dumps(context.sampling.model_dump(exclude_none=True), allow_nan=False))

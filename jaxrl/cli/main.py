@@ -22,6 +22,7 @@ from jaxrl.config.schema import (
     RunConfig,
     load_config,
     load_env_file,
+    no_effect_notes,
     resolve_model_path,
 )
 
@@ -40,13 +41,16 @@ def _fail(message: str) -> typer.Exit:
 
 
 def _load(path: Path) -> RunConfig:
-    """The config, its `env_file`s parsed as a check; exit 2 listing the problems found."""
+    """The config, its `env_file`s parsed as a check; exit 2 listing the problems found. Prints a note
+    for each Hosted Training field that has no effect here."""
     try:
         cfg = load_config(path)
         load_env_file(cfg.env_file)
-        return cfg
     except ConfigError as exc:
         raise _fail(str(exc)) from None
+    for note in no_effect_notes(cfg):
+        err.print(f"note: {path}: {note}", style="yellow", markup=False)
+    return cfg
 
 
 @app.command()

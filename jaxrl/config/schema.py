@@ -115,6 +115,20 @@ PathStr = Annotated[str, AfterValidator(_path)]
 """A file or folder path (or `gs://` URL): not empty, no control characters."""
 
 
+class TempSchedulerConfig(_Table):
+    """`[sampling.temp_scheduler]`: the sampling temperature over steps, from `start_temperature` at step 1
+    to `end_temperature` at `total_steps` (then held), linearly or along a half cosine."""
+
+    type: Literal["linear", "cosine"] = "linear"
+    """"linear" or "cosine". Default "linear"."""
+    start_temperature: float = Field(ge=0)
+    """Temperature of step 1, >= 0. Required."""
+    end_temperature: float = Field(ge=0)
+    """Temperature from step `total_steps` on, >= 0. Required."""
+    total_steps: int | None = Field(None, ge=1)
+    """Steps the schedule spans. Default None: `max_steps`."""
+
+
 class SamplingConfig(_Table):
     """`[sampling]`: how the policy samples during rollouts."""
 
@@ -127,10 +141,41 @@ class SamplingConfig(_Table):
     Training."""
     top_k: Annotated[int, _minus_one_or_positive("off")] = -1
     """Keep only the k most likely tokens; -1 = off. Default -1. Not in Hosted Training."""
+    repetition_penalty: float | None = Field(None, gt=0)
+    """Divide the logit of a token already in the prompt or output by this when positive, multiply when
+    negative (CTRL, Keskar et al. 2019, as in vLLM), > 0; 1 = off. Default None: off."""
+    min_tokens: int | None = Field(None, ge=0)
+    """Sample at least this many tokens per turn before a stop token may end it, <= `max_tokens` (vLLM's
+    `min_tokens`). Default None: no minimum."""
+    seed: int | None = Field(None, ge=0)
+    """Seed of rollout sampling, >= 0, in place of `jax.seed` (which then seeds the LoRA initialisation
+    only). Default None: `jax.seed`."""
+    temp_scheduler: TempSchedulerConfig | None = None
+    """`[sampling.temp_scheduler]`: a temperature schedule over the training steps, in place of
+    `temperature`. Default None: `temperature` throughout."""
+    enable_thinking: bool | None = None
+    """The chat template's thinking switch (Qwen3's `enable_thinking`). Default None: off, as the
+    rollout client has always rendered (`jaxrl.envs.loader.model_context`)."""
+    extra_body: dict[str, Any] | None = None
+    """Extra fields of Hosted Training's inference requests. Accepted; no effect here (a note says so)."""
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    """Hosted Training's reasoning control, exclusive with `enable_thinking`. Accepted; no effect here
+    (Qwen3 has none; a note says so)."""
+
+    @model_validator(mode="after")
+    def _rules(self) -> SamplingConfig:
+        problems = []
+        if self.enable_thinking is not None and self.reasoning_effort is not None:
+            problems.append(("sampling.reasoning_effort", "enable_thinking and reasoning_effort cannot both be set"))
+        if self.min_tokens is not None and self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            problems.append(("sampling.min_tokens", f"{self.min_tokens} must be <= max_tokens ({self.max_tokens})"))
+        if problems:
+            raise _Invalid(problems)
+        return self
 
 
-class EnvConfig(_Table):
-    """`[[env]]`: one training environment."""
+class _EnvTable(_Table):
+    """The fields `[[env]]` and `[[eval.env]]` share."""
 
     id: EnvId
     """Environments Hub id, `owner/name` with an optional `@version`. Required."""
@@ -139,15 +184,31 @@ class EnvConfig(_Table):
     `eval/<name>/...`, so no '/', '.', '..' or control characters). Default: the id."""
     args: dict[str, Any] = {}
     """Keyword arguments for the environment's `load_environment()`. Default {}."""
+    max_retries: int | None = Field(None, ge=0)
+    """Times a failed rollout of this environment is played again (with the same seed) before it counts
+    as failed, >= 0. Default None: 0."""
+    version: str | None = Field(None, min_length=1)
+    """Version the installed environment package must have; wins over an `@version` in `id`. Default
+    None: the one in `id`, if any."""
+
+    @property
+    def display_name(self) -> str:
+        """`name`, else `id`: the label of this environment in logs and metrics (`eval/<name>/...`)."""
+        return self.name or self.id
+
+    @property
+    def pinned_version(self) -> str | None:
+        """`version`, else the `@version` of `id`, else None."""
+        return self.version or (self.id.split("@", 1)[1] if "@" in self.id else None)
+
+
+class EnvConfig(_EnvTable):
+    """`[[env]]`: one training environment."""
+
     taskset: dict[str, Any] | None = None
     """verifiers v1 taskset table, passed through unchanged. Default None."""
     harness: dict[str, Any] | None = None
     """verifiers v1 harness table, passed through unchanged. Default None."""
-
-    @property
-    def display_name(self) -> str:
-        """`name`, else `id`: the label of this environment in logs and metrics."""
-        return self.name or self.id
 
 
 class WandbConfig(_Table):
@@ -161,24 +222,13 @@ class WandbConfig(_Table):
     """W&B run name. Default None (the run's `name`)."""
 
 
-class EvalEnvConfig(_Table):
+class EvalEnvConfig(_EnvTable):
     """`[[eval.env]]`: one eval environment, with optional overrides of the `[eval]` defaults."""
 
-    id: EnvId
-    """Environments Hub id, `owner/name` with an optional `@version`. Required."""
-    name: FolderName | None = None
-    """Display name (no '/', '.', '..' or control characters). Default: the id."""
-    args: dict[str, Any] = {}
-    """Keyword arguments for the environment's `load_environment()`. Default {}."""
     num_examples: AllOrPositive | None = None
     """Examples to evaluate (-1 = all). Default None: `eval.num_examples`."""
     rollouts_per_example: int | None = Field(None, ge=1)
     """Rollouts per eval example. Default None: `eval.rollouts_per_example`."""
-
-    @property
-    def display_name(self) -> str:
-        """`name`, else `id`: the label of this environment's metrics (`eval/<name>/...`)."""
-        return self.name or self.id
 
 
 class EvalConfig(_Table):
@@ -271,6 +321,18 @@ class InfrastructureConfig(_Table):
     rollouts in flight at once S 8*C, M 32*C, L no limit. Default "M"."""
 
 
+class TailscaleConfig(_Table):
+    """`[tailscale]`: Hosted Training's tailnet sidecar for environment servers. Accepted; no effect here
+    (a note says so)."""
+
+    enabled: bool = False
+    """Join the environment servers to a tailnet. Default false."""
+    auth_key: str | None = None
+    """Tailscale auth key. Default None."""
+    hostname_prefix: str = "prime-hosted-training"
+    """Sidecar hostname prefix. Default "prime-hosted-training"."""
+
+
 class MeshConfig(_Table):
     """`[jax.mesh]`: device mesh shape; the product of the axes must equal the device count."""
 
@@ -361,7 +423,19 @@ class RunConfig(_Table):
     dropped); >= `oversampling_factor`. 0 (jaxrl's addition, with `oversampling_factor = 1`): synchronous,
     generation waits for each step's update, and a run is reproducible token for token. Default 2."""
     env_file: list[PathStr] = []
-    """.env files with secrets, relative to the config file (absolute after `load_config`). Default []."""
+    """.env files with secrets, relative to the config file (absolute after `load_config`, with
+    `env_files` appended). Default []."""
+    env_files: list[PathStr] = []
+    """Hosted Training's newer name for `env_file`: more .env files, read after those. Default []."""
+    max_inflight_rollouts: int | None = Field(None, ge=1)
+    """Rollouts in flight at once (whole groups, rounded up; at least one batch), in place of
+    `oversampling_factor` (which becomes `max_inflight_rollouts / batch_size`, and need not be <=
+    `max_async_level`: groups that lag more are dropped); >= `rollouts_per_example`, not with
+    `oversampling_factor`. Default None: `oversampling_factor` decides."""
+    cluster_name: str | None = None
+    """Hosted Training's cluster. Accepted; no effect here (a note says so)."""
+    run_config: dict[str, Any] = {}
+    """Hosted Training's raw run settings. Accepted; no effect here (a note says so)."""
     checkpoint_id: PathStr | None = None
     """Checkpoint whose LoRA weights a new run starts from (optimizer, step and data position start
     fresh): `"<run>"` (its latest checkpoint) or `"<run>/<step>"`, a run under the same checkpoint root,
@@ -386,6 +460,8 @@ class RunConfig(_Table):
     """`[adapters]`. Default: all its defaults."""
     infrastructure: InfrastructureConfig = InfrastructureConfig()
     """`[infrastructure]`. Default: all its defaults."""
+    tailscale: TailscaleConfig | None = None
+    """`[tailscale]`. Accepted; no effect here."""
     jax: JaxConfig = JaxConfig()
     """`[jax]`, the one table Hosted Training does not have. Default: all its defaults."""
 
@@ -397,6 +473,11 @@ class RunConfig(_Table):
         return self._source or Path("<config>")
 
     @property
+    def sampling_seed(self) -> int:
+        """The seed rollout sampling counts from: `[sampling] seed`, else `[jax] seed`."""
+        return self.jax.seed if self.sampling.seed is None else self.sampling.seed
+
+    @property
     def config_dir(self) -> Path:
         """Folder of the config file; relative paths in it are resolved from here (cwd when built in code)."""
         return self._source.parent if self._source else Path.cwd()
@@ -404,6 +485,14 @@ class RunConfig(_Table):
     @model_validator(mode="after")
     def _cross_field_rules(self) -> RunConfig:
         problems = []
+        if self.max_inflight_rollouts is not None:
+            if "oversampling_factor" in self.model_fields_set:
+                problems.append(("max_inflight_rollouts", "set max_inflight_rollouts or oversampling_factor, not both"))
+            elif self.max_inflight_rollouts < self.rollouts_per_example:
+                problems.append(("max_inflight_rollouts", f"{self.max_inflight_rollouts} must be >= "
+                                                          f"rollouts_per_example ({self.rollouts_per_example})"))
+            else:
+                self.oversampling_factor = self.max_inflight_rollouts / self.batch_size
         if self.batch_size % self.rollouts_per_example:
             problems.append(("batch_size", f"{self.batch_size} is not divisible by rollouts_per_example "
                                            f"({self.rollouts_per_example})"))
@@ -411,7 +500,7 @@ class RunConfig(_Table):
             problems.append(("oversampling_factor", f"{self.oversampling_factor} must be 1 with max_async_level = 0 "
                                                     f"(synchronous: a rollout beyond the batch would be stale at "
                                                     f"the next step)"))
-        elif 0 < self.max_async_level < self.oversampling_factor:
+        elif 0 < self.max_async_level < self.oversampling_factor and self.max_inflight_rollouts is None:
             problems.append(("max_async_level", f"{self.max_async_level} must be >= oversampling_factor "
                                                 f"({self.oversampling_factor})"))
         if self.sampling.max_tokens is not None and self.sampling.max_tokens >= self.jax.seq_len:
@@ -438,9 +527,10 @@ class RunConfig(_Table):
                                                       f"{len(self.env)} [[env]] tables"))
             if any(r < 0 for r in buf.env_ratios) or sum(buf.env_ratios) <= 0:
                 problems.append(("buffer.env_ratios", "entries must be >= 0 with a positive sum"))
-        if self.jax.seed * SEED_MULTIPLIER * self.rollouts_per_example + 4 * self.max_steps * self.batch_size * \
+        if self.sampling_seed * SEED_MULTIPLIER * self.rollouts_per_example + 4 * self.max_steps * self.batch_size * \
                 self.oversampling_factor >= 2**63:
-            problems.append(("jax.seed", f"{self.jax.seed} is too large for rollouts_per_example = "
+            key = "jax.seed" if self.sampling.seed is None else "sampling.seed"
+            problems.append((key, f"{self.sampling_seed} is too large for rollouts_per_example = "
                                          f"{self.rollouts_per_example}: rollout seeds (seed * {SEED_MULTIPLIER} + "
                                          f"group) * rollouts_per_example must stay below 2**63"))
         if self.jax.output_dir.startswith("gs://"):
@@ -472,12 +562,47 @@ def load_config(path: str | Path) -> RunConfig:
     cfg._source = path.resolve()
     if cfg.name is None and (problem := folder_name_problem(path.stem)):
         raise ConfigError(path, [("name", f"not set, and the file's name {problem}; set name")])
-    env_files = [(cfg.config_dir / Path(p).expanduser()).resolve() for p in cfg.env_file]
-    missing = [(f"env_file.{i}", f"file not found: {p}") for i, p in enumerate(env_files) if not p.is_file()]
+    found, missing = [], []
+    for key in ("env_file", "env_files"):
+        for i, p in enumerate(getattr(cfg, key)):
+            file = (cfg.config_dir / Path(p).expanduser()).resolve()
+            found.append(str(file))
+            if not file.is_file():
+                missing.append((f"{key}.{i}", f"file not found: {file}"))
     if missing:
         raise ConfigError(path, missing)
-    cfg.env_file = [str(p) for p in env_files]
+    cfg.env_file, cfg.env_files = found, []
     return cfg
+
+
+def no_effect_notes(cfg: RunConfig) -> list[str]:
+    """One `<key>: <why>` line per Hosted Training field set in `cfg` that has no effect in a local run
+    (they address Prime's cloud or its inference server)."""
+    notes = []
+    cloud = "addresses Prime's cloud; no effect in a local run"
+    if cfg.cluster_name is not None:
+        notes.append(f"cluster_name: {cloud}")
+    if cfg.run_config:
+        notes.append(f"run_config: {cloud}")
+    if cfg.tailscale is not None:
+        notes.append(f"tailscale: {cloud} (environments run in the trainer's process)")
+    if cfg.sampling.extra_body:
+        notes.append("sampling.extra_body: extra fields of Hosted Training's inference requests; no effect here")
+    later = "jaxrl does not apply it yet (issue 16); the run goes on without it"
+    if cfg.sampling.min_tokens:
+        notes.append(f"sampling.min_tokens: {later}")
+    if cfg.sampling.temp_scheduler is not None:
+        notes.append(f"sampling.temp_scheduler: {later}: sampling.temperature throughout")
+    for kind, envs in (("env", cfg.env), ("eval.env", cfg.eval.env if cfg.eval else [])):
+        for i, env in enumerate(envs):
+            if env.max_retries:
+                notes.append(f"{kind}.{i}.max_retries: {later}: a failed rollout is not played again")
+            if env.pinned_version is not None:
+                notes.append(f"{kind}.{i}.version: {later}: the installed package is used as it is")
+    if cfg.sampling.reasoning_effort is not None:
+        notes.append("sampling.reasoning_effort: Qwen3 has no reasoning effort control; no effect here "
+                     "(enable_thinking is its switch)")
+    return notes
 
 
 def resolve_model_path(cfg: RunConfig) -> str:
@@ -608,12 +733,27 @@ rollouts_per_example = 8       # rollouts per example (the group size)
 # trajectory_strategy = "interleaved"  # multi-turn: one sample per trace; "branching": one per turn
 # oversampling_factor = 2.0    # rollouts in flight per batch_size rollouts
 # max_async_level = 2          # policy versions a trained token may lag; >= oversampling_factor; 0: synchronous
+# max_inflight_rollouts = 256  # rollouts in flight, instead of oversampling_factor
+# env_files = ["more.env"]     # more .env files, read after env_file
+# cluster_name = "..."         # Hosted Training only: accepted, no effect here (a note says so)
+# run_config = {}              # Hosted Training only: accepted, no effect here
 
 [sampling]
 max_tokens = 512               # tokens sampled per turn, < [jax] seq_len
 # temperature = 1.0            # >= 0; 0 = greedy
 # top_p = 1.0                  # nucleus sampling; 1.0 = off (jaxrl only)
 # top_k = -1                   # keep the k most likely tokens; -1 = off (jaxrl only)
+# repetition_penalty = 1.0     # > 0; 1 = off
+# min_tokens = 0               # tokens sampled before a stop token may end a turn
+# seed = 0                     # seed of rollout sampling; default: [jax] seed
+# enable_thinking = false      # the chat template's thinking switch
+# extra_body = {}              # Hosted Training only: accepted, no effect here
+# reasoning_effort = "low"     # Hosted Training only: accepted, no effect here
+# [sampling.temp_scheduler]    # temperature over steps, instead of temperature
+# type = "linear"              # or "cosine"
+# start_temperature = 1.0
+# end_temperature = 0.5
+# total_steps = 100            # default: max_steps
 
 [[env]]                        # one [[env]] table per training environment
 id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
@@ -621,6 +761,8 @@ id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
 # args = { split = "train" }   # keyword arguments of load_environment()
 # taskset = {}                 # verifiers v1 taskset table, passed to the environment as is
 # harness = {}                 # verifiers v1 harness table, passed to the environment as is
+# max_retries = 0              # times a failed rollout is played again
+# version = "0.1.0"            # version the installed environment package must have
 
 # [buffer]
 # online_difficulty_filtering = false  # drop groups with all-equal rewards; sample by difficulty
@@ -681,4 +823,9 @@ id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
 #
 # [infrastructure]
 # compute_size = "M"           # CPU for the environments: "S", "M" or "L" (README, "Resources")
+#
+# [tailscale]                  # Hosted Training only: accepted, no effect here
+# enabled = false
+# auth_key = "tskey-auth-..."
+# hostname_prefix = "prime-hosted-training"
 '''

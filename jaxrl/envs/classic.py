@@ -146,14 +146,21 @@ def _fail_on_reward_errors(rubric: Rubric) -> None:
     rubric._call_individual_reward_func = strict_call  # type: ignore[method-assign]
 
 
-def sampling_args(environment: Environment, sampling: SamplingParams, seed_offset: int) -> dict[str, Any]:
+def sampling_args(environment: Environment, sampling: SamplingParams, seed_offset: int,
+                  enable_thinking: bool | None = None) -> dict[str, Any]:
     """The rollout's sampling args: the env's own (`Environment.sampling_args`), then the run's
-    [sampling], then what the trainer needs back: each sampled token's logprob and the token ids
-    (vLLM's `return_token_ids`). A seeded request gets `seed + seed_offset`, so a group's rollouts differ."""
+    [sampling] (its `enable_thinking` as the chat template's switch when set; None: the template's
+    default), then what the trainer needs back:
+    each sampled token's logprob and the token ids (vLLM's `return_token_ids`). A seeded request gets
+    `seed + seed_offset`, so a group's rollouts differ."""
     own = dict(environment.sampling_args or {})
     extra = {**(own.pop("extra_body", None) or {}), "return_token_ids": True}
+    if enable_thinking is not None:
+        extra["chat_template_kwargs"] = {**extra.get("chat_template_kwargs", {}), "enable_thinking": enable_thinking}
     if sampling.top_k > 0:
         extra["top_k"] = sampling.top_k
+    if sampling.penalizes:
+        extra["repetition_penalty"] = sampling.repetition_penalty
     args = {**own, "temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_tokens,
             "logprobs": True, "extra_body": extra}
     if sampling.seed is not None:
@@ -233,7 +240,8 @@ def trajectory_rollout(output: dict[str, Any], env_name: str, example_id: int) -
 
 
 async def run_group(env: ClassicEnv, task: ClassicTask, n_rollouts: int, *, base_url: str, model_name: str,
-                    sampling: SamplingParams, env_name: str) -> list[dict[str, Any]]:
+                    sampling: SamplingParams, env_name: str,
+                    enable_thinking: bool | None = None) -> list[dict[str, Any]]:
     """Plays `task` `n_rollouts` times concurrently (rollout i seeded `seed + i`), each scored by the
     env's rubric on its own; returns `envs.Rollout` fields per rollout, in order. A rollout that fails
     comes back failed with its error, never as an exception."""
@@ -242,7 +250,7 @@ async def run_group(env: ClassicEnv, task: ClassicTask, n_rollouts: int, *, base
     async def one(i: int, client: OpenAIChatCompletionsClient) -> dict[str, Any]:
         try:
             output = await environment.run_rollout(task.input, client, model_name,
-                                                   sampling_args(environment, sampling, i),
+                                                   sampling_args(environment, sampling, i, enable_thinking),
                                                    state_columns=["trajectory"])
         except Exception as e:  # noqa: BLE001 - an env's own code (rubric, env_response) failing
             return trajectory_rollout({"error": f"{type(e).__name__}: {e}"}, env_name, task.idx)

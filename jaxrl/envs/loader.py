@@ -309,19 +309,21 @@ def chat_template(
 
 
 def model_context(
-    base_url: str, model_name: str, tokenizer_path: str | Path, sampling: SamplingParams, seed_offset: int = 0
+    base_url: str, model_name: str, tokenizer_path: str | Path, sampling: SamplingParams, seed_offset: int = 0,
+    enable_thinking: bool | None = None,
 ) -> vf.ModelContext:
     """The verifiers model context of a rollout against our server at `base_url` (".../v1").
 
-    The Qwen3 renderer is named explicitly, thinking off: given a local tokenizer folder, verifiers'
-    automatic choice would fall back to a default renderer without Qwen3's tool-call parsing.
+    The Qwen3 renderer is named explicitly, thinking as `enable_thinking` (`[sampling] enable_thinking`;
+    None: off): given a local tokenizer folder, verifiers' automatic choice would fall back to a default renderer
+    without Qwen3's tool-call parsing.
     `sampling.stop_token_ids` is not forwarded: the renderer always sends its own (`<|im_end|>`,
     `<|endoftext|>`). A seeded request gets `seed + seed_offset`, so a group's rollouts differ.
     """
     client = vf.TrainClientConfig(
         base_url=base_url,
         api_key_var=API_KEY_VAR,
-        renderer=Qwen3RendererConfig(enable_thinking=False),
+        renderer=Qwen3RendererConfig(enable_thinking=bool(enable_thinking)),
         renderer_model_name=str(tokenizer_path),
     )
     fields: dict[str, Any] = {
@@ -331,6 +333,8 @@ def model_context(
     }
     if sampling.top_k > 0:
         fields["top_k"] = sampling.top_k
+    if sampling.penalizes:
+        fields["repetition_penalty"] = sampling.repetition_penalty
     if sampling.seed is not None:
         fields["seed"] = sampling.seed + seed_offset
     return vf.ModelContext(model=model_name, client=client, sampling=vf.SamplingConfig(**fields))
@@ -415,9 +419,11 @@ async def run_group(
     model_name: str,
     tokenizer_path: str | Path,
     sampling: SamplingParams,
+    enable_thinking: bool | None = None,
 ) -> list[Rollout]:
     """Plays `task` (or `env.tasks[task]`) `n_rollouts` times concurrently; one `Rollout` per trainable
-    trace, in episode order (one per episode for a single-agent env).
+    trace, in episode order (one per episode for a single-agent env); `enable_thinking` is the chat
+    template's thinking switch.
 
     A classic env plays over `{base_url}/chat/completions` (`jaxrl.envs.classic.run_group`).
     A rollout that fails (model call, harness, reward function, ...) comes back with ok=False and its
@@ -428,13 +434,13 @@ async def run_group(
     if isinstance(env.env, ClassicEnv):
         assert isinstance(task, ClassicTask)
         fields = await classic.run_group(env.env, task, n_rollouts, base_url=base_url, model_name=model_name,
-                                         sampling=sampling, env_name=env.name)
+                                         sampling=sampling, env_name=env.name, enable_thinking=enable_thinking)
         return [Rollout(**f) for f in fields]
     assert isinstance(task, vf.Task)
     _rebind_renderers_lock()
     episodes = await asyncio.gather(
         *(
-            env.env.run_episode(task, model_context(base_url, model_name, tokenizer_path, sampling, i))
+            env.env.run_episode(task, model_context(base_url, model_name, tokenizer_path, sampling, i, enable_thinking))
             for i in range(n_rollouts)
         )
     )

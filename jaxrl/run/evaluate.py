@@ -185,7 +185,7 @@ class Evaluator:
         self.cfg, self.client, self.sampling, self.console = cfg, client, sampling, console
         self.secrets, self.in_flight = secrets or [], in_flight
         self._own = eval_envs
-        seed0 = cfg.jax.seed * 1_000_003 * cfg.rollouts_per_example
+        seed0 = cfg.sampling_seed * 1_000_003 * cfg.rollouts_per_example
         self.suites: list[Suite] = []
         if cfg.eval is not None:
             e = cfg.eval

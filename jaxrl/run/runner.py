@@ -294,13 +294,16 @@ class Run:
                         cache_dtype=self.dtype)
         self.engine_lora_sh = self.lora_shardings(self.engine_mesh)
         self.scheduler = Scheduler(engine, self.engine_params(), model_name=cfg.model,
-                                   seed=jcfg.seed * 1_000_003 + self.start_step)
+                                   seed=cfg.sampling_seed * 1_000_003 + self.start_step)
         self.scheduler.policy_version = self.start_step
         versions = VersionLog(self.scheduler)  # the policy version of each token of the producer's rollouts
         self.server = start_server(versions, host=jcfg.host, port=jcfg.port, chat_template=self.chat_template)
         self.sampling = SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
-                                       top_k=cfg.sampling.top_k, max_tokens=cfg.sampling.max_tokens or jcfg.seq_len - 1)
-        self.client = {"base_url": self.server.base_url, "model_name": cfg.model, "tokenizer_path": self.tokenizer_path}
+                                       top_k=cfg.sampling.top_k,
+                                       repetition_penalty=cfg.sampling.repetition_penalty or 1.0,
+                                       max_tokens=cfg.sampling.max_tokens or jcfg.seq_len - 1)
+        self.client = {"base_url": self.server.base_url, "model_name": cfg.model, "tokenizer_path": self.tokenizer_path,
+                       "enable_thinking": cfg.sampling.enable_thinking}
         self.logger = MetricsLogger(self.run_dir, cfg.max_steps, self.start_step, self.console,
                                     wandb_run) if self.primary else None
         self.loop = loop = asyncio.new_event_loop()  # one loop for the run: verifiers' HTTP clients outlive a step
@@ -311,10 +314,10 @@ class Run:
         self.evaluator = evaluate.Evaluator(cfg, self.envs, self.eval_envs, self.client, self.sampling, self.console,
                                             self.secrets, self.in_flight)  # [eval]
         self.serving = contextlib.AsyncExitStack()
-        n, groups = self.n, self.groups_per_step
+        n, groups, seed = self.n, self.groups_per_step, cfg.sampling_seed
         next_t, resumed = Producer.resumed(self.meta, self.start_step, groups)
         self.producer = Producer(loop, self.buffer, self.buffer_state, self.play, versions,
-                                 lambda t: (jcfg.seed * 1_000_003 + t) * n, n, groups,
+                                 lambda t: (seed * 1_000_003 + t) * n, n, groups,
                                  in_flight_groups(cfg.batch_size, n, cfg.oversampling_factor), cfg.max_async_level,
                                  self.start_step, next_t, resumed,
                                  share=distributed.share(groups) if jax.process_count() > 1 else None,
