@@ -1,9 +1,13 @@
 """/v1/chat/completions over the tiny Qwen3 served by the real scheduler, on a real uvicorn socket:
 streaming against non-streaming, token ids and logprobs against the token route, stop strings, 400s,
-503 under overload, a client leaving mid-stream, and hundreds of concurrent requests."""
+503 under overload, a client leaving mid-stream, and hundreds of concurrent requests; then what vLLM and
+OpenAI do that the server follows (issue 16): max_tokens beyond the context, a non-streaming client that
+leaves, unknown and out-of-range fields on both routes, one model by its id."""
 
 import asyncio
 import json
+import socket
+import time
 
 import httpx
 import jax
@@ -283,3 +287,92 @@ def test_hundreds_of_concurrent_requests_are_all_answered(url):
     answers = asyncio.run(many())
     assert all(a in ("stop", "length") for a in answers[::2])
     assert all(a.rstrip().endswith("data: [DONE]") and '"finish_reason":"' in a for a in answers[1::2])
+
+
+# -- the server follows vLLM and OpenAI (issue 16) -------------------------------------------------------------------
+
+
+def root_of(server) -> str:
+    return server.base_url.removesuffix("/v1")
+
+
+@pytest.mark.parametrize("max_tokens", [10**9, 2**70, SEQ_LEN])
+def test_max_tokens_beyond_the_context_is_a_400_naming_both_numbers(server, url, max_tokens):
+    r = httpx.post(url, json={"messages": HELLO, "max_tokens": max_tokens}, timeout=60)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert message.startswith("max_tokens: ") and f"maximum context length is {SEQ_LEN} tokens" in message
+    assert f"{max_tokens} in the completion" in message
+    gen = httpx.post(root_of(server) + GENERATE_ROUTE, timeout=60,
+                     json={"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": SEQ_LEN - 2}})
+    assert gen.status_code == 400 and f"asks for {SEQ_LEN + 1} (3 in the prompt, {SEQ_LEN - 2} in the completion)" \
+        in gen.json()["error"]["message"]
+    fits = httpx.post(root_of(server) + GENERATE_ROUTE, timeout=60,
+                      json={"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}})
+    assert fits.status_code == 200, fits.text
+
+
+def _leave_after_first_decode(server, scheduler, path: str, body: dict) -> int:
+    """Sends a non-streaming request on a raw socket, closes the socket once decoding has begun, waits
+    until the scheduler is idle and the server counts nothing pending; returns the decode steps taken."""
+    data = json.dumps(body).encode()
+    steps = scheduler.decode_steps
+    sock = socket.create_connection((server.host, server.port))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    deadline = time.monotonic() + 60
+    while scheduler.decode_steps == steps:
+        assert time.monotonic() < deadline, "decoding never began"
+        time.sleep(0.002)
+    sock.close()
+    while scheduler.active or httpx.get(root_of(server) + "/health").json()["pending"]:
+        assert time.monotonic() < deadline, "the request kept its slot"
+        time.sleep(0.01)
+    return scheduler.decode_steps - steps
+
+
+def test_a_non_streaming_request_is_cancelled_when_its_client_leaves(server, scheduler):
+    """Both routes: the decode slot is freed within a few steps, not after all of max_tokens (each
+    request would otherwise decode SEQ_LEN - 4 tokens: no stop id on the token route, ignore_eos on chat)."""
+    steps = _leave_after_first_decode(server, scheduler, GENERATE_ROUTE, {
+        "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": SEQ_LEN - 4, "temperature": 1.0}})
+    assert steps < SEQ_LEN // 2, steps
+    steps = _leave_after_first_decode(server, scheduler, "/v1/chat/completions", {
+        "messages": HELLO, "max_tokens": SEQ_LEN // 2, "ignore_eos": True, "temperature": 1.0})
+    assert steps < SEQ_LEN // 2 - 4, steps
+
+
+@pytest.mark.parametrize(("fields", "needle"), [
+    ({"foo": 1}, "unsupported field(s): foo"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions are not supported"),
+    ({"function_call": {"name": "f"}}, "function_call"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"top_k": -5}, "top_k"),
+    ({"top_p": 0}, "top_p"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"presence_penalty": 3}, "presence_penalty must be a number in [-2, 2]"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty must be a number in [-2, 2]"),
+    ({"min_tokens": 4}, "min_tokens"),
+    ({"echo": True}, "echo"),
+])
+def test_unknown_unsupported_and_out_of_range_fields_are_400s_naming_them_on_both_routes(server, url, fields, needle):
+    r = httpx.post(url, json={"messages": HELLO, "max_tokens": 2, **fields}, timeout=60)
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    top = {"foo", "functions", "function_call", "tool_choice", "echo"}
+    body = {"token_ids": [1, 2], **(fields if set(fields) & top else {"sampling_params": {"max_tokens": 2, **fields}})}
+    gen = httpx.post(root_of(server) + GENERATE_ROUTE, json=body, timeout=60)
+    assert gen.status_code == 400 and next(iter(fields)) in gen.json()["error"]["message"], gen.text
+
+
+@pytest.mark.parametrize("fields", [{"top_k": -1}, {"top_k": 0}, {"presence_penalty": 0}, {"user": "u"},
+                                    {"tool_choice": "none"}, {"metadata": {"a": "b"}}])
+def test_fields_that_are_off_or_change_nothing_are_accepted(url, fields):
+    chat(url, max_tokens=2, **fields)
+
+
+def test_one_model_by_its_id(server):
+    card = httpx.get(server.base_url + "/models/" + MODEL).json()
+    assert card == httpx.get(server.base_url + "/models").json()["data"][0] and card["id"] == MODEL
+    missing = httpx.get(server.base_url + "/models/gpt-4o")
+    assert missing.status_code == 404 and "'gpt-4o' does not exist" in missing.json()["error"]["message"]

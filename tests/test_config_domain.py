@@ -182,7 +182,7 @@ def set_up(cfg: RunConfig, model_dir: Path) -> None:
                               max_tokens=cfg.sampling.max_tokens or jcfg.seq_len - 1, seed=seed)
     context = loader.model_context("http://127.0.0.1:1/v1", cfg.model, model_dir, sampling)
     body = json.loads(json.dumps(context.sampling.model_dump(exclude_none=True), allow_nan=False))
-    wire.sampling_from(body, prompt_len=1, max_model_len=jcfg.seq_len)
+    wire.sampling_from(body, prompt_len=1, max_model_len=jcfg.seq_len, clamp_max_tokens=True)  # the run's server
 
 
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture,

@@ -14,16 +14,20 @@ offsets, holding back a token whose bytes end mid-character (vLLM's incremental 
 while stop strings are set, the last `len(longest stop) - 1` characters, which could begin one. A
 request that hits a stop string is cancelled in the backend at once.
 
-Sampling fields: `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `max_tokens` or
-`max_completion_tokens`, `seed`, `stop` (a string or a list of up to 16), `stop_token_ids`; `n`,
-`presence_penalty`, `frequency_penalty`, `top_logprobs` only at their neutral values (1, 0, 0, 0), and
-`logit_bias` empty. Extras, as vLLM's: `logprobs: true` gives each sampled token's logprob under the
-sampling distribution; `return_token_ids: true` adds `prompt_token_ids` to the response (the first
-event when streaming) and `token_ids` to each choice (each event), which is what a trainer needs to
-train on the exact tokens; `return_tokens_as_token_ids: true` names each logprob's token
-`token_id:<id>`; `skip_special_tokens: false` keeps special tokens in the text. Other fields (`user`,
-`tool_choice`, `parallel_tool_calls`, ...) are ignored, as vLLM ignores them; `tools` (tool-call
-parsing is not built) and non-text content parts are refused with a 400.
+Sampling fields (vLLM's ranges): `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`,
+`max_tokens` or `max_completion_tokens` (prompt plus completion within the context, else a 400 naming
+both), `seed`, `stop` (a string or a list of up to 16), `stop_token_ids`; `n`, `presence_penalty` and
+`frequency_penalty` (each in [-2, 2]), `top_logprobs`, `min_tokens` and vLLM's `echo`,
+`add_generation_prompt`, `continue_final_message`, `include_stop_str_in_output` only at their neutral
+values, and `logit_bias` empty. Extras, as vLLM's: `logprobs: true` gives each sampled token's logprob
+under the sampling distribution; `return_token_ids: true` adds `prompt_token_ids` to the response (the
+first event when streaming) and `token_ids` to each choice (each event), which is what a trainer needs
+to train on the exact tokens; `return_tokens_as_token_ids: true` names each logprob's token
+`token_id:<id>`; `skip_special_tokens: false` keeps special tokens in the text. Fields that cannot
+change the output (`user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`, `tool_choice`
+and the legacy `function_call` as "none" or "auto", vLLM's `cache_salt`, `priority`, `request_id`,
+`spaces_between_special_tokens`) are accepted. `tools` and the legacy `functions` (tool-call parsing is
+not built), non-text content parts, and any other field are refused with a 400 naming them.
 """
 
 from __future__ import annotations
@@ -39,13 +43,22 @@ from pathlib import Path
 from typing import Any
 
 from jaxrl.inference.protocol import Completion, GenerateBackend, SamplingParams
-from jaxrl.inference.wire import BadRequest, is_int, sampling_from
+from jaxrl.inference.wire import BadRequest, check_penalties, is_int, sampling_from
 
 CHAT_ROUTE = "/v1/chat/completions"
 MAX_STOP_STRINGS = 16
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-# Neutral values of OpenAI fields this server has no sampling for; anything else is refused.
-_NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "top_logprobs": 0}
+# Neutral values of OpenAI and vLLM fields this server has no sampling for; anything else is refused.
+_NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "top_logprobs": 0, "min_tokens": 0, "echo": False,
+            "add_generation_prompt": True, "continue_final_message": False, "include_stop_str_in_output": False}
+# Fields this route reads (besides `_NEUTRAL`'s), and fields that cannot change its output.
+_BUILT = frozenset({"model", "messages", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p",
+                    "repetition_penalty", "max_tokens", "max_completion_tokens", "seed", "stop", "stop_token_ids",
+                    "logprobs", "return_token_ids", "return_tokens_as_token_ids", "skip_special_tokens",
+                    "chat_template_kwargs", "ignore_eos", "logit_bias", "tools", "functions", "response_format",
+                    "tool_choice", "function_call"})
+_NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "cache_salt", "priority",
+                        "request_id", "spaces_between_special_tokens"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,21 +169,36 @@ def _messages(raw: Any) -> list[dict]:
     return out
 
 
-def parse_chat_request(body: Any, template: ChatTemplate, model_name: str, max_model_len: int) -> ChatRequest:
-    """Validates a chat completions body and renders its prompt; raises `BadRequest` (404 for another
-    model's name, 400 for anything else, naming the field)."""
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and model != model_name:
-        raise BadRequest(f"model {model!r} does not exist; this server serves {model_name!r}", 404)
+def _check_fields(body: dict[str, Any]) -> None:
+    """Refuses (400, naming it) a field this route does not know or has not built (see the module
+    docstring), and a penalty outside OpenAI's [-2, 2]."""
+    unknown = sorted(set(body) - _BUILT - _NO_EFFECT - set(_NEUTRAL))
+    if unknown:
+        raise BadRequest(f"unsupported field(s): {', '.join(unknown)}")
+    check_penalties(body)
     for key, neutral in _NEUTRAL.items():
         if body.get(key) is not None and body[key] != neutral:
             raise BadRequest(f"{key}={body[key]!r} is not supported (only {neutral!r})")
     if body.get("logit_bias"):
         raise BadRequest("logit_bias is not supported")
-    if body.get("tools"):
-        raise BadRequest("tools are not supported by this server (no tool-call parsing)")
+    for key in ("tools", "functions"):
+        if body.get(key):
+            raise BadRequest(f"{key} are not supported by this server (no tool-call parsing)")
+    for key in ("tool_choice", "function_call"):
+        if body.get(key) not in (None, "none", "auto"):
+            raise BadRequest(f"{key}={body[key]!r} is not supported (no tool-call parsing; only 'none' or 'auto')")
+
+
+def parse_chat_request(body: Any, template: ChatTemplate, model_name: str, max_model_len: int,
+                       clamp_max_tokens: bool = False) -> ChatRequest:
+    """Validates a chat completions body and renders its prompt; raises `BadRequest` (404 for another
+    model's name, 400 for anything else, naming the field). `clamp_max_tokens`: `wire.sampling_from`'s."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise BadRequest(f"model {model!r} does not exist; this server serves {model_name!r}", 404)
+    _check_fields(body)
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise BadRequest("response_format is not supported (only {'type': 'text'})")
@@ -196,7 +224,7 @@ def parse_chat_request(body: Any, template: ChatTemplate, model_name: str, max_m
     fields = {k: body.get(k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")}
     fields["max_tokens"] = body.get("max_completion_tokens", body.get("max_tokens"))
     fields["stop_token_ids"] = body.get("stop_token_ids")
-    params = sampling_from(fields, len(prompt_ids), max_model_len)
+    params = sampling_from(fields, len(prompt_ids), max_model_len, clamp_max_tokens)
     if not _flag(body, "ignore_eos"):
         params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, *template.stop_token_ids))
     return ChatRequest(prompt_ids, params, tuple(stop), stream, include_usage, _flag(body, "logprobs"),

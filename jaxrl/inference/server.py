@@ -11,19 +11,25 @@ length, so it refuses an overlong prompt before sending it. Eval clients and peo
           "logprobs": {"content": [{"token": "token_id:<id>", "logprob"}]}, "finish_reason"}], "usage"}
     POST /v1/chat/completions    OpenAI's format, streaming or not (see `jaxrl.inference.chat`)
     GET  /v1/models              -> {"object": "list", "data": [{"id", "object", "max_model_len", ...}]}
+    GET  /v1/models/{id}         -> {"id", "object", "max_model_len", ...} (404 for another name)
     GET  /health                 -> {"status": "ok", "pending": <generation requests queued or running>}
 
 Every refusal is `{"error": {"message", "code"}}`: 400 for a request the server cannot serve (naming
 the field), 404 for another model's name, 401 without the API key (when one is set; `/health` is
 open), 413 for a body over the limit, 503 with `Retry-After` while `max_pending` generation requests
 are queued or running (below that bound requests wait in the scheduler's queue), 500 for an error in
-the backend. The server runs uvicorn on its own event loop in a daemon thread (`start_server`);
+the backend. A field the server does not know, or knows and has not built, is a 400 naming it on
+every route (OpenAI's rule; vLLM logs and ignores them). `max_tokens` beyond the context is a 400 naming
+both numbers, as in vLLM and OpenAI (the run's own server clamps it instead: `clamp_max_tokens`). A
+request whose client disconnects is cancelled in the backend, streaming or not, freeing its decode
+slot. The server runs uvicorn on its own event loop in a daemon thread (`start_server`);
 `backend.generate` is awaited on that loop, so a backend that computes on other threads must hand its
 results back thread-safely.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import json
@@ -33,7 +39,8 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import uvicorn
 from starlette.applications import Starlette
@@ -46,9 +53,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from jaxrl.inference import chat
 from jaxrl.inference.chat import ChatTemplate
 from jaxrl.inference.protocol import Completion, GenerateBackend, SamplingParams
-from jaxrl.inference.wire import BadRequest, is_int, sampling_from
+from jaxrl.inference.wire import BadRequest, check_penalties, is_int, sampling_from
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 GENERATE_ROUTE = "/inference/v1/generate"
 DEFAULT_MAX_PENDING = 1024
@@ -81,7 +89,7 @@ def error_response(message: str, status: int, headers: dict[str, str] | None = N
     return JSONResponse({"error": {"message": message, "code": status}}, status_code=status, headers=headers)
 
 
-def parse_sampling(raw: Any, prompt_len: int, max_model_len: int) -> SamplingParams:
+def parse_sampling(raw: Any, prompt_len: int, max_model_len: int, clamp_max_tokens: bool = False) -> SamplingParams:
     """Validates a generate request's `sampling_params` object (`jaxrl.inference.wire.sampling_from`'s fields,
     plus vLLM's that this route accepts) into `SamplingParams`; raises `BadRequest`."""
     if raw is None:
@@ -91,6 +99,7 @@ def parse_sampling(raw: Any, prompt_len: int, max_model_len: int) -> SamplingPar
     unknown = sorted(set(raw) - _SAMPLING_KEYS)
     if unknown:
         raise BadRequest(f"unsupported sampling parameter(s): {', '.join(unknown)}")
+    check_penalties(raw)
     for key, neutral in _NEUTRAL_SAMPLING_VALUES.items():
         if key in raw and raw[key] is not None and raw[key] != neutral:
             raise BadRequest(f"sampling parameter {key}={raw[key]!r} is not supported (only {neutral!r})")
@@ -99,11 +108,11 @@ def parse_sampling(raw: Any, prompt_len: int, max_model_len: int) -> SamplingPar
     logprobs = raw.get("logprobs")
     if logprobs is not None and (not is_int(logprobs) or logprobs not in (0, 1)):
         raise BadRequest(f"logprobs must be 0 or 1, got {logprobs!r}")
-    return sampling_from(raw, prompt_len, max_model_len)
+    return sampling_from(raw, prompt_len, max_model_len, clamp_max_tokens)
 
 
 def parse_generate_request(
-    body: Any, backend: GenerateBackend
+    body: Any, backend: GenerateBackend, clamp_max_tokens: bool = False
 ) -> tuple[list[int], SamplingParams, str | None]:
     """Validates a generate request body: (prompt ids, sampling, request id or None); raises `BadRequest`."""
     if not isinstance(body, dict):
@@ -124,7 +133,7 @@ def parse_generate_request(
     request_id = body.get("request_id")
     if request_id is not None and not isinstance(request_id, str):
         raise BadRequest("request_id must be a string")
-    params = parse_sampling(body.get("sampling_params"), len(token_ids), backend.max_model_len)
+    params = parse_sampling(body.get("sampling_params"), len(token_ids), backend.max_model_len, clamp_max_tokens)
     return token_ids, params, request_id
 
 
@@ -196,6 +205,32 @@ class RequireApiKey:
         await self.app(scope, receive, send)
 
 
+class ClientGone(Exception):
+    """The client closed its connection before the response was ready."""
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects. Only after the body has been read: uvicorn then answers
+    `receive()` with `http.disconnect` once the connection closes, and not before."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`await work`, cancelled (and `ClientGone` raised) when the client disconnects first: a
+    non-streaming request's backend work stops, and its decode slot is freed, as a stream's is."""
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
 async def read_json(request: Request, max_bytes: int) -> Any:
     """The request's JSON body; raises `BadRequest` (413 beyond `max_bytes`, 400 for anything that is
     not JSON, including nesting too deep for the parser)."""
@@ -215,7 +250,8 @@ async def read_json(request: Request, max_bytes: int) -> Any:
 
 
 def build_app(backend: GenerateBackend, *, chat_template: ChatTemplate | None = None, api_key: str | None = None,
-              max_pending: int = DEFAULT_MAX_PENDING, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> ASGIApp:
+              max_pending: int = DEFAULT_MAX_PENDING, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              clamp_max_tokens: bool = False) -> ASGIApp:
     """The ASGI app serving `backend` (routes in the module docstring).
 
     Args:
@@ -224,6 +260,9 @@ def build_app(backend: GenerateBackend, *, chat_template: ChatTemplate | None = 
         max_pending: generation requests (both routes) queued or running at once; one more gets a 503
             with `Retry-After`.
         max_body_bytes: larger request bodies get a 413.
+        clamp_max_tokens: cut a `max_tokens` beyond the context to the room left instead of a 400 (the
+            run's own server: its rollout clients ask for `[sampling] max_tokens` on every turn, and a
+            turn that reaches the context ends with finish_reason "length").
     """
     created = int(time.time())
     admission = Admission(max_pending)
@@ -235,13 +274,15 @@ def build_app(backend: GenerateBackend, *, chat_template: ChatTemplate | None = 
     async def generate(request: Request) -> JSONResponse:
         try:
             prompt_ids, params, request_id = parse_generate_request(await read_json(request, max_body_bytes),
-                                                                    backend)
+                                                                    backend, clamp_max_tokens)
         except BadRequest as e:
             return error_response(str(e), e.status)
         if not admission.enter():
             return overloaded()
         try:
-            completion = await backend.generate(prompt_ids, params)
+            completion = await unless_disconnected(request, backend.generate(prompt_ids, params))
+        except ClientGone:
+            return error_response("client disconnected", 499)
         except ValueError as e:  # the backend's contract: a request it cannot serve
             return error_response(str(e), 400)
         except Exception as e:  # noqa: BLE001 - one failed request must not take the server down
@@ -260,7 +301,8 @@ def build_app(backend: GenerateBackend, *, chat_template: ChatTemplate | None = 
         assert chat_template is not None
         try:
             body = await read_json(request, max_body_bytes)
-            req = chat.parse_chat_request(body, chat_template, backend.model_name, backend.max_model_len)
+            req = chat.parse_chat_request(body, chat_template, backend.model_name, backend.max_model_len,
+                                          clamp_max_tokens)
         except BadRequest as e:
             return error_response(str(e), e.status)
         if not admission.enter():
@@ -270,22 +312,26 @@ def build_app(backend: GenerateBackend, *, chat_template: ChatTemplate | None = 
             return StreamingResponse(chat.stream(run, backend.model_name), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            return JSONResponse(await chat.complete(run, backend.model_name))
+            return JSONResponse(await unless_disconnected(request, chat.complete(run, backend.model_name)))
+        except ClientGone:
+            return error_response("client disconnected", 499)
         except ValueError as e:
             return error_response(str(e), 400)
         except Exception as e:  # noqa: BLE001 - one failed request must not take the server down
             logger.exception("backend failed on a chat request")
             return error_response(f"backend error: {type(e).__name__}: {e}", 500)
 
+    card = {"id": backend.model_name, "object": "model", "created": created, "owned_by": "jaxrl",
+            "max_model_len": backend.max_model_len}
+
     async def models(request: Request) -> JSONResponse:
-        card = {
-            "id": backend.model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "jaxrl",
-            "max_model_len": backend.max_model_len,
-        }
         return JSONResponse({"object": "list", "data": [card]})
+
+    async def model(request: Request) -> JSONResponse:
+        name = request.path_params["name"]
+        if name != backend.model_name:
+            return error_response(f"model {name!r} does not exist; this server serves {backend.model_name!r}", 404)
+        return JSONResponse(card)
 
     async def health(request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok", "pending": admission.active})
@@ -297,6 +343,7 @@ def build_app(backend: GenerateBackend, *, chat_template: ChatTemplate | None = 
     routes = [
         Route(GENERATE_ROUTE, generate, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{name:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
     if chat_template is not None:
@@ -328,9 +375,10 @@ class ServerHandle:
 def start_server(
     backend: GenerateBackend, host: str = "127.0.0.1", port: int = 0, *, startup_timeout: float = 30.0,
     chat_template: ChatTemplate | None = None, api_key: str | None = None, max_pending: int = DEFAULT_MAX_PENDING,
+    clamp_max_tokens: bool = False,
 ) -> ServerHandle:
     """Serves `backend` on `host:port` (0: a free port) from a daemon thread; returns once the server
-    accepts connections. `chat_template`, `api_key` and `max_pending` are `build_app`'s. Raises
+    accepts connections. `chat_template`, `api_key`, `max_pending` and `clamp_max_tokens` are `build_app`'s. Raises
     RuntimeError if it has not started within `startup_timeout` seconds, OSError if the port cannot be
     bound."""
     # Binding here, not in uvicorn, gives port 0's real port before the thread starts and surfaces
@@ -344,7 +392,8 @@ def start_server(
         raise
     sock.set_inheritable(True)
     bound_port = sock.getsockname()[1]
-    app = build_app(backend, chat_template=chat_template, api_key=api_key, max_pending=max_pending)
+    app = build_app(backend, chat_template=chat_template, api_key=api_key, max_pending=max_pending,
+                    clamp_max_tokens=clamp_max_tokens)
     # A stream still open at shutdown is cut after a few seconds rather than holding the exit.
     config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)

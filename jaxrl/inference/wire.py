@@ -37,14 +37,26 @@ def is_number(value: Any) -> bool:
         and abs(value) <= FLOAT32_MAX
 
 
-def sampling_from(raw: Mapping[str, Any], prompt_len: int, max_model_len: int) -> SamplingParams:
-    """`SamplingParams` from the sampling fields of a request (absent or null: the default); raises
-    `BadRequest` naming the field.
+def check_penalties(raw: Mapping[str, Any]) -> None:
+    """Raises `BadRequest` for a `presence_penalty` or `frequency_penalty` outside OpenAI's and vLLM's
+    [-2, 2] (the routes then accept only 0: this engine has neither)."""
+    for key in ("presence_penalty", "frequency_penalty"):
+        value = raw.get(key)
+        if value is not None and not (is_number(value) and -2 <= value <= 2):
+            raise BadRequest(f"{key} must be a number in [-2, 2], got {value!r}")
 
-    Fields: temperature (>= 0; below 1e-5 greedy, as in vLLM), top_p (0, 1], top_k (integer; <= 0 off),
-    min_p [0, 1], repetition_penalty (> 0), max_tokens (integer >= 1; default: the room left in the
-    context, `max_model_len - prompt_len`, as in vLLM), stop_token_ids (non-negative integers), seed
-    (an int64). Keys other than these are the caller's business.
+
+def sampling_from(raw: Mapping[str, Any], prompt_len: int, max_model_len: int,
+                  clamp_max_tokens: bool = False) -> SamplingParams:
+    """`SamplingParams` from the sampling fields of a request (absent or null: the default); raises
+    `BadRequest` naming the field, with vLLM's ranges.
+
+    Fields: temperature (>= 0; below 1e-5 greedy, as in vLLM), top_p (0, 1], top_k (integer >= -1; -1
+    and 0 off, as in vLLM), min_p [0, 1], repetition_penalty (> 0), max_tokens (integer >= 1 with
+    `prompt_len + max_tokens <= max_model_len`, as vLLM and OpenAI require; with `clamp_max_tokens` any
+    larger value is cut to the room left instead; default: the room left in the context,
+    `max_model_len - prompt_len`, as in vLLM), stop_token_ids (non-negative integers), seed (an int64).
+    Keys other than these are the caller's business.
     """
     defaults = SamplingParams()
 
@@ -64,8 +76,8 @@ def sampling_from(raw: Mapping[str, Any], prompt_len: int, max_model_len: int) -
     top_k = raw.get("top_k")
     if top_k is None:
         top_k = defaults.top_k
-    elif not is_int(top_k):
-        raise BadRequest(f"top_k must be an integer, got {top_k!r}")
+    elif not is_int(top_k) or top_k < -1:
+        raise BadRequest(f"top_k must be an integer, -1 or 0 (off) or at least 1, got {top_k!r}")
 
     max_tokens = raw.get("max_tokens")
     if max_tokens is None:
@@ -74,6 +86,10 @@ def sampling_from(raw: Mapping[str, Any], prompt_len: int, max_model_len: int) -
             raise BadRequest(f"a prompt of {prompt_len} tokens fills the context of {max_model_len}")
     elif not is_int(max_tokens) or max_tokens < 1:
         raise BadRequest(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+    elif prompt_len < max_model_len < prompt_len + max_tokens and not clamp_max_tokens:  # a full prompt: the engine's
+        raise BadRequest(f"max_tokens: this model's maximum context length is {max_model_len} tokens, and the "
+                         f"request asks for {prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} in "
+                         f"the completion); reduce max_tokens to at most {max_model_len - prompt_len}")
 
     stop = raw.get("stop_token_ids")
     if stop is None:

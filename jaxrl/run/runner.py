@@ -297,7 +297,8 @@ class Run:
                                    seed=cfg.sampling_seed * 1_000_003 + self.start_step)
         self.scheduler.policy_version = self.start_step
         versions = VersionLog(self.scheduler)  # the policy version of each token of the producer's rollouts
-        self.server = start_server(versions, host=jcfg.host, port=jcfg.port, chat_template=self.chat_template)
+        self.server = start_server(versions, host=jcfg.host, port=jcfg.port, chat_template=self.chat_template,
+                                   clamp_max_tokens=True)
         self.sampling = SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                                        top_k=cfg.sampling.top_k,
                                        repetition_penalty=cfg.sampling.repetition_penalty or 1.0,
