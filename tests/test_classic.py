@@ -39,13 +39,23 @@ def explode(completion, **kwargs):
     raise RuntimeError("reward function exploded")
 
 
+CALLS = []
+
+
+def flaky(completion, **kwargs):
+    CALLS.append(1)
+    if len(CALLS) % 2:
+        raise RuntimeError("flaky reward")
+    return 1.0
+
+
 def load_environment(mode="ok"):
     if mode == "raise":
         raise RuntimeError("no data for you")
     if mode == "dict":
         return {"prompt": "not an environment"}
     dataset = Dataset.from_list([{"question": "hi", "answer": "hi"}])
-    return vf.SingleTurnEnv(dataset=dataset, rubric=vf.Rubric(funcs=[explode]))
+    return vf.SingleTurnEnv(dataset=dataset, rubric=vf.Rubric(funcs=[flaky if mode == "flaky" else explode]))
 '''
 
 
@@ -199,6 +209,33 @@ def test_failures_are_rollouts_not_exceptions(tiny_server, tiny_model_dir, test_
     rollouts = play(echo, 0, 2, dead, tiny_model_dir, seed=1)
     assert [r.ok for r in rollouts] == [False, False]
     assert all("Connection" in r.error for r in rollouts), [r.error for r in rollouts]
+
+
+def test_max_retries_plays_a_failed_rollout_again_with_its_seed(tiny_server, tiny_model_dir, test_env_module):
+    """`[[env]] max_retries` (a Hosted Training field): a rollout whose reward fails once passes on its
+    second attempt, which samples with the same seed; without retries it counts as failed."""
+    import dataclasses
+    import sys
+
+    from jaxrl.rl import rollouts
+
+    server, backend = tiny_server
+    flaky = load_env(test_env_module, {"mode": "flaky"})
+    client = {"base_url": server.base_url, "model_name": MODEL, "tokenizer_path": tiny_model_dir}
+
+    def collect(env: LoadedEnv) -> Rollout:
+        async def go():
+            async with env.serving():
+                return await rollouts.collect([env], [(0, 0)], 1, client, SamplingParams(max_tokens=MAX_TOKENS), 7,
+                                              60)
+        sys.modules["jaxrl_test_classic_env"].CALLS.clear()
+        backend.calls = []
+        return asyncio.run(go())[0][0]
+
+    once = collect(flaky)
+    assert not once.ok and "flaky reward" in once.error and [c[3] for c in backend.calls] == [7]
+    again = collect(dataclasses.replace(flaky, max_retries=2))
+    assert again.ok and again.reward == 1.0 and [c[3] for c in backend.calls] == [7, 7]
 
 
 def test_classic_config_trains(tmp_path, tiny_model_dir, compile_cache, monkeypatch):

@@ -228,3 +228,16 @@ def test_repetition_penalty_and_enable_thinking_reach_both_rollout_clients(tiny_
     assert args["extra_body"]["repetition_penalty"] == 1.3
     plain = classic.sampling_args(SimpleNamespace(sampling_args=None), SamplingParams(), 0)
     assert "chat_template_kwargs" not in plain["extra_body"] and "repetition_penalty" not in plain["extra_body"]
+
+
+def test_an_env_version_pin_is_checked_against_the_installed_package():
+    from jaxrl.envs import loader
+
+    assert loader.installed_version("echo_word") == "0.1.0"
+    args = {"num_train_examples": 2, "num_eval_examples": 0}
+    assert loader.load_env("jaxrl/echo-word@0.1.0", args).tasks
+    assert loader.load_env("jaxrl/echo-word@9", args, version="0.1.0").tasks  # `version` wins, as in prime
+    with pytest.raises(loader.EnvLoadError, match="version 9.9 is pinned, but the installed package is version 0.1.0"):
+        loader.load_env("jaxrl/echo-word", args, version="9.9")
+    with pytest.raises(loader.EnvLoadError, match="version 2 is pinned"):
+        loader.load_env("jaxrl/echo-word@2", args)

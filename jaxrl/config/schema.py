@@ -188,18 +188,13 @@ class _EnvTable(_Table):
     """Times a failed rollout of this environment is played again (with the same seed) before it counts
     as failed, >= 0. Default None: 0."""
     version: str | None = Field(None, min_length=1)
-    """Version the installed environment package must have; wins over an `@version` in `id`. Default
-    None: the one in `id`, if any."""
+    """Version the installed environment package must have (`jaxrl run` stops otherwise); wins over an
+    `@version` in `id`. Default None: the one in `id`, if any."""
 
     @property
     def display_name(self) -> str:
         """`name`, else `id`: the label of this environment in logs and metrics (`eval/<name>/...`)."""
         return self.name or self.id
-
-    @property
-    def pinned_version(self) -> str | None:
-        """`version`, else the `@version` of `id`, else None."""
-        return self.version or (self.id.split("@", 1)[1] if "@" in self.id else None)
 
 
 class EnvConfig(_EnvTable):
@@ -593,12 +588,6 @@ def no_effect_notes(cfg: RunConfig) -> list[str]:
         notes.append(f"sampling.min_tokens: {later}")
     if cfg.sampling.temp_scheduler is not None:
         notes.append(f"sampling.temp_scheduler: {later}: sampling.temperature throughout")
-    for kind, envs in (("env", cfg.env), ("eval.env", cfg.eval.env if cfg.eval else [])):
-        for i, env in enumerate(envs):
-            if env.max_retries:
-                notes.append(f"{kind}.{i}.max_retries: {later}: a failed rollout is not played again")
-            if env.pinned_version is not None:
-                notes.append(f"{kind}.{i}.version: {later}: the installed package is used as it is")
     if cfg.sampling.reasoning_effort is not None:
         notes.append("sampling.reasoning_effort: Qwen3 has no reasoning effort control; no effect here "
                      "(enable_thinking is its switch)")

@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import importlib.metadata
 import ssl
 import sys
 import types
@@ -138,6 +139,7 @@ class LoadedEnv:
     A v1 env (`vf.Env`): `tasks` is the train split (`tasks[i].data.idx == i`); `eval_tasks` the eval
     split, empty when the taskset has none (by convention, a taskset config field `split` that accepts
     "eval"). A classic env (`ClassicEnv`): its dataset and eval dataset rows (`tasks[i].idx == i`).
+    `max_retries`: times a failed rollout is played again (`[[env]] max_retries`; `jaxrl.rl.rollouts`).
     """
 
     id: str
@@ -145,6 +147,7 @@ class LoadedEnv:
     env: vf.Env | ClassicEnv
     tasks: list[vf.Task] | list[ClassicTask]
     eval_tasks: list[vf.Task] | list[ClassicTask]
+    max_retries: int = 0
 
     @property
     def name(self) -> str:
@@ -231,15 +234,23 @@ def _exports_v1(module: types.ModuleType) -> bool:
     return any(isinstance(obj, type) and issubclass(obj, vf.Taskset | vf.Env) for obj in exported)
 
 
+def installed_version(module: str) -> str | None:
+    """The version of the installed distribution that provides top-level `module`; None when none does."""
+    dists = importlib.metadata.packages_distributions().get(module)
+    return importlib.metadata.version(dists[0]) if dists else None
+
+
 def load_env(
-    env_id: str, args: dict | None = None, taskset: dict | None = None, harness: dict | None = None
+    env_id: str, args: dict | None = None, taskset: dict | None = None, harness: dict | None = None,
+    version: str | None = None,
 ) -> LoadedEnv:
     """Loads an `[[env]]` entry and materialises its tasks, by what its module exports: a v1 Taskset or
     Env subclass through verifiers' v1 loader; otherwise a classic `load_environment(**args)`
-    (`jaxrl.envs.classic`), which takes no `[env.taskset]` / `[env.harness]` tables.
+    (`jaxrl.envs.classic`), which takes no `[env.taskset]` / `[env.harness]` tables. `version` (else
+    the id's `@version`) pins the installed package's version.
 
-    Raises EnvLoadError (naming the id and the module) when the module is not importable, exports
-    neither, rejects the config or args, fails to load, or loads no train task.
+    Raises EnvLoadError (naming the id and the module) when the module is not importable, is not the
+    pinned version, exports neither, rejects the config or args, fails to load, or loads no train task.
     """
     args, taskset, harness = dict(args or {}), dict(taskset or {}), dict(harness or {})
     module = module_name(env_id)
@@ -250,6 +261,10 @@ def load_env(
         raise EnvLoadError(f"{where} is not importable; install its package (pip install -e ...): {e}") from e
     except Exception as e:  # noqa: BLE001 - an env package that fails while importing
         raise EnvLoadError(f"{where} failed to import: {type(e).__name__}: {e}") from e
+    pinned = version or (env_id.split("@", 1)[1] if "@" in env_id else None)
+    if pinned is not None and (installed := installed_version(module)) != pinned:
+        have = f"the installed package is version {installed}" if installed else "no installed package provides it"
+        raise EnvLoadError(f"{where}: version {pinned} is pinned, but {have}")
     if not _exports_v1(imported) and classic.is_classic(imported):
         return _load_classic(env_id, module, imported, args, taskset, harness, where)
     try:

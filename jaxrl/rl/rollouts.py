@@ -35,14 +35,21 @@ async def collect(loaded: list[loader.LoadedEnv], jobs: list[tuple[int, int]], n
     """Play `n` rollouts of each `(env index, example index)` job, concurrently; one list per job.
 
     Rollout `i` of job `g` samples with seed `first_seed + g * n + i`, so a run (and its resume) samples
-    the same tokens whatever order requests reach the engine in. Never raises for a failing rollout.
+    the same tokens whatever order requests reach the engine in. Never raises for a failing rollout; a
+    failed one is played again, with the same seed, up to its env's `max_retries` times (each attempt
+    within `timeout_s`), and counts as failed only after the last.
     `in_flight` (shared by every call of a run: `jaxrl.run.resources`, `[infrastructure].compute_size`)
     bounds the rollouts running at once; `timeout_s` counts from when a rollout gets its place.
     """
 
     async def one(env_i: int, example: int, seed: int) -> list[loader.Rollout]:
         async with in_flight or contextlib.nullcontext():
-            return await play(env_i, example, seed)
+            out = await play(env_i, example, seed)
+            for _ in range(loaded[env_i].max_retries):
+                if all(r.ok for r in out):
+                    break
+                out = await play(env_i, example, seed)
+            return out
 
     async def play(env_i: int, example: int, seed: int) -> list[loader.Rollout]:
         env = loaded[env_i]

@@ -162,7 +162,8 @@ def load_eval_envs(cfg: RunConfig) -> list[loader.LoadedEnv]:
     loaded = []
     for i, ec in enumerate(cfg.eval.env if cfg.eval else []):
         try:
-            loaded.append(loader.load_env(ec.id, ec.args))
+            env = loader.load_env(ec.id, ec.args, version=ec.version)
+            loaded.append(dataclasses.replace(env, max_retries=ec.max_retries or 0))
         except loader.EnvLoadError as exc:
             raise ConfigError(cfg.source, [(f"eval.env.{i}.id", str(exc))]) from None
     return loaded

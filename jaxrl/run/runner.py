@@ -275,7 +275,8 @@ class Run:
         self.envs = []
         for i, e in enumerate(self.cfg.env):
             try:
-                self.envs.append(loader.load_env(e.id, e.args, e.taskset, e.harness))
+                env = loader.load_env(e.id, e.args, e.taskset, e.harness, e.version)
+                self.envs.append(dataclasses.replace(env, max_retries=e.max_retries or 0))
             except loader.EnvLoadError as exc:
                 raise ConfigError(self.cfg.source, [(f"env.{i}.id", str(exc))]) from None
         self.eval_envs = evaluate.load_eval_envs(self.cfg)  # [[eval.env]]
