@@ -85,7 +85,7 @@ def test_defaults_follow_the_reference(tmp_path):
     assert (cfg.checkpoints.interval, cfg.checkpoints.keep_cloud) == (10, 5)
     assert (cfg.adapters.interval, cfg.adapters.keep_last) == (0, 3)
     assert cfg.infrastructure.compute_size == "M"
-    assert cfg.jax.model_dump() == {
+    assert cfg.jax.model_dump(exclude={"loss", "advantage", "optim"}) == {  # those: test_training_knobs_load...
         "model_path": None, "tokenizer_path": None, "mesh": {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1},
         "seq_len": 4096, "lora_rank": 16,
         "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -488,3 +488,47 @@ def test_full_local_config_sets_every_field_of_the_seeds_full_example():
     assert _keys(seed) <= _keys(local), sorted(_keys(seed) - _keys(local))
     cfg = load_config(root / "full_local.toml")
     assert cfg.max_async_level == 4 and cfg.oversampling_factor == 2.0 and cfg.eval.eval_base_model
+
+
+@pytest.mark.parametrize(("table", "expected"), [
+    ('[jax.loss]\ntype = "grpo"', "jax.loss.type: Input should be 'is', 'ppo', 'gspo' or 'cispo', got 'grpo'"),
+    ('[jax.loss]\naggregation = "mean"',
+     "jax.loss.aggregation: Input should be 'token_mean', 'sequence_mean' or 'sequence_sum', got 'mean'"),
+    ('[jax.loss]\nkl_estimator = "k4"', "jax.loss.kl_estimator: Input should be 'k1', 'k2' or 'k3', got 'k4'"),
+    ("[jax.loss]\nkl_coef = -0.1", f"jax.loss.kl_coef: {GE} 0, got -0.1"),
+    ("[jax.loss]\nentropy_coef = -1e-3", f"jax.loss.entropy_coef: {GE} 0, got -0.001"),
+    ("[jax.loss]\nmismatch_kl_coef = -1.0", f"jax.loss.mismatch_kl_coef: {GE} 0, got -1.0"),
+    ("[jax.loss]\nclip_low = 1.2", f"jax.loss.clip_low: {LE} 1, got 1.2"),
+    ("[jax.loss]\nclip_high = 0.28",
+     "jax.loss.clip_high: 0.28 must be >= 1: it bounds the ratio itself, 1 + eps_high (DAPO's eps_high 0.28 is "
+     "clip_high = 1.28)"),
+    ("[jax.loss]\ndual_clip = 0.5", "jax.loss.dual_clip: Input should be greater than 1, got 0.5"),
+    ("[jax.loss]\nmask_low = 9.0", "jax.loss: mask_low 9.0 must be <= mask_high 8.0"),
+    ("[jax.loss]\naggregation_length = 0", f"jax.loss.aggregation_length: {GE} 1, got 0"),
+    ('[jax.advantage]\nestimator = "gae"',
+     "jax.advantage.estimator: Input should be 'mean', 'std' or 'rloo', got 'gae'"),
+    ("[jax.advantage]\nreward_min = 1.0\nreward_max = 0.0", "jax.advantage: reward_min 1.0 must be <= reward_max 0.0"),
+    ("[jax.optim]\nwarmup_steps = 100", "jax.optim.warmup_steps: 100 must be < max_steps (100)"),
+    ("[jax.optim]\nwarmup_steps = -1", f"jax.optim.warmup_steps: {GE} 0, got -1"),
+    ('[jax.optim]\nschedule = "exp"',
+     "jax.optim.schedule: Input should be 'constant', 'linear' or 'cosine', got 'exp'"),
+    ("[jax.optim]\nweight_decay = -0.01", f"jax.optim.weight_decay: {GE} 0, got -0.01"),
+    ("[jax.optim]\nbeta2 = 1.0", "jax.optim.beta2: Input should be less than 1, got 1.0"),
+    ("[jax.optim]\nmax_grad_norm = 0.0", "jax.optim.max_grad_norm: Input should be greater than 0, got 0.0"),
+    ("[jax.optim]\nlr_schedule = 1", "jax.optim.lr_schedule: unknown key (did you mean 'schedule'?)"),
+])
+def test_training_knob_errors_name_the_key(tmp_path, table, expected):
+    assert problems(tmp_path, MINIMAL + table + "\n") == [expected]
+
+
+def test_training_knobs_load_and_default_to_todays_training(tmp_path):
+    cfg = load_config(write(tmp_path, MINIMAL + '[jax.loss]\ntype = "ppo"\nclip_high = 1.28\ndual_clip = 3\n'
+                                                '[jax.optim]\nschedule = "cosine"\nwarmup_steps = 10\n'))
+    assert (cfg.jax.loss.type, cfg.jax.loss.clip_high, cfg.jax.loss.dual_clip) == ("ppo", 1.28, 3)
+    assert (cfg.jax.optim.schedule, cfg.jax.optim.warmup_steps) == ("cosine", 10)
+    default = load_config(write(tmp_path, MINIMAL)).jax
+    assert (default.loss.type, default.loss.mask_low, default.loss.mask_high, default.loss.mismatch_kl_coef,
+            default.loss.kl_coef, default.loss.entropy_coef, default.loss.aggregation) == (
+        "is", 0.125, 8.0, 1e-3, 0.0, 0.0, "token_mean")
+    assert (default.advantage.estimator, default.advantage.batch_normalize) == ("mean", False)
+    assert (default.optim.schedule, default.optim.warmup_steps, default.optim.max_grad_norm) == ("constant", 0, 1.0)

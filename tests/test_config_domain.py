@@ -24,7 +24,8 @@ from pydantic import BaseModel
 from typer.testing import CliRunner
 
 from jaxrl.cli.main import app
-from jaxrl.config.schema import INT_MAX, SEED_MULTIPLIER, ConfigError, RunConfig, load_config
+from jaxrl.config.base import INT_MAX
+from jaxrl.config.schema import SEED_MULTIPLIER, ConfigError, RunConfig, load_config
 from jaxrl.envs import loader
 from jaxrl.inference import wire
 from jaxrl.inference.protocol import SamplingParams
@@ -32,7 +33,7 @@ from jaxrl.model import hf
 from jaxrl.model.qwen3 import init_lora
 from jaxrl.rl.buffer import Buffer, BufferState
 from jaxrl.rl.producer import in_flight_groups
-from jaxrl.rl.train import make_optimizer
+from jaxrl.rl.train import learning_rate, make_optimizer
 from jaxrl.run import resources
 
 BASE = """\
@@ -165,9 +166,13 @@ def set_up(cfg: RunConfig, model_dir: Path) -> None:
     jcfg = cfg.jax
     mcfg = hf.load_config(str(model_dir))
     lora = init_lora(mcfg, jcfg.lora_rank, tuple(jcfg.lora_targets), jax.random.key(jcfg.seed))
-    tx = make_optimizer(cfg.learning_rate)
+    o = jcfg.optim  # as `jaxrl.rl.train.trainer_for` builds the optimizer and its schedule
+    tx = make_optimizer(1.0, o.max_grad_norm, o.weight_decay, (o.beta1, o.beta2))
     params = {"base": {}, "lora": lora}
     tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    rates = learning_rate(jnp.array([0, cfg.max_steps - 1]), cfg.learning_rate, o.schedule, o.warmup_steps,
+                          cfg.max_steps)
+    assert bool(jnp.isfinite(rates).all()), rates
     jax.random.key(cfg.sampling_seed * SEED_MULTIPLIER + cfg.max_steps)  # the engine's base key on resume
     n = cfg.rollouts_per_example
     groups = cfg.batch_size // n

@@ -6,13 +6,14 @@ import numpy as np
 import optax
 import pytest
 
+from jaxrl.config.algorithms import LossConfig
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
 from jaxrl.model import qwen3
 from jaxrl.model.qwen3 import LORA_TARGETS, ModelConfig
 from jaxrl.parallel.sharding import make_mesh, spec_shardings
-from jaxrl.rl.train import Trainer, loss_width, make_batch, make_optimizer, sampled_logprobs
+from jaxrl.rl.train import Trainer, learning_rate, loss_width, make_batch, make_optimizer, sampled_logprobs
 from jaxrl.run.checkpoint import Checkpointer
 
 CFG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -21,12 +22,12 @@ TARGETS = tuple(LORA_TARGETS)
 LR = 1e-2
 
 
-def _setup(mesh):
+def _setup(mesh, tx=None, **trainer_args):
     base = qwen3.init_params(CFG, jax.random.key(0))
     base = jax.device_put(base, spec_shardings(qwen3.param_specs(CFG), CFG.dims(), mesh))
     lora = qwen3.init_lora(CFG, 4, TARGETS, jax.random.key(1))
     lora = jax.device_put(lora, spec_shardings(qwen3.lora_specs(CFG, 4, TARGETS), {**CFG.dims(), "R": 4}, mesh))
-    trainer = Trainer(CFG, mesh, make_optimizer(LR), lora_scale=2.0)
+    trainer = Trainer(CFG, mesh, tx or make_optimizer(LR), lora_scale=2.0, **trainer_args)
     return base, trainer, trainer.init_state(base, lora)
 
 
@@ -321,3 +322,112 @@ def test_engine_and_trainer_agree_at_step_one():
                               make_batch(samples, rng.normal(size=6), 0.7, pad_to=48))
     assert 0 <= float(metrics["policy/kl"]) < 1e-5
     assert float(metrics["policy/clip_fraction"]) == 0
+
+
+def test_reference_kl_is_the_base_with_lora_off():
+    """`policy/ref_kl` is the k3 mean between the LoRA policy and the same base with LoRA off (0 before any
+    update: LoRA's b starts at 0), and the penalty adds kl_coef times it to the loss."""
+    mesh = make_mesh({}, jax.devices()[:1])
+    base, trainer, state = _setup(mesh, loss_cfg=LossConfig(kl_coef=0.5))
+    batch = _batch(3)
+    state, metrics = trainer.step(state, base, batch)
+    assert float(metrics["policy/ref_kl"]) == 0.0
+    for i in range(2):
+        state, metrics = trainer.step(state, base, _batch(i))
+    b, t = batch.inputs.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+    def logprobs(lora):
+        hidden, _ = qwen3.forward(CFG, base, batch.inputs, positions, lora=lora, lora_scale=2.0)
+        full = jax.nn.log_softmax(jnp.einsum("BTD,DV->BTV", hidden, qwen3.unembed_matrix(base)), axis=-1)
+        return np.asarray(jnp.take_along_axis(full, batch.targets[..., None], -1)[..., 0])
+
+    log_r = logprobs(None) - logprobs(state.lora)
+    k3 = (np.exp(log_r) - 1 - log_r)[batch.loss_mask].mean()
+    assert k3 > 1e-6
+    sharded = trainer.shard_batch(batch)
+    params = {"base": base, "lora": state.lora}
+    with_kl, m = trainer.loss(params, sharded)
+    np.testing.assert_allclose(m["policy/ref_kl"], k3, rtol=1e-3)
+    without = Trainer(CFG, mesh, make_optimizer(1e-2), lora_scale=2.0).loss(params, sharded)[0]
+    np.testing.assert_allclose(with_kl - without, 0.5 * k3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("cfg", [  # "is", the default, trains in every other test; "gspo" in the next one
+    LossConfig(type="ppo", clip_high=1.28, dual_clip=3.0, kl_coef=0.1, kl_estimator="k2"),
+    LossConfig(type="cispo", aggregation="sequence_sum", aggregation_length=32, clip_high=5.0, kl_coef=0.1,
+               entropy_coef=0.01),
+], ids=["ppo", "cispo"])
+def test_each_loss_trains_two_steps(cfg):
+    mesh = make_mesh({}, jax.devices()[:1])
+    base, trainer, state = _setup(mesh, loss_cfg=cfg)
+    lora0 = jax.tree.map(np.array, state.lora)
+    for i in range(2):
+        state, metrics = trainer.step(state, base, _batch(i))
+    assert int(state.step) == 2 and np.isfinite(float(metrics["loss"]))
+    assert not all(jax.tree.leaves(jax.tree.map(lambda a, b: np.array_equal(a, np.asarray(b)), lora0, state.lora)))
+    assert ("policy/ref_kl" in metrics) == (cfg.kl_coef > 0)
+
+
+def test_sequence_aggregation_accumulates_as_one_pass():
+    """GSPO with "sequence_mean" in micro-batches of 3 rows (the last padded) gives the one-pass loss and
+    update: a micro-batch weighs its number of sequences, not its tokens."""
+    mesh = make_mesh({}, jax.devices()[:1])
+    cfg = LossConfig(type="gspo", aggregation="sequence_mean", clip_low=0.999, clip_high=1.001)
+    results = []
+    for micro in (None, 3):
+        base, trainer, state = _setup(mesh, loss_cfg=cfg, micro_batch_size=micro)
+        for i in range(2):
+            state, metrics = trainer.step(state, base, _batch(i))
+        results.append((jax.tree.map(np.asarray, state.lora), float(metrics["loss"])))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5), results[0][0], results[1][0])
+    np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-5)
+
+
+def test_learning_rate_schedules_hand_computed():
+    steps = np.arange(6)
+    # warmup 2 of 6: (k + 1) / 2, then p = (k - 2) / 4 over the 4 steps left
+    np.testing.assert_allclose(learning_rate(steps, 1.0, "constant", 2, 6), [0.5, 1, 1, 1, 1, 1])
+    np.testing.assert_allclose(learning_rate(steps, 1.0, "linear", 2, 6), [0.5, 1, 1, 0.75, 0.5, 0.25])
+    cos = [(1 + np.cos(np.pi * p)) / 2 for p in (0, 0.25, 0.5, 0.75)]
+    np.testing.assert_allclose(learning_rate(steps, 2.0, "cosine", 2, 6), 2 * np.array([0.5, 1, *cos]), rtol=1e-6)
+    np.testing.assert_allclose(learning_rate(steps, 1e-4), [1e-4] * 6)
+
+
+def test_scheduled_learning_rate_scales_each_update():
+    """A schedule on a rate-1 optimizer: a constant one gives bit for bit the weights of the optimizer at
+    that rate (the default run's training is unchanged); `optim/lr` is the rate of each step taken."""
+    mesh = make_mesh({}, jax.devices()[:1])
+    runs = {}
+    for name, tx, lr in (("plain", make_optimizer(1e-2), None),
+                         ("scheduled", make_optimizer(1.0), lambda s: learning_rate(s, 1e-2, "linear", 1, 3))):
+        base, trainer, state = _setup(mesh, tx=tx, learning_rate=lr)
+        lrs = []
+        for i in range(3):
+            state, metrics = trainer.step(state, base, _batch(i))
+            lrs.append(float(metrics.get("optim/lr", np.nan)))
+            if i == 1:  # steps 0 and 1 run at the full rate (warmup 1, then p = 0)
+                runs[name] = jax.tree.map(np.asarray, state.lora)
+        runs[name + " lr"] = lrs
+    jax.tree.map(np.testing.assert_array_equal, runs["plain"], runs["scheduled"])
+    assert runs["scheduled lr"] == pytest.approx([1e-2, 1e-2, 1e-2 / 2])
+    assert np.isnan(runs["plain lr"]).all()
+
+
+def test_make_optimizer_options_hand_computed():
+    """Two AdamW updates of one LoRA leaf, recomputed in numpy: global-norm clipping (gradients of norm 1e-6
+    clipped to 1e-7, which Adam's eps = 1e-8 makes visible), the betas and decoupled weight decay."""
+    w0 = np.array([0.5, -1.0, 2.0], np.float32)
+    grads = [np.array([3e-7, -4e-7, 0.0], np.float32), np.array([-1e-6, 0.0, 0.0], np.float32)]
+    lr, clip, wd, b1, b2, eps = 0.1, 1e-7, 0.1, 0.5, 0.9, 1e-8
+    tx = make_optimizer(lr, max_grad_norm=clip, weight_decay=wd, betas=(b1, b2))
+    params = {"base": {"w": jnp.zeros(1)}, "lora": {"w": jnp.asarray(w0)}}
+    state = tx.init(params)
+    w, m, v = w0.astype(np.float64), 0.0, 0.0
+    for k, g in enumerate(grads, 1):
+        updates, state = tx.update({"base": {"w": jnp.zeros(1)}, "lora": {"w": jnp.asarray(g)}}, state, params)
+        params = optax.apply_updates(params, updates)
+        g = g * min(1.0, clip / np.linalg.norm(g))
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g**2
+        w = w - lr * ((m / (1 - b1**k)) / (np.sqrt(v / (1 - b2**k)) + eps) + wd * w)
+        np.testing.assert_allclose(params["lora"]["w"], w, rtol=1e-5)

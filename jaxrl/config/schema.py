@@ -15,15 +15,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, Field, ValidationError, model_validator
+
+from jaxrl.config.algorithms import AdvantageConfig, LossConfig, OptimConfig
+from jaxrl.config.base import _Table
 
 ENV_ID = re.compile(r"[A-Za-z0-9._-]+/[A-Za-z0-9._-]+(@[A-Za-z0-9._-]+)?")
 LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_TARGETS: tuple[str, ...] = get_args(LoraTarget)
-INT_MAX = 2**31 - 1
-"""Largest integer any field takes: counts, steps, token lengths and seeds reach the device as int32."""
-FLOAT_MAX = 3.4028234663852886e38
-"""Largest float any field takes (float32's): sampling settings reach the device as float32."""
 SEED_MULTIPLIER = 1_000_003
 """Rollout seeds are `(jax.seed * SEED_MULTIPLIER + group number) * rollouts_per_example + i` (the run loop)."""
 
@@ -43,23 +42,6 @@ class _Invalid(ValueError):
     def __init__(self, problems: list[tuple[str, str]]):
         super().__init__("; ".join(f"{k}: {r}" for k, r in problems))
         self.problems = problems
-
-
-class _Table(BaseModel):
-    """Base of every TOML table: unknown keys are errors and TOML types are not coerced."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True, allow_inf_nan=False)
-
-    @field_validator("*")
-    @classmethod
-    def _fits_the_device(cls, value: Any) -> Any:
-        """Integers within int32 and floats within float32 (TOML integers are unbounded, and inf and nan
-        are refused by `allow_inf_nan`): a value past them would overflow where the run uses it."""
-        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_MAX:
-            raise ValueError(f"{value} is beyond {INT_MAX} (2**31 - 1), the largest integer jaxrl takes")
-        if isinstance(value, float) and abs(value) > FLOAT_MAX:
-            raise ValueError(f"{value} is beyond float32's range ({FLOAT_MAX:.4g})")
-        return value
 
 
 def _minus_one_or_positive(meaning: str) -> AfterValidator:
@@ -386,6 +368,13 @@ class JaxConfig(_Table):
     """Address of the rollout server that environments call. Default "127.0.0.1"."""
     port: int = Field(0, ge=0, le=65535)
     """Port of the rollout server; 0 = pick a free port. Default 0."""
+    loss: LossConfig = LossConfig()
+    """`[jax.loss]`: the policy loss, KL penalty and entropy bonus (`jaxrl.config.algorithms`). Default:
+    prime-rl's masked importance sampling, no KL penalty, no entropy bonus."""
+    advantage: AdvantageConfig = AdvantageConfig()
+    """`[jax.advantage]`: rewards to advantages. Default: the group mean as baseline, nothing else."""
+    optim: OptimConfig = OptimConfig()
+    """`[jax.optim]`: AdamW and the learning-rate schedule. Default: constant rate, clipped at norm 1."""
 
 
 class RunConfig(_Table):
@@ -533,6 +522,9 @@ class RunConfig(_Table):
                                                "put checkpoints on gs:// with [jax] checkpoint_dir"))
         if len(set(self.jax.lora_targets)) != len(self.jax.lora_targets):
             problems.append(("jax.lora_targets", "lists a projection twice"))
+        if self.jax.optim.warmup_steps and self.jax.optim.warmup_steps >= self.max_steps:
+            problems.append(("jax.optim.warmup_steps", f"{self.jax.optim.warmup_steps} must be < max_steps "
+                                                       f"({self.max_steps})"))
         if problems:
             raise _Invalid(problems)
         return self
@@ -805,6 +797,34 @@ id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
 # micro_batch_size = 64        # sequences per train pass (gradients accumulated); default 16384 tokens per batch shard
 # host = "127.0.0.1"           # rollout server address
 # port = 0                     # rollout server port; 0 = a free one
+
+# [jax.loss]                   # the policy loss (README, "Algorithms")
+# type = "is"                  # "is" (prime-rl), "ppo" (PPO/GRPO clip), "gspo" (sequence ratio), "cispo"
+# aggregation = "token_mean"   # "token_mean", "sequence_mean" (GRPO), "sequence_sum" (Dr.GRPO)
+# aggregation_length = 512     # Dr.GRPO's constant; default [sampling] max_tokens, else [jax] seq_len
+# mask_low = 0.125             # "is": tokens with a ratio outside [mask_low, mask_high] are masked
+# mask_high = 8.0
+# mismatch_kl_coef = 1e-3      # "is": weight of (log ratio)^2
+# clip_low = 0.8               # "ppo"/"gspo"/"cispo": ratio clipped to [clip_low, clip_high]
+# clip_high = 1.2              # DAPO's clip-higher: 1.28
+# dual_clip = 3.0              # "ppo": cap of the loss at -dual_clip * A where A < 0; default off
+# kl_coef = 0.0                # KL penalty to the reference (the base, LoRA off); reports policy/ref_kl
+# kl_estimator = "k3"          # "k1", "k2" or "k3"
+# entropy_coef = 0.0           # entropy bonus
+
+# [jax.advantage]              # rewards to advantages
+# estimator = "mean"           # "mean" (r - group mean), "std" (GRPO), "rloo" (leave-one-out)
+# reward_min = 0.0             # clip rewards below; default none
+# reward_max = 1.0             # clip rewards above; default none
+# batch_normalize = false      # normalise the batch's advantages to mean 0, std 1
+
+# [jax.optim]                  # AdamW at learning_rate
+# schedule = "constant"        # "constant", "linear" or "cosine" decay to 0 at max_steps
+# warmup_steps = 0             # linear warmup, < max_steps
+# weight_decay = 0.0
+# beta1 = 0.9
+# beta2 = 0.999
+# max_grad_norm = 1.0          # clip the gradient's global norm
 
 # [adapters]
 # interval = 0                 # export every N steps; 0 = at the end only

@@ -1,26 +1,39 @@
-"""RL math: group advantages and the policy loss, as pure functions.
+"""RL math as pure functions: rewards to advantages, the policy losses, their aggregation, the KL
+penalty to a reference policy. Options come from `[jax.advantage]` and `[jax.loss]`
+(`jaxrl.config.algorithms`); each function names the paper or project its formula is from.
 
-Sources: the group-relative advantage without std normalisation and the masked importance-sampling
-loss follow prime-rl (PrimeIntellect-ai/prime-rl, `trainer/rl/loss.py`): the importance ratio
-`exp(logp_trainer - logp_inference)` weights a policy-gradient term through a stop-gradient, tokens whose
-ratio left `[mask_low, mask_high]` are masked out, and a small `(log ratio)^2` term keeps the trainer
-close to the policy that sampled.
+Token arrays are [B, T] (B samples, T positions aligned with the trained targets); `mask_BT` is True on
+the sampled tokens the loss is taken over. `logp_BT` (the trainer's logprobs, differentiable) and
+`inference_logp_BT` (the engine's, which sampled) give each token's importance ratio
+`exp(logp - inference_logp)`. Per-token loss functions return [B, T] values that `aggregate` reduces,
+so every loss composes with every aggregation, and a caller that computes logprobs in pieces
+(micro-batches, fused kernels) only has to hand these arrays over.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl.config.algorithms import AdvantageConfig, LossConfig
 
-def group_advantages(rewards: np.ndarray, group_size: int) -> np.ndarray:
-    """`A_i = r_i - mean(r over i's group)` (GRPO's baseline without std division, as in prime-rl).
+STD_EPS = 1e-6
+"""Added to a standard deviation before dividing by it (GRPO's advantages, batch normalisation)."""
+DEFAULT_ADVANTAGE = AdvantageConfig()
+DEFAULT_LOSS = LossConfig()
+
+
+def group_advantages(rewards: np.ndarray, group_size: int, estimator: str = "mean") -> np.ndarray:
+    """Advantages of rollouts in groups of `group_size` (one example each), stored contiguously.
+
+    "mean": `A_i = r_i - mean(r)` (prime-rl; Dr.GRPO, Liu et al. 2025). "std": `(r_i - mean(r)) /
+    (std(r) + STD_EPS)`, population std (GRPO, Shao et al. 2024, DeepSeekMath). "rloo":
+    `r_i - mean(r_j, j != i)` = `n / (n - 1) * (r_i - mean(r))` (Ahmadian et al. 2024, "Back to Basics:
+    Revisiting REINFORCE Style Optimization"); 0 when n = 1.
 
     Args:
-        rewards: float [G * group_size], groups stored contiguously.
+        rewards: float [G * group_size].
     Returns:
         float32 [G * group_size].
     Raises:
@@ -30,50 +43,227 @@ def group_advantages(rewards: np.ndarray, group_size: int) -> np.ndarray:
     if r.size % group_size:
         raise ValueError(f"{r.size} rewards do not split into groups of {group_size}")
     g = r.reshape(-1, group_size)
-    return (g - g.mean(axis=1, keepdims=True)).reshape(-1)
+    centred = g - g.mean(axis=1, keepdims=True)
+    match estimator:
+        case "mean":
+            out = centred
+        case "std":
+            out = centred / (g.std(axis=1, keepdims=True) + STD_EPS)
+        case "rloo":
+            out = centred * (group_size / (group_size - 1)) if group_size > 1 else np.zeros_like(g)
+        case _:
+            raise ValueError(f"unknown advantage estimator {estimator!r}")
+    return out.reshape(-1).astype(np.float32)
 
 
-@dataclasses.dataclass(frozen=True)
-class LossConfig:
-    """mask_low / mask_high: bounds on the per-token importance ratio; tokens outside are masked.
-    kl_coef: weight of the `(log ratio)^2` term."""
+def advantages(groups: list[np.ndarray], cfg: AdvantageConfig = DEFAULT_ADVANTAGE) -> np.ndarray:
+    """The advantages of one step's trained groups (each a float array of its successful rollouts'
+    rewards), concatenated in order: rewards clipped to `[reward_min, reward_max]`, the group baseline
+    of `cfg.estimator` (`group_advantages`), then, with `batch_normalize`, the whole batch normalised to
+    mean 0 and std 1 (REINFORCE++-baseline, Hu et al. 2025, "REINFORCE++").
 
-    mask_low: float = 0.125
-    mask_high: float = 8.0
-    kl_coef: float = 1e-3
+    Returns:
+        float32 [sum of the group sizes].
+    """
+    out = []
+    for rewards in groups:
+        r = np.asarray(rewards, np.float32)
+        if cfg.reward_min is not None or cfg.reward_max is not None:
+            r = np.clip(r, cfg.reward_min, cfg.reward_max)
+        out.append(group_advantages(r, r.size, cfg.estimator) if r.size else r)
+    adv = np.concatenate(out) if out else np.zeros(0, np.float32)
+    if cfg.batch_normalize and adv.size:
+        adv = (adv - adv.mean()) / (adv.std() + STD_EPS)
+    return adv.astype(np.float32)
+
+
+def importance_sampling_loss(logp_BT: jax.Array, inference_logp_BT: jax.Array, advantages_B: jax.Array,
+                             mask_low: float, mask_high: float, mismatch_kl_coef: float
+                             ) -> tuple[jax.Array, jax.Array]:
+    """prime-rl's masked importance sampling (PrimeIntellect-ai/prime-rl, `trainer/rl/loss.py`):
+
+        ratio = exp(logp - logp_inference);  keep = mask_low <= ratio <= mask_high
+        loss  = keep * (-stop_grad(ratio) * A * logp + mismatch_kl_coef * (logp - logp_inference)^2)
+
+    Returns:
+        per-token loss float32 [B, T], and `clipped` float32 [B, T] (1 where the ratio masked the token).
+    """
+    log_ratio = logp_BT - inference_logp_BT
+    ratio = jnp.exp(log_ratio)
+    keep = ((ratio >= mask_low) & (ratio <= mask_high)).astype(jnp.float32)
+    pg = -jax.lax.stop_gradient(ratio) * advantages_B[:, None] * logp_BT
+    return keep * (pg + mismatch_kl_coef * log_ratio**2), 1.0 - keep
+
+
+def clipped_surrogate_loss(logp_BT: jax.Array, inference_logp_BT: jax.Array, advantages_B: jax.Array,
+                           clip_low: float, clip_high: float, dual_clip: float | None = None
+                           ) -> tuple[jax.Array, jax.Array]:
+    """The PPO clipped surrogate (Schulman et al. 2017) per token, as GRPO uses it (Shao et al. 2024),
+    with DAPO's decoupled bounds (clip-higher: `clip_high - 1 > 1 - clip_low`, Yu et al. 2025) and the
+    dual clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL"):
+
+        loss = max(-ratio * A, -clip(ratio, clip_low, clip_high) * A)
+        loss = min(loss, -dual_clip * A)    where A < 0, when dual_clip is set
+
+    Returns:
+        per-token loss float32 [B, T], and `clipped` float32 [B, T] (1 where a clipped branch is the one
+        taken, so the token has no gradient).
+    """
+    a = advantages_B[:, None]
+    ratio = jnp.exp(logp_BT - inference_logp_BT)
+    unclipped = -ratio * a
+    bounded = -jnp.clip(ratio, clip_low, clip_high) * a
+    loss = jnp.maximum(unclipped, bounded)
+    clipped = bounded > unclipped
+    if dual_clip is not None:
+        cap = -dual_clip * a
+        capped = (a < 0) & (cap < loss)
+        loss = jnp.where(capped, cap, loss)
+        clipped = clipped | capped
+    return loss, clipped.astype(jnp.float32)
+
+
+def gspo_loss(logp_BT: jax.Array, inference_logp_BT: jax.Array, advantages_B: jax.Array, mask_BT: jax.Array,
+              clip_low: float, clip_high: float) -> tuple[jax.Array, jax.Array]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): the clipped surrogate on the
+    sequence-level ratio, the geometric mean of the sequence's token ratios,
+
+        s_b    = exp(mean over b's loss tokens of (logp - logp_inference))
+        loss_b = max(-s_b * A_b, -clip(s_b, clip_low, clip_high) * A_b)
+
+    given to each of b's loss tokens (so "sequence_mean" aggregation gives the paper's mean over
+    sequences).
+
+    Returns:
+        per-token loss float32 [B, T], and `clipped` float32 [B, T] (1 on every token of a clipped
+        sequence).
+    """
+    mask = mask_BT.astype(jnp.float32)
+    log_s_B = jnp.sum(mask * (logp_BT - inference_logp_BT), axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)
+    s_B = jnp.exp(log_s_B)
+    unclipped = -s_B * advantages_B
+    bounded = -jnp.clip(s_B, clip_low, clip_high) * advantages_B
+    loss_B = jnp.maximum(unclipped, bounded)
+    clipped_B = (bounded > unclipped).astype(jnp.float32)
+    return jnp.broadcast_to(loss_B[:, None], mask.shape), jnp.broadcast_to(clipped_B[:, None], mask.shape)
+
+
+def cispo_loss(logp_BT: jax.Array, inference_logp_BT: jax.Array, advantages_B: jax.Array, clip_low: float,
+               clip_high: float) -> tuple[jax.Array, jax.Array]:
+    """CISPO (MiniMax-M1, 2025, "Scaling Test-Time Compute Efficiently with Lightning Attention"): the
+    importance weight is clipped and stop-gradiented, so every token keeps a policy-gradient term:
+
+        loss = -stop_grad(clip(ratio, clip_low, clip_high)) * A * logp
+
+    Returns:
+        per-token loss float32 [B, T], and `clipped` float32 [B, T] (1 where the weight was clipped).
+    """
+    ratio = jnp.exp(logp_BT - inference_logp_BT)
+    weight = jax.lax.stop_gradient(jnp.clip(ratio, clip_low, clip_high))
+    clipped = (ratio < clip_low) | (ratio > clip_high)
+    return -weight * advantages_B[:, None] * logp_BT, clipped.astype(jnp.float32)
+
+
+def kl_penalty(logp_BT: jax.Array, ref_logp_BT: jax.Array, estimator: str) -> jax.Array:
+    """Per-token estimate of KL(policy || reference) from tokens the policy sampled, with
+    `log r = ref_logp - logp` (Schulman 2020, "Approximating KL Divergence"): "k1" `-log r`, "k2"
+    `(log r)^2 / 2`, "k3" `exp(log r) - 1 - log r` (>= 0; GRPO's penalty). The reference is held
+    constant (stop-gradient). float32 [B, T]."""
+    log_r = jax.lax.stop_gradient(ref_logp_BT) - logp_BT
+    match estimator:
+        case "k1":
+            return -log_r
+        case "k2":
+            return 0.5 * log_r**2
+        case "k3":
+            return jnp.exp(log_r) - 1.0 - log_r
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def aggregate(values_BT: jax.Array, mask_BT: jax.Array, how: str, length: int | None = None) -> jax.Array:
+    """One scalar from per-token values over `mask_BT`.
+
+    "token_mean": sum over every loss token / their count (DAPO, Yu et al. 2025; prime-rl).
+    "sequence_mean": each sequence's token mean, then the mean over sequences with a loss token (GRPO,
+    Shao et al. 2024). "sequence_sum": each sequence's token sum / `length`, then that mean over
+    sequences (Dr.GRPO, Liu et al. 2025, "Understanding R1-Zero-Like Training": a constant divisor,
+    no length bias).
+
+    Raises:
+        ValueError: an unknown `how`, or "sequence_sum" without `length`.
+    """
+    mask = mask_BT.astype(jnp.float32)
+    per_seq_B = jnp.sum(mask * values_BT, axis=1)
+    tokens_B = mask.sum(axis=1)
+    sequences = jnp.maximum(jnp.sum(tokens_B > 0), 1)
+    match how:
+        case "token_mean":
+            return jnp.sum(mask * values_BT) / jnp.maximum(mask.sum(), 1.0)
+        case "sequence_mean":
+            return jnp.sum(per_seq_B / jnp.maximum(tokens_B, 1.0)) / sequences
+        case "sequence_sum":
+            if length is None:
+                raise ValueError("sequence_sum aggregation needs a length")
+            return jnp.sum(per_seq_B) / (length * sequences)
+    raise ValueError(f"unknown aggregation {how!r}")
 
 
 def policy_loss(logp_BT: jax.Array, inference_logp_BT: jax.Array, advantages_B: jax.Array,
-                loss_mask_BT: jax.Array, cfg: LossConfig = LossConfig()) -> tuple[jax.Array, dict]:
-    """Masked importance-sampling policy-gradient loss (prime-rl), normalised per loss token.
-
-    Per sampled token t of sample b:
-        ratio = exp(logp - logp_inference)
-        keep  = mask_low <= ratio <= mask_high
-        loss  = keep * (-stop_grad(ratio) * A_b * logp + kl_coef * (logp - logp_inference)^2)
-    summed over kept tokens and divided by the number of loss tokens in the batch.
+                loss_mask_BT: jax.Array, cfg: LossConfig = DEFAULT_LOSS, *, entropy_BT: jax.Array | None = None,
+                ref_logp_BT: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """The loss `cfg` describes (`[jax.loss]`): the policy objective of `cfg.type`, plus
+    `kl_coef * kl_penalty(logp, ref_logp)`, minus `entropy_coef * entropy`, each aggregated by
+    `cfg.aggregation` over the loss tokens. The defaults are prime-rl's loss exactly.
 
     Args:
         logp_BT: float32 trainer logprobs of the sampled tokens [B, T] (differentiable).
         inference_logp_BT: float32 engine logprobs of the same tokens [B, T].
         advantages_B: float32 [B].
         loss_mask_BT: bool [B, T], True on sampled tokens.
+        entropy_BT: float32 [B, T], the policy's entropy at each position (differentiable for the
+            bonus to have a gradient); required when `cfg.entropy_coef > 0`.
+        ref_logp_BT: float32 [B, T], the reference policy's logprobs of the sampled tokens; required when
+            `cfg.kl_coef > 0`.
     Returns:
-        scalar loss, and metrics over loss tokens: `policy/clip_fraction` (share masked by the ratio),
-        `policy/kl` (mean of `ratio - 1 - log ratio`: the k3 estimator of KL(engine || trainer) from
-        tokens the engine sampled, Schulman 2020 "Approximating KL Divergence"; prime-rl's
-        `mismatch_kl`; >= 0 per token, unlike the k1 mean of `-log ratio`), `policy/ratio` (mean ratio).
+        scalar loss, and metrics over loss tokens: `policy/clip_fraction` (share of tokens the loss
+        masked or clipped), `policy/kl` (mean of `ratio - 1 - log ratio`: the k3 estimator of
+        KL(engine || trainer) from tokens the engine sampled, Schulman 2020; prime-rl's `mismatch_kl`),
+        `policy/ratio` (mean ratio), and `policy/ref_kl` (the mean of `cfg.kl_estimator`) when
+        `cfg.kl_coef > 0`.
+    Raises:
+        ValueError: `entropy_BT` or `ref_logp_BT` missing where `cfg` needs them.
     """
-    mask = loss_mask_BT.astype(jnp.float32)
-    n = jnp.maximum(mask.sum(), 1.0)
-    log_ratio = logp_BT - inference_logp_BT
+    match cfg.type:
+        case "is":
+            per_token, clipped = importance_sampling_loss(logp_BT, inference_logp_BT, advantages_B, cfg.mask_low,
+                                                          cfg.mask_high, cfg.mismatch_kl_coef)
+        case "ppo":
+            per_token, clipped = clipped_surrogate_loss(logp_BT, inference_logp_BT, advantages_B, cfg.clip_low,
+                                                        cfg.clip_high, cfg.dual_clip)
+        case "gspo":
+            per_token, clipped = gspo_loss(logp_BT, inference_logp_BT, advantages_B, loss_mask_BT, cfg.clip_low,
+                                           cfg.clip_high)
+        case "cispo":
+            per_token, clipped = cispo_loss(logp_BT, inference_logp_BT, advantages_B, cfg.clip_low, cfg.clip_high)
+        case _:
+            raise ValueError(f"unknown loss type {cfg.type!r}")
+    metrics = {}
+    if cfg.kl_coef > 0:
+        if ref_logp_BT is None:
+            raise ValueError("kl_coef > 0 needs the reference logprobs")
+        kl_BT = kl_penalty(logp_BT, ref_logp_BT, cfg.kl_estimator)
+        per_token = per_token + cfg.kl_coef * kl_BT
+        metrics["policy/ref_kl"] = aggregate(jax.lax.stop_gradient(kl_BT), loss_mask_BT, "token_mean")
+    if cfg.entropy_coef > 0:
+        if entropy_BT is None:
+            raise ValueError("entropy_coef > 0 needs the entropy")
+        per_token = per_token - cfg.entropy_coef * entropy_BT
+    loss = aggregate(per_token, loss_mask_BT, cfg.aggregation, cfg.aggregation_length)
+    log_ratio = jax.lax.stop_gradient(logp_BT - inference_logp_BT)
     ratio = jnp.exp(log_ratio)
-    keep = mask * ((ratio >= cfg.mask_low) & (ratio <= cfg.mask_high))
-    pg = -jax.lax.stop_gradient(ratio) * advantages_B[:, None] * logp_BT
-    loss = jnp.sum(keep * (pg + cfg.kl_coef * log_ratio**2)) / n
-    metrics = {
-        "policy/clip_fraction": jnp.sum(mask - keep) / n,
-        "policy/kl": jnp.sum(mask * (ratio - 1.0 - log_ratio)) / n,
-        "policy/ratio": jnp.sum(mask * ratio) / n,
+    metrics |= {
+        "policy/clip_fraction": aggregate(clipped, loss_mask_BT, "token_mean"),
+        "policy/kl": aggregate(ratio - 1.0 - log_ratio, loss_mask_BT, "token_mean"),
+        "policy/ratio": aggregate(ratio, loss_mask_BT, "token_mean"),
     }
     return loss, metrics

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl.config.algorithms import AdvantageConfig
 from jaxrl.envs import loader
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.rl import losses
@@ -90,10 +91,10 @@ def _failed(env: loader.LoadedEnv, example: int, error: str) -> loader.Rollout:
     return loader.Rollout([], [], [], 0.0, False, False, error, env.name, example)
 
 
-def advantages(group: list[loader.Rollout]) -> np.ndarray:
-    """Group advantages (float32) over the group's successful rollouts; failed ones are dropped."""
-    rewards = np.array([r.reward for r in group if r.ok], np.float32)
-    return losses.group_advantages(rewards, rewards.size) if rewards.size else rewards
+def advantages(groups: list[list[loader.Rollout]], cfg: AdvantageConfig) -> np.ndarray:
+    """The advantages (float32) of the groups' successful rollouts, in order, by `[jax.advantage]`
+    (`jaxrl.rl.losses.advantages`); failed rollouts are dropped from their group."""
+    return losses.advantages([np.array([r.reward for r in g if r.ok], np.float32) for g in groups], cfg)
 
 
 def step_metrics(rollouts: list[list[loader.Rollout]], names: list[str], multi_env: bool) -> dict[str, float]:

@@ -15,6 +15,8 @@ and the metrics equal one pass over the whole batch (up to float rounding).
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -24,9 +26,11 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl.config.algorithms import LossConfig
+from jaxrl.config.schema import RunConfig
 from jaxrl.model import head, qwen3
 from jaxrl.model.qwen3 import ModelConfig, Params
-from jaxrl.parallel.sharding import array_sharding
+from jaxrl.parallel.sharding import array_sharding, batch_shards
 from jaxrl.rl import losses
 
 TOKENS_PER_SHARD = 16_384  # default micro-batch: tokens each batch shard trains per pass (`default_micro_batch`)
@@ -46,12 +50,42 @@ def trainable_labels(params: Params) -> Params:
             "lora": jax.tree.map(lambda _: "lora", params["lora"])}
 
 
-def make_optimizer(learning_rate: float, max_grad_norm: float = 1.0,
-                   weight_decay: float = 0.0) -> optax.GradientTransformation:
-    """AdamW (Loshchilov & Hutter 2019) on the LoRA leaves with global-norm clipping; base leaves frozen."""
+def make_optimizer(learning_rate: float, max_grad_norm: float = 1.0, weight_decay: float = 0.0,
+                   betas: tuple[float, float] = (0.9, 0.999)) -> optax.GradientTransformation:
+    """AdamW (Loshchilov & Hutter 2019) on the LoRA leaves with global-norm clipping; base leaves frozen.
+    Its state does not depend on the learning rate or schedule (a `Trainer` with a `learning_rate`
+    schedule builds it at rate 1), so any run's checkpoint restores into any other's optimizer."""
     lora_tx = optax.chain(optax.clip_by_global_norm(max_grad_norm),
-                          optax.adamw(learning_rate, b1=0.9, b2=0.999, weight_decay=weight_decay))
+                          optax.adamw(learning_rate, b1=betas[0], b2=betas[1], weight_decay=weight_decay))
     return optax.multi_transform({"lora": lora_tx, "frozen": optax.set_to_zero()}, trainable_labels)
+
+
+def learning_rate(step: jax.Array | int, peak: float, schedule: str = "constant", warmup_steps: int = 0,
+                  total_steps: int = 1) -> jax.Array:
+    """The learning rate of optimizer step `step` (0-based, int32) of `total_steps`, float32.
+
+    Warmup: step k < warmup_steps runs at `peak * (k + 1) / warmup_steps`, so the last warmup step
+    reaches `peak`. After warmup, with
+    `p = (k - warmup_steps) / (total_steps - warmup_steps)` in [0, 1): "constant" `peak`, "linear"
+    `peak * (1 - p)`, "cosine" `peak * (1 + cos(pi * p)) / 2` (SGDR, Loshchilov & Hutter 2017). No
+    step runs at rate 0.
+
+    Raises:
+        ValueError: an unknown `schedule`.
+    """
+    k = jnp.asarray(step, jnp.float32)
+    p = jnp.clip((k - warmup_steps) / max(total_steps - warmup_steps, 1), 0.0, 1.0)
+    match schedule:
+        case "constant":
+            decay = jnp.ones_like(p)
+        case "linear":
+            decay = 1.0 - p
+        case "cosine":
+            decay = 0.5 * (1.0 + jnp.cos(jnp.pi * p))
+        case _:
+            raise ValueError(f"unknown learning-rate schedule {schedule!r}")
+    warm = jnp.minimum((k + 1.0) / warmup_steps, 1.0) if warmup_steps else 1.0
+    return (peak * warm * decay).astype(jnp.float32)
 
 
 @struct.dataclass
@@ -151,17 +185,39 @@ def sampled_logprobs(params: Params, hidden_BTD: jax.Array, targets_BT: jax.Arra
     return scatter(logp), scatter(entropy)
 
 
+def trainer_for(cfg: RunConfig, mcfg: ModelConfig, mesh: Mesh, lora_scale: float) -> Trainer:
+    """The run's `Trainer`: `[jax.loss]` (Dr.GRPO's `aggregation_length` defaulting to `[sampling]
+    max_tokens`, else `[jax] seq_len`), `[jax.optim]` and its schedule over `max_steps` from the top-level
+    `learning_rate`."""
+    o, loss = cfg.jax.optim, cfg.jax.loss
+    if loss.aggregation_length is None:
+        loss = loss.model_copy(update={"aggregation_length": cfg.sampling.max_tokens or cfg.jax.seq_len})
+    tx = make_optimizer(1.0, o.max_grad_norm, o.weight_decay, (o.beta1, o.beta2))
+    schedule = functools.partial(learning_rate, peak=cfg.learning_rate, schedule=o.schedule,
+                                 warmup_steps=o.warmup_steps, total_steps=cfg.max_steps)
+    micro = cfg.jax.micro_batch_size or default_micro_batch(cfg.jax.seq_len, batch_shards(mesh))
+    return Trainer(mcfg, mesh, tx, lora_scale, loss_cfg=loss, remat=cfg.jax.remat, micro_batch_size=micro,
+                   learning_rate=schedule)
+
+
 @dataclasses.dataclass
 class Trainer:
-    """Owns the jitted train step for one model, mesh and optimizer."""
+    """Owns the jitted train step for one model, mesh and optimizer.
+
+    `loss_cfg` is `[jax.loss]` (`jaxrl.rl.losses.policy_loss`); with `kl_coef > 0` each step also runs
+    the base model with the LoRA off, the reference policy, without a copy of its weights.
+    `learning_rate`, when set, maps the optimizer step (int32) to its rate (`learning_rate` above): `tx`
+    must then be built at rate 1, each update is scaled by it, and it is reported as `optim/lr`.
+    """
 
     cfg: ModelConfig
     mesh: Mesh
     tx: optax.GradientTransformation
     lora_scale: float
-    loss_cfg: losses.LossConfig = dataclasses.field(default_factory=losses.LossConfig)
+    loss_cfg: LossConfig = dataclasses.field(default_factory=LossConfig)
     remat: bool = False
     micro_batch_size: int | None = None  # sequences per pass; None: the whole batch in one pass
+    learning_rate: Callable[[jax.Array], jax.Array] | None = None
 
     def __post_init__(self) -> None:
         # Nothing is donated: the rollout engine may still hold the previous LoRA while this step runs.
@@ -206,17 +262,29 @@ class Trainer:
         hidden, _ = qwen3.forward(self.cfg, params["base"], batch["inputs"], positions, lora=params["lora"],
                                   lora_scale=self.lora_scale, remat=self.remat, mesh=self.mesh)
         logp, entropy = sampled_logprobs(params["base"], hidden, batch["targets"], batch["loss_positions"],
-                                         batch["temperature"])
+                                         batch["temperature"], entropy_grad=self.loss_cfg.entropy_coef > 0)
+        ref_logp = None
+        if self.loss_cfg.kl_coef > 0:  # the reference policy: the same base weights, LoRA off
+            ref_hidden, _ = qwen3.forward(self.cfg, params["base"], batch["inputs"], positions, mesh=self.mesh)
+            ref_logp = jax.lax.stop_gradient(sampled_logprobs(
+                params["base"], ref_hidden, batch["targets"], batch["loss_positions"], batch["temperature"])[0])
         loss, metrics = losses.policy_loss(logp, batch["inference_logprobs"], batch["advantages"],
-                                       batch["loss_mask"], self.loss_cfg)
+                                           batch["loss_mask"], self.loss_cfg, entropy_BT=entropy,
+                                           ref_logp_BT=ref_logp)
+        entropy = jax.lax.stop_gradient(entropy)
         mask = batch["loss_mask"].astype(jnp.float32)
         metrics["policy/entropy"] = jnp.sum(entropy * mask) / jnp.maximum(mask.sum(), 1.0)
         return loss, metrics
 
     def loss_weight(self, batch: dict[str, jax.Array]) -> jax.Array:
-        """A micro-batch's weight in the accumulated loss: its loss-token count (float32 scalar), since
-        `loss` and its metrics are means over loss tokens (`losses.policy_loss`)."""
-        return batch["loss_mask"].astype(jnp.float32).sum()
+        """A micro-batch's weight in the accumulated loss (float32 scalar): its loss-token count with
+        "token_mean" aggregation, its number of sequences with a loss token with "sequence_mean" and
+        "sequence_sum" (means over sequences), so the accumulated loss is the one-pass loss. The metrics,
+        token means, are weighted alike (exact with "token_mean", by sequence otherwise)."""
+        mask = batch["loss_mask"].astype(jnp.float32)
+        if self.loss_cfg.aggregation == "token_mean":
+            return mask.sum()
+        return (mask.sum(axis=1) > 0).astype(jnp.float32).sum()
 
     def _step_impl(self, state: TrainState, base: Params, batch: dict[str, jax.Array], micro_batches: int = 1):
         params = {"base": base, "lora": state.lora}
@@ -233,7 +301,12 @@ class Trainer:
         grad_norm = optax.tree.norm(lora_grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = self.tx.update(grads, state.opt_state, params)
-        new_lora = optax.apply_updates(state.lora, updates["lora"])
+        lora_updates = updates["lora"]
+        if self.learning_rate is not None:
+            lr = self.learning_rate(state.step)
+            lora_updates = jax.tree.map(lambda u: u * lr, lora_updates)
+            metrics = {**metrics, "optim/lr": lr}
+        new_lora = optax.apply_updates(state.lora, lora_updates)
         # A non-finite loss or gradient skips the step: weights and optimizer state stay as they were.
         new_lora = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_lora, state.lora)
         opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), opt_state, state.opt_state)

@@ -36,7 +36,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 from rich.console import Console
 from rich.markup import escape
@@ -51,11 +50,11 @@ from jaxrl.inference.server import start_server
 from jaxrl.model import hf
 from jaxrl.model.qwen3 import init_lora, lora_specs, param_specs
 from jaxrl.parallel import distributed
-from jaxrl.parallel.sharding import batch_shards, make_mesh, spec_shardings
+from jaxrl.parallel.sharding import make_mesh, spec_shardings
 from jaxrl.rl import rollouts
 from jaxrl.rl.buffer import Buffer, BufferExhausted, BufferState
 from jaxrl.rl.producer import Producer, VersionLog, in_flight_groups
-from jaxrl.rl.train import Trainer, TrainState, default_micro_batch, make_batch, make_optimizer
+from jaxrl.rl.train import TrainState, make_batch, trainer_for
 from jaxrl.run import evaluate, resources, wandb_log
 from jaxrl.run.checkpoint import Checkpointer, CheckpointError
 from jaxrl.run.metrics import MetricsLogger
@@ -202,9 +201,7 @@ class Run:
         if self.primary:
             exporter.write_run_config(self.run_dir, cfg)  # what `jaxrl export` reads
         self.adapters = exporter.RunAdapters(cfg, self.mcfg, exporter.adapters_dir_of(cfg), self.console)
-        micro = cfg.jax.micro_batch_size or default_micro_batch(cfg.jax.seq_len, batch_shards(self.mesh))
-        self.trainer = Trainer(self.mcfg, self.mesh, make_optimizer(cfg.learning_rate), lora_scale=self.lora_scale,
-                               remat=cfg.jax.remat, micro_batch_size=micro)
+        self.trainer = trainer_for(cfg, self.mcfg, self.mesh, self.lora_scale)  # [jax.loss], [jax.optim]
         self.state = self.trainer.init_state(self.base, self.init_lora())
         self.identity = model_identity(cfg.model, dataclasses.asdict(self.mcfg), cfg.jax.lora_rank,
                                        tuple(cfg.jax.lora_targets))
@@ -430,7 +427,7 @@ class Run:
             self.console.print(f"[yellow]step {s.step + 1}: every group's rewards were equal (filtered by "
                                f"[buffer] online_difficulty_filtering); no update[/]")
             return {"optim/skipped": 1.0, "time/train": time.perf_counter() - t_train, "train/samples": 0.0}
-        advantages = np.concatenate([rollouts.advantages(group) for group in s.trained])
+        advantages = rollouts.advantages(s.trained, cfg.jax.advantage)
         width = pad_length(max(len(r.token_ids) for r in trained_ok), cfg.jax.seq_len)
         samples, sample_advantages = loader.training_samples(trained_ok, advantages, cfg.trajectory_strategy)
         batch = make_batch(samples, sample_advantages, self.sampling.temperature, width)
