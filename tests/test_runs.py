@@ -117,7 +117,8 @@ def test_checkpoints_and_plot_of_the_run(finished, env):
     png = tmp / "curve.png"
     out = jaxrl(env, "plot", NAME, "--out", png, "--runs-dir", tmp / "runs")
     assert out.returncode == 0 and f"wrote {png}" in out.stdout
-    assert image.imread(png).shape[:2] == (350, 800)  # one panel: no eval metrics in this run
+    # reward, entropy, KL (policy/kl only: no [jax.loss] kl_coef), learning rate; no eval metrics in this run
+    assert image.imread(png).shape[:2] == (4 * 350, 800)
 
 
 def test_stop_a_running_run_checkpoints_and_shows_stopped(finished, tiny_model_dir, env):
@@ -208,6 +209,12 @@ def test_plot_draws_eval_curves_from_metrics(tmp_path, env):
     from jaxrl.cli.plot import eval_keys
 
     assert eval_keys(rows) == ["eval/lowercase/pass@4", "eval/lowercase/reward/mean", "val/reward/mean"]
+    from jaxrl.cli.plot import panels
+
+    rows[1] |= {"policy/entropy": 2.0, "policy/ref_kl": 0.01, "optim/lr": 1e-4}
+    assert panels(rows) == [("reward", ["reward/mean"]), ("entropy", ["policy/entropy"]),
+                            ("KL", ["policy/ref_kl"]), ("learning rate", ["optim/lr"]),
+                            ("eval / val", eval_keys(rows))]
     (folder / "metrics.jsonl").write_text("")
     empty = jaxrl(env, "plot", "evald", "--runs-dir", tmp_path / "runs")
     assert empty.returncode == 2 and "no reward/mean or eval/val metrics to plot yet" in empty.stderr

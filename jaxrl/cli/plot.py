@@ -1,10 +1,15 @@
-"""`jaxrl plot`: a run's reward curve and, when its metrics have them, its eval and validation curves, as
-one PNG (matplotlib, Agg backend: no display needed).
+"""`jaxrl plot`: what the Hosted Training docs tell users to watch in a run, as one PNG of stacked
+panels (matplotlib, Agg backend: no display needed).
 
-Panels, from the rows of `metrics.jsonl` (one per step; a step-0 row is the base model's eval):
+Panels, from the rows of `metrics.jsonl` (one per step; a step-0 row is the base model's eval), each
+drawn only when the run has its metrics:
 - reward: `reward/mean` per step with a +-`reward/std` band, and `reward/<env>/mean` with several
   environments;
-- eval (only when present): every `eval/.../reward/mean`, `eval/.../pass@k`, `val/.../reward/mean` and
+- entropy: `policy/entropy` (a collapse towards 0 comes before reward collapse);
+- KL: `policy/kl` (trainer against the engine that sampled) and `policy/ref_kl` (against the reference
+  policy, with `[jax.loss] kl_coef > 0`);
+- learning rate: `optim/lr` (`[jax.optim]` schedule);
+- eval / val: every `eval/.../reward/mean`, `eval/.../pass@k`, `val/.../reward/mean` and
   `val/.../pass@k` series, at the steps it was measured.
 """
 
@@ -31,8 +36,29 @@ def eval_keys(rows: list[dict[str, Any]]) -> list[str]:
     return sorted({k for r in rows for k in r if _EVAL.match(k)})
 
 
+TRAINING_PANELS = (("entropy", ("policy/entropy",)), ("KL", ("policy/kl", "policy/ref_kl")),
+                   ("learning rate", ("optim/lr",)))
+"""The panels between reward and eval: (y label, the metrics drawn in it)."""
+
+
+def panels(rows: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
+    """The panels of the module docstring that `rows` have data for, in order: (y label, series keys);
+    the reward panel's keys are its mean curves."""
+    present = {k for r in rows for k in r}
+    out = []
+    if series(rows, "reward/mean")[0]:
+        out.append(("reward", ["reward/mean", *sorted(k for k in present if _ENV_REWARD.match(k))]))
+    for label, keys in TRAINING_PANELS:
+        if drawn := [k for k in keys if series(rows, k)[0]]:
+            out.append((label, drawn))
+    if evals := eval_keys(rows):
+        out.append(("eval / val", evals))
+    return out
+
+
 def plot_run(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
-    """Write the PNG of the module docstring for metrics `rows` to `out`; return `out`.
+    """Write the PNG of the module docstring for metrics `rows` to `out` (8 x 3.5 inches per panel at
+    100 dpi); return `out`.
 
     Raises:
         ValueError: no row has a `reward/mean` or an eval series to plot.
@@ -43,36 +69,38 @@ def plot_run(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
     from matplotlib import pyplot as plt
 
     steps, mean = series(rows, "reward/mean")
-    evals = eval_keys(rows)
-    if not steps and not evals:
+    shown = panels(rows)
+    if not steps and not eval_keys(rows):
         raise ValueError("no reward/mean or eval/val metrics to plot yet")
-    panels = 1 + bool(evals)
-    fig, axes = plt.subplots(panels, 1, figsize=(8, 3.5 * panels), squeeze=False, sharex=True)
-    ax = axes[0][0]
+    fig, axes = plt.subplots(len(shown), 1, figsize=(8, 3.5 * len(shown)), squeeze=False, sharex=True)
     marker = "o" if len(steps) <= 30 else None  # a short run's points stay visible
-    if steps:
-        ax.plot(steps, mean, label="reward/mean", color="C0", marker=marker, markersize=3)
-        std_steps, std = series(rows, "reward/std")
-        if std_steps == steps:
-            ax.fill_between(steps, [m - s for m, s in zip(mean, std, strict=True)],
-                            [m + s for m, s in zip(mean, std, strict=True)], color="C0", alpha=0.15,
-                            label="+-reward/std")
-    for i, key in enumerate(sorted({k for r in rows for k in r if _ENV_REWARD.match(k)})):
-        ax.plot(*series(rows, key), label=key, linewidth=1, marker=marker, markersize=2, color=f"C{i + 1}")
-    ax.set_ylabel("reward")
-    ax.set_title(title)
-    ax.legend(loc="best", fontsize="small")
-    ax.grid(alpha=0.3)
-    if evals:
-        ax = axes[1][0]
-        for key in evals:
-            ax.plot(*series(rows, key), marker="o", label=key)
-        ax.set_ylabel("eval / val")
+    for (label, keys), ax in zip(shown, axes[:, 0], strict=True):
+        if label == "reward":
+            _reward_panel(ax, rows, keys, marker)
+        else:
+            for key in keys:
+                ax.plot(*series(rows, key), label=key, marker="o" if label == "eval / val" else marker,
+                        markersize=3)
+        ax.set_ylabel(label)
         ax.legend(loc="best", fontsize="small")
         ax.grid(alpha=0.3)
+    axes[0][0].set_title(title)
     axes[-1][0].set_xlabel("step")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png", dpi=100)
     plt.close(fig)
     return out
+
+
+def _reward_panel(ax: Any, rows: list[dict[str, Any]], keys: list[str], marker: str | None) -> None:
+    """`reward/mean` with its +-`reward/std` band, then each environment's mean."""
+    steps, mean = series(rows, "reward/mean")
+    ax.plot(steps, mean, label="reward/mean", color="C0", marker=marker, markersize=3)
+    std_steps, std = series(rows, "reward/std")
+    if std_steps == steps:
+        ax.fill_between(steps, [m - s for m, s in zip(mean, std, strict=True)],
+                        [m + s for m, s in zip(mean, std, strict=True)], color="C0", alpha=0.15,
+                        label="+-reward/std")
+    for i, key in enumerate(keys[1:]):
+        ax.plot(*series(rows, key), label=key, linewidth=1, marker=marker, markersize=2, color=f"C{i + 1}")
