@@ -11,17 +11,21 @@ decode step 3.5x slower than the same forward without a cache. Here a step reads
     step's key/value added as one more term of the softmax;
   * the layers return only this step's key/value [L, B, K, H]; after the last layer has read the
     cache, one scatter writes them into the (donated) cache in place;
-  * with the engine's per-layer weights (`unstack_layers`) and cache (`split_cache`), each matmul
-    and each layer's attention reads its own buffer: XLA's CPU backend copies a slice of a stacked
-    array out before a matmul or a reduction reads it.
+  * with the engine's per-layer weights (`unstack_layers` called outside jit, so each slice is its own
+    array) and cache (`split_cache`), each matmul and each layer's attention reads its own buffer: XLA's
+    CPU backend copies a weight out of its stack (a dynamic slice inside `lax.scan`, or a static slice in
+    an unrolled loop) before every matmul or reduction that reads it, which more than doubled a decode
+    step's memory traffic on the 0.6B shape (1.5 GB of MLP and attention weights at 8 rows: 216 ms
+    stacked, 99 ms as separate arrays, 102 ms the bandwidth limit). The price is a second copy.
 
 On the 0.6B shape at 8 slots (Nov 2026, 2 loaded cores) these took a step from about 490 ms to 230 ms:
 the stacked cache had cost 130 ms of slice copies and 56 ms of whole-cache copies, the substituted
 key/value a written copy of each layer's cache, and `wo` a transposed copy per layer (below).
 
-Everything else (norms, RoPE, projections with LoRA, the dense or MoE feed-forward) calls the
-model's own functions, and tests check the step against `qwen3.forward` to 1e-4. Letters as in
-`jaxrl.model.qwen3`.
+Everything else is the training forward's own code: the attention inputs (norm, q/k/v projections
+with LoRA, per-head norms, RoPE: `qwen3.attention_inputs`), the dense or MoE feed-forward with its
+residual (`qwen3.feed_forward`) and the per-layer slicing (`qwen3.unstack_layers`); tests check the
+step against `qwen3.forward` to 1e-4. Letters as in `jaxrl.model.qwen3`.
 """
 
 from __future__ import annotations
@@ -32,16 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxrl.model import moe, qwen3
-from jaxrl.model.qwen3 import KVCache, ModelConfig, Params
-
-
-def _ffn(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | None, h_BTD, mw, mlw):
-    if kind == "mlp":
-        return qwen3._mlp(cfg, lora_scale, h_BTD, mw, mlw)
-    experts = {n: mw[n] for n in moe.EXPERT_AXES}
-    return moe.moe_block(h_BTD, mw["router"], experts, mlw, top_k=cfg.num_experts_per_tok,
-                         norm_topk_prob=cfg.norm_topk_prob, lora_scale=lora_scale, mesh=mesh)
+from jaxrl.model import qwen3
+from jaxrl.model.qwen3 import KVCache, ModelConfig, Params, unstack_layers
 
 
 def _layer(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | None, x_BTD, positions_B, xs):
@@ -50,17 +46,7 @@ def _layer(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | None, x_
     lw = lw or {}
     b, nk, hd = x_BTD.shape[0], cfg.num_kv_heads, cfg.head_dim
     g = cfg.num_heads // nk
-    pos_BT = positions_B[:, None]
-
-    h_BTD = qwen3.rms_norm(x_BTD, w["attn_norm"], cfg.rms_norm_eps)
-    q_BTNH = jnp.einsum("BTD,DNH->BTNH", h_BTD, w["wq"]) + qwen3._lora_delta(h_BTD, lw.get("wq"), lora_scale,
-                                                                               (cfg.num_heads, hd))
-    k_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, w["wk"]) + qwen3._lora_delta(h_BTD, lw.get("wk"), lora_scale,
-                                                                               (nk, hd))
-    v_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, w["wv"]) + qwen3._lora_delta(h_BTD, lw.get("wv"), lora_scale,
-                                                                               (nk, hd))
-    q_BTNH = qwen3.rope(qwen3.rms_norm(q_BTNH, w["q_norm"], cfg.rms_norm_eps), pos_BT, cfg.rope_theta)
-    k_BTKH = qwen3.rope(qwen3.rms_norm(k_BTKH, w["k_norm"], cfg.rms_norm_eps), pos_BT, cfg.rope_theta)
+    q_BTNH, k_BTKH, v_BTKH = qwen3.attention_inputs(cfg, lora_scale, x_BTD, positions_B[:, None], w, lw)
     k_BKH = k_BTKH[:, 0].astype(k_BSKH.dtype)
     v_BKH = v_BTKH[:, 0].astype(v_BSKH.dtype)
 
@@ -81,33 +67,8 @@ def _layer(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | None, x_
     # one contraction over N * H: with two contracting axes XLA's CPU backend transposed `wo` to [H, N, D]
     # (a copy of the weight, 3 ms of a 0.6B layer's 5) before every step's matmul
     out_BD = attn_BTNH.reshape(b, -1) @ w["wo"].reshape(-1, cfg.hidden_size)
-    out_BTD = out_BD[:, None] + qwen3._lora_delta(attn_BTNH, lw.get("wo"), lora_scale, (cfg.hidden_size,))
-    x_BTD = x_BTD + out_BTD
-    h_BTD = qwen3.rms_norm(x_BTD, w["mlp_norm"], cfg.rms_norm_eps)
-    return x_BTD + _ffn(cfg, kind, lora_scale, mesh, h_BTD, mw, mlw), k_BKH, v_BKH
-
-
-def unstack_layers(cfg: ModelConfig, tree: Params | None) -> list[tuple]:
-    """The per-layer view of stacked base weights or LoRA factors that `decode_step` runs fastest on:
-    one `(attention and norms, feed-forward)` pair per layer (the feed-forward a dense MLP or an MoE
-    block as `cfg.layer_is_moe` says), each leaf its own array, a copy of its slice of the stack;
-    `(None, None)` pairs for no tree (no LoRA).
-
-    XLA's CPU backend copies a weight out of its stack (a dynamic slice inside `lax.scan`, or a static
-    slice in an unrolled loop) before every matmul that reads it, which more than doubled a decode
-    step's memory traffic on the 0.6B shape (1.5 GB of MLP and attention weights at 8 rows: 216 ms
-    stacked, 99 ms as separate arrays, 102 ms the bandwidth limit). The price is a second copy.
-    """
-    tree = tree or {}
-    seen = {"mlp": 0, "moe": 0}
-    out = []
-    for i in range(cfg.num_layers):
-        kind = "moe" if cfg.layer_is_moe(i) else "mlp"
-        j = seen[kind]
-        seen[kind] += 1
-        out.append((jax.tree.map(lambda a, i=i: a[i], tree.get("layers")),
-                    jax.tree.map(lambda a, j=j: a[j], tree.get(kind))))
-    return out
+    out_BTD = out_BD[:, None] + qwen3.lora_delta(attn_BTNH, lw.get("wo"), lora_scale, (cfg.hidden_size,))
+    return qwen3.feed_forward(cfg, kind, lora_scale, mesh, x_BTD + out_BTD, w, mw, mlw), k_BKH, v_BKH
 
 
 def decode_step(cfg: ModelConfig, params: Params, tokens_B: jax.Array, positions_B: jax.Array, cache: KVCache, *,
@@ -130,7 +91,7 @@ def decode_step(cfg: ModelConfig, params: Params, tokens_B: jax.Array, positions
         with this step's keys and values written at `positions_B`.
     """
     x_BTD = params["embed"][tokens_B][:, None]
-    kinds = ["moe" if cfg.layer_is_moe(i) else "mlp" for i in range(cfg.num_layers)]
+    kinds = qwen3.layer_kinds(cfg)
     per_layer = isinstance(cache["k"], list | tuple)
     if layers is None and len(set(kinds)) == 1 and not per_layer:
         kind, lora = kinds[0], lora or {}

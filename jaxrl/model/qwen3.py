@@ -272,7 +272,9 @@ def rope(x_BTXH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
     return out.astype(x_BTXH.dtype)
 
 
-def _lora_delta(x: jax.Array, ab: dict[str, jax.Array] | None, scale: float, out_shape: tuple[int, ...]):
+def lora_delta(x: jax.Array, ab: dict[str, jax.Array] | None, scale: float, out_shape: tuple[int, ...]):
+    """`scale * x @ a @ b` for one adapted weight, its input axes (all of `x`'s after B, T) flattened and
+    its output reshaped to `out_shape`, in `x`'s dtype; 0.0 for no LoRA (`ab` None)."""
     if ab is None:
         return 0.0
     flat = x.reshape(*x.shape[:2], -1)
@@ -281,19 +283,30 @@ def _lora_delta(x: jax.Array, ab: dict[str, jax.Array] | None, scale: float, out
     return (scale * delta).reshape(*x.shape[:2], *out_shape).astype(x.dtype)
 
 
+def attention_inputs(cfg: ModelConfig, lora_scale: float, x_BTD: jax.Array, positions_BT: jax.Array, w: Params,
+                     lw: Params | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The queries, keys and values of one layer's attention (training, prefill and decode alike): RMSNorm
+    of the residual stream `x_BTD`, the q/k/v projections with their LoRA (`lw`, None: none), RMSNorm per
+    query and key head, RoPE at `positions_BT` (int32 [B, T]). `w`: the layer's `layers` weights.
+    Returns q [B, T, N, H], k and v [B, T, K, H], in `x_BTD`'s dtype."""
+    nk, hd = cfg.num_kv_heads, cfg.head_dim
+    lw = lw or {}
+    h_BTD = rms_norm(x_BTD, w["attn_norm"], cfg.rms_norm_eps)
+    q_BTNH = jnp.einsum("BTD,DNH->BTNH", h_BTD, w["wq"]) + lora_delta(h_BTD, lw.get("wq"), lora_scale,
+                                                                        (cfg.num_heads, hd))
+    k_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, w["wk"]) + lora_delta(h_BTD, lw.get("wk"), lora_scale, (nk, hd))
+    v_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, w["wv"]) + lora_delta(h_BTD, lw.get("wv"), lora_scale, (nk, hd))
+    q_BTNH = rope(rms_norm(q_BTNH, w["q_norm"], cfg.rms_norm_eps), positions_BT, cfg.rope_theta)
+    k_BTKH = rope(rms_norm(k_BTKH, w["k_norm"], cfg.rms_norm_eps), positions_BT, cfg.rope_theta)
+    return q_BTNH, k_BTKH, v_BTKH
+
+
 def _attention(cfg: ModelConfig, lora_scale: float, x_BTD, positions_BT, w, lw, k_cache, v_cache, key_pos_BS):
     """Attention with its residual. Returns the new residual stream and this layer's key/value cache."""
     b, t, _ = x_BTD.shape
     nk, g, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     lw = lw or {}
-
-    h_BTD = rms_norm(x_BTD, w["attn_norm"], cfg.rms_norm_eps)
-    q_BTNH = jnp.einsum("BTD,DNH->BTNH", h_BTD, w["wq"]) + _lora_delta(h_BTD, lw.get("wq"), lora_scale,
-                                                                         (cfg.num_heads, hd))
-    k_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, w["wk"]) + _lora_delta(h_BTD, lw.get("wk"), lora_scale, (nk, hd))
-    v_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, w["wv"]) + _lora_delta(h_BTD, lw.get("wv"), lora_scale, (nk, hd))
-    q_BTNH = rope(rms_norm(q_BTNH, w["q_norm"], cfg.rms_norm_eps), positions_BT, cfg.rope_theta)
-    k_BTKH = rope(rms_norm(k_BTKH, w["k_norm"], cfg.rms_norm_eps), positions_BT, cfg.rope_theta)
+    q_BTNH, k_BTKH, v_BTKH = attention_inputs(cfg, lora_scale, x_BTD, positions_BT, w, lw)
 
     if k_cache is None:  # self-attention over this chunk (training, prefill)
         k_BSKH, v_BSKH = k_BTKH, v_BTKH
@@ -310,7 +323,7 @@ def _attention(cfg: ModelConfig, lora_scale: float, x_BTD, positions_BT, w, lw, 
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(x_BTD.dtype)
     attn_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH.astype(x_BTD.dtype))
     attn_BTNH = attn_BTKGH.reshape(b, t, cfg.num_heads, hd)
-    out_BTD = jnp.einsum("BTNH,NHD->BTD", attn_BTNH, w["wo"]) + _lora_delta(attn_BTNH, lw.get("wo"), lora_scale,
+    out_BTD = jnp.einsum("BTNH,NHD->BTD", attn_BTNH, w["wo"]) + lora_delta(attn_BTNH, lw.get("wo"), lora_scale,
                                                                              (cfg.hidden_size,))
     return x_BTD + out_BTD, k_BSKH, v_BSKH
 
@@ -319,11 +332,46 @@ def _mlp(cfg: ModelConfig, lora_scale: float, h_BTD, w, lw) -> jax.Array:
     """The dense SwiGLU MLP (no residual)."""
     lw = lw or {}
     f = (cfg.intermediate_size,)
-    gate_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, w["w_gate"]) + _lora_delta(h_BTD, lw.get("w_gate"), lora_scale, f)
-    up_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, w["w_up"]) + _lora_delta(h_BTD, lw.get("w_up"), lora_scale, f)
+    gate_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, w["w_gate"]) + lora_delta(h_BTD, lw.get("w_gate"), lora_scale, f)
+    up_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, w["w_up"]) + lora_delta(h_BTD, lw.get("w_up"), lora_scale, f)
     act_BTF = jax.nn.silu(gate_BTF) * up_BTF
-    return jnp.einsum("BTF,FD->BTD", act_BTF, w["w_down"]) + _lora_delta(act_BTF, lw.get("w_down"), lora_scale,
+    return jnp.einsum("BTF,FD->BTD", act_BTF, w["w_down"]) + lora_delta(act_BTF, lw.get("w_down"), lora_scale,
                                                                          (cfg.hidden_size,))
+
+
+def feed_forward(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | None, x_BTD: jax.Array, w: Params,
+                 mw: Params, mlw: Params | None) -> jax.Array:
+    """The feed-forward half of one decoder layer of `kind` ("mlp" or "moe"), with its residual (training,
+    prefill and decode alike): `x_BTD` + the dense SwiGLU MLP or the MoE block (`jaxrl.model.moe`) of its
+    RMSNorm. `w`: the layer's `layers` weights (for `mlp_norm`); `mw`, `mlw`: its `mlp` or `moe` weights
+    and their LoRA. Returns [B, T, D] in `x_BTD`'s dtype."""
+    h_BTD = rms_norm(x_BTD, w["mlp_norm"], cfg.rms_norm_eps)
+    if kind == "mlp":
+        return x_BTD + _mlp(cfg, lora_scale, h_BTD, mw, mlw)
+    experts = {n: mw[n] for n in moe.EXPERT_AXES}
+    return x_BTD + moe.moe_block(h_BTD, mw["router"], experts, mlw, top_k=cfg.num_experts_per_tok,
+                                 norm_topk_prob=cfg.norm_topk_prob, lora_scale=lora_scale, mesh=mesh)
+
+
+def layer_kinds(cfg: ModelConfig) -> list[str]:
+    """Each layer's feed-forward: "moe" or "mlp" (`cfg.layer_is_moe`), the group of params it reads."""
+    return ["moe" if cfg.layer_is_moe(i) else "mlp" for i in range(cfg.num_layers)]
+
+
+def unstack_layers(cfg: ModelConfig, tree: Params | None) -> list[tuple[Any, Any]]:
+    """The per-layer view of stacked base weights or LoRA factors: one `(layers slice, mlp or moe slice)`
+    pair per layer (the feed-forward group as `layer_kinds` says), each leaf a slice of its stack;
+    `(None, None)` pairs for no tree (no LoRA). An unrolled stack runs its layers over these; called
+    outside jit (the engine's decode weights, `jaxrl.model.decode`), each slice is a copy in its own array."""
+    tree = tree or {}
+    seen = {"mlp": 0, "moe": 0}
+    out = []
+    for i, kind in enumerate(layer_kinds(cfg)):
+        j = seen[kind]
+        seen[kind] += 1
+        out.append((jax.tree.map(lambda a, i=i: a[i], tree.get("layers")),
+                    jax.tree.map(lambda a, j=j: a[j], tree.get(kind))))
+    return out
 
 
 def _decoder_layer(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | None, x_BTD, positions_BT,
@@ -331,14 +379,7 @@ def _decoder_layer(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | 
     """One decoder layer of `kind` ("mlp" or "moe"); `xs` holds its weights, LoRA and cache slices."""
     w, lw, mw, mlw, kc, vc = xs
     x_BTD, k, v = _attention(cfg, lora_scale, x_BTD, positions_BT, w, lw, kc, vc, key_pos_BS)
-    h_BTD = rms_norm(x_BTD, w["mlp_norm"], cfg.rms_norm_eps)
-    if kind == "mlp":
-        out_BTD = _mlp(cfg, lora_scale, h_BTD, mw, mlw)
-    else:
-        experts = {n: mw[n] for n in moe.EXPERT_AXES}
-        out_BTD = moe.moe_block(h_BTD, mw["router"], experts, mlw, top_k=cfg.num_experts_per_tok,
-                                norm_topk_prob=cfg.norm_topk_prob, lora_scale=lora_scale, mesh=mesh)
-    return x_BTD + out_BTD, k, v
+    return feed_forward(cfg, kind, lora_scale, mesh, x_BTD, w, mw, mlw), k, v
 
 
 def decoder_stack(
@@ -365,7 +406,7 @@ def decoder_stack(
         key_pos_BS = jnp.broadcast_to(jnp.arange(s, dtype=positions_BT.dtype), (b, s))
     lora = lora or {}
     kc, vc = (None, None) if cache is None else (cache["k"], cache["v"])
-    kinds = ["moe" if cfg.layer_is_moe(i) else "mlp" for i in range(cfg.num_layers)]
+    kinds = layer_kinds(cfg)
 
     def body_of(kind):
         def body(x, xs):
@@ -380,14 +421,11 @@ def decoder_stack(
         return x_BTD, {"k": k_L, "v": v_L}, h_L
 
     bodies = {kind: body_of(kind) for kind in set(kinds)}
-    seen = {"mlp": 0, "moe": 0}
     outs = []
-    for i, kind in enumerate(kinds):
-        j = seen[kind]
-        seen[kind] += 1
-        xs = jax.tree.map(lambda a, i=i: a[i], (params["layers"], lora.get("layers"), None, None, kc, vc))
-        group = jax.tree.map(lambda a, j=j: a[j], (params[kind], lora.get(kind)))
-        x_BTD, out = bodies[kind](x_BTD, (xs[0], xs[1], *group, xs[4], xs[5]))
+    layers = zip(unstack_layers(cfg, params), unstack_layers(cfg, lora), strict=True)
+    for i, ((w, mw), (lw, mlw)) in enumerate(layers):
+        kc_i, vc_i = (None, None) if kc is None else (kc[i], vc[i])
+        x_BTD, out = bodies[kinds[i]](x_BTD, (w, lw, mw, mlw, kc_i, vc_i))
         outs.append(out)
     k_L, v_L, h_L = (jnp.stack(z) for z in zip(*outs, strict=True))
     return x_BTD, {"k": k_L, "v": v_L}, h_L
