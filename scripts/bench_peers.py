@@ -3,14 +3,15 @@ the machine's load when it was taken, and the median of the per-pair ratios.
 
 This machine's absolute speed drifts from day to day and under other load, and not equally for every
 program, so only ratios of runs taken back to back mean anything (shared/peers/README.md). Each run is a
-fresh process; a pair is one peer run and the jaxrl run after it.
+fresh process; a pair is one peer run and the jaxrl run after it (or the runs of each `--jaxrl` tree,
+each compared with the peer run before them).
 
     python scripts/bench_peers.py train              # LoRA r16 train step, Qwen3-0.6B shape, 4 x 256, fp32
     python scripts/bench_peers.py rollout            # 8 requests x (64 prompt + 128 sampled), 0.6B shape, fp32
     python scripts/bench_peers.py rl                 # one GRPO step end to end, the small Qwen3, synchronous
     python scripts/bench_peers.py rl --async-level 2 --oversampling 2   # ... at the seeds' defaults
     python scripts/bench_peers.py train --pairs 3 --json out.json
-    python scripts/bench_peers.py train --jaxrl /tmp/before   # an older commit's tree (git archive) as jaxrl
+    python scripts/bench_peers.py train --jaxrl . /tmp/before   # and an older commit's tree (git archive)
 
 The pairs and what each side runs:
   train:   peers/bench_hf_train.py MODEL_06B 4 256 (transformers + peft)  vs  scripts/bench_model.py --train-only;
@@ -64,21 +65,27 @@ def grab(pattern: str, text: str, what: str) -> float:
     return float(m.group(1))
 
 
-def train_pair(args) -> tuple[dict, dict]:
+def train_peer(args) -> dict:
     peer = run([args.hf_python, str(args.peers / "bench_hf_train.py"), args.model_06b, "4", "256"], args.timeout)
-    ours = run([sys.executable, str(args.jaxrl / "scripts" / "bench_model.py"), "--train-only"], args.timeout)
-    return ({"tokens_per_s": grab(r"LoRA r16 B=4 T=256: ([\d.]+) tok/s", peer, "peer tokens/s")},
-            {"tokens_per_s": grab(r"LoRA train step \(RL loss, AdamW\):\s+([\d.]+) tokens/s", ours, "tokens/s")})
+    return {"tokens_per_s": grab(r"LoRA r16 B=4 T=256: ([\d.]+) tok/s", peer, "peer tokens/s")}
 
 
-def rollout_pair(args) -> tuple[dict, dict]:
+def train_jaxrl(args, tree: Path) -> dict:
+    ours = run([sys.executable, str(tree / "scripts" / "bench_model.py"), "--train-only"], args.timeout)
+    return {"tokens_per_s": grab(r"LoRA train step \(RL loss, AdamW\):\s+([\d.]+) tokens/s", ours, "tokens/s")}
+
+
+def rollout_peer(args) -> dict:
     peer = run([args.hf_python, str(args.peers / "bench_hf.py"), args.model_06b, "8", "64", "128"], args.timeout)
-    ours = run([sys.executable, str(args.jaxrl / "scripts" / "bench_rollout.py"), "--concurrency", "8",
+    return {"tokens_per_s": grab(r"N=128 [\w.]+: ([\d.]+) tok/s", peer, "peer tokens/s")}
+
+
+def rollout_jaxrl(args, tree: Path) -> dict:
+    ours = run([sys.executable, str(tree / "scripts" / "bench_rollout.py"), "--concurrency", "8",
                 "--prompt", "64", "--tokens", "128"], args.timeout)
-    return ({"tokens_per_s": grab(r"N=128 [\w.]+: ([\d.]+) tok/s", peer, "peer tokens/s")},
-            {"tokens_per_s": grab(r"end to end\s+([\d.]+) tok/s", ours, "end-to-end tokens/s"),
-             "decode_tokens_per_s": grab(r"\| decode\s+([\d.]+) tok/s", ours, "decode tokens/s"),
-             "decode_share_of_limit": grab(r"ratio (\d+)%", ours, "ratio to the limit") / 100})
+    return {"tokens_per_s": grab(r"end to end\s+([\d.]+) tok/s", ours, "end-to-end tokens/s"),
+            "decode_tokens_per_s": grab(r"\| decode\s+([\d.]+) tok/s", ours, "decode tokens/s"),
+            "decode_share_of_limit": grab(r"ratio (\d+)%", ours, "ratio to the limit") / 100}
 
 
 def rl_config(args, work: Path) -> Path:
@@ -86,6 +93,7 @@ def rl_config(args, work: Path) -> Path:
     text = (args.peers / "e2e_small.toml").read_text()
     text = re.sub(r"(?m)^max_async_level = .*$", f"max_async_level = {args.async_level}", text)
     text = re.sub(r"(?m)^oversampling_factor = .*$", f"oversampling_factor = {args.oversampling}", text)
+    text = re.sub(r"(?m)^max_steps = .*$", f"max_steps = {args.steps}", text)
     text = re.sub(r'(?m)^model_path = .*$', f'model_path = "{args.model_small}"\noutput_dir = "{work / "runs"}"', text)
     if f"max_async_level = {args.async_level}" not in text or "output_dir" not in text:
         raise SystemExit(f"{args.peers / 'e2e_small.toml'} no longer has the lines this script edits")
@@ -94,27 +102,29 @@ def rl_config(args, work: Path) -> Path:
     return path
 
 
-def rl_pair(args) -> tuple[dict, dict]:
-    peer = run([args.tunix_python, str(args.peers / "bench_tunix_grpo.py"), "--steps", "7", "--tok", args.tok],
-               args.timeout)
+def rl_peer(args) -> dict:
+    peer = run([args.tunix_python, str(args.peers / "bench_tunix_grpo.py"), "--steps", str(args.steps),
+                "--tok", args.tok], args.timeout)
+    return {"step_s": grab(r"steps 2\.\.\d+ median: step ([\d.]+) s", peer, "Tunix median step"),
+            "rollout_s": grab(r"median: step [\d.]+ s; rollout ([\d.]+) s", peer, "Tunix rollout"),
+            "train_s": grab(r"\), train ([\d.]+) s", peer, "Tunix train")}
+
+
+def rl_jaxrl(args, tree: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_peers_") as tmp:
         work = Path(tmp)
         run([sys.executable, "-m", "jaxrl", "run", str(rl_config(args, work))], args.timeout,
-            env=os.environ | {"PYTHONPATH": str(args.jaxrl)})
+            env=os.environ | {"PYTHONPATH": str(tree)})
         rows = [json.loads(line) for line in (work / "runs" / "e2e-small" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r["step"] >= 2 and "time/step" in r]
-
-    def med(key):
-        return statistics.median(r[key] for r in rows)
-
-    return ({"step_s": grab(r"steps 2\.\.\d+ median: step ([\d.]+) s", peer, "Tunix median step"),
-             "rollout_s": grab(r"median: step [\d.]+ s; rollout ([\d.]+) s", peer, "Tunix rollout"),
-             "train_s": grab(r"\), train ([\d.]+) s", peer, "Tunix train")},
-            {"step_s": med("time/step"), "rollout_s": med("time/rollout"), "train_s": med("time/train")})
+    return {key.removeprefix("time/") + "_s": statistics.median(r[key] for r in rows)
+            for key in ("time/step", "time/rollout", "time/train")}
 
 
-PAIRS = {"train": (train_pair, "tokens_per_s", True), "rollout": (rollout_pair, "tokens_per_s", True),
-         "rl": (rl_pair, "step_s", False)}
+# name -> (peer run, jaxrl run, the figure compared, whether higher is better)
+PAIRS = {"train": (train_peer, train_jaxrl, "tokens_per_s", True),
+         "rollout": (rollout_peer, rollout_jaxrl, "tokens_per_s", True),
+         "rl": (rl_peer, rl_jaxrl, "step_s", False)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,13 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("pair", choices=sorted(PAIRS))
     ap.add_argument("--pairs", type=int, default=2, help="alternating (peer, jaxrl) pairs; at least 2")
     ap.add_argument("--peers", type=Path, default=PEERS, help="the folder of the peer scripts")
-    ap.add_argument("--jaxrl", type=Path, default=REPO, help="the jaxrl checkout whose scripts and package run "
-                    "(an older commit's tree, for a before/after table)")
+    ap.add_argument("--jaxrl", type=Path, nargs="+", help="the jaxrl checkouts whose scripts and package run, "
+                    "each after every peer run (default: this one; add an older commit's tree for before/after)")
     ap.add_argument("--hf-python", default=sys.executable, help="interpreter with torch, transformers, peft")
     ap.add_argument("--tunix-python", default="/tmp/vt/bin/python", help="interpreter with google-tunix")
     ap.add_argument("--model-06b", default="/tmp/qwen3-0.6b-random", help="make_model.py 0.6b's folder")
     ap.add_argument("--model-small", default="/tmp/qwen3-small", help="make_model.py small's folder")
     ap.add_argument("--tok", default="/tmp/qwen3-tok", help="make_tokenizer.py's folder")
+    ap.add_argument("--steps", type=int, default=7, help="rl: RL steps per run on both sides (median of 2..)")
     ap.add_argument("--async-level", type=int, default=0, help="rl: jaxrl's max_async_level")
     ap.add_argument("--oversampling", type=float, default=1.0, help="rl: jaxrl's oversampling_factor")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
@@ -136,26 +147,34 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.pairs < 2:
         ap.error("--pairs: at least 2 (a ratio that was seen once is not a measurement)")
-    fn, key, higher_is_better = PAIRS[args.pair]
-    print(f"{args.pair}: {args.pairs} pairs, {time.strftime('%Y-%m-%d %H:%M %Z')}, {os.cpu_count()} CPUs", flush=True)
+    peer_fn, jaxrl_fn, key, higher_is_better = PAIRS[args.pair]
+    trees = args.jaxrl or [REPO]
+    print(f"{args.pair}: {args.pairs} pairs, {time.strftime('%Y-%m-%d %H:%M %Z')}, {os.cpu_count()} CPUs; jaxrl "
+          f"trees: {', '.join(map(str, trees))}", flush=True)
     pairs = []
     for i in range(args.pairs):
         before = load()
-        t = time.perf_counter()
-        peer, ours = fn(args)
-        ratio = ours[key] / peer[key]
-        pairs.append({"peer": peer, "jaxrl": ours, "ratio": ratio, "load_before": before, "load_after": load(),
-                      "wall_s": time.perf_counter() - t})
-        print(f"pair {i + 1}: peer {json.dumps(peer)} | jaxrl {json.dumps(ours)} | jaxrl/peer {key} {ratio:.3f} | "
-              f"load {before:.1f} -> {load():.1f}", flush=True)
-    ratios = [p["ratio"] for p in pairs]
-    med = statistics.median(ratios)
-    better = med if higher_is_better else 1 / med
-    print(f"{args.pair}: median jaxrl/peer {key} = {med:.3f} (pairs: {', '.join(f'{r:.3f}' for r in ratios)}); "
-          f"jaxrl {better:.2f}x the peer's speed", flush=True)
+        peer = peer_fn(args)
+        row = {"peer": peer, "load": [before, load()], "jaxrl": []}
+        for tree in trees:
+            ours = jaxrl_fn(args, tree)
+            row["jaxrl"].append(ours | {"tree": str(tree), "ratio": ours[key] / peer[key]})
+            row["load"].append(load())
+        pairs.append(row)
+        print(f"pair {i + 1}: peer {json.dumps(peer)} | "
+              + " | ".join(f"jaxrl {json.dumps(o)}" for o in row["jaxrl"])
+              + f" | load average {' -> '.join(f'{x:.1f}' for x in row['load'])}", flush=True)
+    medians = []
+    for j, tree in enumerate(trees):
+        ratios = [p["jaxrl"][j]["ratio"] for p in pairs]
+        med = statistics.median(ratios)
+        medians.append(med)
+        better = med if higher_is_better else 1 / med
+        print(f"{args.pair} [{tree}]: median jaxrl/peer {key} = {med:.3f} (pairs: "
+              f"{', '.join(f'{r:.3f}' for r in ratios)}); jaxrl {better:.2f}x the peer's speed", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"argv": sys.argv, "pair": args.pair, "pairs": pairs,
-                                               "median_ratio": med}, indent=1))
+                                               "median_ratios": medians}, indent=1))
     return 0
 
 
