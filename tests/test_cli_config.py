@@ -113,6 +113,15 @@ def test_validate_does_not_import_jax():
     assert result.stdout.strip() == "[]", result.stderr
 
 
+def test_help_lists_each_command_in_whole_sentences():
+    """The command list joins a docstring's lines (rich markup mode kept them, breaking sentences), and
+    text like `[jax] checkpoint_dir` or `<output_dir>/<name>` is shown as written."""
+    text = runner.invoke(app, ["--help"], env={"COLUMNS": "400"}).output
+    assert "Train: load the config, then start the run (in the foreground, or in the background with --detach). " \
+           "Its console output is also kept in <output_dir>/<name>/console.log." in text
+    assert "([jax] checkpoint_dir)" in text
+
+
 def test_init_writes_a_valid_starter(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = invoke("init")

@@ -199,3 +199,17 @@ decode_slots = 8
     for path in tmp_path.rglob("*"):
         if path.is_file() and path.name != "secrets.env":
             assert SECRET.encode() not in path.read_bytes(), path
+
+
+def test_console_gets_each_step_line_once_and_no_bar_off_a_terminal(tmp_path):
+    """A log file or a pipe gets `step <n>  <headline>` once per step: no final render of the progress bar
+    repeating the last step's figures, no stray line at the end."""
+    out = tmp_path / "console.txt"
+    console = Console(file=out.open("w"), soft_wrap=True)
+    logger = MetricsLogger(tmp_path, 2, 0, console)
+    logger.log(1, {"reward/mean": 0.25, "time/step": 1.5})
+    logger.log(2, {"reward/mean": 0.75, "time/step": 1.25})
+    logger.close()
+    console.file.close()
+    assert out.read_text() == ("step    1  reward/mean 0.25  time/step 1.5\n"
+                               "step    2  reward/mean 0.75  time/step 1.25\n")

@@ -26,13 +26,30 @@ from jaxrl.config.schema import (
     resolve_model_path,
 )
 
+# Markdown help: docstrings' line breaks are joined into paragraphs in the command list too (rich mode keeps
+# them there, mid-sentence), and `[jax]` in backticks stays text instead of being read as rich markup.
 app = typer.Typer(help="JAX RL trainer for LLMs, driven by Prime Hosted Training TOML files.",
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  rich_markup_mode="markdown")
 # Messages quote TOML tables like [jax]; rich must print them as they are, not read them as markup.
 out = Console(soft_wrap=True, highlight=False)
 err = Console(stderr=True, soft_wrap=True, highlight=False)
 
 ConfigPath = Annotated[Path, typer.Argument(help="Run config (TOML).", show_default=False)]
+
+
+def _quiet_libraries() -> None:
+    """Keep third-party chatter out of a run's console and console.log, errors excepted: transformers'
+    "PyTorch was not found" on every import (its level is read from the environment at import), absl's
+    (Orbax's) notes, gcsfs' retries, TensorFlow's (JetStream's seqio) start-up lines. A variable already
+    set in the environment wins."""
+    import logging
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    for name in ("absl", "gcsfs", "tensorflow", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def _fail(message: str) -> typer.Exit:
@@ -84,7 +101,7 @@ def run(
                                                           "folder's console.log.")] = False,
 ) -> None:
     """Train: load the config, then start the run (in the foreground, or in
-    the background with --detach). Its console output is also kept in <output_dir>/<name>/console.log."""
+    the background with --detach). Its console output is also kept in `<output_dir>/<name>/console.log`."""
     import os
 
     from jaxrl.cli import runs
@@ -103,6 +120,7 @@ def run(
                   f"follow it:  jaxrl logs {name}{where} --follow\n"
                   f"stop it:    jaxrl stop {name}{where}", markup=False)
         return
+    _quiet_libraries()
     from jaxrl.parallel import distributed  # heavy (JAX), as is the runner: kept off the validate/init path
 
     try:  # join a multi-host run (JAX_* variables, GCP Batch, Cloud TPU pod) before any device is touched
@@ -217,7 +235,7 @@ def models(
 @app.command("export")
 def export_(
     ref: Annotated[str, typer.Argument(metavar="RUN_OR_CHECKPOINT", show_default=False,
-                                       help="A run folder (<output_dir>/<name>), its checkpoints folder, or one "
+                                       help="A run folder (`<output_dir>/<name>`), its checkpoints folder, or one "
                                             "step's folder (a gs:// one with --config).")],
     out_dir: Annotated[Path, typer.Option("--out", help="Folder to write.", show_default=False)],
     merged: Annotated[bool, typer.Option("--merged", help="A HF checkpoint, LoRA folded in (the default).")] = False,
@@ -253,7 +271,7 @@ def serve(
     decode_slots: Annotated[int, typer.Option(help="Sequences decoded at once; more requests wait in the queue.")] = 32,
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence, prompt and completion.")] = 4096,
     api_key_env: Annotated[str | None, typer.Option(help="Environment variable holding the API key clients must "
-                                                         "send as 'Authorization: Bearer <key>'.",
+                                                         "send as `Authorization: Bearer <key>`.",
                                                     show_default=False)] = None,
     max_pending: Annotated[int, typer.Option(help="Requests queued or running at once; more get a 503.")] = 1024,
     name: Annotated[str | None, typer.Option(help="Model name for clients and /v1/models. Default: "
@@ -537,7 +555,7 @@ def _adapter_steps(directory: str) -> list[int]:
 @app.command()
 def plot(
     ref: RunRef,
-    out_path: Annotated[Path | None, typer.Option("--out", help="PNG to write. Default: <run folder>/plot.png.",
+    out_path: Annotated[Path | None, typer.Option("--out", help="PNG to write. Default: `<run folder>/plot.png`.",
                                                   show_default=False)] = None,
     runs_dir: RunsDir = Path("runs"),
 ) -> None:

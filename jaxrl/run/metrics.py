@@ -22,9 +22,9 @@ def _fmt(value: float) -> str:
 
 
 class MetricsLogger:
-    """Writes one JSON object per step to `<run_dir>/metrics.jsonl` and shows a progress bar whose text
-    carries `HEADLINE`; each step's headline is also printed as a line, so logs keep the history. Every
-    row also goes to `wandb` when given."""
+    """Writes one JSON object per step to `<run_dir>/metrics.jsonl` and, on a terminal, shows a progress bar
+    whose text carries `HEADLINE`; each step's headline is also printed as a line (`step <n>  ...`, once),
+    so logs keep the history. Every row also goes to `wandb` when given."""
 
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, console: Console | None = None,
                  wandb: WandbRun | None = None) -> None:
@@ -33,9 +33,11 @@ class MetricsLogger:
         self.wandb = wandb
         self._file = self.path.open("a", encoding="utf-8")
         self._progress = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
-                                  TimeElapsedColumn(), TextColumn("{task.description}"), console=self.console)
+                                  TimeElapsedColumn(), TextColumn("{task.description}"), console=self.console,
+                                  transient=True)
         self._task = self._progress.add_task("", total=total_steps, completed=start_step)
-        self._progress.start()
+        if self.console.is_terminal:  # transient: gone at the end, where the step lines printed remain
+            self._progress.start()
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Record `metrics` (floats) of optimizer step `step` (1-based)."""
@@ -53,7 +55,8 @@ class MetricsLogger:
     def close(self) -> None:
         """Stop the progress bar and close the files; the W&B run is marked failed when this is called
         while an exception propagates (from a `finally` block)."""
-        self._progress.stop()
+        if self.console.is_terminal:
+            self._progress.stop()
         self._file.close()
         if self.wandb:
             self.wandb.finish(exit_code=1 if sys.exc_info()[0] is not None else 0)
