@@ -8,13 +8,13 @@ from jaxrl.rl import losses
 
 
 def test_group_advantages_subtract_group_mean():
-    adv = losses.group_advantages(np.array([1.0, 0.0, 0.5, 0.5, 0.0, 1.0]), group_size=3)
+    adv = losses.group_advantages(np.array([1.0, 0.0, 0.5, 0.5, 0.0, 1.0]), rollouts_per_example=3)
     np.testing.assert_allclose(adv, [0.5, -0.5, 0.0, 0.0, -0.5, 0.5], rtol=1e-6)
 
 
 def test_group_advantages_rejects_ragged_groups():
     with pytest.raises(ValueError, match="groups of 4"):
-        losses.group_advantages(np.ones(6), group_size=4)
+        losses.group_advantages(np.ones(6), rollouts_per_example=4)
 
 
 def test_policy_loss_hand_computed():

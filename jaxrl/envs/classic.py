@@ -239,10 +239,10 @@ def trajectory_rollout(output: dict[str, Any], env_name: str, example_id: int) -
             "example_id": example_id}
 
 
-async def run_group(env: ClassicEnv, task: ClassicTask, n_rollouts: int, *, base_url: str, model_name: str,
+async def run_group(env: ClassicEnv, task: ClassicTask, rollouts_per_example: int, *, base_url: str, model_name: str,
                     sampling: SamplingParams, env_name: str,
                     enable_thinking: bool | None = None) -> list[dict[str, Any]]:
-    """Plays `task` `n_rollouts` times concurrently (rollout i seeded `seed + i`), each scored by the
+    """Plays `task` `rollouts_per_example` times concurrently (rollout i seeded `seed + i`), each scored by the
     env's rubric on its own; returns `envs.Rollout` fields per rollout, in order. A rollout that fails
     comes back failed with its error, never as an exception."""
     environment = env.environment
@@ -257,4 +257,4 @@ async def run_group(env: ClassicEnv, task: ClassicTask, n_rollouts: int, *, base
         return trajectory_rollout(output, env_name, task.idx)
 
     async with _client_for(env, base_url) as client:
-        return list(await asyncio.gather(*(one(i, client) for i in range(n_rollouts))))
+        return list(await asyncio.gather(*(one(i, client) for i in range(rollouts_per_example))))

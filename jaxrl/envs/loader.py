@@ -428,7 +428,7 @@ def training_samples(
 async def run_group(
     env: LoadedEnv,
     task: vf.Task | ClassicTask | int,
-    n_rollouts: int,
+    rollouts_per_example: int,
     *,
     base_url: str,
     model_name: str,
@@ -436,7 +436,7 @@ async def run_group(
     sampling: SamplingParams,
     enable_thinking: bool | None = None,
 ) -> list[Rollout]:
-    """Plays `task` (or `env.tasks[task]`) `n_rollouts` times concurrently; one `Rollout` per trainable
+    """Plays `task` (or `env.tasks[task]`) `rollouts_per_example` times concurrently; one `Rollout` per trainable
     trace, in episode order (one per episode for a single-agent env); `enable_thinking` is the chat
     template's thinking switch.
 
@@ -448,7 +448,7 @@ async def run_group(
         task = env.tasks[task]
     if isinstance(env.env, ClassicEnv):
         assert isinstance(task, ClassicTask)
-        fields = await classic.run_group(env.env, task, n_rollouts, base_url=base_url, model_name=model_name,
+        fields = await classic.run_group(env.env, task, rollouts_per_example, base_url=base_url, model_name=model_name,
                                          sampling=sampling, env_name=env.name, enable_thinking=enable_thinking)
         return [Rollout(**f) for f in fields]
     assert isinstance(task, vf.Task)
@@ -456,7 +456,7 @@ async def run_group(
     episodes = await asyncio.gather(
         *(
             env.env.run_episode(task, model_context(base_url, model_name, tokenizer_path, sampling, i, enable_thinking))
-            for i in range(n_rollouts)
+            for i in range(rollouts_per_example)
         )
     )
     return [r for episode in episodes for r in _episode_rollouts(episode, env.name)]

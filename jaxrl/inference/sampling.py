@@ -82,9 +82,9 @@ def _truncate(p_BV: jax.Array, s: SlotSampling) -> jax.Array:
     return jnp.where(p_BV >= t_p[:, None], p_BV, 0.0)
 
 
-def _last_positive(w_BX: jax.Array) -> jax.Array:
-    x = w_BX.shape[-1]
-    return x - 1 - jnp.argmax(w_BX[:, ::-1] > 0, axis=-1)
+def _last_positive(w_BZ: jax.Array) -> jax.Array:
+    x = w_BZ.shape[-1]
+    return x - 1 - jnp.argmax(w_BZ[:, ::-1] > 0, axis=-1)
 
 
 def draw(w_BV: jax.Array, u_B: jax.Array) -> jax.Array:
@@ -92,13 +92,13 @@ def draw(w_BV: jax.Array, u_B: jax.Array) -> jax.Array:
     zero-weight token. `w_BV`: non-negative weights, each row with one positive at least. int32 [B]."""
     b, v = w_BV.shape
     n = -(-v // CHUNK)
-    w_BNC = jnp.pad(w_BV, ((0, 0), (0, n * CHUNK - v))).reshape(b, n, CHUNK)
-    chunk_BN = jnp.sum(w_BNC, axis=-1)
-    cdf_BN = jnp.cumsum(chunk_BN, axis=-1)
-    target_B = u_B * cdf_BN[:, -1]
-    c_B = jnp.minimum(jnp.sum(cdf_BN < target_B[:, None], axis=-1), _last_positive(chunk_BN))
-    rest_B = target_B - jnp.take_along_axis(cdf_BN - chunk_BN, c_B[:, None], axis=-1)[:, 0]
-    w_BC = jnp.take_along_axis(w_BNC, c_B[:, None, None], axis=1)[:, 0]
+    w_BJC = jnp.pad(w_BV, ((0, 0), (0, n * CHUNK - v))).reshape(b, n, CHUNK)
+    chunk_BJ = jnp.sum(w_BJC, axis=-1)
+    cdf_BJ = jnp.cumsum(chunk_BJ, axis=-1)
+    target_B = u_B * cdf_BJ[:, -1]
+    c_B = jnp.minimum(jnp.sum(cdf_BJ < target_B[:, None], axis=-1), _last_positive(chunk_BJ))
+    rest_B = target_B - jnp.take_along_axis(cdf_BJ - chunk_BJ, c_B[:, None], axis=-1)[:, 0]
+    w_BC = jnp.take_along_axis(w_BJC, c_B[:, None, None], axis=1)[:, 0]
     i_B = jnp.minimum(jnp.sum(jnp.cumsum(w_BC, axis=-1) < rest_B[:, None], axis=-1), _last_positive(w_BC))
     return (c_B * CHUNK + i_B).astype(jnp.int32)
 

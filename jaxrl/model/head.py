@@ -11,11 +11,11 @@ The gradient of `logp_y` with respect to h is `s * (W[:, y] - W @ p)`: the gradi
 softmax (the softmax minus the one-hot, for the log-softmax at y). It does not depend on the cotangent
 arriving from the loss, which only scales it per token, so the forward pass computes it right after the
 logits, from the same chunk of probabilities (`p @ W.T`, the second matmul), and keeps it as the
-residual [N, D]; the backward pass is one multiply. The plain formulation (`jax.checkpoint` over a chunk,
+residual [M, D]; the backward pass is one multiply. The plain formulation (`jax.checkpoint` over a chunk,
 as `jaxrl.rl.train` had) runs the [C, D] x [D, V] matmul three times: forward, rematerialised forward,
 and the backward's transposed product.
 
-Letters as in `jaxrl.model.qwen3`; N tokens, C tokens per chunk, M chunks.
+Letters as in `jaxrl.model.qwen3`: M tokens, C tokens per chunk, J chunks, W rows of the second matmul.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from jax.custom_derivatives import SymbolicZero
 TOKENS_PER_CHUNK = 256
 
 
-def token_logprobs(w_DV: jax.Array, h_ND: jax.Array, targets_N: jax.Array, scale_N: jax.Array, *,
+def token_logprobs(w_DV: jax.Array, h_MD: jax.Array, targets_M: jax.Array, scale_M: jax.Array, *,
                    entropy_grad: bool = False,
                    chunk: int = TOKENS_PER_CHUNK) -> tuple[jax.Array, jax.Array]:
     """Logprob of each target under `softmax(scale * (h @ w))` and that distribution's entropy, without
@@ -38,28 +38,28 @@ def token_logprobs(w_DV: jax.Array, h_ND: jax.Array, targets_N: jax.Array, scale
     Args:
         w_DV: the output projection [D, V] (`qwen3.unembed_matrix`), any float dtype. Frozen: it cannot
             be differentiated (LoRA trains adapters only).
-        h_ND: final-norm hidden states [N, D] in w's dtype; the one differentiable input.
-        targets_N: int32 token ids [N].
-        scale_N: float32 inverse temperatures [N] (not differentiable).
+        h_MD: final-norm hidden states [M, D] in w's dtype; the one differentiable input.
+        targets_M: int32 token ids [M].
+        scale_M: float32 inverse temperatures [M] (not differentiable).
         entropy_grad: (static) make the entropy differentiable too, at the cost of a third vocabulary
             matmul per chunk in the forward pass; without it a gradient through the entropy raises.
         chunk: (static) tokens per chunk.
 
     Returns:
-        (logp_N, entropy_N), both float32 [N].
+        (logp_M, entropy_M), both float32 [M].
 
     Raises:
-        ValueError (at trace time): a gradient is asked of `w_DV`, of `scale_N`, or of the entropy
+        ValueError (at trace time): a gradient is asked of `w_DV`, of `scale_M`, or of the entropy
             without `entropy_grad`.
     """
-    n, d = h_ND.shape
+    n, d = h_MD.shape
     c = min(chunk, n)
     pad = (-n) % c
-    h_MCD = jnp.pad(h_ND, ((0, pad), (0, 0))).reshape(-1, c, d)
-    y_MC = jnp.pad(targets_N, (0, pad)).reshape(-1, c)
-    s_MC = jnp.pad(scale_N.astype(jnp.float32), (0, pad), constant_values=1.0).reshape(-1, c)
-    logp_MC, entropy_MC = _fused(entropy_grad, w_DV, h_MCD, y_MC, s_MC)
-    return logp_MC.reshape(-1)[:n], entropy_MC.reshape(-1)[:n]
+    h_JCD = jnp.pad(h_MD, ((0, pad), (0, 0))).reshape(-1, c, d)
+    y_JC = jnp.pad(targets_M, (0, pad)).reshape(-1, c)
+    s_JC = jnp.pad(scale_M.astype(jnp.float32), (0, pad), constant_values=1.0).reshape(-1, c)
+    logp_JC, entropy_JC = _fused(entropy_grad, w_DV, h_JCD, y_JC, s_JC)
+    return logp_JC.reshape(-1)[:n], entropy_JC.reshape(-1)[:n]
 
 
 def _chunk_forward(w_DV, entropy_grad: bool, xs):
@@ -74,42 +74,42 @@ def _chunk_forward(w_DV, entropy_grad: bool, xs):
     logp_C = jnp.take_along_axis(logits_CV, y_C[:, None], axis=-1)[:, 0] - lse_C
     entropy_C = lse_C - jnp.sum(p_CV * logits_CV, axis=-1)
     # d logp_y / d logits = onehot(y) - p; d entropy / d logits = -p * (log p + entropy)
-    rows_XV = p_CV if not entropy_grad else jnp.concatenate(
+    rows_WV = p_CV if not entropy_grad else jnp.concatenate(
         [p_CV, p_CV * (logits_CV - lse_C[:, None] + entropy_C[:, None])])
-    back_XD = jnp.einsum("XV,DV->XD", rows_XV.astype(w_DV.dtype), w_DV).astype(jnp.float32)
+    back_WD = jnp.einsum("WV,DV->WD", rows_WV.astype(w_DV.dtype), w_DV).astype(jnp.float32)
     target_CD = jnp.take(w_DV, y_C, axis=1).T.astype(jnp.float32)
-    dlogp_CD = s_C[:, None] * (target_CD - back_XD[: len(y_C)])
-    dentropy_CD = -s_C[:, None] * back_XD[len(y_C):] if entropy_grad else None
+    dlogp_CD = s_C[:, None] * (target_CD - back_WD[: len(y_C)])
+    dentropy_CD = -s_C[:, None] * back_WD[len(y_C):] if entropy_grad else None
     return logp_C, entropy_C, dlogp_CD, dentropy_CD
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused(entropy_grad: bool, w_DV, h_MCD, y_MC, s_MC):
-    logp, entropy, _, _ = jax.lax.map(partial(_chunk_forward, w_DV, entropy_grad), (h_MCD, y_MC, s_MC))
+def _fused(entropy_grad: bool, w_DV, h_JCD, y_JC, s_JC):
+    logp, entropy, _, _ = jax.lax.map(partial(_chunk_forward, w_DV, entropy_grad), (h_JCD, y_JC, s_JC))
     return logp, entropy
 
 
-def _fused_fwd(entropy_grad: bool, w_DV, h_MCD, y_MC, s_MC):
-    for name, arg in (("the output projection", w_DV), ("the inverse temperature", s_MC)):
+def _fused_fwd(entropy_grad: bool, w_DV, h_JCD, y_JC, s_JC):
+    for name, arg in (("the output projection", w_DV), ("the inverse temperature", s_JC)):
         if arg.perturbed:
             raise ValueError(f"head.token_logprobs: {name} is not differentiable")
     logp, entropy, dlogp, dentropy = jax.lax.map(partial(_chunk_forward, w_DV.value, entropy_grad),
-                                                 (h_MCD.value, y_MC.value, s_MC.value))
-    dtype = h_MCD.value.dtype  # the residuals in h's dtype: its cotangent's, and half the bytes in bf16
+                                                 (h_JCD.value, y_JC.value, s_JC.value))
+    dtype = h_JCD.value.dtype  # the residuals in h's dtype: its cotangent's, and half the bytes in bf16
     return (logp, entropy), (dlogp.astype(dtype), None if dentropy is None else dentropy.astype(dtype))
 
 
 def _fused_bwd(entropy_grad: bool, res, cotangents):
-    dlogp_MCD, dentropy_MCD = res
+    dlogp_JCD, dentropy_JCD = res
     g_logp, g_entropy = cotangents
-    dh = jnp.zeros(dlogp_MCD.shape, jnp.float32)
+    dh = jnp.zeros(dlogp_JCD.shape, jnp.float32)
     if not isinstance(g_logp, SymbolicZero):
-        dh = dh + g_logp[..., None] * dlogp_MCD.astype(jnp.float32)
+        dh = dh + g_logp[..., None] * dlogp_JCD.astype(jnp.float32)
     if not isinstance(g_entropy, SymbolicZero):
         if not entropy_grad:
             raise ValueError("head.token_logprobs: a gradient through the entropy needs entropy_grad=True")
-        dh = dh + g_entropy[..., None] * dentropy_MCD.astype(jnp.float32)
-    return None, dh.astype(dlogp_MCD.dtype), None, None
+        dh = dh + g_entropy[..., None] * dentropy_JCD.astype(jnp.float32)
+    return None, dh.astype(dlogp_JCD.dtype), None, None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)

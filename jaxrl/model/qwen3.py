@@ -5,6 +5,12 @@ Letters used in names and einsums:
   D model   N query heads       K kv heads       G query heads per kv head (N // K)
   H head    F MLP hidden        V vocabulary     R LoRA rank
   E experts I expert MLP hidden Q layers with a dense MLP   U layers with an MoE block (Q + U = L)
+  M tokens, flattened (B * T, or the rows the output head scores)   X top-k slots of a token (MoE)
+  A (token, slot) assignments, M * X (MoE)   P loss positions of a row (the train step)
+  C items in one chunk   J chunks (of the vocabulary in sampling, of the tokens in the output head)
+  W rows of the output head's second matmul (C, or 2C with the entropy's gradient)
+  Z whichever one axis a function takes (RoPE: N or K; sampling's last-positive: J or C)
+  Y, O the flattened input and output features of a weight a LoRA adapts
 
 The architecture follows transformers' `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` (RMSNorm before
 attention and MLP, RMSNorm on every query and key head before RoPE, grouped-query attention, a SwiGLU
@@ -200,8 +206,8 @@ def param_specs(cfg: ModelConfig) -> dict[str, Any]:
 def lora_specs(cfg: ModelConfig, rank: int, targets: tuple[str, ...]) -> dict[str, Any]:
     """Declarations of the LoRA factors, derived from the base weights they adapt.
 
-    For a target weight with stack letters P (`L`, `Q`, or `U` plus `E` for experts, one adapter per
-    expert), input letters X and output letters Y, `a` is [P, X, R] and `b` is [P, R, Y], in the groups
+    For a target weight with stack letters `pre` (`L`, `Q`, or `U` plus `E` for experts, one adapter per
+    expert), input letters `x` and output letters `y`, `a` is [pre, x, R] and `b` is [pre, R, y], in the groups
     (`layers`, `mlp`, `moe`) that hold the weight; `gate_proj`/`up_proj`/`down_proj` adapt both dense
     MLPs and experts. `b` starts at zero so a fresh adapter leaves the model unchanged (LoRA, Hu et al.
     2021, sec. 4.1); the axes of `a`/`b` are the base weight's, so they shard alike.
@@ -259,17 +265,17 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (y * w).astype(x.dtype)
 
 
-def rope(x_BTXH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding (Su et al. 2021) in HF's rotate-half layout, any head count X."""
-    h = x_BTXH.shape[-1]
+def rope(x_BTZH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (Su et al. 2021) in HF's rotate-half layout, over either head axis (Z: N or K)."""
+    h = x_BTZH.shape[-1]
     inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
     ang_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_freq[None, None]
     cos = jnp.cos(ang_BTh)[:, :, None, :]
     sin = jnp.sin(ang_BTh)[:, :, None, :]
-    x = x_BTXH.astype(jnp.float32)
+    x = x_BTZH.astype(jnp.float32)
     x1, x2 = x[..., : h // 2], x[..., h // 2:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BTXH.dtype)
+    return out.astype(x_BTZH.dtype)
 
 
 def lora_delta(x: jax.Array, ab: dict[str, jax.Array] | None, scale: float, out_shape: tuple[int, ...]):
@@ -278,7 +284,7 @@ def lora_delta(x: jax.Array, ab: dict[str, jax.Array] | None, scale: float, out_
     if ab is None:
         return 0.0
     flat = x.reshape(*x.shape[:2], -1)
-    delta = jnp.einsum("BTI,IR,RO->BTO", flat, ab["a"].reshape(-1, ab["a"].shape[-1]),
+    delta = jnp.einsum("BTY,YR,RO->BTO", flat, ab["a"].reshape(-1, ab["a"].shape[-1]),
                        ab["b"].reshape(ab["b"].shape[0], -1))
     return (scale * delta).reshape(*x.shape[:2], *out_shape).astype(x.dtype)
 

@@ -24,8 +24,8 @@ DEFAULT_ADVANTAGE = AdvantageConfig()
 DEFAULT_LOSS = LossConfig()
 
 
-def group_advantages(rewards: np.ndarray, group_size: int, estimator: str = "mean") -> np.ndarray:
-    """Advantages of rollouts in groups of `group_size` (one example each), stored contiguously.
+def group_advantages(rewards: np.ndarray, rollouts_per_example: int, estimator: str = "mean") -> np.ndarray:
+    """Advantages of rollouts in groups of `rollouts_per_example` (one example each), stored contiguously.
 
     "mean": `A_i = r_i - mean(r)` (prime-rl; Dr.GRPO, Liu et al. 2025). "std": `(r_i - mean(r)) /
     (std(r) + STD_EPS)`, population std (GRPO, Shao et al. 2024, DeepSeekMath). "rloo":
@@ -33,16 +33,16 @@ def group_advantages(rewards: np.ndarray, group_size: int, estimator: str = "mea
     Revisiting REINFORCE Style Optimization"); 0 when n = 1.
 
     Args:
-        rewards: float [G * group_size].
+        rewards: float [G * rollouts_per_example].
     Returns:
-        float32 [G * group_size].
+        float32 [G * rollouts_per_example].
     Raises:
-        ValueError: the length is not a multiple of `group_size`.
+        ValueError: the length is not a multiple of `rollouts_per_example`.
     """
     r = np.asarray(rewards, dtype=np.float32)
-    if r.size % group_size:
-        raise ValueError(f"{r.size} rewards do not split into groups of {group_size}")
-    g = r.reshape(-1, group_size)
+    if r.size % rollouts_per_example:
+        raise ValueError(f"{r.size} rewards do not split into groups of {rollouts_per_example}")
+    g = r.reshape(-1, rollouts_per_example)
     centred = g - g.mean(axis=1, keepdims=True)
     match estimator:
         case "mean":
@@ -50,7 +50,8 @@ def group_advantages(rewards: np.ndarray, group_size: int, estimator: str = "mea
         case "std":
             out = centred / (g.std(axis=1, keepdims=True) + STD_EPS)
         case "rloo":
-            out = centred * (group_size / (group_size - 1)) if group_size > 1 else np.zeros_like(g)
+            n = rollouts_per_example
+            out = centred * (n / (n - 1)) if n > 1 else np.zeros_like(g)
         case _:
             raise ValueError(f"unknown advantage estimator {estimator!r}")
     return out.reshape(-1).astype(np.float32)

@@ -115,7 +115,7 @@ class Taken:
     groups: list[Group]
     stale: list[Group]
 
-    def metrics(self, step: int, rollouts_per_group: int, in_flight: int) -> dict[str, float]:
+    def metrics(self, step: int, rollouts_per_example: int, in_flight: int) -> dict[str, float]:
         """`async/staleness_mean` and `async/staleness_max` (policy versions the step's own played tokens
         lag version `step`), `async/stale_dropped` (rollouts dropped, in whole groups) and
         `async/in_flight` (rollouts launched and not yet trained on once the step's batch was taken)."""
@@ -123,7 +123,7 @@ class Taken:
         return {"async/staleness_mean": float(lag.mean()) if lag.size else 0.0,
                 "async/staleness_max": float(lag.max()) if lag.size else 0.0,
                 "async/stale_dropped": float(sum(len(g.rollouts or []) for g in self.stale)),
-                "async/in_flight": float(in_flight * rollouts_per_group)}
+                "async/in_flight": float(in_flight * rollouts_per_example)}
 
 
 class Producer:
@@ -135,7 +135,7 @@ class Producer:
         play: `play(job, first_seed)` plays one group on the loop and never raises (`rollouts.collect`).
         log: the `VersionLog` the engine's server answers through.
         seed_of: first rollout seed of group `t`; rollout i samples with `seed_of(t) + i`.
-        rollouts_per_group, per_step: rollouts of a group; groups a step trains on (all processes).
+        rollouts_per_example, per_step: rollouts of a group; groups a step trains on (all processes).
         in_flight: groups kept launched and not trained on; `per_step` when `max_async_level` is 0.
         max_async_level: policy versions the oldest token of a trained group may lag the trainer.
         step: the next step to train (policy version `step` is the engine's).
@@ -148,7 +148,7 @@ class Producer:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, buffer: Buffer, state: BufferState,
                  play: Callable[[Job, int], Awaitable[list[Rollout]]], log: VersionLog,
-                 seed_of: Callable[[int], int], rollouts_per_group: int, per_step: int, in_flight: int,
+                 seed_of: Callable[[int], int], rollouts_per_example: int, per_step: int, in_flight: int,
                  max_async_level: int, step: int, next_t: int,
                  resumed: Sequence[tuple[int, Job]] = (), share: slice | None = None,
                  last_step: int | None = None) -> None:
@@ -156,7 +156,7 @@ class Producer:
             raise ValueError("several processes share a step's groups only with max_async_level = 0 and "
                              "oversampling_factor = 1")
         self._loop, self.buffer, self.state, self.log = loop, buffer, state, log
-        self._play, self._seed_of, self._n = play, seed_of, rollouts_per_group
+        self._play, self._seed_of, self._n = play, seed_of, rollouts_per_example
         self.per_step, self.in_flight, self.max_async_level = per_step, max(in_flight, per_step), max_async_level
         self.version = self.next_step = step
         self.next_t = next_t

@@ -30,13 +30,15 @@ MAX_FAILED_FRACTION = 0.5
 """A run stops when more than this fraction of the rollouts of the last `FAILURE_WINDOW` steps failed."""
 
 
-async def collect(loaded: list[loader.LoadedEnv], jobs: list[tuple[int, int]], n: int, client: dict[str, Any],
+async def collect(loaded: list[loader.LoadedEnv], jobs: list[tuple[int, int]], rollouts_per_example: int,
+                  client: dict[str, Any],
                   sampling: SamplingParams, first_seed: int, timeout_s: float,
                   in_flight: asyncio.Semaphore | None = None) -> list[list[loader.Rollout]]:
-    """Play `n` rollouts of each `(env index, example index)` job, concurrently; one list per job.
+    """Play `rollouts_per_example` rollouts of each `(env index, example index)` job, concurrently; one list
+    per job.
 
-    Rollout `i` of job `g` samples with seed `first_seed + g * n + i`, so a run (and its resume) samples
-    the same tokens whatever order requests reach the engine in. Never raises for a failing rollout; a
+    Rollout `i` of job `g` samples with seed `first_seed + g * rollouts_per_example + i`, so a run (and its
+    resume) samples the same tokens whatever order requests reach the engine in. Never raises for a failing rollout; a
     failed one is played again, with the same seed, up to its env's `max_retries` times (each attempt
     within `timeout_s`), and counts as failed only after the last.
     `in_flight` (shared by every call of a run: `jaxrl.run.resources`, `[infrastructure].compute_size`)
@@ -66,6 +68,7 @@ async def collect(loaded: list[loader.LoadedEnv], jobs: list[tuple[int, int]], n
                 dataclasses.replace(r, ok=False, error=f"non-finite reward {r.reward}", token_ids=[], loss_mask=[],
                                     logprobs=[]) for r in out]
 
+    n = rollouts_per_example
     groups = await asyncio.gather(*[
         asyncio.gather(*[one(env_i, example, first_seed + g * n + i) for i in range(n)])
         for g, (env_i, example) in enumerate(jobs)

@@ -106,9 +106,9 @@ class Batch:
 
     inputs, targets: int32 [B, T]; loss_mask: bool [B, T] (True on sampled tokens);
     inference_logprobs: float32 [B, T] (engine logprobs, 0 elsewhere); advantages: float32 [B];
-    temperature: float32 [B] (the sampling temperature; 0 is scored at 1); loss_positions: int32 [B, K],
+    temperature: float32 [B] (the sampling temperature; 0 is scored at 1); loss_positions: int32 [B, P],
     each row's loss-token positions in order, padded with T (the train step computes logprobs there
-    only; K is the most loss tokens of a row, rounded up by `loss_width`).
+    only; P is the most loss tokens of a row, rounded up by `loss_width`).
     """
 
     inputs: np.ndarray
@@ -158,29 +158,29 @@ def make_batch(samples: list[tuple[list[int], list[bool], list[float]]], advanta
                  np.full((b,), temperature, np.float32), positions)
 
 
-def sampled_logprobs(params: Params, hidden_BTD: jax.Array, targets_BT: jax.Array, positions_BK: jax.Array,
+def sampled_logprobs(params: Params, hidden_BTD: jax.Array, targets_BT: jax.Array, positions_BP: jax.Array,
                      temperature_B: jax.Array, *, entropy_grad: bool = False) -> tuple[jax.Array, jax.Array]:
     """Logprob of each target under `softmax(logits / T)` and the distribution's entropy at the positions
     the loss reads, computed there only (`jaxrl.model.head`: the projection and log-softmax fused, in
     chunks); float32 [B, T] each, 0 at every other position.
 
     Args:
-        positions_BK: int32 positions into T of each row's loss tokens (`Batch.loss_positions`); entries
+        positions_BP: int32 positions into T of each row's loss tokens (`Batch.loss_positions`); entries
             >= T are padding and read nothing.
         temperature_B: float32; 0 (greedy) is scored at 1.
         entropy_grad: (static) whether the entropy is differentiable (a third vocabulary matmul per chunk).
     """
     b, t, d = hidden_BTD.shape
-    k = positions_BK.shape[1]
-    h_BKD = jnp.take_along_axis(hidden_BTD, positions_BK[:, :, None], axis=1, mode="clip")
-    y_BK = jnp.take_along_axis(targets_BT, positions_BK, axis=1, mode="clip")
+    k = positions_BP.shape[1]
+    h_BPD = jnp.take_along_axis(hidden_BTD, positions_BP[:, :, None], axis=1, mode="clip")
+    y_BP = jnp.take_along_axis(targets_BT, positions_BP, axis=1, mode="clip")
     inv_t_B = 1.0 / jnp.where(temperature_B > 0, temperature_B, 1.0)
-    logp, entropy = head.token_logprobs(qwen3.unembed_matrix(params), h_BKD.reshape(b * k, d), y_BK.reshape(-1),
+    logp, entropy = head.token_logprobs(qwen3.unembed_matrix(params), h_BPD.reshape(b * k, d), y_BP.reshape(-1),
                                         jnp.repeat(inv_t_B, k), entropy_grad=entropy_grad)
     rows_B1 = jnp.arange(b)[:, None]
 
     def scatter(x):
-        return jnp.zeros((b, t), jnp.float32).at[rows_B1, positions_BK].set(x.reshape(b, k), mode="drop")
+        return jnp.zeros((b, t), jnp.float32).at[rows_B1, positions_BP].set(x.reshape(b, k), mode="drop")
 
     return scatter(logp), scatter(entropy)
 

@@ -141,7 +141,7 @@ class Run:
 
     def __init__(self, cfg: RunConfig, console: Console, secrets: list[str]) -> None:
         self.cfg, self.console, self.secrets = cfg, console, secrets
-        self.n = cfg.rollouts_per_example
+        self.rollouts_per_example = cfg.rollouts_per_example
         self.groups_per_step = cfg.batch_size // cfg.rollouts_per_example
         self.run_dir = run_dir_of(cfg)
         self.primary = distributed.is_primary()
@@ -313,7 +313,7 @@ class Run:
         self.evaluator = evaluate.Evaluator(cfg, self.envs, self.eval_envs, self.client, self.sampling, self.console,
                                             self.secrets, self.in_flight)  # [eval]
         self.serving = contextlib.AsyncExitStack()
-        n, groups, seed = self.n, self.groups_per_step, cfg.sampling_seed
+        n, groups, seed = self.rollouts_per_example, self.groups_per_step, cfg.sampling_seed
         next_t, resumed = Producer.resumed(self.meta, self.start_step, groups)
         self.producer = Producer(loop, self.buffer, self.buffer_state, self.play, versions,
                                  lambda t: (seed * 1_000_003 + t) * n, n, groups,
@@ -334,8 +334,8 @@ class Run:
     async def play(self, job: tuple[int, int], first_seed: int) -> list[loader.Rollout]:
         """The `rollouts_per_example` rollouts of one group (the producer's `play`)."""
         jcfg = self.cfg.jax
-        out = await rollouts.collect(self.envs, [job], self.n, self.client, self.sampling, first_seed,
-                                     jcfg.rollout_timeout, self.in_flight)
+        out = await rollouts.collect(self.envs, [job], self.rollouts_per_example, self.client, self.sampling,
+                                     first_seed, jcfg.rollout_timeout, self.in_flight)
         return out[0]
 
     # -- pre-flight ------------------------------------------------------------------------------------------
@@ -392,7 +392,7 @@ class Run:
         if any(share is None for share in shares):  # preempted mid-rollouts: redone on resume
             return None
         groups = [[loader.Rollout(**r) for r in group] for share in shares for group in share]
-        metrics = taken.metrics(step, self.n, len(self.producer.groups))
+        metrics = taken.metrics(step, self.rollouts_per_example, len(self.producer.groups))
         # the wait: rollouts in flight overlap the previous step
         metrics["time/rollout"] = time.perf_counter() - t_start
         return Step(step, t_start, [g.job for g in taken.groups], groups, metrics)
