@@ -1,9 +1,11 @@
 """Multi-host runtime: `jaxrl.parallel.distributed` settings from the environment, and a real two-process run
 (2 processes x 4 emulated CPU devices on 127.0.0.1, gloo collectives) whose sharded train steps give the
-same loss and LoRA as one process with 8 devices."""
+same loss and LoRA as one process with 8 devices, and whose rollout engine spanning both processes
+(`jaxrl.inference.lockstep`) samples the same greedy tokens as one process's engine over 8 devices."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -15,6 +17,10 @@ import jax
 import numpy as np
 import pytest
 
+from jaxrl.inference.engine import Engine
+from jaxrl.inference.lockstep import GroupScheduler
+from jaxrl.inference.protocol import SamplingParams
+from jaxrl.inference.scheduler import Scheduler
 from jaxrl.model import qwen3
 from jaxrl.model.qwen3 import LORA_TARGETS, ModelConfig
 from jaxrl.parallel import distributed
@@ -69,6 +75,44 @@ def _train() -> dict:
     return out
 
 
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14], [3, 3, 3, 3, 3, 3], [7, 1]]
+
+
+def _generate() -> dict:
+    """Greedy completions of PROMPTS (8 tokens, 4 decode slots: two requests queue) by one engine over every
+    device of every process, each process asking for its own prompts (process p: every P-th from p); then,
+    after gathers and an update to a LoRA of version 1 made while the engine is paused,
+    one more prompt per process. Prompt index -> (tokens, policy versions)."""
+    mesh = make_mesh(MESH)
+    base = jax.jit(lambda k: qwen3.init_params(CFG, k),
+                   out_shardings=spec_shardings(qwen3.param_specs(CFG), CFG.dims(), mesh))(jax.random.key(0))
+    lora_sh = spec_shardings(qwen3.lora_specs(CFG, 4, TARGETS), {**CFG.dims(), "R": 4}, mesh)
+    lora = jax.jit(lambda k: jax.tree.map(lambda x: x + 0.05, qwen3.init_lora(CFG, 4, TARGETS, k)),
+                   out_shardings=lora_sh)(jax.random.key(1))
+    engine = Engine(CFG, mesh, max_concurrent_decodes=4, max_seq_len=32, lora_scale=2.0)
+    params = {"base": base, "lora": None}
+    count, index = jax.process_count(), jax.process_index()
+    sched = GroupScheduler(engine, params, "tiny", distributed.Exchange()) if count > 1 else \
+        Scheduler(engine, params, "tiny")
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+
+    async def ask(indices):
+        done = await asyncio.gather(*[sched.generate(PROMPTS[i], greedy) for i in indices])
+        return {i: (c.token_ids, c.policy_versions) for i, c in zip(indices, done, strict=True)}
+
+    try:
+        out = asyncio.run(ask(range(index, 4, count)))
+        for _ in range(3):  # device collectives while the group's engine is parked, back to back
+            with sched.paused():
+                distributed.any_process(False)
+        with sched.paused():
+            sched.update_params({"base": base, "lora": lora}, version=1)
+        out |= asyncio.run(ask(range(4 + index, 6, count)))
+    finally:
+        sched.stop()
+    return out
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -90,7 +134,7 @@ def results(tmp_path_factory) -> tuple[dict, list[dict]]:
         procs.append(subprocess.Popen([sys.executable, __file__, str(out / f"{pid}.json")], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
-        single = _train()["replicated"]
+        single = _train()["replicated"] | {"generated": _generate()}
         logs = [p.communicate(timeout=300)[0] for p in procs]
     finally:
         for p in procs:
@@ -98,6 +142,17 @@ def results(tmp_path_factory) -> tuple[dict, list[dict]]:
     for p, log in zip(procs, logs, strict=True):
         assert p.returncode == 0, log
     return single, [json.loads((out / f"{pid}.json").read_text()) for pid in range(2)]
+
+
+def test_an_engine_spanning_two_processes_samples_what_one_process_does(results):
+    single, pair = results
+    want = {str(i): v for i, v in single["generated"].items()}  # JSON keys
+    assert sorted(want) == [str(i) for i in range(len(PROMPTS))]
+    got = pair[0]["generated"] | pair[1]["generated"]
+    assert sorted(pair[0]["generated"]) == ["0", "2", "4"] and sorted(pair[1]["generated"]) == ["1", "3", "5"]
+    assert got == {i: [list(tokens), list(versions)] for i, (tokens, versions) in want.items()}
+    assert all(len(tokens) == 8 for tokens, _ in got.values())
+    assert [got[i][1] for i in "0145"] == [[0] * 8, [0] * 8, [1] * 8, [1] * 8]  # after the update: version 1
 
 
 @pytest.mark.parametrize("mode", ["replicated", "host_local"])
@@ -130,7 +185,21 @@ def test_objects_and_flags_are_gathered_from_every_process(results):
     for r in pair:  # unequal sizes: process 1's object is the longer one
         assert r["gathered"] == [{"rows": []}, {"rows": [0, 1, 2]}]
         assert r["any"] == [True, False]
+        # the key-value store's all-gather, round after round, and a decision taken by process 0 only
+        assert r["exchanged"] == [[[0, k], [1, k]] for k in range(3)] + [["decided on 0", [0, 1]]]
     assert distributed.all_gather_objects("only") == ["only"] and distributed.any_process(True)
+
+
+def test_engine_hosts_setting_or_fit_rule():
+    gib = 1 << 30
+    assert distributed.engine_hosts(2, 0, None, 4) == 2
+    with pytest.raises(ValueError, match="does not divide the 6 processes"):
+        distributed.engine_hosts(4, 0, None, 6)
+    assert distributed.engine_hosts(0, 500 * gib, None, 8) == 1  # CPU: no memory figure, an engine per host
+    assert distributed.engine_hosts(0, 60 * gib, 4 * 95 * gib, 16) == 1  # fits one host
+    assert distributed.engine_hosts(0, 438 * gib, 4 * 95 * gib, 16) == 2  # Qwen3-235B-A22B bf16 on v5p hosts
+    assert distributed.engine_hosts(0, 800 * gib, 4 * 95 * gib, 6) == 3  # 3 hosts, a divisor of 6
+    assert distributed.engine_hosts(0, 5000 * gib, 4 * 95 * gib, 4) == 4  # fits nowhere: every host
 
 
 def test_from_env_jax_variables():
@@ -182,10 +251,13 @@ def test_from_env_tpu_vm_and_plain_host(tmp_path):
 
 if __name__ == "__main__":  # a worker of `two_process_results`
     distributed.initialize(distributed.from_env())
+    exchange = distributed.Exchange()
     results = {"process_count": jax.process_count(), "local_devices": jax.local_device_count(),
                "primary": distributed.is_primary(),
                "gathered": distributed.all_gather_objects({"rows": list(range(3 * jax.process_index()))}),
                "any": [distributed.any_process(jax.process_index() == 1), distributed.any_process(False)],
-               **_train()}
+               "exchanged": [exchange.gather([jax.process_index(), k]) for k in range(3)] + [exchange.gather(
+                   jax.process_index(), decide=lambda objs: [f"decided on {jax.process_index()}", objs])],
+               **_train(), "generated": _generate()}
     distributed.barrier("done")
     Path(sys.argv[1]).write_text(json.dumps(results))

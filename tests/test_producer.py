@@ -3,6 +3,7 @@ dropped as stale, what a checkpoint keeps; and the version log in front of the r
 
 import asyncio
 import dataclasses
+import threading
 
 import jax
 import numpy as np
@@ -39,7 +40,7 @@ class Run:
     finish when their gate opens (open by default)."""
 
     def __init__(self, *, per_step: int, in_flight: int, level: int, step: int = 0, next_t: int = 0,
-                 resumed=(), share=None, last_step=None):
+                 resumed=(), last_step=None, processes=1, index=0, gather=None):
         self.loop = asyncio.new_event_loop()
         self.engine = Engine1(version=step)
         self.log = VersionLog(self.engine)
@@ -47,8 +48,8 @@ class Run:
         self.played: list[int] = []
         self.buffer = Buffer((20,), BufferConfig())
         self.producer = Producer(self.loop, self.buffer, BufferState.fresh(1), self.play, self.log,
-                                 lambda t: 1000 + t * N, N, per_step, in_flight, level, step, next_t, resumed, share,
-                                 last_step)
+                                 lambda t: 1000 + t * N, N, per_step, in_flight, level, step, next_t, resumed,
+                                 last_step, processes, index, gather, poll_s=0.01)
         RUNS.append(self)
 
     def gate(self, t: int) -> asyncio.Event:
@@ -65,8 +66,8 @@ class Run:
         await self.gate(t).wait()
         return [Rollout([1, 5], [False, True], [0.0, 0.0], float(t), False, True, None, "e", job[1])] * N
 
-    def take(self, step: int):
-        return self.loop.run_until_complete(self.producer.take(step))
+    def take(self, step: int, stopping=None):
+        return self.loop.run_until_complete(self.producer.take(step, stopping))
 
     def update(self, version: int) -> None:
         self.engine.version = version
@@ -197,14 +198,72 @@ def test_a_checkpoint_lists_the_groups_in_flight_and_a_resume_plays_them_again_f
     assert Producer.resumed({}, 3, 2) == (6, [])  # a checkpoint from before the producer
 
 
-def test_several_processes_play_their_share_of_each_step():
-    run = Run(per_step=4, in_flight=4, level=0, share=slice(2, 4))
-    run.producer.refill()
-    taken = run.take(0)
-    assert [g.t for g in taken.groups] == [0, 1, 2, 3] and run.played == [2, 3]
-    assert [g.rollouts is None for g in taken.groups] == [True, True, False, False]
-    with pytest.raises(ValueError, match="max_async_level = 0"):
-        Run(per_step=4, in_flight=4, level=1, share=slice(2, 4))
+class Posts:
+    """An all-gather among the producers of threads in this process, with the Exchange's contract."""
+
+    def __init__(self, count: int) -> None:
+        self.barrier, self.posts = threading.Barrier(count, timeout=30), [None] * count
+
+    def gather(self, index: int):
+        def gather(obj):
+            self.posts[index] = obj
+            self.barrier.wait()
+            out = list(self.posts)
+            self.barrier.wait()
+            return out
+        return gather
+
+
+def _each(runs, fn):
+    """`fn(run)` for each run at once, one thread each (their takes gather together); the results."""
+    out = [None] * len(runs)
+
+    def work(i):
+        out[i] = fn(runs[i])
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(runs))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    return out
+
+
+def test_several_processes_agree_on_the_groups_each_plays_its_own():
+    posts = Posts(2)
+    runs = [Run(per_step=2, in_flight=4, level=1, processes=2, index=i, gather=posts.gather(i)) for i in range(2)]
+    for run in runs:
+        run.producer.refill()
+    assert [[g.owner for g in run.producer.groups] for run in runs] == [[0, 1, 0, 1]] * 2  # least loaded
+    runs[1].gate(1).clear()  # process 1's first group hangs after sampling its tokens at version 0
+    taken = _each(runs, lambda run: run.take(0))
+    assert [[g.t for g in tk.groups] for tk in taken] == [[0, 2]] * 2
+    assert sorted(runs[0].played + runs[1].played) == list(range(6)) and set(runs[0].played) == {0, 2, 4, 5}
+    assert [g.rollouts is None for g in taken[1].groups] == [True, True]  # played by process 0
+    assert taken[1].groups[0].versions == [0] * N  # its tokens' versions, reported through the gather
+    assert runs[0].producer.checkpoint() == runs[1].producer.checkpoint()
+    for run in runs:
+        run.update(1)
+    assert [[g.t for g in tk.groups] for tk in _each(runs, lambda run: run.take(1))] == [[3, 4]] * 2
+    for run in runs:
+        run.update(2)
+    runs[1].gate(1).set()
+    taken = _each(runs, lambda run: run.take(2))  # group 1 (version 0 < 2 - 1) is dropped on both
+    assert [[g.t for g in tk.stale] for tk in taken] == [[1, 5]] * 2  # 5 finished at version 0, left by step 1
+    assert runs[0].producer.checkpoint() == runs[1].producer.checkpoint()
+
+
+def test_a_stop_asked_on_one_process_ends_the_take_on_every_process_in_the_same_round():
+    posts = Posts(2)
+    runs = [Run(per_step=1, in_flight=2, level=1, processes=2, index=i, gather=posts.gather(i)) for i in range(2)]
+    stop = threading.Event()
+    for run in runs:
+        for t in range(2):
+            run.gate(t).clear()  # nothing finishes: the take waits until process 1 is asked to stop
+        run.producer.refill()
+    threading.Timer(0.2, stop.set).start()
+    assert _each(runs, lambda run: run.take(0, stopping=stop.is_set if run is runs[1] else None)) == [None, None]
+    saved = [run.producer.checkpoint() for run in runs]
+    assert saved[0] == saved[1] and [t for t, _, _ in saved[0]["in_flight"]] == [0, 1]
 
 
 def test_version_log_records_expected_seeds_through_the_real_scheduler():

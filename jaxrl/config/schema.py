@@ -364,6 +364,12 @@ class JaxConfig(_Table):
     activations in memory; best a multiple of the batch shards (mesh data x fsdp x expert). Default None:
     16,384 tokens per batch shard, `batch shards x max(1, 16384 // seq_len)` sequences
     (`jaxrl.rl.train.default_micro_batch`); a smaller batch is one pass."""
+    engine_hosts: int = Field(0, ge=0)
+    """Processes (hosts) that share one rollout engine: its mesh spans their devices and they step it in
+    lockstep (`jaxrl.inference.lockstep`); must divide the number of processes. Default 0, the fit rule
+    (`jaxrl.parallel.distributed.engine_hosts`): 1, an engine per host (the fastest where the model fits),
+    unless the base weights and KV cache need more than 90% of one host's accelerator memory; then the
+    fewest hosts whose memory holds them."""
     host: str = "127.0.0.1"
     """Address of the rollout server that environments call. Default "127.0.0.1"."""
     port: int = Field(0, ge=0, le=65535)
@@ -795,6 +801,7 @@ id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
 # decode_slots = 32            # concurrent decodes in the rollout engine
 # remat = false                # recompute activations in the backward pass
 # micro_batch_size = 64        # sequences per train pass (gradients accumulated); default 16384 tokens per batch shard
+# engine_hosts = 0             # hosts per rollout engine (multi-host); 0 = 1 unless the model does not fit a host
 # host = "127.0.0.1"           # rollout server address
 # port = 0                     # rollout server port; 0 = a free one
 

@@ -231,6 +231,7 @@ class Engine:
         key, sub = jax.random.split(key)
         token, logprob = sample(logits_BV, sampling, sub[None], truncate=truncate, seen_BV=seen_BV)
         kv = {k: v.astype(self.cache_dtype) for k, v in kv.items()}
+        token, logprob = self._replicated(token), self._replicated(logprob)
         return Prefix(kv, token, logprob, true_length, sampling, key, mark_seen(seen_BV, token))
 
     def _insert_impl(self, prefix: Prefix, state: DecodeState, slot):
@@ -264,7 +265,12 @@ class Engine:
         seen = mark_seen(state.seen, tokens) if penalize else state.seen
         new = DecodeState(cache=cache, tokens=tokens, positions=positions, sampling=state.sampling,
                           keys=split[:, 0], seen=seen)
-        return new, ResultTokens(tokens, logprobs)
+        return new, ResultTokens(self._replicated(tokens), self._replicated(logprobs))
+
+    def _replicated(self, x: jax.Array) -> jax.Array:
+        """`x` (sampled tokens or logprobs) on every device of the mesh: each host reads them from its own
+        devices, also when the mesh spans hosts (`jaxrl.inference.lockstep`)."""
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec()))
 
 
 def _unembedding(params: Params) -> Params:

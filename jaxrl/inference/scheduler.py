@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import jax
 import numpy as np
@@ -42,11 +43,14 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class _Request:
+    """One request. `loop` and `future` are None for a request that another process of an engine group
+    queued (`jaxrl.inference.lockstep`): this process steps it, but only its owner hands it out."""
+
     prompt_ids: list[int]
     params: SamplingParams
     max_tokens: int
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop | None
+    future: asyncio.Future | None
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
@@ -56,6 +60,7 @@ class _Request:
     slot: int | None = None  # the decode slot it holds, None once its last token is dispatched
     dispatched: int = 0  # tokens dispatched to the device, read or not
     done: bool = False  # finished or cancelled: tokens still in flight for it are discarded
+    origin: tuple[int, int] | None = None  # (process, number) in an engine group
 
     def add(self, token: int, logprob: float, version: int) -> bool:
         """Record a sampled token; True when the request is finished."""
@@ -69,12 +74,15 @@ class _Request:
         return token in self.params.stop_token_ids or len(self.tokens) >= self.max_tokens
 
     def finish(self) -> None:
+        if self.future is None:
+            return
         stopped = bool(self.tokens) and self.tokens[-1] in self.params.stop_token_ids
         done = Completion(self.tokens, self.logprobs, "stop" if stopped else "length", self.versions, self.ttft_s)
         self.loop.call_soon_threadsafe(_resolve, self.future, done)
 
     def fail(self, exc: BaseException) -> None:
-        self.loop.call_soon_threadsafe(_reject, self.future, exc)
+        if self.future is not None:
+            self.loop.call_soon_threadsafe(_reject, self.future, exc)
 
 
 @dataclasses.dataclass
@@ -190,24 +198,18 @@ class Scheduler:
     def active(self) -> int:
         return sum(r is not None for r in self._slots)
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """A stretch in which this process may run device programs that span other processes (a train
+        step, a gather) without interleaving with the engine's: nothing to do here, where the engine's
+        programs run on this process's devices only (`jaxrl.inference.lockstep` parks its group)."""
+        yield
+
     # the loop -------------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
             self._state = self.engine.init_decode_state()
-            while True:
-                with self._cv:
-                    while (not self._stop and not self._waiting and not self.active and self._pending is None
-                           and not self._unread):
-                        self._cv.wait()
-                    if self._stop:
-                        break
-                    if self._pending is not None:
-                        new, self.policy_version = self._pending
-                        self._params = self.engine.prepare(new)
-                        self._pending = None
-                    admit = []
-                    while self._waiting and len(admit) < self._slots.count(None):
-                        admit.append(self._waiting.popleft())
+            while (admit := self._next()) is not None:
                 for req in admit:
                     self._admit(req)
                 ready = len(self._unread)  # the previous step and this iteration's prefills
@@ -221,6 +223,27 @@ class Scheduler:
             return
         self._fail_all(RuntimeError("the scheduler is stopped"))
 
+    def _next(self) -> list[_Request] | None:
+        """Wait for work, apply a pending weight update, and return the requests to admit now (None: stop)."""
+        with self._cv:
+            while (not self._stop and not self._waiting and not self.active and self._pending is None
+                   and not self._unread):
+                self._cv.wait()
+            if self._stop:
+                return None
+            if self._pending is not None:
+                new, self.policy_version = self._pending
+                self._params = self.engine.prepare(new)
+                self._pending = None
+            admit = []
+            while self._waiting and len(admit) < self._slots.count(None):
+                admit.append(self._waiting.popleft())
+        return admit
+
+    def _dropped(self, req: _Request) -> bool:
+        """Whether `req`'s caller gave up (its future is cancelled)."""
+        return req.future.cancelled()
+
     def _key(self, req: _Request) -> jax.Array:
         self._n_requests += 1
         if req.params.seed is not None:
@@ -229,7 +252,7 @@ class Scheduler:
 
     def _admit(self, req: _Request) -> None:
         """Dispatch `req`'s prefill and, unless that samples its last token, its insert into a free slot."""
-        if req.future.cancelled():
+        if self._dropped(req):
             return
         try:
             bucket = self.engine.bucket(len(req.prompt_ids))
@@ -248,7 +271,7 @@ class Scheduler:
     def _step(self) -> None:
         """Dispatch one decode step over the occupied slots, if any."""
         for req in self._slots:
-            if req is not None and req.future.cancelled():
+            if req is not None and self._dropped(req):
                 req.done = True
                 self._release(req)
         rows = list(self._slots)
@@ -271,7 +294,7 @@ class Scheduler:
         for row, req in enumerate(sampled.rows):
             if req is None or req.done:
                 continue
-            if req.future.cancelled() or req.add(int(tokens[row]), float(logprobs[row]), sampled.version):
+            if self._dropped(req) or req.add(int(tokens[row]), float(logprobs[row]), sampled.version):
                 req.done = True
                 self._release(req)
                 req.finish()

@@ -17,22 +17,31 @@ Where the coordinates come from (`from_env`, first match wins):
 4. Nothing: one process, and `initialize` does nothing.
 
 How `jaxrl run` uses the hosts (`jaxrl.run.runner`): the trainer's weights and train step live on one mesh
-over every device of every host. Each host also runs its own rollout engine, server and environments on
-a copy of the weights placed on its own devices (`local_mesh`), so rollouts never wait on another host,
-and plays its `share` of each step's example groups. The step's rollouts are then gathered to every host
+over every device of every host. Each host also runs its own server and environments, and its own
+rollout engine on a copy of the weights placed on its own devices (`local_mesh`), so rollouts never wait
+on another host; where the model does not fit one host, a group of hosts shares one engine over their
+devices (`group_mesh`, `engine_hosts`, `jaxrl.inference.lockstep`). Each host plays the example groups
+it owns (`jaxrl.rl.producer`). The step's rollouts are then gathered to every host
 (`all_gather_objects`: token ids, logprobs and rewards, kilobytes to a few megabytes a step), so every
 process holds exactly what one process would have played and derives the same metrics, failure verdict,
 advantages and train batch from it, with no further agreement needed; the train batch goes onto the
 global mesh as the same numpy array on every host. Decisions taken on one host only (a SIGTERM) are
 agreed with `any_process` before anything collective depends on them.
+
+Decisions that must be agreed while devices are busy (which finished rollout groups a step takes, when a
+group of engines admits a request) travel as small JSON messages over the key-value store of JAX's
+coordination service (`Exchange`), which runs no device program: a device collective issued from a
+second thread could interleave differently on two hosts with the programs of the first, and hang both.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -155,14 +164,33 @@ def global_batch(local: np.ndarray, sharding: NamedSharding) -> jax.Array:
 def to_host(tree: Any) -> Any:
     """Numpy copies of every leaf of `tree`, gathered from all processes (every process gets them all).
     Needed for arrays sharded over devices of other hosts, which `np.asarray` refuses."""
-    return jax.tree.map(lambda x: np.asarray(x) if x.is_fully_addressable else
-                        np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)
+    with fenced():
+        return jax.tree.map(lambda x: np.asarray(x) if x.is_fully_addressable else
+                            np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)
+
+
+_fence: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
+def set_fence(fence: Callable[[], contextlib.AbstractContextManager] | None) -> None:
+    """Make `fenced` enter `fence()` (None: nothing): a rollout engine that spans hosts registers its
+    `paused` (`jaxrl.inference.lockstep`), so that no device program spanning hosts runs between its own."""
+    global _fence
+    _fence = fence or contextlib.nullcontext
+
+
+def fenced() -> contextlib.AbstractContextManager:
+    """A stretch in which this process may issue device programs that span hosts (collectives, a train
+    step): enter it at the same point of the program on every process. The gathers below enter it
+    themselves; it nests."""
+    return _fence()
 
 
 def barrier(name: str) -> None:
     """Wait until every process reaches the barrier `name` (no-op with one process)."""
     if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
+        with fenced():
+            multihost_utils.sync_global_devices(name)
 
 
 def local_mesh(mesh: Mesh) -> Mesh:
@@ -174,6 +202,51 @@ def local_mesh(mesh: Mesh) -> Mesh:
             `jaxrl.parallel.sharding.make_mesh` from `jax.devices()`, which lists them host by host).
     """
     return mesh if jax.process_count() == 1 else mesh.local_mesh
+
+
+def group_mesh(mesh: Mesh, processes: Sequence[int]) -> Mesh:
+    """The part of `mesh` on the devices of `processes`, with the same axis names: where the rollout engine
+    of an engine group runs (`local_mesh` for one process; `mesh` itself for all of them).
+
+    Raises:
+        ValueError: those processes' devices do not form a block of `mesh` (e.g. a group that the mesh's
+            first axis does not split at a host boundary).
+    """
+    if len(processes) == jax.process_count():
+        return mesh
+    if list(processes) == [jax.process_index()]:
+        return local_mesh(mesh)
+    inside = np.vectorize(lambda d: d.process_index in processes)(mesh.devices)
+    box = tuple(slice(int(ix.min()), int(ix.max()) + 1) for ix in np.nonzero(inside))
+    if not inside[box].all() or inside.sum() != inside[box].size:
+        raise ValueError(f"the devices of processes {list(processes)} are not a block of mesh {dict(mesh.shape)}")
+    return Mesh(mesh.devices[box], mesh.axis_names)
+
+
+def engine_hosts(setting: int, engine_bytes: int, host_bytes: int | None, processes: int) -> int:
+    """Processes per rollout engine (`[jax] engine_hosts`): `setting` when it is not 0, else the fit
+    rule: 1 unless `engine_bytes` (base weights + KV cache) exceed 90% of `host_bytes` (one host's
+    accelerator memory; None, as on CPU: 1); then the fewest hosts, a divisor of `processes`, whose
+    memory holds them (all of them when none does).
+
+    Raises:
+        ValueError: `setting` does not divide `processes`.
+    """
+    if setting:
+        if processes % setting:
+            raise ValueError(f"engine_hosts = {setting} does not divide the {processes} processes")
+        return setting
+    if host_bytes is None:
+        return 1
+    return next(k for k in range(1, processes + 1)
+                if processes % k == 0 and (engine_bytes <= 0.9 * k * host_bytes or k == processes))
+
+
+def host_memory() -> int | None:
+    """Bytes of accelerator memory on this process's devices together (None where the runtime does not
+    report it, as on CPU)."""
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in jax.local_devices()]
+    return None if None in limits else int(sum(limits))
 
 
 def share(n: int) -> range:
@@ -190,10 +263,12 @@ def all_gather_objects(obj: Any) -> list[Any]:
     if jax.process_count() == 1:
         return [obj]
     data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
-    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64))).reshape(-1)
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[:data.size] = data
-    rows = np.asarray(multihost_utils.process_allgather(padded))
+    with fenced():
+        sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64))).reshape(-1)
+        # padded to a power of two: each distinct length compiles another gather program
+        padded = np.zeros(1 << int(sizes.max() - 1).bit_length(), np.uint8)
+        padded[:data.size] = data
+        rows = np.asarray(multihost_utils.process_allgather(padded))
     return [json.loads(rows[i, :size].tobytes()) for i, size in enumerate(sizes)]
 
 
@@ -201,4 +276,74 @@ def any_process(flag: bool) -> bool:
     """True on every process when `flag` is true on any (a collective; `flag` itself with one process)."""
     if jax.process_count() == 1:
         return bool(flag)
-    return bool(np.asarray(multihost_utils.process_allgather(np.array([flag], bool))).any())
+    with fenced():
+        return bool(np.asarray(multihost_utils.process_allgather(np.array([flag], bool))).any())
+
+
+def _coordination_client() -> Any:
+    """The client of JAX's coordination service, which `jax.distributed.initialize` starts (Orbax's
+    multihost module reads it from the same place; JAX has no public accessor)."""
+    from jax._src import distributed as jax_distributed
+
+    client = jax_distributed.global_state.client
+    if client is None:
+        raise RuntimeError("jax.distributed is not initialized: an Exchange needs several processes")
+    return client
+
+
+_exchanges = itertools.count()
+
+
+class Exchange:
+    """All-gather of small JSON objects among `processes` (default: every process) through the
+    coordination service's key-value store: no device program runs, so it may be called from any thread
+    while devices execute other programs.
+
+    Round k: every process posts its object under `jaxrl/x<n>/<k>/<process>`; the first process of
+    `processes` (the leader) reads them all and posts the list under `.../<k>/all`, which the others read.
+    So every process gets the same list in the order of `processes`, and what the leader decides from it
+    (`gather(obj, decide=...)`) is decided in one place and shared. Keys of round k - 1 are deleted in
+    round k, when every process has read them. Instances are numbered in creation order, so every
+    process must create its exchanges in the same order, and call `gather` on each in lockstep (a
+    collective). Small messages only: the store moved about 6 MB/s between two local processes.
+
+    Raises (from `gather`):
+        RuntimeError: another process did not post within `timeout_s` seconds.
+    """
+
+    def __init__(self, processes: Sequence[int] | None = None, timeout_s: float = 1800.0) -> None:
+        self.processes = tuple(range(jax.process_count()) if processes is None else processes)
+        self.me = jax.process_index() if len(self.processes) > 1 else self.processes[0]
+        self.timeout_ms = int(timeout_s * 1000)
+        self.prefix = f"jaxrl/x{next(_exchanges)}"
+        self.round = 0
+
+    @property
+    def leader(self) -> bool:
+        return self.me == self.processes[0]
+
+    def _get(self, client: Any, key: str, who: int) -> Any:
+        try:
+            return json.loads(client.blocking_key_value_get(key, self.timeout_ms))
+        except Exception as exc:  # noqa: BLE001 - the runtime's own error types are not public
+            raise RuntimeError(f"{key}: no answer from process {who} within {self.timeout_ms / 1000:.0f}s "
+                               f"({type(exc).__name__}: {exc})") from None
+
+    def gather(self, obj: Any, decide: Any = None) -> Any:
+        """Every process's `obj`, in the order of `processes`; with `decide`, `decide(objs)` as computed
+        by the leader (`decide` must return a JSON-serialisable value). One process: no store at all."""
+        if len(self.processes) == 1:
+            return decide([obj]) if decide else [obj]
+        client, key = _coordination_client(), f"{self.prefix}/{self.round}"
+        if self.leader:
+            posts = [obj if p == self.me else self._get(client, f"{key}/{p}", p) for p in self.processes]
+            out = decide(posts) if decide else posts
+            client.key_value_set(f"{key}/all", json.dumps(out))
+            if self.round:
+                client.key_value_delete(f"{self.prefix}/{self.round - 1}/all")
+        else:
+            client.key_value_set(f"{key}/{self.me}", json.dumps(obj))
+            out = self._get(client, f"{key}/all", self.processes[0])
+            client.key_value_delete(f"{key}/{self.me}")  # the leader has read it
+        self.round += 1
+        return out

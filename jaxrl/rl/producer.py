@@ -19,18 +19,27 @@ dropped whole (its advantages are relative to the group) and counted. With `max_
 producer launches only after the step's weight update, so step s's groups are exactly the next
 `per_step` groups drawn, all of version s: the synchronous loop.
 
-Several processes (`share` set) play one step's groups between them, so they run the synchronous mode
-only: each draws the same groups, plays its share, and `take` hands back the step's groups, its own
-played, the others' rollouts left to gather.
+Several processes (`gather` set, one producer per process) keep one producer state between them: every
+process draws the same groups at the same points and numbers them alike, and each group is played by one
+owner, the process with the fewest unfinished groups at its launch (ties: the lowest index). Which groups
+have finished is agreed by `gather`, an all-gather of small messages (`jaxrl.parallel.distributed.Exchange`)
+that `take` calls every `poll_s` seconds while it waits: each process reports the groups it finished
+since the last round with their tokens' policy versions, and every process marks them finished in the
+same order (round, process, number). From that agreed record every process computes the same stale
+groups, the same step's groups and the same groups in flight (the checkpoint's list), and a stop request
+(SIGTERM on any host) rides the same messages, so every process leaves `take` in the same round. The
+rollouts themselves stay with their owner; the runner gathers those of the step's groups afterwards.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import math
 import threading
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -90,16 +99,18 @@ class VersionLog:
 @dataclasses.dataclass(eq=False)
 class Group:
     """One example group. `version`: the engine's policy version at launch, a lower bound of its tokens'.
-    `task`: plays it (None: another process plays it). `rollouts` / `versions` (every token's policy
-    version): set when it finished."""
+    `owner`: the process that plays it; `task`: plays it (None: another process does). `versions` (every
+    token's policy version) and `finished` (rank in finishing order over the run, -1 until then): set
+    when it finished; `rollouts`: set then on its owner only."""
 
     t: int
     job: Job
     version: int
     task: asyncio.Task | None
+    owner: int = 0
     rollouts: list[Rollout] | None = None
     versions: list[int] = dataclasses.field(default_factory=list)
-    finished: int = -1  # rank in finishing order over the run
+    finished: int = -1
 
     @property
     def oldest(self) -> int:
@@ -116,13 +127,13 @@ class Taken:
     stale: list[Group]
 
     def metrics(self, step: int, rollouts_per_example: int, in_flight: int) -> dict[str, float]:
-        """`async/staleness_mean` and `async/staleness_max` (policy versions the step's own played tokens
-        lag version `step`), `async/stale_dropped` (rollouts dropped, in whole groups) and
-        `async/in_flight` (rollouts launched and not yet trained on once the step's batch was taken)."""
+        """`async/staleness_mean` and `async/staleness_max` (policy versions the step's played tokens lag
+        version `step`), `async/stale_dropped` (rollouts dropped, in whole groups) and `async/in_flight`
+        (rollouts launched and not yet trained on once the step's batch was taken)."""
         lag = np.array([step - v for g in self.groups for v in g.versions], np.float64)
         return {"async/staleness_mean": float(lag.mean()) if lag.size else 0.0,
                 "async/staleness_max": float(lag.max()) if lag.size else 0.0,
-                "async/stale_dropped": float(sum(len(g.rollouts or []) for g in self.stale)),
+                "async/stale_dropped": float(len(self.stale) * rollouts_per_example),
                 "async/in_flight": float(in_flight * rollouts_per_example)}
 
 
@@ -141,26 +152,30 @@ class Producer:
         step: the next step to train (policy version `step` is the engine's).
         next_t, resumed: the next group number, and `(t, job)` of groups a checkpoint had in flight,
             launched again first (`checkpoint`).
-        share: positions of each step's groups this process plays, with several processes; None: all.
         last_step: the run's last step (`max_steps`): no group is launched once it is taken (they would
             be played for nothing). None: no end.
+        processes, index, gather: with several processes, their count, this one's index and the
+            all-gather that agrees on finished groups (`jaxrl.parallel.distributed.Exchange.gather`,
+            blocking; run on a thread of its own). Every process must build its producer alike.
+        poll_s: seconds between two rounds of `gather` while `take` waits.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, buffer: Buffer, state: BufferState,
                  play: Callable[[Job, int], Awaitable[list[Rollout]]], log: VersionLog,
                  seed_of: Callable[[int], int], rollouts_per_example: int, per_step: int, in_flight: int,
                  max_async_level: int, step: int, next_t: int,
-                 resumed: Sequence[tuple[int, Job]] = (), share: slice | None = None,
-                 last_step: int | None = None) -> None:
-        if share is not None and (max_async_level or in_flight != per_step):
-            raise ValueError("several processes share a step's groups only with max_async_level = 0 and "
-                             "oversampling_factor = 1")
+                 resumed: Sequence[tuple[int, Job]] = (), last_step: int | None = None, processes: int = 1,
+                 index: int = 0, gather: Callable[[Any], list[Any]] | None = None, poll_s: float = 0.05) -> None:
+        if (processes > 1) != (gather is not None):
+            raise ValueError("several processes need a gather, and only they")
         self._loop, self.buffer, self.state, self.log = loop, buffer, state, log
         self._play, self._seed_of, self._n = play, seed_of, rollouts_per_example
         self.per_step, self.in_flight, self.max_async_level = per_step, max(in_flight, per_step), max_async_level
         self.version = self.next_step = step
         self.next_t = next_t
-        self.share, self.last_step = share, last_step
+        self.last_step = last_step
+        self.processes, self.index, self._gather, self.poll_s = processes, index, gather, poll_s
+        self._gather_thread = ThreadPoolExecutor(1, thread_name_prefix="jaxrl-producer") if gather else None
         self.groups: list[Group] = []
         self._resumed = list(resumed)
         self._stale: list[Group] = []
@@ -196,42 +211,64 @@ class Producer:
                 jobs = []
             launch += [(self.next_t + i, job) for i, job in enumerate(jobs)]
             self.next_t += len(jobs)
-        for pos, (t, job) in enumerate(launch):
+        load = [0] * self.processes
+        for g in self.groups:
+            load[g.owner] += g.finished < 0
+        for t, job in launch:
+            owner = min(range(self.processes), key=lambda p: (load[p], p))
+            load[owner] += 1
             task = None
-            if self.share is None or self.share.start <= pos < self.share.stop:
+            if owner == self.index:
                 self.log.expect(self.seeds(t))
                 task = self._loop.create_task(self._play(job, self._seed_of(t)))
-            self.groups.append(Group(t, job, self.version, task))
+            self.groups.append(Group(t, job, self.version, task, owner))
 
     # taking ---------------------------------------------------------------------------------------
-    async def take(self, step: int) -> Taken:
+    async def take(self, step: int, stopping: Callable[[], bool] | None = None) -> Taken | None:
         """Wait for step `step`'s groups (see the module docstring) and hand them over; their places are
-        refilled. Cancelling it leaves every group in flight (a checkpoint then lists them).
+        refilled. Cancelling it (one process) leaves every group in flight (a checkpoint then lists them).
+        With several processes, `stopping()` true on any of them ends it on all, in the same round,
+        with None.
 
         Raises:
             BufferExhausted: the buffer has no example left and too few groups are in flight to fill the step.
         """
         self.next_step = step
         while True:
-            for g in sorted((g for g in self.groups if g.task is not None and g.task.done()), key=lambda g: g.t):
-                if g.rollouts is None:
-                    g.rollouts, g.versions = g.task.result(), self.log.pop(self.seeds(g.t))
-                    g.finished, self._finished = self._finished, self._finished + 1
-            for g in [g for g in self.groups if g.rollouts is not None and g.oldest < step - self.max_async_level]:
+            mine = [g for g in sorted(self.groups, key=lambda g: g.t)
+                    if g.task is not None and g.task.done() and g.rollouts is None]
+            for g in mine:
+                g.rollouts, g.versions = g.task.result(), self.log.pop(self.seeds(g.t))
+            if self._gather is None:
+                done = mine
+            else:
+                report = {"done": [[g.t, _runs(g.versions)] for g in mine], "stop": bool(stopping and stopping())}
+                posts = await self._loop.run_in_executor(self._gather_thread, self._gather, report)
+                if any(p["stop"] for p in posts):
+                    return None
+                by_t = {g.t: g for g in self.groups}
+                done = [by_t[t] for p in posts for t, _ in p["done"]]
+                for g, (_, runs) in zip(done, [d for p in posts for d in p["done"]], strict=True):
+                    g.versions = [v for v, count in runs for _ in range(count)]
+            for g in done:
+                g.finished, self._finished = self._finished, self._finished + 1
+            for g in [g for g in self.groups if g.finished >= 0 and g.oldest < step - self.max_async_level]:
                 self.groups.remove(g)  # finished, not taken by an earlier step, and now too old
                 self._stale.append(g)
-            ready = [g for g in self.groups if g.rollouts is not None]
-            if self.share is not None and len(ready) == sum(g.task is not None for g in self.groups):
-                taken = self.groups  # one step's groups, all of them (see the module docstring)
-                break
-            if self.share is None and len(ready) >= self.per_step:
+            ready = [g for g in self.groups if g.finished >= 0]
+            if len(ready) >= self.per_step:
                 taken = sorted(ready, key=lambda g: g.finished)[:self.per_step]
                 break
             self.refill()
-            pending = [g.task for g in self.groups if g.task is not None and not g.task.done()]
-            if not pending:
+            if all(g.finished >= 0 for g in self.groups):
                 raise self.exhausted or BufferExhausted("no group in flight")
-            await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            pending = [g.task for g in self.groups if g.task is not None and not g.task.done()]
+            if self._gather is None:
+                await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            elif pending:
+                await asyncio.wait(pending, timeout=self.poll_s, return_when=asyncio.FIRST_COMPLETED)
+            else:
+                await asyncio.sleep(self.poll_s)
         self.groups = [g for g in self.groups if all(g is not x for x in taken)]
         stale, self._stale = self._stale, []
         self.next_step = step + 1
@@ -265,3 +302,10 @@ class Producer:
             if g.task is not None:
                 g.task.cancel()
         self.groups = []
+        if self._gather_thread is not None:
+            self._gather_thread.shutdown(wait=False)
+
+
+def _runs(versions: Sequence[int]) -> list[list[int]]:
+    """`versions` as `[version, count]` runs (a rollout's tokens come in long runs of one version)."""
+    return [[v, len(list(run))] for v, run in itertools.groupby(versions)]

@@ -244,6 +244,9 @@ class Trainer:
         pad = k * self.micro_batch_size - rows if k > 1 else 0
         out = {}
         for name, arr in dataclasses.asdict(batch).items():
+            if isinstance(arr, jax.Array) and not pad:  # already on the mesh (`distributed.global_batch`)
+                out[name] = arr
+                continue
             # padding rows: no loss token (their loss positions point past the row, as in `make_batch`)
             fill = arr.shape[1] if name == "loss_positions" else 0
             arr = np.pad(arr, [(0, pad)] + [(0, 0)] * (arr.ndim - 1), constant_values=fill)

@@ -12,15 +12,18 @@ uninterrupted run. SIGTERM or SIGINT (preemption) checkpoints the last complete 
 rollouts in flight are dropped, listed in the checkpoint, and played again first on resume.
 Failing rollouts are dropped and counted (`jaxrl.rl.rollouts`); a run whose rollouts mostly fail stops.
 
-Multi-host (one process per host, `jaxrl.parallel.distributed`; synchronous only, `max_async_level = 0`): the
-trainer runs on the mesh over every host's
-devices; each host runs its own engine, server and environments on its own devices, with the base
-weights loaded a second time onto them and the LoRA copied over after each step, and plays a
-contiguous share of the step's groups with the seeds one process would use. The rollouts are gathered
-to every process, which then computes the metrics, failure verdict and batch exactly as one process
-would; only process 0 prints, writes metrics and the run config. Every process takes part in each
-checkpoint save and restore (Orbax coordinates them), so `[jax] checkpoint_dir` must be a `gs://` URL
-or a folder every host shares. A SIGTERM on any host stops every host after the same step.
+Multi-host (one process per host, `jaxrl.parallel.distributed`): the trainer runs on the mesh over every
+host's devices; each host runs its own server and environments and plays the groups it owns (one
+producer state agreed between the processes, `jaxrl.rl.producer`, so every async setting works) with the
+seeds one process would use. Each host runs its own engine on its own devices, with the base weights
+loaded a second time onto them and the LoRA copied over after each step, unless the model does not fit
+one host (`[jax] engine_hosts`): then a group of hosts steps one engine over their devices in lockstep
+(`jaxrl.inference.lockstep`), and every device program that spans hosts runs while that engine is
+paused (`distributed.fenced`). The step's rollouts are gathered to every process, which then computes
+the metrics, failure verdict and batch exactly as one process would; only process 0 prints, writes
+metrics and the run config. Every process takes part in each checkpoint save and restore (Orbax
+coordinates them), so `[jax] checkpoint_dir` must be a `gs://` URL or a folder every host shares. A
+SIGTERM on any host stops every host after the same step.
 """
 
 from __future__ import annotations
@@ -44,13 +47,14 @@ from jaxrl.config.schema import ConfigError, RunConfig, load_env_file, resolve_m
 from jaxrl.envs import loader
 from jaxrl.export import exporter
 from jaxrl.inference.engine import Engine
+from jaxrl.inference.lockstep import GroupScheduler
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
 from jaxrl.inference.server import start_server
 from jaxrl.model import hf
-from jaxrl.model.qwen3 import init_lora, lora_specs, param_specs
+from jaxrl.model.qwen3 import ModelConfig, init_lora, lora_specs, param_specs
 from jaxrl.parallel import distributed
-from jaxrl.parallel.sharding import make_mesh, spec_shardings
+from jaxrl.parallel.sharding import bytes_per_device, make_mesh, spec_shardings
 from jaxrl.rl import rollouts
 from jaxrl.rl.buffer import Buffer, BufferExhausted, BufferState
 from jaxrl.rl.producer import Producer, VersionLog, in_flight_groups
@@ -191,11 +195,6 @@ class Run:
         """Load the model, the LoRA, the trainer state, the environments and the last checkpoint; sets
         `start_step` (the first step to run) and `meta` (that checkpoint's metadata, {} when none)."""
         cfg = self.cfg
-        if jax.process_count() > 1 and cfg.max_async_level:
-            raise ConfigError(cfg.source, [("max_async_level", f"{cfg.max_async_level}: generation overlapping "
-                                                               f"training is built for one process only; a "
-                                                               f"multi-host run needs max_async_level = 0 and "
-                                                               f"oversampling_factor = 1")])
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.load_model()
         if self.primary:
@@ -225,25 +224,30 @@ class Run:
                                f"(steps run after the last checkpoint)")
 
     def load_model(self) -> None:
-        """The base weights on the trainer's mesh (`base`) and on this host's engine mesh (`engine_base`:
-        the same arrays with one process). Raises ConfigError (key `model` or `jax.model_path`) when the
-        checkpoint cannot be loaded."""
+        """The base weights on the trainer's mesh (`base`) and on the mesh of this host's rollout engine
+        (`engine_base`: the same arrays with one process, or when the engine spans every process; the
+        engine's processes are `engine_group`). Raises ConfigError (key `model`, `jax.model_path` or
+        `jax.engine_hosts`) when the checkpoint cannot be loaded or the engine group does not divide the
+        processes."""
         cfg, jcfg = self.cfg, self.cfg.jax
         try:
             self.mesh = make_mesh(jcfg.mesh.model_dump())
         except ValueError as exc:  # a mesh of another device count: only the devices here tell
             raise ConfigError(cfg.source, [("jax.mesh", str(exc))]) from None
-        self.engine_mesh = distributed.local_mesh(self.mesh)  # this host's devices: its rollout engine's
         self.dtype = jnp.bfloat16 if jcfg.dtype == "bfloat16" else jnp.float32
         self.model_path, self.tokenizer_path = resolve_model_path(cfg), resolve_tokenizer_path(cfg)
         t0 = time.perf_counter()
         try:
             self.mcfg = mcfg = hf.load_config(self.model_path)
+            self.engine_group = _engine_group(cfg, mcfg, self.dtype)
+            self.engine_mesh = distributed.group_mesh(self.mesh, self.engine_group)  # its rollout engine's devices
             self.base = hf.load_hf(self.model_path, self.dtype,
                                    shardings=spec_shardings(param_specs(mcfg), mcfg.dims(), self.mesh))[1]
             self.engine_base = self.base if self.engine_mesh is self.mesh else hf.load_hf(
                 self.model_path, self.dtype, shardings=spec_shardings(param_specs(mcfg), mcfg.dims(),
                                                                       self.engine_mesh))[1]
+        except ConfigError:
+            raise
         except Exception as exc:  # noqa: BLE001 - a missing, truncated or malformed checkpoint, in any layer
             key = "jax.model_path" if jcfg.model_path else "model"
             raise ConfigError(cfg.source, [(key, f"cannot load the model from {self.model_path}: "
@@ -291,8 +295,15 @@ class Run:
         engine = Engine(self.mcfg, self.engine_mesh, jcfg.decode_slots, jcfg.seq_len, lora_scale=self.lora_scale,
                         cache_dtype=self.dtype)
         self.engine_lora_sh = self.lora_shardings(self.engine_mesh)
-        self.scheduler = Scheduler(engine, self.engine_params(), model_name=cfg.model,
-                                   seed=cfg.sampling_seed * 1_000_003 + self.start_step)
+        seed, hosts = cfg.sampling_seed * 1_000_003 + self.start_step, len(self.engine_group)
+        self.console.print(f"rollout engine: one over {hosts} processes (engine_hosts = {hosts})" if hosts > 1
+                           else "rollout engine: one per process")
+        if hosts > 1:
+            self.scheduler = GroupScheduler(engine, self.engine_params(), cfg.model,
+                                            distributed.Exchange(self.engine_group), seed=seed)
+            distributed.set_fence(self.scheduler.paused)  # device programs spanning hosts pause it
+        else:
+            self.scheduler = Scheduler(engine, self.engine_params(), model_name=cfg.model, seed=seed)
         self.scheduler.policy_version = self.start_step
         versions = VersionLog(self.scheduler)  # the policy version of each token of the producer's rollouts
         self.server = start_server(versions, host=jcfg.host, port=jcfg.port, chat_template=self.chat_template,
@@ -318,9 +329,9 @@ class Run:
         self.producer = Producer(loop, self.buffer, self.buffer_state, self.play, versions,
                                  lambda t: (seed * 1_000_003 + t) * n, n, groups,
                                  in_flight_groups(cfg.batch_size, n, cfg.oversampling_factor), cfg.max_async_level,
-                                 self.start_step, next_t, resumed,
-                                 share=distributed.share(groups) if jax.process_count() > 1 else None,
-                                 last_step=cfg.max_steps)
+                                 self.start_step, next_t, resumed, last_step=cfg.max_steps,
+                                 processes=jax.process_count(), index=jax.process_index(),
+                                 gather=distributed.Exchange().gather if jax.process_count() > 1 else None)
         self.train_thread = ThreadPoolExecutor(1, thread_name_prefix="jaxrl-train")  # the loop plays meanwhile
 
     def engine_params(self) -> dict[str, Any]:
@@ -372,13 +383,14 @@ class Run:
     # -- each step ----------------------------------------------------------------------------------------
 
     def gather(self, step: int) -> Step | None:
-        """Wait for step `step`'s groups from the producer and gather every process's share; None when a
-        signal came first (its rollouts are played again on resume). Raises RunError when the buffer has no
-        example left to draw."""
+        """Wait for step `step`'s groups from the producer and gather each from the process that played it;
+        None when a signal came first (its rollouts are played again on resume). Raises RunError when the
+        buffer has no example left to draw."""
         loop, stop = self.loop, self.stop
         t_start = time.perf_counter()
-        take = loop.create_task(self.producer.take(step))
-        stop.on_signal = lambda: loop.call_soon_threadsafe(take.cancel)
+        several = jax.process_count() > 1  # then a signal rides the producer's gather and stops every process
+        take = loop.create_task(self.producer.take(step, (lambda: stop.requested) if several else None))
+        stop.on_signal = None if several else lambda: loop.call_soon_threadsafe(take.cancel)
         try:
             taken = loop.run_until_complete(take)
         except asyncio.CancelledError:
@@ -388,10 +400,11 @@ class Run:
         finally:
             stop.on_signal = None
         shares = distributed.all_gather_objects(None if taken is None else [
-            [dataclasses.asdict(r) for r in g.rollouts] for g in taken.groups if g.rollouts is not None])
+            [g.t, [dataclasses.asdict(r) for r in g.rollouts]] for g in taken.groups if g.rollouts is not None])
         if any(share is None for share in shares):  # preempted mid-rollouts: redone on resume
             return None
-        groups = [[loader.Rollout(**r) for r in group] for share in shares for group in share]
+        played = {t: group for share in shares for t, group in share}
+        groups = [[loader.Rollout(**r) for r in played[g.t]] for g in taken.groups]
         metrics = taken.metrics(step, self.rollouts_per_example, len(self.producer.groups))
         # the wait: rollouts in flight overlap the previous step
         metrics["time/rollout"] = time.perf_counter() - t_start
@@ -438,8 +451,9 @@ class Run:
         return metrics | {"time/train": time.perf_counter() - t_train, "train/samples": float(len(samples))}
 
     def _train(self, batch: Any) -> tuple[TrainState, dict[str, float]]:
-        new_state, metrics = self.trainer.step(self.state, self.base, batch)
-        return new_state, {k: float(v) for k, v in jax.device_get(metrics).items()}
+        with distributed.fenced():  # the train step spans every host
+            new_state, metrics = self.trainer.step(self.state, self.base, batch)
+            return new_state, {k: float(v) for k, v in jax.device_get(metrics).items()}
 
     def publish(self, version: int) -> None:
         """Hand the trainer's LoRA to the engine as policy `version`; the producer's next groups play it."""
@@ -461,14 +475,16 @@ class Run:
         if self.done % cfg.checkpoints.interval == 0 or self.done == cfg.max_steps or \
                 distributed.any_process(self.stop.requested):
             self.save(self.done)
-        self.adapters.after_step(self.done, self.state.lora)
+        with distributed.fenced():
+            self.adapters.after_step(self.done, self.state.lora)
 
     def save(self, step: int) -> None:
         """Checkpoint the train state with the data position (buffer, producer) after step `step`."""
         buf = self.producer.state
-        self.ckpt.save(step, self.state, {"step": step, "examples_drawn": list(buf.drawn), "buffer": buf.to_json(),
-                                          "producer": self.producer.checkpoint(), "policy_version": step,
-                                          "identity": self.identity})
+        with distributed.fenced():
+            self.ckpt.save(step, self.state, {"step": step, "examples_drawn": list(buf.drawn),
+                                              "buffer": buf.to_json(), "producer": self.producer.checkpoint(),
+                                              "policy_version": step, "identity": self.identity})
         self.saved = step
 
     # -- the end --------------------------------------------------------------------------------------------
@@ -496,9 +512,25 @@ class Run:
         self.loop.close()
         self.server.stop()
         self.scheduler.stop()
+        distributed.set_fence(None)
         with contextlib.suppress(Exception):
             self.ckpt.close()
 
+
+
+def _engine_group(cfg: RunConfig, mcfg: ModelConfig, dtype: Any) -> range:
+    """The processes whose devices this process's rollout engine spans: `[jax] engine_hosts` consecutive
+    ones, or as many as the fit rule needs for the base weights and the KV cache
+    (`jaxrl.parallel.distributed.engine_hosts`). Raises ConfigError (key `jax.engine_hosts`)."""
+    jcfg, itemsize = cfg.jax, jnp.dtype(dtype).itemsize
+    cache = 2 * mcfg.num_layers * jcfg.decode_slots * jcfg.seq_len * mcfg.num_kv_heads * mcfg.head_dim * itemsize
+    need = bytes_per_device(param_specs(mcfg), mcfg.dims(), {}, itemsize) + cache
+    try:
+        hosts = distributed.engine_hosts(jcfg.engine_hosts, need, distributed.host_memory(), jax.process_count())
+    except ValueError as exc:
+        raise ConfigError(cfg.source, [("jax.engine_hosts", str(exc))]) from None
+    first = jax.process_index() // hosts * hosts
+    return range(first, first + hosts)
 
 
 def _buffer_state(meta: dict) -> BufferState:
