@@ -1,6 +1,6 @@
 """The `jaxrl` command: `validate`, `init` and `run` a Hosted Training TOML file; manage local runs as
 `prime rl` manages hosted ones (`list`, `logs`, `stop`, `delete`, `checkpoints`, `plot`: `jaxrl.cli.runs`);
-`models`, `export` and `serve`.
+`models`, `compile` (a run's programs compiled for a TPU slice: `jaxrl.compile`), `export` and `serve`.
 
 `validate`, `init` and the run management commands (but `checkpoints`) import no JAX, so they answer in
 well under a second.
@@ -16,6 +16,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from jaxrl.compile.slices import slice_names
 from jaxrl.config.schema import (
     STARTER_TOML,
     ConfigError,
@@ -230,6 +231,40 @@ def models(
     Console(width=max(out.width, 130), highlight=False).print(table)
     out.print("A model name in a config is found as a local folder, a gs:// URL, or an id in the local "
               f"Hugging Face cache ({catalog.hf_cache_dir()}); nothing is downloaded.", markup=False)
+
+
+@app.command("compile")
+def compile_(
+    path: ConfigPath,
+    topology: Annotated[str, typer.Option(help="TPU slice, as gcloud names it: " + slice_names()
+                                               + "; or a topology such as v5p:4x4x4.", show_default=False)],
+    json_file: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON here.")] = None,
+    depths: Annotated[str, typer.Option(help="Compile at two reduced depths, e.g. '2,3', and extrapolate "
+                                             "(memory is affine in depth); default: the model's depth.")] = "",
+    engine_hosts: Annotated[int | None, typer.Option(help="Hosts per rollout engine; default: the fewest whose "
+                                                          "chips hold the engine's weights in half their HBM.")] = None,
+) -> None:
+    """Compile the run's train step, prefill and decode programs for a TPU slice (on any machine: libtpu,
+    no TPU) with abstract weights, and print per chip: weights, LoRA + optimizer, KV cache, temporaries,
+    the total against the chip's HBM (fits or not, and what to change), and roofline step times.
+    Exit 1 when it does not fit."""
+    import json
+
+    from jaxrl.compile.report import compile_run
+
+    cfg = _load(path)
+    parts = [p.strip() for p in depths.split(",") if p.strip()]
+    if parts and (len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts) or parts[0] == parts[1]):
+        raise _fail(f"--depths: {depths!r} is not two different layer counts, e.g. '2,3'")
+    try:
+        report = compile_run(cfg, topology, tuple(int(p) for p in parts) or None, engine_hosts)
+    except (ConfigError, ValueError, RuntimeError) as exc:
+        raise _fail(str(exc)) from None
+    out.print(report.text(), markup=False)
+    if json_file is not None:
+        json_file.write_text(json.dumps(report.to_json(), indent=1))
+    if not report.fits:
+        raise typer.Exit(code=1)
 
 
 @app.command("export")

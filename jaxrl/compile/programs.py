@@ -1,0 +1,224 @@
+"""A run's programs lowered and compiled with abstract arguments (no weights, no TPU): the train step,
+a prefill bucket and the decode step, each on its mesh; per-chip memory from the compiler.
+
+Every argument is a `jax.ShapeDtypeStruct` carrying the `NamedSharding` the run would give it (the
+logical-axis rules of `jaxrl.parallel.sharding`), so the compiled programs are the run's own:
+`Trainer._step` and `Engine._prefill` / `Engine._generate`, lowered with `.lower(...)` and compiled by
+the backend of the mesh's devices (libtpu for a TPU topology).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxrl.inference.engine import DecodeState, Engine
+from jaxrl.inference.protocol import SamplingParams
+from jaxrl.inference.sampling import SlotSampling
+from jaxrl.model.qwen3 import ModelConfig, lora_specs, param_specs
+from jaxrl.parallel.sharding import MESH_AXES, array_sharding, spec_shardings
+from jaxrl.parallel.spec import is_spec
+from jaxrl.rl.train import Trainer, TrainState, make_optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """What the programs are compiled for: the model at some depth, dtypes and the run's sizes."""
+
+    model: ModelConfig
+    dtype: Any  # base weights (and activations)
+    lora_rank: int
+    lora_targets: tuple[str, ...]
+    lora_scale: float
+    remat: bool
+    batch_rows: int  # sequences per train step
+    seq_len: int
+    micro_batch_size: int
+    decode_slots: int
+
+    def at_depth(self, layers: int) -> Shapes:
+        return dataclasses.replace(self, model=dataclasses.replace(self.model, num_layers=layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One compiled program, per chip: the compiler's argument / output / aliased / temporary bytes,
+    the bytes of each argument group computed from the declared shapes and their shardings
+    (`declared`), and the compile time in seconds."""
+
+    name: str
+    argument: int
+    output: int
+    alias: int
+    temp: int
+    declared: dict[str, int]
+    compile_s: float
+
+
+def _itemsize(dtype: Any) -> int:
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return 8  # threefry: two uint32 words
+    return np.dtype(dtype).itemsize
+
+
+def shard_bytes(tree: Any) -> int:
+    """Bytes of one chip's shards of every leaf (ShapeDtypeStruct; unsharded leaves count whole)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+        total += math.prod(shape) * _itemsize(x.dtype)
+    return total
+
+
+def abstract_params(specs: Any, dims: dict[str, int], mesh: Mesh, dtype: Any) -> Any:
+    """ShapeDtypeStructs with the run's NamedShardings for a pytree of `ParamSpec`."""
+    shardings = spec_shardings(specs, dims, mesh)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape(dims), dtype, sharding=sh), specs, shardings,
+                        is_leaf=is_spec)
+
+
+def _weights(s: Shapes, mesh: Mesh) -> tuple[Any, Any]:
+    m = s.model
+    base = abstract_params(param_specs(m), m.dims(), mesh, s.dtype)
+    lora = abstract_params(lora_specs(m, s.lora_rank, s.lora_targets), {**m.dims(), "R": s.lora_rank}, mesh,
+                           jnp.float32)
+    return base, lora
+
+
+def _placed(tree: Any, sharding: Any) -> Any:
+    """`tree`'s ShapeDtypeStructs with `sharding(leaf)` as their sharding."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding(x)), tree)
+
+
+def _measure(name: str, lowered: Any, declared: dict[str, int]) -> Program:
+    t0 = time.perf_counter()
+    mem = lowered.compile().memory_analysis()
+    return Program(name, int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
+                   int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes), declared, time.perf_counter() - t0)
+
+
+def _dict_keys(path: tuple) -> tuple[str, ...]:
+    return tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def _optimizer_state(trainer: Trainer, base: Any, lora: Any, replicated: NamedSharding) -> Any:
+    """`tx.init`'s state as ShapeDtypeStructs, placed as the run places it: each moment like the LoRA leaf
+    it follows (`zeros_like`), scalars (Adam's count) replicated (`Trainer.init_state`)."""
+    by_path = {("lora", *_dict_keys(p)): x.sharding for p, x in jax.tree_util.tree_leaves_with_path(lora)}
+
+    def place(path, x):
+        keys = _dict_keys(path)
+        sharding = next((by_path[keys[i:]] for i in range(len(keys)) if keys[i:] in by_path), None)
+        if x.ndim and sharding is None:
+            raise ValueError(f"optimizer state leaf {jax.tree_util.keystr(path)} follows no LoRA leaf")
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding if x.ndim else replicated)
+
+    return jax.tree_util.tree_map_with_path(place, jax.eval_shape(trainer.tx.init, {"base": base, "lora": lora}))
+
+
+def compile_train(s: Shapes, mesh: Mesh) -> Program:
+    """`Trainer._step` at `s`'s shapes on `mesh`: a batch of `batch_rows` sequences of `seq_len - 1`
+    tokens (the widest a run trains), in micro-batches of `micro_batch_size`."""
+    trainer = Trainer(s.model, mesh, make_optimizer(1e-5), lora_scale=s.lora_scale, remat=s.remat,
+                      micro_batch_size=s.micro_batch_size)
+    base, lora = _weights(s, mesh)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt = _optimizer_state(trainer, base, lora, replicated)
+    state = TrainState(lora, opt, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
+    k = trainer.micro_batches(s.batch_rows)
+    rows, t = (k * s.micro_batch_size if k > 1 else s.batch_rows), s.seq_len - 1
+    fields = {"inputs": ((rows, t), jnp.int32), "targets": ((rows, t), jnp.int32), "loss_mask": ((rows, t), bool),
+              "inference_logprobs": ((rows, t), jnp.float32), "advantages": ((rows,), jnp.float32),
+              "temperature": ((rows,), jnp.float32)}
+    batch = {n: jax.ShapeDtypeStruct(shape, dt, sharding=array_sharding(("batch",) + (None,) * (len(shape) - 1),
+                                                                        shape, mesh))
+             for n, (shape, dt) in fields.items()}
+    lowered = trainer._step.lower(state, base, batch, micro_batches=k)
+    declared = {"weights": shard_bytes(base), "lora": shard_bytes(lora), "optimizer": shard_bytes((opt, state.step)),
+                "batch": shard_bytes(batch)}
+    return _measure("train", lowered, declared)
+
+
+def _engine(s: Shapes, mesh: Mesh) -> tuple[Engine, dict]:
+    engine = Engine(s.model, mesh, s.decode_slots, s.seq_len, lora_scale=s.lora_scale, cache_dtype=s.dtype)
+    base, lora = _weights(s, mesh)
+    return engine, {"base": base, "lora": lora}
+
+
+def compile_prefill(s: Shapes, mesh: Mesh, bucket: int | None = None) -> Program:
+    """`Engine._prefill` for one prompt bucket (default the largest, `seq_len - 1` tokens) on `mesh`."""
+    engine, params = _engine(s, mesh)
+    bucket = bucket or engine.buckets[-1]
+    replicated = NamedSharding(mesh, PartitionSpec())
+    sampling, key = _placed(jax.eval_shape(lambda: (SlotSampling.of(SamplingParams()), jax.random.key(0))),
+                            lambda x: replicated)
+    lowered = engine._prefill.lower(params, jax.ShapeDtypeStruct((bucket,), jnp.int32, sharding=replicated),
+                                    jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), sampling, key,
+                                    truncate=True)
+    declared = {"weights": shard_bytes(params["base"]), "lora": shard_bytes(params["lora"])}
+    return _measure(f"prefill {bucket}", lowered, declared)
+
+
+def abstract_decode_state(engine: Engine) -> DecodeState:
+    """The decode state `Engine.init_decode_state` makes, as ShapeDtypeStructs (stacked cache: the
+    engine on an accelerator keeps one buffer [L, B, S, K, H] per k and v), every per-slot array split
+    over the slots' batch axis as the cache is."""
+    c, b, s = engine.cfg, engine.max_concurrent_decodes, engine.max_seq_len
+    shape = (c.num_layers, b, s, c.num_kv_heads, c.head_dim)
+    cache_sh = array_sharding((None, "batch", None, "kv_heads", None), shape, engine.mesh)
+    vec_sh = array_sharding(("batch",), (b,), engine.mesh)
+    cache = {n: jax.ShapeDtypeStruct(shape, engine.cache_dtype, sharding=cache_sh) for n in ("k", "v")}
+    per_slot = _placed(jax.eval_shape(lambda: (SlotSampling.neutral(b), jax.random.split(jax.random.key(0), b))),
+                       lambda x: vec_sh)
+    return DecodeState(
+        cache=cache,
+        tokens=jax.ShapeDtypeStruct((b,), jnp.int32, sharding=vec_sh),
+        positions=jax.ShapeDtypeStruct((b,), jnp.int32, sharding=vec_sh),
+        sampling=per_slot[0],
+        keys=per_slot[1],
+        seen=jax.ShapeDtypeStruct((b, c.vocab_size), jnp.bool_,
+                                  sharding=array_sharding(("batch", None), (b, c.vocab_size), engine.mesh)),
+    )
+
+
+def compile_decode(s: Shapes, mesh: Mesh) -> Program:
+    """`Engine._generate` (truncating sampling and the repetition penalty on: the largest variant) for
+    `decode_slots` slots of `seq_len` tokens on `mesh`."""
+    engine, params = _engine(s, mesh)
+    if engine.unstack:
+        raise ValueError(f"decode is compiled for an accelerator mesh, not {mesh.devices.flat[0].platform}")
+    state = abstract_decode_state(engine)
+    lowered = engine._generate.lower(params, state, truncate=True, penalize=True)
+    declared = {"weights": shard_bytes(params["base"]), "lora": shard_bytes(params["lora"]),
+                "kv_cache": shard_bytes(state.cache), "slots": shard_bytes(dataclasses.replace(state, cache={}))}
+    return _measure("decode", lowered, declared)
+
+
+def engine_mesh(mesh: Mesh, hosts: int) -> Mesh:
+    """The mesh of an engine on the first `hosts` hosts of `mesh` (the whole mesh when `hosts` is all of
+    them): their devices, with the mesh's leading axes (data, then fsdp, expert, tensor) shrunk by
+    `process count / hosts`, as the hosts are laid out along them.
+
+    Raises:
+        ValueError: `hosts` does not divide the process count, or the axes cannot be shrunk by that factor.
+    """
+    processes = sorted({d.process_index for d in mesh.devices.flat})
+    if len(processes) % hosts:
+        raise ValueError(f"an engine of {hosts} hosts does not divide the slice's {len(processes)} hosts")
+    factor = len(processes) // hosts
+    sizes = dict(mesh.shape)
+    for axis in ("data", "fsdp", "expert", "tensor"):
+        g = math.gcd(sizes[axis], factor)
+        sizes[axis] //= g
+        factor //= g
+    if factor != 1:
+        raise ValueError(f"mesh {dict(mesh.shape)} cannot be split into engines of {hosts} hosts")
+    devices = [d for d in mesh.devices.flat if d.process_index in processes[:hosts]]
+    return Mesh(np.array(devices).reshape([sizes[a] for a in MESH_AXES]), MESH_AXES)

@@ -1,0 +1,277 @@
+"""`jaxrl compile`: a run's programs compiled for a TPU slice, their per-chip memory against the chip's
+HBM, and a roofline estimate of step times.
+
+Memory comes from the compiler (`programs`). Full depth can be slow to compile on a small machine, so
+`depths=(d1, d2)` compiles the programs at two reduced depths and extrapolates every per-chip byte
+count linearly to the model's depth: the layers are one scanned stack, so memory is affine in depth
+(tests/test_compile.py checks it exactly on a third depth).
+
+The time estimate is a roofline from the model's arithmetic (FLOPs and bytes per step, below) and the
+chip's published peaks (`slices.CHIPS`). The compiler's `cost_analysis()` is not used for it: it counts
+the body of a loop once whatever its trip count (a 1-, 2- and 4-layer scan report the same FLOPs), and
+every program here loops over layers, logit chunks and micro-batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+import jax.numpy as jnp
+
+from jaxrl.compile import programs, slices
+from jaxrl.compile.programs import Program, Shapes
+from jaxrl.config.schema import ConfigError, RunConfig, resolve_model_path
+from jaxrl.model import catalog, hf
+from jaxrl.model.qwen3 import ModelConfig
+from jaxrl.parallel.sharding import MESH_AXES, make_mesh
+from jaxrl.rl.train import default_micro_batch
+
+FIT_SHARE = 0.9  # a run fits when its total is at most this share of HBM (the rest: runtime, fragmentation)
+ENGINE_WEIGHT_SHARE = 0.5  # an engine spans the fewest hosts whose chips hold its weights in this share of HBM
+
+TERMS = ("weights", "lora_optimizer", "engine_weights", "kv_cache", "temporaries", "other")
+ADVICE = {
+    "weights": "more chips for the weights: a larger slice, or mesh axes fsdp / expert / tensor instead of data",
+    "lora_optimizer": "a smaller [jax] lora_rank or fewer lora_targets, or more fsdp / expert chips",
+    "engine_weights": "an engine over more hosts (--engine-hosts), or a larger slice",
+    "kv_cache": "fewer [jax] decode_slots or a shorter seq_len",
+    "temporaries": "[jax] remat = true, a smaller [jax] micro_batch_size, or fewer decode_slots",
+    "other": "a smaller batch_size or decode_slots",
+}
+
+
+@dataclasses.dataclass
+class Report:
+    """Per-chip bytes of each term at full depth, whether the total fits the chip, the roofline
+    estimates, and how the numbers were obtained."""
+
+    slice: slices.Slice
+    hosts: int
+    mesh: dict[str, int]
+    engine_hosts: int
+    engine_mesh: dict[str, int]
+    shapes: Shapes
+    depths: tuple[int, ...]
+    terms: dict[str, int]
+    programs: dict[str, dict[str, Any]]  # "train@2": the compiler's bytes at that depth (extrapolated at full depth)
+    train_step_s: float
+    decode_step_s: float
+    compile_s: float
+
+    @property
+    def total(self) -> int:
+        return sum(self.terms.values())
+
+    @property
+    def hbm(self) -> int:
+        return self.slice.chip.hbm_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= FIT_SHARE * self.hbm
+
+    @property
+    def overflow(self) -> str:
+        """The largest term: the one to shrink first."""
+        return max(self.terms, key=self.terms.__getitem__)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per second of one engine with every slot busy."""
+        return self.shapes.decode_slots / self.decode_step_s
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "slice": self.slice.name, "topology": self.slice.topology, "chips": self.slice.chips,
+            "hosts": self.hosts, "mesh": self.mesh, "engine_hosts": self.engine_hosts, "engine_mesh": self.engine_mesh,
+            "model_layers": self.shapes.model.num_layers, "compiled_depths": list(self.depths),
+            "batch_rows": self.shapes.batch_rows, "seq_len": self.shapes.seq_len,
+            "micro_batch_size": self.shapes.micro_batch_size, "decode_slots": self.shapes.decode_slots,
+            "bytes_per_chip": {**self.terms, "total": self.total, "hbm": self.hbm},
+            "fits": self.fits, "overflow": None if self.fits else self.overflow, "programs": self.programs,
+            "train_step_s": self.train_step_s, "decode_step_s": self.decode_step_s,
+            "decode_tokens_per_s_per_engine": self.decode_tokens_per_s, "compile_s": self.compile_s,
+            "chip": dataclasses.asdict(self.slice.chip),
+        }
+
+    def text(self) -> str:
+        g = 2**30
+        s = self.shapes
+        lines = [f"{self.slice.name} ({self.slice.topology}): {self.slice.chips} chips on {self.hosts} hosts, "
+                 f"mesh {self.mesh}; engine on {self.engine_hosts} host(s), mesh {self.engine_mesh}",
+                 f"model: {s.model.num_layers} layers; train {s.batch_rows} x {s.seq_len} tokens in micro-batches "
+                 f"of {s.micro_batch_size}; {s.decode_slots} decode slots x {s.seq_len}",
+                 f"compiled at depth {', '.join(map(str, self.depths))}"
+                 + (" and extrapolated (memory is affine in depth)" if s.model.num_layers not in self.depths else "")
+                 + f" in {self.compile_s:.0f} s",
+                 "per chip, GiB:"]
+        lines += [f"  {name:<15}{self.terms[name] / g:8.2f}" for name in TERMS]
+        verdict = "fits" if self.fits else \
+            f"does NOT fit: {self.overflow} is the largest term; try {ADVICE[self.overflow]}"
+        lines.append(f"  {'total':<15}{self.total / g:8.2f}  of {self.hbm / g:.0f} GiB HBM ({FIT_SHARE:.0%} usable): "
+                     f"{verdict}")
+        lines.append(f"roofline: train step {self.train_step_s:.2f} s, decode step {self.decode_step_s * 1e3:.1f} ms "
+                     f"= {self.decode_tokens_per_s:.0f} tok/s per engine ({self.slice.chip.source})")
+        return "\n".join(lines)
+
+
+def _extrapolate(a: Program, b: Program, da: int, db: int, depth: int) -> dict[str, int]:
+    """Every byte count of a program at `depth`, on the line through its values at depths `da`, `db`."""
+
+    def line(x: int, y: int) -> int:
+        return x + (y - x) * (depth - da) // (db - da)
+
+    out = {f: line(getattr(a, f), getattr(b, f)) for f in ("argument", "output", "alias", "temp")}
+    out.update({f"declared_{k}": line(a.declared[k], b.declared[k]) for k in a.declared})
+    return out
+
+
+def engine_hosts_for(shapes: Shapes, mesh: Any, chip: slices.Chip) -> int:
+    """The fewest hosts (a divisor of the slice's) whose chips hold the engine's weights within
+    `ENGINE_WEIGHT_SHARE` of HBM, by the declared shapes; all of them when none does."""
+    hosts = len({d.process_index for d in mesh.devices.flat})
+    for g in [g for g in range(1, hosts + 1) if hosts % g == 0]:
+        try:
+            sub = programs.engine_mesh(mesh, g)
+        except ValueError:
+            continue
+        base, _ = programs._weights(shapes, sub)
+        if programs.shard_bytes(base) <= ENGINE_WEIGHT_SHARE * chip.hbm_bytes:
+            return g
+    return hosts
+
+
+def roofline(m: ModelConfig, s: Shapes, chip: slices.Chip, chips: int, engine_chips: int,
+             weights: int, engine_weights: int, kv_cache: int, micro_batches: int) -> tuple[float, float]:
+    """(train step seconds, decode step seconds): max(FLOPs / peak, bytes / bandwidth) per chip.
+
+    FLOPs per token: 2 per weight of a matmul the token goes through (attention, its MLP or top-k experts,
+    the unembedding), plus 4·L·T·N·H for attention over T positions (scores and values, mask included).
+    Training multiplies them by 3 (forward, backward) and 4 with remat (the forward again). Bytes: a train
+    step reads the chip's weights 2x (3x with remat) per micro-batch; a decode step reads the engine's
+    weights and the whole KV cache once.
+    """
+    d, n_h, k_h = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    mlp = m.num_experts_per_tok * 3 * d * m.moe_intermediate_size + d * m.num_experts if m.is_moe \
+        else 3 * d * m.intermediate_size
+    matmul = m.num_layers * (2 * d * n_h + 2 * d * k_h + mlp) + m.vocab_size * d
+    t = s.seq_len - 1
+    passes = 4 if s.remat else 3
+    train_flops = passes * s.batch_rows * t * (2 * matmul + 4 * m.num_layers * t * n_h) / chips
+    train_bytes = (3 if s.remat else 2) * micro_batches * weights
+    train = max(train_flops / chip.flops, train_bytes / chip.hbm_bandwidth)
+    decode_flops = s.decode_slots * (2 * matmul + 4 * m.num_layers * s.seq_len * n_h) / engine_chips
+    decode = max(decode_flops / chip.flops, (engine_weights + kv_cache) / chip.hbm_bandwidth)
+    return train, decode
+
+
+def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slices.Slice, shapes: Shapes,
+                   depths: tuple[int, ...] | None = None, engine_hosts: int | None = None) -> Report:
+    """Compile the train step, the largest prefill bucket and the decode step for `slice_` and report.
+
+    Args:
+        shapes: the run's sizes; its model is replaced by `model` at each compiled depth.
+        depths: two reduced depths to compile and extrapolate from; None compiles at full depth.
+        engine_hosts: hosts per rollout engine; None: `engine_hosts_for`.
+    Raises:
+        ValueError: the mesh does not use every chip of the slice, or the engine's hosts do not divide
+            the slice's.
+        RuntimeError: libtpu is missing.
+    """
+    devices = slices.topology_devices(slice_)
+    mesh = make_mesh(mesh_shape, devices)
+    hosts = len({d.process_index for d in devices})
+    shapes = dataclasses.replace(shapes, model=model)
+    g = engine_hosts or engine_hosts_for(shapes, mesh, slice_.chip)
+    emesh = programs.engine_mesh(mesh, g)
+    depths = tuple(depths or (model.num_layers,))
+    t0 = time.perf_counter()
+    compiled = {}
+    for depth in depths:
+        sd = shapes.at_depth(depth)
+        compiled[depth] = {"train": programs.compile_train(sd, mesh), "prefill": programs.compile_prefill(sd, emesh),
+                           "decode": programs.compile_decode(sd, emesh)}
+    if len(depths) == 1:
+        at = {n: {**{f: getattr(p, f) for f in ("argument", "output", "alias", "temp")},
+                  **{f"declared_{k}": v for k, v in p.declared.items()}} for n, p in compiled[depths[0]].items()}
+    else:
+        da, db = depths[:2]
+        at = {n: _extrapolate(compiled[da][n], compiled[db][n], da, db, model.num_layers) for n in compiled[da]}
+    train, prefill, decode = at["train"], at["prefill"], at["decode"]
+    shared = emesh.devices.size == mesh.devices.size
+    terms = {
+        "weights": train["declared_weights"],
+        # the state in and out of the step (nothing is donated: the engine still reads the old LoRA)
+        "lora_optimizer": train["declared_lora"] + train["declared_optimizer"] + train["output"],
+        "engine_weights": 0 if shared else decode["declared_weights"] + decode["declared_lora"],
+        "kv_cache": decode["declared_kv_cache"],
+        # the train step runs in a thread while the engine decodes: both programs' scratch at once
+        "temporaries": train["temp"] + max(prefill["temp"], decode["temp"]),
+        "other": train["declared_batch"] + decode["declared_slots"] + prefill["output"],
+    }
+    k = -(-shapes.batch_rows // shapes.micro_batch_size)
+    train_s, decode_s = roofline(model, shapes, slice_.chip, mesh.devices.size, emesh.devices.size,
+                                 terms["weights"], decode["declared_weights"], terms["kv_cache"], k)
+    raw = {f"{n}@{d}": dataclasses.asdict(p) for d, ps in compiled.items() for n, p in ps.items()}
+    return Report(slice_, hosts, dict(mesh.shape), g, dict(emesh.shape), shapes, depths, terms,
+                  {**raw, **({f"{n}@{model.num_layers}": v for n, v in at.items()} if len(depths) > 1 else {})},
+                  train_s, decode_s,
+                  time.perf_counter() - t0)
+
+
+def model_of(cfg: RunConfig) -> ModelConfig:
+    """The run's architecture: its checkpoint's config.json when the checkpoint is on this machine, else
+    the catalogue's facts for a Hosted Training model name (`jaxrl.model.catalog.HOSTED_MODELS`).
+
+    Raises:
+        ConfigError: neither (naming the places looked in).
+    """
+    try:
+        path = resolve_model_path(cfg)
+        if not path.startswith("gs://"):
+            return hf.load_config(path)
+    except ConfigError as exc:
+        looked = str(exc)
+    else:
+        looked = f"{path} is not read for compiling"
+    facts = catalog.HOSTED_MODELS.get(cfg.model)
+    if facts is None:
+        raise ConfigError(cfg.source, [("model", f"no architecture for {cfg.model!r}: {looked}; and it is not a "
+                                                 f"Hosted Training model ({', '.join(catalog.HOSTED_MODELS)})")])
+    return ModelConfig.from_hf(facts)
+
+
+def shapes_of(cfg: RunConfig, model: ModelConfig, batch_shards: int) -> Shapes:
+    """The sizes a run of `cfg` compiles for: `batch_size` sequences of `[jax] seq_len` tokens (one sample
+    per rollout, the widest batch), `[jax] micro_batch_size` or its default for `batch_shards`."""
+    j = cfg.jax
+    return Shapes(model, jnp.bfloat16 if j.dtype == "bfloat16" else jnp.float32, j.lora_rank, tuple(j.lora_targets),
+                  cfg.lora_alpha / j.lora_rank, j.remat, cfg.batch_size, j.seq_len,
+                  j.micro_batch_size or default_micro_batch(j.seq_len, batch_shards), j.decode_slots)
+
+
+def compile_run(cfg: RunConfig, slice_name: str, depths: tuple[int, ...] | None = None,
+                engine_hosts: int | None = None) -> Report:
+    """`compile_report` for a run config on the slice `slice_name` (`slices.parse_slice`).
+
+    Raises:
+        ConfigError: the slice name, the mesh (its product must be the slice's chip count) or the model
+            (see `model_of`) is wrong.
+    """
+    try:
+        slice_ = slices.parse_slice(slice_name)
+    except ValueError as exc:
+        raise ConfigError(cfg.source, [("--topology", str(exc))]) from None
+    model = model_of(cfg)
+    shape = cfg.jax.mesh.model_dump()
+    sizes = [shape[a] for a in MESH_AXES]
+    if math.prod(sizes) == 1:
+        shape = {"fsdp": slice_.chips}
+    elif math.prod(sizes) != slice_.chips:
+        raise ConfigError(cfg.source, [("jax.mesh", f"{shape} has {math.prod(sizes)} devices; {slice_.name} has "
+                                                    f"{slice_.chips} chips")])
+    shards = math.prod(shape.get(a, 1) for a in ("data", "fsdp", "expert"))
+    return compile_report(model, shape, slice_, shapes_of(cfg, model, shards), depths, engine_hosts)
