@@ -291,9 +291,9 @@ def test_gradient_accumulation_matches_one_pass(shape, n, micro):
 def test_default_micro_batch_rule():
     from jaxrl.rl.train import default_micro_batch
 
-    assert default_micro_batch(4096, 64) == 256  # 4 sequences x 4096 tokens on each of 64 shards
+    assert default_micro_batch(4096, 64) == 64  # one 4096-token sequence on each of 64 shards
     assert default_micro_batch(32_768, 8) == 8  # at least one sequence per shard
-    assert default_micro_batch(256, 1) == 64
+    assert default_micro_batch(256, 1) == 16
 
 
 def test_engine_and_trainer_agree_at_step_one():

@@ -250,6 +250,7 @@ def compile_(
     Exit 1 when it does not fit."""
     import json
 
+    from jaxrl.compile.programs import ProgramTooLarge
     from jaxrl.compile.report import compile_run
 
     cfg = _load(path)
@@ -258,6 +259,9 @@ def compile_(
         raise _fail(f"--depths: {depths!r} is not two different layer counts, e.g. '2,3'")
     try:
         report = compile_run(cfg, topology, tuple(int(p) for p in parts) or None, engine_hosts)
+    except ProgramTooLarge as exc:
+        err.print(str(exc), markup=False)
+        raise typer.Exit(code=1) from None
     except (ConfigError, ValueError, RuntimeError) as exc:
         raise _fail(str(exc)) from None
     out.print(report.text(), markup=False)

@@ -97,9 +97,24 @@ def _placed(tree: Any, sharding: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding(x)), tree)
 
 
+class ProgramTooLarge(ValueError):
+    """The compiler refused a program: it needs more memory than one chip's HBM."""
+
+
 def _measure(name: str, lowered: Any, declared: dict[str, int]) -> Program:
+    """Compile `lowered` and read its per-chip memory.
+
+    Raises:
+        ProgramTooLarge: the compiler ran out of HBM (its message says which buffers and how much).
+    """
     t0 = time.perf_counter()
-    mem = lowered.compile().memory_analysis()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as exc:
+        if "RESOURCE_EXHAUSTED" not in str(exc):
+            raise
+        raise ProgramTooLarge(f"{name}: {str(exc).splitlines()[0]}") from None
+    mem = compiled.memory_analysis()
     return Program(name, int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
                    int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes), declared, time.perf_counter() - t0)
 

@@ -177,6 +177,7 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
         depths: two reduced depths to compile and extrapolate from; None compiles at full depth.
         engine_hosts: hosts per rollout engine; None: `engine_hosts_for`.
     Raises:
+        ProgramTooLarge: the compiler refused a program (it needs more than a chip's HBM).
         ValueError: the mesh does not use every chip of the slice, or the engine's hosts do not divide
             the slice's.
         RuntimeError: libtpu is missing.
@@ -192,8 +193,14 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
     compiled = {}
     for depth in depths:
         sd = shapes.at_depth(depth)
-        compiled[depth] = {"train": programs.compile_train(sd, mesh), "prefill": programs.compile_prefill(sd, emesh),
-                           "decode": programs.compile_decode(sd, emesh)}
+        try:
+            compiled[depth] = {"train": programs.compile_train(sd, mesh),
+                               "prefill": programs.compile_prefill(sd, emesh),
+                               "decode": programs.compile_decode(sd, emesh)}
+        except programs.ProgramTooLarge as exc:
+            raise programs.ProgramTooLarge(f"does NOT fit at {depth} layers, the {exc}; try "
+                                           f"{ADVICE['temporaries']}, or tensor > 1 (attention scores are split "
+                                           f"by heads)") from None
     if len(depths) == 1:
         at = {n: {**{f: getattr(p, f) for f in ("argument", "output", "alias", "temp")},
                   **{f"declared_{k}": v for k, v in p.declared.items()}} for n, p in compiled[depths[0]].items()}

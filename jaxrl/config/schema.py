@@ -362,7 +362,7 @@ class JaxConfig(_Table):
     """Sequences per train pass (all chips together): a step's batch is trained in ceil(rows / this)
     micro-batches whose gradients are accumulated, the same update as one pass with one micro-batch's
     activations in memory; best a multiple of the batch shards (mesh data x fsdp x expert). Default None:
-    16,384 tokens per batch shard, `batch shards x max(1, 16384 // seq_len)` sequences
+    4096 tokens per batch shard, `batch shards x max(1, 4096 // seq_len)` sequences
     (`jaxrl.rl.train.default_micro_batch`); a smaller batch is one pass."""
     engine_hosts: int = Field(0, ge=0)
     """Processes (hosts) that share one rollout engine: its mesh spans their devices and they step it in
@@ -800,7 +800,7 @@ id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
 # seed = 0
 # decode_slots = 32            # concurrent decodes in the rollout engine
 # remat = false                # recompute activations in the backward pass
-# micro_batch_size = 64        # sequences per train pass (gradients accumulated); default 16384 tokens per batch shard
+# micro_batch_size = 64        # sequences per train pass (gradients accumulated); default 4096 tokens per batch shard
 # engine_hosts = 0             # hosts per rollout engine (multi-host); 0 = 1 unless the model does not fit a host
 # host = "127.0.0.1"           # rollout server address
 # port = 0                     # rollout server port; 0 = a free one

@@ -33,14 +33,15 @@ from jaxrl.model.qwen3 import ModelConfig, Params
 from jaxrl.parallel.sharding import array_sharding, batch_shards
 from jaxrl.rl import losses
 
-TOKENS_PER_SHARD = 16_384  # default micro-batch: tokens each batch shard trains per pass (`default_micro_batch`)
+TOKENS_PER_SHARD = 4096  # default micro-batch: tokens each batch shard trains per pass (`default_micro_batch`)
 
 
 def default_micro_batch(seq_len: int, batch_shards: int) -> int:
     """Sequences per micro-batch when `[jax] micro_batch_size` is unset: `TOKENS_PER_SHARD` tokens on each
     of the `batch_shards` chips the batch is split over (data x fsdp x expert), and at least one sequence
-    per shard. With remat, a chip then keeps L x 16,384 x D x 2 bytes of residual stream (Qwen3-30B-A3B:
-    3 GiB), the size at which `jaxrl compile` fits the Hosted models on every slice of docs/tpu.md."""
+    per shard. Attention materialises its float32 scores, [heads, T, T] per sequence (4096 tokens, 32
+    heads: 2 GiB), so more than one 4096-token sequence per chip in a pass is what `jaxrl compile` found
+    not to fit (Qwen3-4B, 4 sequences per chip: 72 GB of temporaries at two layers)."""
     return batch_shards * max(1, TOKENS_PER_SHARD // seq_len)
 
 
