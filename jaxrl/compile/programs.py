@@ -25,7 +25,7 @@ from jaxrl.inference.sampling import SlotSampling
 from jaxrl.model.qwen3 import ModelConfig, lora_specs, param_specs
 from jaxrl.parallel.sharding import MESH_AXES, array_sharding, spec_shardings
 from jaxrl.parallel.spec import is_spec
-from jaxrl.rl.train import Trainer, TrainState, make_optimizer
+from jaxrl.rl.train import Batch, Trainer, TrainState, loss_width, make_optimizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,9 +149,13 @@ def compile_train(s: Shapes, mesh: Mesh) -> Program:
     state = TrainState(lora, opt, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
     k = trainer.micro_batches(s.batch_rows)
     rows, t = (k * s.micro_batch_size if k > 1 else s.batch_rows), s.seq_len - 1
+    # every row a whole sequence of loss tokens: the widest batch `make_batch` can build
     fields = {"inputs": ((rows, t), jnp.int32), "targets": ((rows, t), jnp.int32), "loss_mask": ((rows, t), bool),
               "inference_logprobs": ((rows, t), jnp.float32), "advantages": ((rows,), jnp.float32),
-              "temperature": ((rows,), jnp.float32)}
+              "temperature": ((rows,), jnp.float32), "loss_positions": ((rows, min(loss_width(t), t)), jnp.int32)}
+    missing = {f.name for f in dataclasses.fields(Batch)} ^ fields.keys()
+    if missing:
+        raise ValueError(f"compile_train does not build the train batch fields {sorted(missing)}")
     batch = {n: jax.ShapeDtypeStruct(shape, dt, sharding=array_sharding(("batch",) + (None,) * (len(shape) - 1),
                                                                         shape, mesh))
              for n, (shape, dt) in fields.items()}
