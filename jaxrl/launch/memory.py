@@ -1,7 +1,9 @@
 """Per-chip memory of a jaxrl run: base weights, LoRA with its optimizer state, rollout KV cache and
 training activations, placed by the logical-axis rules of `jaxrl.parallel.sharding` (standard library only).
 
-`python -m jaxrl.launch.memory` prints the table of docs/tpu.md. The rules, as `jaxrl.parallel.sharding.RULES`
+`python -m jaxrl.launch.memory` prints a quick table in a blink, without JAX; the compiler's own account
+(temporaries, the step's output state, the engine's copy included) is `jaxrl compile`'s, which docs/tpu.md
+section 7 shows. The rules, as `jaxrl.parallel.sharding.RULES`
 has them: `embed` on `fsdp`; `heads`, `kv_heads`, `mlp`, `vocab` on `tensor`; `experts` on `expert`;
 `batch` on (`data`, `fsdp`, `expert`). A dimension the mesh axes do not divide is replicated.
 """
@@ -117,16 +119,19 @@ def per_chip(a: Arch, m: Mesh, *, lora_rank: int = 16, decode_slots: int = 256, 
                   engine still reads while a step runs (4), gradients (4), Adam's two moments (8)
     kv_cache    = 2 (k, v) x L x decode_slots x seq_len x K x H x 2 bytes (bfloat16)
                   / (data x fsdp x expert: slots) / (tensor: kv heads, when it divides K)
-    activations = L x (train_seqs x seq_len / (data x fsdp x expert)) x D x 2 bytes: with `remat`, the
-                  residual stream saved at each layer boundary; a layer's own recomputation and the
-                  256-token logit chunks come on top (a few hundred MiB at these sizes)
+    activations = L x (micro-batch sequences x seq_len / (data x fsdp x expert)) x D x 2 bytes: with
+                  `remat`, the residual stream saved at each layer boundary for one micro-batch (the
+                  default `[jax] micro_batch_size`: 4096 tokens per batch shard, as
+                  `jaxrl.rl.train.default_micro_batch`); a layer's recomputation, attention's float32
+                  scores and the logit chunks come on top: `jaxrl compile` measures them
     """
     _, w = _weights(a, None, m)
     _, lo = _weights(a, lora_rank, m)
     batch_split = m.data * m.fsdp * m.expert
     kv = 2 * a.layers * decode_slots * seq_len * a.kv_heads * a.head_dim * 2
     kv /= _split(decode_slots, batch_split) * _split(a.kv_heads, m.tensor)
-    act = a.layers * (train_seqs * seq_len / batch_split) * a.d * 2
+    micro_seqs = min(train_seqs, batch_split * max(1, 4096 // seq_len))
+    act = a.layers * (micro_seqs * seq_len / batch_split) * a.d * 2
     return Budget(w * weight_bytes / GIB, lo * 20 / GIB, kv / GIB, act / GIB)
 
 
