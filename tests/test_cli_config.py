@@ -11,7 +11,8 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from jaxrl.cli.main import app
-from jaxrl.config.schema import STARTER_TOML, ConfigError, RunConfig, load_config
+from jaxrl.config.schema import ConfigError, RunConfig, load_config
+from jaxrl.config.starter import STARTER_TOML
 
 ROOT = Path(__file__).parent.parent
 EXAMPLES = sorted((ROOT / "configs" / "examples").glob("*.toml"))

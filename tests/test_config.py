@@ -8,15 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from jaxrl.config.schema import (
-    STARTER_TOML,
-    ConfigError,
-    RunConfig,
-    load_config,
-    load_env_file,
-    resolve_model_path,
-    resolve_tokenizer_path,
-)
+from jaxrl.config.env_file import load_env_file
+from jaxrl.config.schema import ConfigError, RunConfig, load_config, resolve_model_path, resolve_tokenizer_path
+from jaxrl.config.starter import STARTER_TOML
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "configs" / "examples").glob("*.toml"))
 MINIMAL = """\

@@ -21,15 +21,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
+from etils import epath
 from typer.testing import CliRunner
 
 from jaxrl.cli.main import app
 from jaxrl.config.schema import load_config
-from jaxrl.export import exporter
-from jaxrl.model import hf, qwen3
+from jaxrl.model import hf, hf_lora, qwen3
 from jaxrl.rl.train import TrainState, make_optimizer
+from jaxrl.run import layout
+from jaxrl.run.adapters import RunAdapters
 from jaxrl.run.checkpoint import Checkpointer
-from jaxrl.run.recovery import model_identity
+from jaxrl.run.identity import model_identity
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -125,9 +127,9 @@ def trained(base):
 
 def test_merged_loads_in_transformers_with_the_lora_logits(base, trained, tmp_path):
     cfg, params, lora, want = trained
-    np.testing.assert_allclose(_jax_logits(cfg, exporter.merge_lora(cfg, params, lora, ALPHA / RANK)), want,
+    np.testing.assert_allclose(_jax_logits(cfg, hf_lora.merge_lora(cfg, params, lora, ALPHA / RANK)), want,
                                atol=ATOL, rtol=0)
-    exporter.save_merged(tmp_path, cfg, params, lora, ALPHA / RANK)
+    hf_lora.save_merged(tmp_path, cfg, params, lora, ALPHA / RANK)
     m, info = _hf_class(cfg).from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     np.testing.assert_allclose(_torch_logits(m.eval()), want, atol=ATOL, rtol=0)
@@ -139,14 +141,14 @@ def test_adapter_loads_in_peft_with_the_lora_logits_and_reads_back(base, trained
     if cfg.is_moe and cfg.mlp_layers:  # peft cannot load MLP LoRA beside experts (see the test below)
         targets, lora = ATTENTION, {"layers": lora["layers"]}
         want = _jax_logits(cfg, params, lora)
-    exporter.save_adapter(tmp_path, cfg, lora, rank=RANK, alpha=ALPHA, targets=targets,
+    hf_lora.save_adapter(tmp_path, cfg, lora, rank=RANK, alpha=ALPHA, targets=targets,
                         base_model_name_or_path=str(base))
-    conf = json.loads((tmp_path / exporter.ADAPTER_CONFIG).read_text())
+    conf = json.loads((tmp_path / hf_lora.ADAPTER_CONFIG).read_text())
     assert (conf["r"], conf["lora_alpha"], sorted(conf["target_modules"])) == (RANK, ALPHA, sorted(targets))
     m = peft.PeftModel.from_pretrained(_hf_class(cfg).from_pretrained(base), tmp_path).eval()
     np.testing.assert_allclose(_torch_logits(m), want, atol=ATOL, rtol=0)
 
-    back = exporter.load_adapter(tmp_path, cfg)
+    back = hf_lora.load_adapter(tmp_path, cfg)
     assert (back.rank, back.lora_scale, back.targets, back.base_model_name_or_path) == (
         RANK, ALPHA / RANK, tuple(sorted(targets)), str(base))
     assert jax.tree.structure(back.lora) == jax.tree.structure(lora)
@@ -160,11 +162,11 @@ def test_adapter_of_some_targets_matches_peft(tmp_path):
     cfg, params = hf.load_hf(folder)
     targets = ("q_proj", "v_proj")
     lora = _random_lora(cfg, targets)
-    exporter.save_adapter(tmp_path / "a", cfg, lora, rank=RANK, alpha=ALPHA, targets=targets,
+    hf_lora.save_adapter(tmp_path / "a", cfg, lora, rank=RANK, alpha=ALPHA, targets=targets,
                         base_model_name_or_path="x")
     m = peft.PeftModel.from_pretrained(transformers.Qwen3ForCausalLM.from_pretrained(folder), tmp_path / "a")
     np.testing.assert_allclose(_torch_logits(m.eval()), _jax_logits(cfg, params, lora), atol=ATOL, rtol=0)
-    assert list(exporter.load_adapter(tmp_path / "a", cfg).lora["layers"]) == ["wq", "wv"]
+    assert list(hf_lora.load_adapter(tmp_path / "a", cfg).lora["layers"]) == ["wq", "wv"]
 
 
 def test_adapter_refuses_what_peft_cannot_load(tmp_path):
@@ -172,14 +174,14 @@ def test_adapter_refuses_what_peft_cannot_load(tmp_path):
     _moe(mlp_only_layers=[1]).save_pretrained(mixed)
     cfg = hf.load_config(mixed)
     with pytest.raises(ValueError, match="dense-MLP layers"):
-        exporter.save_adapter(tmp_path / "a", cfg, _random_lora(cfg), rank=RANK, alpha=ALPHA, targets=ALL,
+        hf_lora.save_adapter(tmp_path / "a", cfg, _random_lora(cfg), rank=RANK, alpha=ALPHA, targets=ALL,
                             base_model_name_or_path="x")
     half = ("q_proj", "gate_proj")
     with pytest.raises(ValueError, match="only one of gate_proj and up_proj"):
-        exporter.save_adapter(tmp_path / "b", cfg, _random_lora(cfg, half), rank=RANK, alpha=ALPHA, targets=half,
+        hf_lora.save_adapter(tmp_path / "b", cfg, _random_lora(cfg, half), rank=RANK, alpha=ALPHA, targets=half,
                             base_model_name_or_path="x")
     with pytest.raises(ValueError, match="targets"):
-        exporter.save_adapter(tmp_path / "c", cfg, _random_lora(cfg, ("q_proj",)), rank=RANK, alpha=ALPHA,
+        hf_lora.save_adapter(tmp_path / "c", cfg, _random_lora(cfg, ("q_proj",)), rank=RANK, alpha=ALPHA,
                             targets=("k_proj",), base_model_name_or_path="x")
     assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
 
@@ -194,12 +196,12 @@ def test_load_adapter_refuses_what_jaxrl_cannot_run(tmp_path, change, message):
     folder = tmp_path / "base"
     _dense().save_pretrained(folder)
     cfg = hf.load_config(folder)
-    exporter.save_adapter(tmp_path / "a", cfg, _random_lora(cfg, ("q_proj",)), rank=RANK, alpha=ALPHA,
+    hf_lora.save_adapter(tmp_path / "a", cfg, _random_lora(cfg, ("q_proj",)), rank=RANK, alpha=ALPHA,
                         targets=("q_proj",), base_model_name_or_path="x")
-    conf_path = tmp_path / "a" / exporter.ADAPTER_CONFIG
+    conf_path = tmp_path / "a" / hf_lora.ADAPTER_CONFIG
     conf_path.write_text(json.dumps(json.loads(conf_path.read_text()) | change))
     with pytest.raises(ValueError, match=message):
-        exporter.load_adapter(tmp_path / "a", cfg)
+        hf_lora.load_adapter(tmp_path / "a", cfg)
 
 
 # --- `jaxrl export` on a run's checkpoint -------------------------------------------------------------
@@ -227,7 +229,7 @@ lora_rank = {rank}
 
 @pytest.fixture(scope="module")
 def run_with_checkpoint(tmp_path_factory):
-    """A run folder as `jaxrl run` leaves it (config.json, checkpoints/2) holding a random LoRA; the base
+    """A run folder as `jaxrl run` leaves it (run_config.json, checkpoints/2) holding a random LoRA; the base
     folder has a generation config, the tokenizer folder beside it a tokenizer file."""
     tmp = tmp_path_factory.mktemp("run")
     m = _dense()
@@ -241,7 +243,7 @@ def run_with_checkpoint(tmp_path_factory):
     cfg = load_config(toml)
     run_dir = tmp / "runs" / "exp"
     run_dir.mkdir(parents=True)
-    exporter.write_run_config(run_dir, cfg)
+    layout.write_run_config(run_dir, cfg)
     mcfg, params = hf.load_hf(tmp / "base")
     lora = _random_lora(mcfg)
     _save_checkpoint(str(run_dir / "checkpoints"), 2, mcfg, params, lora)
@@ -278,12 +280,12 @@ def test_cli_exports_a_checkpoint_step_as_an_adapter(run_with_checkpoint, tmp_pa
     result = _export(run_dir / "checkpoints" / "2", "--out", tmp_path / "adapter", "--adapter")
     assert result.exit_code == 0, result.output
     assert "PEFT adapter of checkpoint step 2" in result.stdout
-    conf = json.loads((tmp_path / "adapter" / exporter.ADAPTER_CONFIG).read_text())
+    conf = json.loads((tmp_path / "adapter" / hf_lora.ADAPTER_CONFIG).read_text())
     assert conf["base_model_name_or_path"] == "jaxrl/qwen3-test"
     base = transformers.Qwen3ForCausalLM.from_pretrained(run_dir.parent.parent / "base")
     m = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     np.testing.assert_allclose(_torch_logits(m), want, atol=ATOL, rtol=0)
-    back = exporter.load_adapter(tmp_path / "adapter", mcfg).lora
+    back = hf_lora.load_adapter(tmp_path / "adapter", mcfg).lora
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), back, lora)
 
 
@@ -295,7 +297,7 @@ def test_cli_takes_the_toml_for_a_checkpoints_folder_without_run_config(run_with
     assert result.exit_code == 2 and "pass the run's TOML with --config" in result.stderr
     result = _export(moved, "--out", tmp_path / "a", "--adapter", "--config", toml, "--step", 2)
     assert result.exit_code == 0, result.output
-    back = exporter.load_adapter(tmp_path / "a", mcfg).lora
+    back = hf_lora.load_adapter(tmp_path / "a", mcfg).lora
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), back, lora)
 
 
@@ -374,9 +376,9 @@ def test_run_adapters_interval_and_keep_last(tmp_path, where, request):
         request.getfixturevalue("gcs")
         ckpt_dir = "gs://jaxrl-test/adapters-test"
     cfg = _run_config(tmp_path, folder, "[adapters]\ninterval = 2\nkeep_last = 2\n", ckpt_dir)
-    directory = exporter.adapters_dir_of(cfg)
+    directory = layout.adapters_dir_of(cfg)
     assert directory == (f"{ckpt_dir}/exp/adapters" if ckpt_dir else str(tmp_path / "runs" / "exp" / "adapters"))
-    adapters = exporter.RunAdapters(cfg, mcfg, directory)
+    adapters = RunAdapters(cfg, mcfg, directory)
     ckpt = Checkpointer(ckpt_dir, keep=1) if ckpt_dir else None
     loras = {}
     for step in range(1, 8):
@@ -387,7 +389,7 @@ def test_run_adapters_interval_and_keep_last(tmp_path, where, request):
             ckpt.save(step, TrainState(loras[step], {}, jnp.asarray(step, jnp.int32)), {"step": step})
     assert adapters.steps() == [6, 7]
     for step in (6, 7):
-        back = exporter.load_adapter(f"{directory}/step_{step}", mcfg)
+        back = hf_lora.load_adapter(f"{directory}/step_{step}", mcfg)
         assert back.base_model_name_or_path == "jaxrl/qwen3-test" and back.lora_scale == ALPHA / RANK
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), back.lora,
                      loras[step])
@@ -395,21 +397,21 @@ def test_run_adapters_interval_and_keep_last(tmp_path, where, request):
         ckpt.wait()
         assert ckpt.all_steps() == [7]
         ckpt.close()
-    assert sorted(p.name for p in exporter.epath.Path(directory).iterdir()) == ["step_6", "step_7"]
+    assert sorted(p.name for p in epath.Path(directory).iterdir()) == ["step_6", "step_7"]
 
 
 def test_run_adapters_default_is_the_last_step_only_and_keep_all(tmp_path):
     folder = tmp_path / "base"
     _dense().save_pretrained(folder)
     mcfg = hf.load_config(folder)
-    default = exporter.RunAdapters(_run_config(tmp_path, folder, ""), mcfg, tmp_path / "a")
+    default = RunAdapters(_run_config(tmp_path, folder, ""), mcfg, tmp_path / "a")
     assert [s for s in range(1, 8) if default.due(s)] == [7]
-    keep_all = exporter.RunAdapters(_run_config(tmp_path, folder, "[adapters]\ninterval = 1\nkeep_last = -1\n"),
+    keep_all = RunAdapters(_run_config(tmp_path, folder, "[adapters]\ninterval = 1\nkeep_last = -1\n"),
                                   mcfg, tmp_path / "b")
     for step in range(1, 8):
         keep_all.after_step(step, _random_lora(mcfg, targets=ALL, seed=step))
     assert keep_all.steps() == list(range(1, 8))
-    (tmp_path / "b" / "step_3" / exporter.ADAPTER_CONFIG).unlink()  # as a crash in a gs:// rename leaves it
+    (tmp_path / "b" / "step_3" / hf_lora.ADAPTER_CONFIG).unlink()  # as a crash in a gs:// rename leaves it
     assert keep_all.steps() == [1, 2, 4, 5, 6, 7]
 
 
@@ -421,7 +423,7 @@ def test_run_adapters_that_cannot_be_written_are_reported_and_the_run_goes_on(tm
     mcfg = hf.load_config(folder)
     (tmp_path / "blocked").write_text("a file where the adapters folder should be")
     console = Console(record=True, width=300)
-    adapters = exporter.RunAdapters(_run_config(tmp_path, folder, "[adapters]\ninterval = 1\n"), mcfg,
+    adapters = RunAdapters(_run_config(tmp_path, folder, "[adapters]\ninterval = 1\n"), mcfg,
                                   tmp_path / "blocked" / "adapters", console)
     assert adapters.after_step(1, _random_lora(mcfg)) is None
     assert f"step 1: PEFT adapter not written to {tmp_path / 'blocked' / 'adapters' / 'step_1'}" in (
@@ -439,9 +441,9 @@ def test_run_adapters_for_a_lora_peft_cannot_hold(tmp_path):
     _moe(mlp_only_layers=[1]).save_pretrained(folder)
     mcfg = hf.load_config(folder)
     with pytest.raises(ConfigError, match="adapters: a PEFT adapter cannot hold MLP LoRA"):
-        exporter.RunAdapters(_run_config(tmp_path, folder, "[adapters]\ninterval = 1\n"), mcfg, tmp_path / "a")
+        RunAdapters(_run_config(tmp_path, folder, "[adapters]\ninterval = 1\n"), mcfg, tmp_path / "a")
     console = Console(record=True, width=300)
-    quiet = exporter.RunAdapters(_run_config(tmp_path, folder, ""), mcfg, tmp_path / "a", console)
+    quiet = RunAdapters(_run_config(tmp_path, folder, ""), mcfg, tmp_path / "a", console)
     assert not quiet.enabled and quiet.after_step(7, _random_lora(mcfg)) is None
     assert "no PEFT adapters for this run" in console.export_text() and not (tmp_path / "a").exists()
 
@@ -460,8 +462,8 @@ def test_a_run_writes_its_adapters_and_export_reads_its_checkpoint(tmp_path, tin
     assert sorted(p.name for p in (run_dir / "adapters").iterdir()) == ["step_2"]
     result = _export(run_dir, "--out", tmp_path / "exported", "--adapter")
     assert result.exit_code == 0, result.output
-    written = safetensors.numpy.load_file(run_dir / "adapters" / "step_2" / exporter.ADAPTER_WEIGHTS)
-    exported = safetensors.numpy.load_file(tmp_path / "exported" / exporter.ADAPTER_WEIGHTS)
+    written = safetensors.numpy.load_file(run_dir / "adapters" / "step_2" / hf_lora.ADAPTER_WEIGHTS)
+    exported = safetensors.numpy.load_file(tmp_path / "exported" / hf_lora.ADAPTER_WEIGHTS)
     assert written.keys() == exported.keys() and len(written) == 2 * 7 * hf.load_config(tiny_model_dir).num_layers
     for k, v in written.items():
         np.testing.assert_array_equal(v, exported[k])

@@ -25,7 +25,8 @@ from jaxrl.rl.rollouts import failure_verdict
 from jaxrl.rl.train import Trainer, make_optimizer
 from jaxrl.run import runner
 from jaxrl.run.checkpoint import Checkpointer
-from jaxrl.run.recovery import model_identity, redact, secret_values
+from jaxrl.run.identity import model_identity
+from jaxrl.run.redaction import redact, secret_values
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET_FILE_VALUE = "sk-live-FILE-5ecret-0123456789"

@@ -19,7 +19,7 @@ from jaxrl.rl import rollouts
 from jaxrl.rl.buffer import Buffer
 from jaxrl.run import wandb_log
 from jaxrl.run.metrics import MetricsLogger
-from jaxrl.run.recovery import secret_values
+from jaxrl.run.redaction import secret_values
 
 SECRET = "sk-live-0123456789abcdef"
 

@@ -17,13 +17,14 @@ import pytest
 from follow_rules.taskset import RULES, SHORT_CHARS, rule_score
 from tokenizers import Tokenizer
 
-from jaxrl.envs.loader import Rollout, load_env, run_group, training_samples, turn_samples
+from jaxrl.envs.loader import Rollout, load_env, run_group
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
 from jaxrl.inference.server import start_server
 from jaxrl.model import hf
 from jaxrl.parallel.sharding import make_mesh
+from jaxrl.rl.samples import training_samples, turn_samples
 
 MODEL = "policy"
 TURNS = 3

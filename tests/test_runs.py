@@ -178,11 +178,21 @@ def test_a_dead_process_reads_as_died(tmp_path, env):
     assert folder.exists()
 
 
+def test_run_config_is_read_under_its_old_name_too(tmp_path):
+    """Runs from before `run_config.json` wrote `config.json`; both are read, the new name first."""
+    old, new = {"config": {"max_steps": 3}, "resolved": {}}, {"config": {"max_steps": 5}, "resolved": {}}
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    assert runs.run_config(tmp_path) == old and runs.info(tmp_path).max_steps == 3
+    (tmp_path / "run_config.json").write_text(json.dumps(new))
+    assert runs.run_config(tmp_path) == new
+
+
 def test_delete_removes_a_separate_local_checkpoint_folder_and_names_gcs(tmp_path, env):
     runs_dir = tmp_path / "runs"
     for name, ckpt in [("local", str(tmp_path / "ckpts" / "local")), ("cloud", "gs://bucket/ckpts/cloud")]:
         (runs_dir / name).mkdir(parents=True)
-        (runs_dir / name / "config.json").write_text(json.dumps({"config": {}, "resolved": {"checkpoint_dir": ckpt}}))
+        record = json.dumps({"config": {}, "resolved": {"checkpoint_dir": ckpt}})
+        (runs_dir / name / "run_config.json").write_text(record)
         runs.write_record(runs_dir / name, pid=1, host=runs.HOST, status="failed")
     (tmp_path / "ckpts" / "local" / "1").mkdir(parents=True)
     out = jaxrl(env, "delete", "local", "--yes", "--runs-dir", runs_dir)

@@ -22,11 +22,11 @@ from typer.testing import CliRunner
 
 from jaxrl.cli.main import app
 from jaxrl.config.schema import load_config
-from jaxrl.export import exporter
 from jaxrl.model import hf, qwen3
 from jaxrl.rl.train import TrainState, make_optimizer
+from jaxrl.run import layout
 from jaxrl.run.checkpoint import Checkpointer
-from jaxrl.run.recovery import model_identity
+from jaxrl.run.identity import model_identity
 
 KEY_VAR = "JAXRL_TEST_SERVE_KEY"
 RANK, ALPHA = 4, 8
@@ -94,7 +94,7 @@ def test_serve_a_model_folder_with_an_api_key(tiny_model_dir, tmp_path, compile_
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, tiny_model_dir):
-    """A run folder as `jaxrl run` leaves it (config.json, checkpoints/3) with a random LoRA (both factors
+    """A run folder as `jaxrl run` leaves it (run_config.json, checkpoints/3) with a random LoRA (both factors
     nonzero, so it moves the logits), and that LoRA."""
     tmp = tmp_path_factory.mktemp("served-run")
     toml = tmp / "rl.toml"
@@ -102,7 +102,7 @@ def run_dir(tmp_path_factory, tiny_model_dir):
     cfg = load_config(toml)
     run = tmp / "runs" / "exp"
     run.mkdir(parents=True)
-    exporter.write_run_config(run, cfg)
+    layout.write_run_config(run, cfg)
     mcfg, params = hf.load_hf(tiny_model_dir)
     targets = tuple(cfg.jax.lora_targets)
     specs = qwen3.lora_specs(mcfg, RANK, targets)

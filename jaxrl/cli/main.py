@@ -17,15 +17,9 @@ import typer
 from rich.console import Console
 
 from jaxrl.compile.slices import slice_names
-from jaxrl.config.schema import (
-    STARTER_TOML,
-    ConfigError,
-    RunConfig,
-    load_config,
-    load_env_file,
-    no_effect_notes,
-    resolve_model_path,
-)
+from jaxrl.config.env_file import load_env_file
+from jaxrl.config.schema import ConfigError, RunConfig, load_config, no_effect_notes, resolve_model_path
+from jaxrl.config.starter import STARTER_TOML
 
 # Markdown help: docstrings' line breaks are joined into paragraphs in the command list too (rich mode keeps
 # them there, mid-sentence), and `[jax]` in backticks stays text instead of being read as rich markup.
@@ -106,7 +100,7 @@ def run(
     import os
 
     from jaxrl.cli import runs
-    from jaxrl.run.recovery import run_dir_of, run_name
+    from jaxrl.run.layout import run_dir_of, run_name
 
     cfg = _load(path)
     run_dir, name = run_dir_of(cfg), run_name(cfg)
@@ -146,7 +140,7 @@ def _train(cfg: RunConfig, console: Console | None = None, log: Any = None, run_
     import traceback
 
     from jaxrl.cli import runs
-    from jaxrl.run.recovery import RunError
+    from jaxrl.run.errors import RunError
     from jaxrl.run.runner import run as run_training
 
     code, message = 1, None
@@ -282,7 +276,7 @@ def export_(
     step: Annotated[int | None, typer.Option(help="Checkpoint step. Default: the step folder's, else the latest.",
                                              show_default=False)] = None,
     config: Annotated[Path | None, typer.Option(help="The run's TOML, for a checkpoint whose run folder has no "
-                                                     "config.json.", show_default=False)] = None,
+                                                     "run_config.json.", show_default=False)] = None,
 ) -> None:
     """Write a run's trained model to Hugging Face format: merged weights, or a PEFT adapter."""
     if merged and adapter:
@@ -559,36 +553,25 @@ def checkpoints(ref: RunRef, runs_dir: RunsDir = Path("runs")) -> None:
             checkpointer.close()
         except Exception as exc:  # noqa: BLE001 - storage errors of any layer
             raise _fail(f"jaxrl checkpoints: cannot list {directory}: {type(exc).__name__}: {exc}") from None
-    adapter_steps = _adapter_steps(adapters)
+    from jaxrl.run.adapters import adapter_steps  # heavy (JAX), as the checkpoints are
+
+    adapter_done = adapter_steps(adapters)
     rewards = {r["step"]: r.get("reward/mean") for r in runs.metrics_rows(folder) if isinstance(r.get("step"), int)}
-    if not steps and not adapter_steps:
+    if not steps and not adapter_done:
         out.print(f"run {folder.name} has no checkpoint yet (in {directory})", markup=False)
         return
     table = Table(title=f"run {folder.name}: checkpoints in {directory}")
     for col in ("step", "checkpoint", "adapter", "reward/mean"):
         table.add_column(col, justify="right" if col in ("step", "reward/mean") else "left")
-    for step in sorted(set(steps) | set(adapter_steps)):
+    for step in sorted(set(steps) | set(adapter_done)):
         reward = rewards.get(step)
-        table.add_row(str(step), "yes" if step in steps else "-", f"step_{step}" if step in adapter_steps else "-",
+        table.add_row(str(step), "yes" if step in steps else "-", f"step_{step}" if step in adapter_done else "-",
                       f"{reward:.3f}" if isinstance(reward, int | float) else "-")
     out.print(table)
-    if adapter_steps:
+    if adapter_done:
         out.print(f"PEFT adapters in {adapters}", markup=False)
     if steps:
         out.print(f"export one: jaxrl export {folder} --step {steps[-1]} --out DIR [--adapter]", markup=False)
-
-
-def _adapter_steps(directory: str) -> list[int]:
-    """Steps of the complete PEFT adapter folders `step_<n>` in `directory` (local or gs://)."""
-    from etils import epath
-
-    from jaxrl.export.exporter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-
-    path = epath.Path(directory)
-    if not path.exists():
-        return []
-    return sorted(int(p.name[5:]) for p in path.iterdir() if p.name.startswith("step_") and p.name[5:].isdigit()
-                  and (p / ADAPTER_CONFIG).exists() and (p / ADAPTER_WEIGHTS).exists())
 
 
 @app.command()

@@ -1,7 +1,7 @@
 """Local run management behind `jaxrl run --detach`, `list`, `logs`, `stop`, `delete` and `checkpoints`.
 
-A run is its folder `<output_dir>/<name>` (`jaxrl.run.recovery.run_dir_of`). Besides what the runner writes
-there (`metrics.jsonl`, `config.json`, `checkpoints/`, ...), `jaxrl run` keeps two files in it:
+A run is its folder `<output_dir>/<name>` (its layout: `jaxrl.run.layout`). Besides what the runner writes
+there (`metrics.jsonl`, `run_config.json`, `checkpoints/`, ...), `jaxrl run` keeps two files in it:
 
 - `console.log`: the run's console output, without colours. A foreground run copies what it prints
   to it (the terminal output is unchanged); a detached run's stdout and stderr are the file itself, so
@@ -36,13 +36,20 @@ from typing import IO, Any
 from rich.console import Console
 from rich.control import Control
 
-RECORD = "run.json"
-LOG = "console.log"
-METRICS = "metrics.jsonl"
-RUN_CONFIG = "config.json"  # written by the runner (`jaxrl.export.exporter.write_run_config`)
+from jaxrl.run.layout import (
+    ADAPTERS,
+    CHECKPOINTS,
+    LOG,
+    METRICS,
+    OLD_RUN_CONFIG,
+    RECORD,
+    RUN_CONFIG,
+    read_run_config,
+)
+
 DEFAULT_RUNS_DIR = "runs"
 HOST = socket.gethostname()
-_MARKERS = (RECORD, LOG, METRICS, RUN_CONFIG)
+_MARKERS = (RECORD, LOG, METRICS, RUN_CONFIG, OLD_RUN_CONFIG)
 
 
 class RunsError(Exception):
@@ -159,9 +166,10 @@ def metrics_rows(folder: Path) -> list[dict[str, Any]]:
 
 
 def run_config(folder: Path) -> dict[str, Any]:
-    """`config.json` that the runner writes (`{"config", "resolved"}`); {} before it exists."""
+    """The run config that the runner writes (`{"config", "resolved"}`, `jaxrl.run.layout.write_run_config`);
+    {} before it exists."""
     with contextlib.suppress(OSError, ValueError):
-        data = json.loads((folder / RUN_CONFIG).read_text(encoding="utf-8"))
+        data = read_run_config(folder)
         if isinstance(data, dict):
             return data
     return {}
@@ -179,18 +187,18 @@ def info(folder: Path) -> RunInfo:
 
 
 def checkpoint_dir(folder: Path) -> str:
-    """The run's checkpoint folder or `gs://` URL, as its `config.json` resolved it; else the default
+    """The run's checkpoint folder or `gs://` URL, as its run config resolved it; else the default
     `<run folder>/checkpoints`."""
-    return run_config(folder).get("resolved", {}).get("checkpoint_dir") or str(folder / "checkpoints")
+    return run_config(folder).get("resolved", {}).get("checkpoint_dir") or str(folder / CHECKPOINTS)
 
 
 def adapters_dir(folder: Path) -> str:
     """Where the run's `[adapters]` go: `<run folder>/adapters`, or `adapters/` in the checkpoint folder
-    when that is elsewhere (`jaxrl.export.exporter.adapters_dir_of`)."""
+    when that is elsewhere (`jaxrl.run.layout.adapters_dir_of`)."""
     ckpt = checkpoint_dir(folder)
-    if Path(ckpt) == folder / "checkpoints":
-        return str(folder / "adapters")
-    return f"{ckpt.rstrip('/')}/adapters"
+    if Path(ckpt) == folder / CHECKPOINTS:
+        return str(folder / ADAPTERS)
+    return f"{ckpt.rstrip('/')}/{ADAPTERS}"
 
 
 class TeeConsole(Console):
@@ -322,9 +330,9 @@ def deletion_plan(folder: Path) -> tuple[list[Path], list[str]]:
 
 
 def _separate_checkpoints_problem(ckpt: Path, folder: Path) -> str | None:
-    """Why the checkpoint folder recorded in a run's `config.json` is not deleted with it (None: it is):
+    """Why the checkpoint folder recorded in a run's run config is not deleted with it (None: it is):
     `<checkpoint_dir>/<name>` must end in the run's name and hold neither the run, its runs folder nor the
-    working directory (a hand-edited or older `config.json` could name any folder)."""
+    working directory (a hand-edited or older run config could name any folder)."""
     if ckpt.is_symlink() or not ckpt.is_dir():
         return "not a plain folder"
     real = ckpt.resolve()

@@ -13,8 +13,7 @@ env. One rollout goes:
 
 A multi-turn env (its `Env.run` drives `agent.interaction(task)`, answering each reply as the user)
 resumes the harness on the conversation so far, and the trace stays one branch whose prompt extends
-token for token. `training_samples` turns rollouts into training samples by `trajectory_strategy`:
-the whole trace as one sample ("interleaved") or one sample per turn ("branching").
+token for token (`jaxrl.rl.samples` turns it into training samples).
 
 The default harness, `ChatHarness`, runs verifiers' plain chat loop in the trainer's process: the
 stock `null`/`bash` harnesses run theirs as a PEP 723 script through `uv sync --script`, which needs
@@ -38,10 +37,9 @@ import sys
 import types
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import httpx
-import numpy as np
 import pydantic
 import renderers.client
 import verifiers.v1 as vf
@@ -375,54 +373,6 @@ def trace_rollout(trace: vf.Trace, env_name: str, failure: str | None = None) ->
         env_name=env_name,
         example_id=trace.task.data.idx,
     )
-
-
-Sample = tuple[list[int], list[bool], list[float]]
-"""One training sample: (token_ids, loss_mask, logprobs), all of one length."""
-
-
-def turn_samples(token_ids: list[int], loss_mask: list[bool], logprobs: list[float]) -> list[Sample]:
-    """One sample per turn of a trace's sample: for each maximal run of sampled tokens, the tokens up to
-    the run's end with only that run masked in (earlier turns' tokens masked out, their logprobs 0.0).
-
-    A run is one turn: in a branch, each model call's sampled tokens end its assistant node, and every
-    later node opens with template tokens (`<|im_end|>`, `<|im_start|>`) that are not sampled. So turn
-    k's sample is, token for token, the prompt turn k was generated from plus its completion.
-    Returns [] for a sample with no sampled token. Raises ValueError on lists of different lengths.
-    """
-    if not len(token_ids) == len(loss_mask) == len(logprobs):
-        raise ValueError(f"token_ids, loss_mask and logprobs differ in length: "
-                         f"{len(token_ids)}, {len(loss_mask)}, {len(logprobs)}")
-    out: list[Sample] = []
-    start = None
-    for i, sampled in enumerate([*loss_mask, False]):
-        if sampled and start is None:
-            start = i
-        elif not sampled and start is not None:
-            n = i - start
-            out.append((token_ids[:i], [False] * start + [True] * n, [0.0] * start + logprobs[start:i]))
-            start = None
-    return out
-
-
-def training_samples(
-    rollouts: Sequence[Rollout], advantages: np.ndarray, strategy: Literal["interleaved", "branching"]
-) -> tuple[list[Sample], np.ndarray]:
-    """The training samples of successful rollouts and the advantage of each (float32 [samples]).
-
-    interleaved: one sample per rollout, every turn's sampled span masked in.
-    branching: one sample per turn (`turn_samples`), each with its rollout's advantage.
-    `advantages` is float [len(rollouts)]. Raises ValueError on an unknown strategy.
-    """
-    match strategy:
-        case "interleaved":
-            return [(r.token_ids, r.loss_mask, r.logprobs) for r in rollouts], np.asarray(advantages, np.float32)
-        case "branching":
-            per_rollout = [turn_samples(r.token_ids, r.loss_mask, r.logprobs) for r in rollouts]
-            counts = [len(s) for s in per_rollout]
-            return [s for samples in per_rollout for s in samples], np.repeat(
-                np.asarray(advantages, np.float32), counts)
-    raise ValueError(f"unknown trajectory_strategy {strategy!r}; expected 'interleaved' or 'branching'")
 
 
 async def run_group(

@@ -19,7 +19,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from jaxrl.rl.train import TrainState
 from jaxrl.run import gcs
-from jaxrl.run.recovery import RunError
+from jaxrl.run.errors import RunError
 
 
 class CheckpointError(RunError):

@@ -50,7 +50,8 @@ from jaxrl.envs import loader
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.parallel import distributed
 from jaxrl.rl import rollouts
-from jaxrl.run.recovery import StopRequest, redact
+from jaxrl.run.redaction import redact
+from jaxrl.run.signals import StopRequest
 
 Kind = Literal["eval", "val"]
 SEED_BELOW_TRAINING: dict[Kind, int] = {"eval": 2**30, "val": 2**29}

@@ -1,10 +1,11 @@
 """Per-step metrics: a console progress bar with the headline figures, JSON lines in the run folder, and
-optionally a W&B run (`jaxrl.run.wandb_log`)."""
+optionally a W&B run (`jaxrl.run.wandb_log`); trimming the JSON lines back to the step a run resumes from."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from jaxrl.run.layout import METRICS
 from jaxrl.run.wandb_log import WandbRun
 
 HEADLINE = ("reward/mean", "reward/std", "seq_len", "tokens_per_s", "time/step")
@@ -28,7 +30,7 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, console: Console | None = None,
                  wandb: WandbRun | None = None) -> None:
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS
         self.console = console or Console()
         self.wandb = wandb
         self._file = self.path.open("a", encoding="utf-8")
@@ -60,3 +62,26 @@ class MetricsLogger:
         self._file.close()
         if self.wandb:
             self.wandb.finish(exit_code=1 if sys.exc_info()[0] is not None else 0)
+
+
+def trim_metrics(path: Path, last_step: int) -> int:
+    """Drop rows of steps after `last_step` (and any torn last line) from a metrics JSONL file, so a
+    resumed run appends each step once. Returns the number of lines dropped."""
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= last_step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, path)
+    return dropped

@@ -43,9 +43,9 @@ from jax.sharding import Mesh
 from rich.console import Console
 from rich.markup import escape
 
-from jaxrl.config.schema import ConfigError, RunConfig, load_env_file, resolve_model_path, resolve_tokenizer_path
+from jaxrl.config.env_file import load_env_file
+from jaxrl.config.schema import ConfigError, RunConfig, resolve_model_path, resolve_tokenizer_path
 from jaxrl.envs import loader
-from jaxrl.export import exporter
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.lockstep import GroupScheduler
 from jaxrl.inference.protocol import SamplingParams
@@ -58,24 +58,17 @@ from jaxrl.parallel.sharding import bytes_per_device, make_mesh, spec_shardings
 from jaxrl.rl import rollouts
 from jaxrl.rl.buffer import Buffer, BufferExhausted, BufferState
 from jaxrl.rl.producer import Producer, VersionLog, in_flight_groups
+from jaxrl.rl.samples import training_samples
 from jaxrl.rl.train import TrainState, make_batch, trainer_for
 from jaxrl.run import evaluate, resources, wandb_log
+from jaxrl.run.adapters import RunAdapters
 from jaxrl.run.checkpoint import Checkpointer, CheckpointError
-from jaxrl.run.metrics import MetricsLogger
-from jaxrl.run.recovery import (
-    Preempted,
-    RunError,
-    StopRequest,
-    checkpoint_dir_of,
-    identity_mismatch,
-    model_identity,
-    redact,
-    resolve_checkpoint_id,
-    run_dir_of,
-    secret_values,
-    stop_on_signals,
-    trim_metrics,
-)
+from jaxrl.run.errors import Preempted, RunError
+from jaxrl.run.identity import identity_mismatch, model_identity, resolve_checkpoint_id
+from jaxrl.run.layout import METRICS, adapters_dir_of, checkpoint_dir_of, run_dir_of, write_run_config
+from jaxrl.run.metrics import MetricsLogger, trim_metrics
+from jaxrl.run.redaction import redact, secret_values
+from jaxrl.run.signals import StopRequest, stop_on_signals
 
 PREFLIGHT_TIMEOUT_S = 300.0
 """Least time the pre-flight rollout gets: it loads the client's tokenizer, which a step's do not."""
@@ -174,7 +167,7 @@ class Run:
             self.ckpt.wait()
         finally:
             self.close()
-        self.console.print(f"done: {self.cfg.max_steps} steps; metrics in {self.run_dir / 'metrics.jsonl'}, "
+        self.console.print(f"done: {self.cfg.max_steps} steps; metrics in {self.run_dir / METRICS}, "
                            f"checkpoints in {self.ckpt.directory}"
                            + (f", PEFT adapters in {self.adapters.directory}" if self.adapters.enabled else ""))
         return self.run_dir
@@ -198,8 +191,8 @@ class Run:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.load_model()
         if self.primary:
-            exporter.write_run_config(self.run_dir, cfg)  # what `jaxrl export` reads
-        self.adapters = exporter.RunAdapters(cfg, self.mcfg, exporter.adapters_dir_of(cfg), self.console)
+            write_run_config(self.run_dir, cfg)  # what `jaxrl export` reads
+        self.adapters = RunAdapters(cfg, self.mcfg, adapters_dir_of(cfg), self.console)
         self.trainer = trainer_for(cfg, self.mcfg, self.mesh, self.lora_scale)  # [jax.loss], [jax.optim]
         self.state = self.trainer.init_state(self.base, self.init_lora())
         self.identity = model_identity(cfg.model, dataclasses.asdict(self.mcfg), cfg.jax.lora_rank,
@@ -219,7 +212,7 @@ class Run:
                                                                         self.console))
         self.buffer_state = buffer_state
         self.done = self.saved = self.start_step  # last step run; last step checkpointed
-        if self.primary and (dropped := trim_metrics(self.run_dir / "metrics.jsonl", self.start_step)):
+        if self.primary and (dropped := trim_metrics(self.run_dir / METRICS, self.start_step)):
             self.console.print(f"dropped {dropped} metrics rows past step {self.start_step} "
                                f"(steps run after the last checkpoint)")
 
@@ -442,7 +435,7 @@ class Run:
             return {"optim/skipped": 1.0, "time/train": time.perf_counter() - t_train, "train/samples": 0.0}
         advantages = rollouts.advantages(s.trained, cfg.jax.advantage)
         width = pad_length(max(len(r.token_ids) for r in trained_ok), cfg.jax.seq_len)
-        samples, sample_advantages = loader.training_samples(trained_ok, advantages, cfg.trajectory_strategy)
+        samples, sample_advantages = training_samples(trained_ok, advantages, cfg.trajectory_strategy)
         batch = make_batch(samples, sample_advantages, self.sampling.temperature, width)
         self.state, metrics = loop.run_until_complete(loop.run_in_executor(self.train_thread, self._train, batch))
         if metrics["optim/skipped"]:

@@ -2,7 +2,7 @@
 
 Without `WANDB_API_KEY` (and no `WANDB_MODE` of the user's), the run is recorded offline under
 `<run_dir>/wandb/offline-run-*`; `wandb sync <that folder>` uploads it later. Only process 0 logs.
-The config is logged with every secret value (`jaxrl.run.recovery.secret_values`: `env_file` values and
+The config is logged with every secret value (`jaxrl.run.redaction.secret_values`: `env_file` values and
 secret-named environment variables) replaced by `***`, and W&B's console capture is off, so lines an
 environment prints never reach W&B. A resumed run continues the same W&B run (its id is kept in
 `<run_dir>/wandb_id`). Metrics are plotted against the logged `step`, so the steps a resume redoes
@@ -19,7 +19,9 @@ from typing import Any
 from rich.console import Console
 
 from jaxrl.config.schema import RunConfig
-from jaxrl.run.recovery import RunError, redact, run_name
+from jaxrl.run.errors import RunError
+from jaxrl.run.layout import run_name
+from jaxrl.run.redaction import redact
 
 
 def redacted(value: Any, secrets: list[str]) -> Any:

@@ -1,0 +1,59 @@
+"""Which checkpoint a warm start names (`checkpoint_id`) and whether a checkpoint fits this run's model:
+the identity (model id, architecture, LoRA shape) saved in every checkpoint's metadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from jaxrl.config.schema import ConfigError, RunConfig
+from jaxrl.run import gcs
+from jaxrl.run.layout import checkpoint_dir_of
+
+
+def resolve_checkpoint_id(cfg: RunConfig) -> tuple[str, int | None]:
+    """`(checkpoint folder, step or None for its latest)` named by `cfg.checkpoint_id`.
+
+    `"<run>"` and `"<run>/<step>"` name a run under this run's checkpoint root; a value with `://` or
+    starting with `/`, `.` or `~` is a path (relative to the config file) to a run's checkpoint folder,
+    or to one step's folder when its last part is a number.
+
+    Raises:
+        ConfigError: `checkpoint_id` is not set or is malformed.
+    """
+    ref = cfg.checkpoint_id
+    if not ref:
+        raise ConfigError(cfg.source, [("checkpoint_id", "not set")])
+    if "://" in ref or ref[0] in "/.~":
+        where = ref.rstrip("/") if gcs.is_gcs(ref) else str((cfg.config_dir / Path(ref).expanduser()).resolve())
+        head, _, last = where.rpartition("/")
+        return (head, int(last)) if last.isdigit() and head else (where, None)
+    parts = ref.split("/")
+    if len(parts) > 2 or not parts[0] or (len(parts) == 2 and not parts[1].isdigit()):
+        raise ConfigError(cfg.source, [("checkpoint_id", f"{ref!r} is not '<run>', '<run>/<step>' or a path "
+                                                         "(absolute, ./relative or gs://)")])
+    return checkpoint_dir_of(cfg, parts[0]), int(parts[1]) if len(parts) == 2 else None
+
+
+def model_identity(model: str, model_config: dict[str, Any], lora_rank: int, lora_targets: Iterable[str]) -> dict:
+    """What a checkpoint must match to be loaded into a run: the model id, its architecture (the
+    `ModelConfig` fields) and the LoRA shape. Saved in every checkpoint's metadata."""
+    arch = {k: list(v) if isinstance(v, tuple) else v for k, v in model_config.items()}
+    return {"model": model, "architecture": arch, "lora_rank": lora_rank, "lora_targets": sorted(lora_targets)}
+
+
+def identity_mismatch(saved: dict[str, Any] | None, expected: dict[str, Any]) -> list[str]:
+    """Human-readable differences between a checkpoint's `model_identity` and this run's; [] when they
+    match. A checkpoint without one (written before it existed) only has its arrays checked."""
+    if saved is None:
+        return []
+    out = []
+    for key in ("model", "lora_rank", "lora_targets"):
+        if saved.get(key) != expected[key]:
+            out.append(f"{key}: checkpoint {saved.get(key)!r}, this run {expected[key]!r}")
+    arch_saved, arch = saved.get("architecture", {}), expected["architecture"]
+    out += [f"architecture.{k}: checkpoint {arch_saved.get(k)!r}, this run {arch.get(k)!r}"
+            for k in sorted(set(arch_saved) | set(arch)) if arch_saved.get(k) != arch.get(k)]
+    return out
