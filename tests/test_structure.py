@@ -1,0 +1,52 @@
+"""The package's shape, as the README's "Design" section draws it: `launch` on the standard library alone,
+and `config` and the `validate` / `init` path never import JAX."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).parent.parent / "jaxrl"
+
+
+def _name(path: Path) -> str:
+    return ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in `path`, at any depth (lazy imports too); `from a import b`
+    gives `a.b` as well as `a`, since b may be a module."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out += [(node.lineno, node.module)] + [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return out
+
+
+def test_launch_needs_only_the_standard_library():
+    """`jaxrl.launch` runs on a machine before jaxrl's dependencies are installed (`docs/tpu.md`)."""
+    foreign = [f"{_name(p)}:{line} imports {module}" for p in sorted((PACKAGE / "launch").rglob("*.py"))
+               for line, module in _imports(p)
+               if module.split(".")[0] not in sys.stdlib_module_names and not module.startswith("jaxrl.launch")
+               and module != "__future__"]
+    assert not foreign, "\n".join(foreign)
+
+
+@pytest.mark.parametrize("code", [
+    "import jaxrl.config.schema, jaxrl.config.env_file, jaxrl.config.starter",
+    "from typer.testing import CliRunner; from jaxrl.cli.main import app; import sys;"
+    "r = CliRunner().invoke(app, ['init', sys.argv[1] + '/rl.toml']); assert r.exit_code == 0, r.output;"
+    "r = CliRunner().invoke(app, ['validate', sys.argv[1] + '/rl.toml']); assert r.exit_code in (0, 2), r.output",
+])
+def test_config_and_the_validate_init_path_import_no_jax(code, tmp_path):
+    """`jaxrl validate` and `jaxrl init` answer at once: JAX takes seconds to import."""
+    probe = code + "; import sys; assert 'jax' not in sys.modules, 'jax was imported'"
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                         cwd=PACKAGE.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
