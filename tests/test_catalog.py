@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from jaxrl.cli.main import app
-from jaxrl.model import catalog
+from jaxrl.config import model_path
 
 
 @pytest.fixture
@@ -28,21 +28,21 @@ def _snapshot(cache, repo_id, rev, *, main=True):
 
 def test_resolves_folder_gs_and_hf_cache(tmp_path, hf_cache):
     (tmp_path / "local").mkdir()
-    assert catalog.resolve_model("local", tmp_path) == str((tmp_path / "local").resolve())
-    assert catalog.resolve_model("gs://b/m", tmp_path) == "gs://b/m"
+    assert model_path.resolve_model("local", tmp_path) == str((tmp_path / "local").resolve())
+    assert model_path.resolve_model("gs://b/m", tmp_path) == "gs://b/m"
     _snapshot(hf_cache, "Qwen/Qwen3-4B-Instruct-2507", "aaa", main=False)
     main = _snapshot(hf_cache, "Qwen/Qwen3-4B-Instruct-2507", "bbb")
-    assert catalog.resolve_model("Qwen/Qwen3-4B-Instruct-2507", tmp_path) == str(main)
+    assert model_path.resolve_model("Qwen/Qwen3-4B-Instruct-2507", tmp_path) == str(main)
 
 
 def test_missing_model_names_every_place_looked_in(tmp_path, hf_cache):
-    with pytest.raises(catalog.ModelNotFoundError) as info:
-        catalog.resolve_model("Qwen/Qwen3-30B-A3B-Instruct-2507", tmp_path)
+    with pytest.raises(model_path.ModelNotFoundError) as info:
+        model_path.resolve_model("Qwen/Qwen3-30B-A3B-Instruct-2507", tmp_path)
     assert str(info.value) == (
         f"model 'Qwen/Qwen3-30B-A3B-Instruct-2507' not found: no folder {tmp_path / 'Qwen/Qwen3-30B-A3B-Instruct-2507'}"
         f"; not in the Hugging Face cache {hf_cache} (nothing is downloaded)")
-    with pytest.raises(catalog.ModelNotFoundError, match="no folder .*/nested/path/x \\(nothing"):
-        catalog.resolve_model("nested/path/x", tmp_path)
+    with pytest.raises(model_path.ModelNotFoundError, match="no folder .*/nested/path/x \\(nothing"):
+        model_path.resolve_model("nested/path/x", tmp_path)
 
 
 def test_models_command_sizes_shards_for_the_mesh():

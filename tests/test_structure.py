@@ -1,5 +1,6 @@
-"""The package's shape, as the README's "Design" section draws it: `launch` on the standard library alone,
-and `config` and the `validate` / `init` path never import JAX."""
+"""The package's shape, as the README's "Design" section draws it: imports that only go down the layers
+(lazy ones inside functions included), `launch` on the standard library alone, and `config` and the
+`validate` / `init` path never importing JAX."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).parent.parent / "jaxrl"
+LAYERS = ("config", "parallel", "model", "inference", "envs", "rl", "run", "compile", "export", "cli")
+"""The subpackages in data-flow order (README, "Design"): each may import those before it, never those after."""
+MODULES = sorted(PACKAGE.rglob("*.py"))
 
 
 def _name(path: Path) -> str:
@@ -27,6 +31,20 @@ def _imports(path: Path) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out += [(node.lineno, node.module)] + [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
     return out
+
+
+def test_imports_go_down_the_layers():
+    upward = []
+    for path in MODULES:
+        parts = path.relative_to(PACKAGE).parts
+        if len(parts) < 2 or parts[0] not in LAYERS:
+            continue
+        layer = LAYERS.index(parts[0])
+        for line, module in _imports(path):
+            target = module.split(".")
+            if target[0] == "jaxrl" and len(target) > 1 and target[1] in LAYERS and LAYERS.index(target[1]) > layer:
+                upward.append(f"{_name(path)}:{line} imports {module}")
+    assert not upward, "a lower layer imports a higher one:\n" + "\n".join(upward)
 
 
 def test_launch_needs_only_the_standard_library():

@@ -195,6 +195,7 @@ def models(
     import jax
     from rich.table import Table
 
+    from jaxrl.config.model_path import hf_cache_dir
     from jaxrl.model import catalog, qwen3
     from jaxrl.parallel.sharding import bytes_per_device
 
@@ -224,7 +225,7 @@ def models(
                       f"{3 * lora / 2**30:.2f} GiB")
     Console(width=max(out.width, 130), highlight=False).print(table)
     out.print("A model name in a config is found as a local folder, a gs:// URL, or an id in the local "
-              f"Hugging Face cache ({catalog.hf_cache_dir()}); nothing is downloaded.", markup=False)
+              f"Hugging Face cache ({hf_cache_dir()}); nothing is downloaded.", markup=False)
 
 
 @app.command("compile")

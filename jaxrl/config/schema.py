@@ -594,8 +594,8 @@ def no_effect_notes(cfg: RunConfig) -> list[str]:
 def resolve_model_path(cfg: RunConfig) -> str:
     """The checkpoint folder (or `gs://` URL) to load weights from: `jax.model_path`, else `model`, each
     found as a `gs://` URL, a local folder (relative to the config file) or an HF id in the local HF cache
-    (`jaxrl.model.catalog.resolve_model`). Raises ConfigError naming every place looked in when none has it."""
-    from jaxrl.model.catalog import ModelNotFoundError, resolve_model
+    (`jaxrl.config.model_path.resolve_model`). Raises ConfigError naming every place looked in when none has it."""
+    from jaxrl.config.model_path import ModelNotFoundError, resolve_model
 
     key, where = ("jax.model_path", cfg.jax.model_path) if cfg.jax.model_path else ("model", cfg.model)
     try:
