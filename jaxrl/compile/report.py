@@ -281,4 +281,6 @@ def compile_run(cfg: RunConfig, slice_name: str, depths: tuple[int, ...] | None 
         raise ConfigError(cfg.source, [("jax.mesh", f"{shape} has {math.prod(sizes)} devices; {slice_.name} has "
                                                     f"{slice_.chips} chips")])
     shards = math.prod(shape.get(a, 1) for a in ("data", "fsdp", "expert"))
-    return compile_report(model, shape, slice_, shapes_of(cfg, model, shards), depths, engine_hosts)
+    # --engine-hosts, else the run's own `[jax] engine_hosts` (0: decided by `engine_hosts_for`)
+    return compile_report(model, shape, slice_, shapes_of(cfg, model, shards), depths,
+                          engine_hosts or cfg.jax.engine_hosts or None)
