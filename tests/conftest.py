@@ -28,6 +28,12 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _COMPILE_CACHE)
 
 
 import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# CI's 2 cores are sometimes shared: a property test's draws are not timed (no deadline, no too_slow
+# health check); what they prove does not depend on how fast they come.
+settings.register_profile("jaxrl", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("jaxrl")
 
 
 @pytest.fixture(scope="session")
