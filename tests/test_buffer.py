@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxrl.config.schema import BufferConfig
+from jaxrl.config.envs import BufferConfig
 from jaxrl.rl.buffer import Buffer, BufferExhausted, BufferState, has_signal
 
 FILTER = {"online_difficulty_filtering": True}

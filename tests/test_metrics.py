@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from jaxrl.config.schema import BufferConfig, RunConfig
+from jaxrl.config.envs import BufferConfig
+from jaxrl.config.schema import RunConfig
 from jaxrl.envs.loader import Rollout
 from jaxrl.rl import rollouts
 from jaxrl.rl.buffer import Buffer

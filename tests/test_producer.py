@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl.config.schema import BufferConfig
+from jaxrl.config.envs import BufferConfig
 from jaxrl.envs.loader import Rollout
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.protocol import Completion, SamplingParams

@@ -1,16 +1,20 @@
 """What every TOML table of the run config shares: unknown keys are errors, TOML types are not coerced,
-and numbers stay within what the device takes (int32, finite float32)."""
+and numbers stay within what the device takes (int32, finite float32); and the constrained field types
+several tables use (paths, folder names, environment ids, counts where -1 means all)."""
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, field_validator
 
 INT_MAX = 2**31 - 1
 """Largest integer any field takes: counts, steps, token lengths and seeds reach the device as int32."""
 FLOAT_MAX = 3.4028234663852886e38
 """Largest float any field takes (float32's): sampling settings reach the device as float32."""
+ENV_ID = re.compile(r"[A-Za-z0-9._-]+/[A-Za-z0-9._-]+(@[A-Za-z0-9._-]+)?")
+"""An Environments Hub id: `owner/name` with an optional `@version`."""
 
 
 class _Table(BaseModel):
@@ -28,3 +32,58 @@ class _Table(BaseModel):
         if isinstance(value, float) and abs(value) > FLOAT_MAX:
             raise ValueError(f"{value} is beyond float32's range ({FLOAT_MAX:.4g})")
         return value
+
+
+def minus_one_or_positive(meaning: str) -> AfterValidator:
+    """A validator of int fields where -1 means `meaning` (e.g. "all", "off") and other values count: -1 or >= 1."""
+
+    def check(value: int) -> int:
+        if value == -1 or value >= 1:
+            return value
+        raise ValueError(f"must be -1 ({meaning}) or >= 1, got {value}")
+
+    return AfterValidator(check)
+
+
+def _env_id(value: str) -> str:
+    if not ENV_ID.fullmatch(value):
+        raise ValueError(f"{value!r} is not in owner/name[@version] form")
+    return value
+
+
+def _control_chars(value: str) -> list[str]:
+    return [repr(c) for c in dict.fromkeys(value) if ord(c) < 32 or 127 <= ord(c) < 160]
+
+
+def folder_name_problem(value: str) -> str | None:
+    """Why `value` cannot be one folder's name (empty, `.`, `..`, a path separator, a control character),
+    None when it can. Run names become `<output_dir>/<name>`, and `jaxrl delete` removes that folder."""
+    if value in ("", ".", ".."):
+        return f"{value!r} cannot name a folder (it must not be empty, '.' or '..')"
+    if "/" in value or "\\" in value:
+        return f"{value!r} holds a path separator; a name is one folder, not a path"
+    if bad := _control_chars(value):
+        return f"{value!r} holds control characters ({', '.join(bad)})"
+    return None
+
+
+def _folder_name(value: str) -> str:
+    if problem := folder_name_problem(value):
+        raise ValueError(problem)
+    return value
+
+
+def _path(value: str) -> str:
+    if not value:
+        raise ValueError("an empty path names no folder")
+    if bad := _control_chars(value):
+        raise ValueError(f"{value!r} holds control characters ({', '.join(bad)})")
+    return value
+
+
+AllOrPositive = Annotated[int, minus_one_or_positive("all")]
+EnvId = Annotated[str, AfterValidator(_env_id)]
+FolderName = Annotated[str, AfterValidator(_folder_name)]
+"""A name that becomes one folder or one metric key segment: no '.', '..', separators or control characters."""
+PathStr = Annotated[str, AfterValidator(_path)]
+"""A file or folder path (or `gs://` URL): not empty, no control characters."""

@@ -1,25 +1,25 @@
 """Run configuration: Prime Hosted Training TOML files, plus one `[jax]` table for what they lack.
 
-One pydantic model per TOML table, mirroring the Hosted Training schema field for field. Every table
-forbids unknown keys, TOML types are taken strictly (`batch_size = "8"` is an error, not 8), and the
-cross-field rules of the schema are checked at load. `load_config` turns every problem into one
-`ConfigError` line `<file>: <dotted.key>: <reason>`.
+One pydantic model per TOML table, mirroring the Hosted Training schema field for field (the environment
+tables are in `jaxrl.config.envs`, the `[jax]` training sub-tables in `jaxrl.config.algorithms`, the field
+types they share in `jaxrl.config.base`). Every table forbids unknown keys, TOML types are taken strictly
+(`batch_size = "8"` is an error, not 8), and the cross-field rules of the schema are checked at load.
+`load_config` turns every problem into one `ConfigError` line `<file>: <dotted.key>: <reason>`.
 """
 
 from __future__ import annotations
 
 import difflib
-import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from jaxrl.config.algorithms import AdvantageConfig, LossConfig, OptimConfig
-from jaxrl.config.base import _Table
+from jaxrl.config.base import AllOrPositive, FolderName, PathStr, _Table, folder_name_problem, minus_one_or_positive
+from jaxrl.config.envs import BufferConfig, EnvConfig, EvalConfig, ValConfig
 
-ENV_ID = re.compile(r"[A-Za-z0-9._-]+/[A-Za-z0-9._-]+(@[A-Za-z0-9._-]+)?")
 LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_TARGETS: tuple[str, ...] = get_args(LoraTarget)
 SEED_MULTIPLIER = 1_000_003
@@ -41,59 +41,6 @@ class _Invalid(ValueError):
     def __init__(self, problems: list[tuple[str, str]]):
         super().__init__("; ".join(f"{k}: {r}" for k, r in problems))
         self.problems = problems
-
-
-def _minus_one_or_positive(meaning: str) -> AfterValidator:
-    def check(value: int) -> int:
-        if value == -1 or value >= 1:
-            return value
-        raise ValueError(f"must be -1 ({meaning}) or >= 1, got {value}")
-
-    return AfterValidator(check)
-
-
-def _env_id(value: str) -> str:
-    if not ENV_ID.fullmatch(value):
-        raise ValueError(f"{value!r} is not in owner/name[@version] form")
-    return value
-
-
-def _control_chars(value: str) -> list[str]:
-    return [repr(c) for c in dict.fromkeys(value) if ord(c) < 32 or 127 <= ord(c) < 160]
-
-
-def folder_name_problem(value: str) -> str | None:
-    """Why `value` cannot be one folder's name (empty, `.`, `..`, a path separator, a control character),
-    None when it can. Run names become `<output_dir>/<name>`, and `jaxrl delete` removes that folder."""
-    if value in ("", ".", ".."):
-        return f"{value!r} cannot name a folder (it must not be empty, '.' or '..')"
-    if "/" in value or "\\" in value:
-        return f"{value!r} holds a path separator; a name is one folder, not a path"
-    if bad := _control_chars(value):
-        return f"{value!r} holds control characters ({', '.join(bad)})"
-    return None
-
-
-def _folder_name(value: str) -> str:
-    if problem := folder_name_problem(value):
-        raise ValueError(problem)
-    return value
-
-
-def _path(value: str) -> str:
-    if not value:
-        raise ValueError("an empty path names no folder")
-    if bad := _control_chars(value):
-        raise ValueError(f"{value!r} holds control characters ({', '.join(bad)})")
-    return value
-
-
-AllOrPositive = Annotated[int, _minus_one_or_positive("all")]
-EnvId = Annotated[str, AfterValidator(_env_id)]
-FolderName = Annotated[str, AfterValidator(_folder_name)]
-"""A name that becomes one folder or one metric key segment: no '.', '..', separators or control characters."""
-PathStr = Annotated[str, AfterValidator(_path)]
-"""A file or folder path (or `gs://` URL): not empty, no control characters."""
 
 
 class TempSchedulerConfig(_Table):
@@ -120,7 +67,7 @@ class SamplingConfig(_Table):
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass in (0, 1] (Holtzman et al. 2019); 1.0 = off. Default 1.0. Not in Hosted
     Training."""
-    top_k: Annotated[int, _minus_one_or_positive("off")] = -1
+    top_k: Annotated[int, minus_one_or_positive("off")] = -1
     """Keep only the k most likely tokens; -1 = off. Default -1. Not in Hosted Training."""
     repetition_penalty: float | None = Field(None, gt=0)
     """Divide the logit of a token already in the prompt or output by this when positive, multiply when
@@ -155,38 +102,6 @@ class SamplingConfig(_Table):
         return self
 
 
-class _EnvTable(_Table):
-    """The fields `[[env]]` and `[[eval.env]]` share."""
-
-    id: EnvId
-    """Environments Hub id, `owner/name` with an optional `@version`. Required."""
-    name: FolderName | None = None
-    """Display name, to tell apart copies of one environment with different args (it labels metrics
-    `eval/<name>/...`, so no '/', '.', '..' or control characters). Default: the id."""
-    args: dict[str, Any] = {}
-    """Keyword arguments for the environment's `load_environment()`. Default {}."""
-    max_retries: int | None = Field(None, ge=0)
-    """Times a failed rollout of this environment is played again (with the same seed) before it counts
-    as failed, >= 0. Default None: 0."""
-    version: str | None = Field(None, min_length=1)
-    """Version the installed environment package must have (`jaxrl run` stops otherwise); wins over an
-    `@version` in `id`. Default None: the one in `id`, if any."""
-
-    @property
-    def display_name(self) -> str:
-        """`name`, else `id`: the label of this environment in logs and metrics (`eval/<name>/...`)."""
-        return self.name or self.id
-
-
-class EnvConfig(_EnvTable):
-    """`[[env]]`: one training environment."""
-
-    taskset: dict[str, Any] | None = None
-    """verifiers v1 taskset table, passed through unchanged. Default None."""
-    harness: dict[str, Any] | None = None
-    """verifiers v1 harness table, passed through unchanged. Default None."""
-
-
 class WandbConfig(_Table):
     """`[wandb]`: Weights & Biases logging (offline, to the run folder, when WANDB_API_KEY is not set)."""
 
@@ -196,74 +111,6 @@ class WandbConfig(_Table):
     """W&B team or user. Default None (the API key's default entity)."""
     name: str | None = None
     """W&B run name. Default None (the run's `name`)."""
-
-
-class EvalEnvConfig(_EnvTable):
-    """`[[eval.env]]`: one eval environment, with optional overrides of the `[eval]` defaults."""
-
-    num_examples: AllOrPositive | None = None
-    """Examples to evaluate (-1 = all). Default None: `eval.num_examples`."""
-    rollouts_per_example: int | None = Field(None, ge=1)
-    """Rollouts per eval example. Default None: `eval.rollouts_per_example`."""
-
-
-class EvalConfig(_Table):
-    """`[eval]`: online evaluation during training (`jaxrl.run.evaluate`): each environment's first
-    `num_examples` examples of its eval split (its loaded tasks when it has none), with the run's
-    `[sampling]`; metrics `eval/<env>/reward/mean`, `eval/<env>/pass@k`, ... in the step's row."""
-
-    interval: int = Field(100, ge=1)
-    """Evaluate after every N-th training step. Default 100."""
-    num_examples: AllOrPositive = -1
-    """Examples per eval environment (-1 = all). Default -1."""
-    rollouts_per_example: int = Field(1, ge=1)
-    """Rollouts per eval example. Default 1."""
-    eval_base_model: bool = True
-    """Also evaluate the base (untrained) model, before step 1: a metrics row at step 0. Default true."""
-    env: list[EvalEnvConfig] = []
-    """`[[eval.env]]` tables, each with a distinct display name. Default []: evaluate on the training
-    environments."""
-
-
-class ValConfig(_Table):
-    """`[val]`: validation on the training environments' eval splits (their train examples when they have
-    none), with the run's `[sampling]` (`jaxrl.run.evaluate`); metrics `val/reward/mean`, ... (and
-    `val/<env>/...` with several environments) in the step's row."""
-
-    num_examples: int = Field(64, ge=1)
-    """Validation examples per check and training environment (its first ones; fewer when its split is
-    smaller). Default 64."""
-    rollouts_per_example: int = Field(1, ge=1)
-    """Rollouts per validation example. Default 1."""
-    interval: int = Field(5, ge=1)
-    """Validate every N training steps. Default 5."""
-
-
-class BufferConfig(_Table):
-    """`[buffer]`: which examples are sampled, and online difficulty filtering (`jaxrl.rl.buffer`)."""
-
-    online_difficulty_filtering: bool = False
-    """Leave out of training the groups whose rewards are all equal (mean exactly 0 or 1 with binary
-    rewards: zero advantages), and sample examples by difficulty (the four fields below apply only when
-    this is true). Default false."""
-    easy_threshold: float = Field(0.8, ge=0, le=1)
-    """An example whose latest group's mean reward is >= this is "easy", in [0, 1]. Default 0.8."""
-    hard_threshold: float = Field(0.2, ge=0, le=1)
-    """An example whose latest group's mean reward is <= this is "hard", in [0, 1], <= easy_threshold.
-    Default 0.2."""
-    easy_fraction: float = Field(0.0, ge=0, le=1)
-    """Share of each environment's easy examples kept in sampling (a seeded choice); the rest are no
-    longer drawn. In [0, 1]. Default 0.0."""
-    hard_fraction: float = Field(0.0, ge=0, le=1)
-    """Share of each environment's hard examples kept in sampling, in [0, 1]. Default 0.0."""
-    env_ratios: list[float] | None = None
-    """Sampling weight of each `[[env]]`, one per env, >= 0 with a positive sum: the share of groups each
-    environment gets; multi-env only (ignored with a single env). Default None: equal shares."""
-    skip_verification: bool = False
-    """Skip the pre-flight check: one smoke rollout of each environment before step 1, whose failure stops
-    the run before any training. Default false."""
-    seed: int = Field(42, ge=0)
-    """Seed of the example order and of which easy/hard examples are kept, >= 0. Default 42."""
 
 
 class CheckpointsConfig(_Table):

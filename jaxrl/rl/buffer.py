@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl.config.schema import BufferConfig
+from jaxrl.config.envs import BufferConfig
 
 
 class BufferExhausted(RuntimeError):
