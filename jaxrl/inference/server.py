@@ -249,6 +249,104 @@ async def read_json(request: Request, max_bytes: int) -> Any:
         raise BadRequest(f"invalid JSON body: {e}") from None
 
 
+@dataclasses.dataclass
+class _Routes:
+    """The app's route handlers, one method per route, over the state they share (`build_app` documents
+    the arguments)."""
+
+    backend: GenerateBackend
+    chat_template: ChatTemplate | None
+    admission: Admission
+    max_body_bytes: int
+    clamp_max_tokens: bool
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @property
+    def card(self) -> dict[str, Any]:
+        """The served model as `/v1/models` lists it."""
+        return {"id": self.backend.model_name, "object": "model", "created": self.created, "owned_by": "jaxrl",
+                "max_model_len": self.backend.max_model_len}
+
+    def overloaded(self) -> JSONResponse:
+        return error_response(f"server overloaded: {self.admission.active} requests queued or running (limit "
+                              f"{self.admission.limit}); retry later", 503, {"Retry-After": "1"})
+
+    async def generate(self, request: Request) -> JSONResponse:
+        """`POST /inference/v1/generate`."""
+        try:
+            prompt_ids, params, request_id = parse_generate_request(await read_json(request, self.max_body_bytes),
+                                                                    self.backend, self.clamp_max_tokens)
+        except BadRequest as e:
+            return error_response(str(e), e.status)
+        if not self.admission.enter():
+            return self.overloaded()
+        try:
+            completion = await unless_disconnected(request, self.backend.generate(prompt_ids, params))
+        except ClientGone:
+            return error_response("client disconnected", 499)
+        except ValueError as e:  # the backend's contract: a request it cannot serve
+            return error_response(str(e), 400)
+        except Exception as e:  # noqa: BLE001 - one failed request must not take the server down
+            logger.exception("backend failed on a generate request")
+            return error_response(f"backend error: {type(e).__name__}: {e}", 500)
+        finally:
+            self.admission.leave()
+        try:
+            payload = generate_response(request_id or f"gen-{uuid.uuid4().hex}", prompt_ids, completion)
+        except ValueError as e:
+            logger.error("backend broke its contract: %s", e)
+            return error_response(f"backend error: {e}", 500)
+        return JSONResponse(payload)
+
+    async def chat_completions(self, request: Request) -> Response:
+        """`POST /v1/chat/completions`, streaming or not (served only with a chat template)."""
+        backend, template = self.backend, self.chat_template
+        assert template is not None
+        try:
+            body = await read_json(request, self.max_body_bytes)
+            req = chat.parse_chat_request(body, template, backend.model_name, backend.max_model_len,
+                                          self.clamp_max_tokens)
+        except BadRequest as e:
+            return error_response(str(e), e.status)
+        if not self.admission.enter():
+            return self.overloaded()
+        run = chat.ChatRun(backend, template, req, self.admission.leave)
+        if req.stream:
+            return StreamingResponse(chat.stream(run, backend.model_name), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            return JSONResponse(await unless_disconnected(request, chat.complete(run, backend.model_name)))
+        except ClientGone:
+            return error_response("client disconnected", 499)
+        except ValueError as e:
+            return error_response(str(e), 400)
+        except Exception as e:  # noqa: BLE001 - one failed request must not take the server down
+            logger.exception("backend failed on a chat request")
+            return error_response(f"backend error: {type(e).__name__}: {e}", 500)
+
+    async def models(self, request: Request) -> JSONResponse:
+        """`GET /v1/models`."""
+        return JSONResponse({"object": "list", "data": [self.card]})
+
+    async def model(self, request: Request) -> JSONResponse:
+        """`GET /v1/models/{name}`: 404 for another name."""
+        name = request.path_params["name"]
+        if name != self.backend.model_name:
+            return error_response(f"model {name!r} does not exist; this server serves "
+                                  f"{self.backend.model_name!r}", 404)
+        return JSONResponse(self.card)
+
+    async def health(self, request: Request) -> JSONResponse:
+        """`GET /health`."""
+        return JSONResponse({"status": "ok", "pending": self.admission.active})
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own refusals (e.g. 404 for an unknown path, 405 for a wrong method) in the server's error format."""
+    assert isinstance(exc, HTTPException)
+    return error_response(exc.detail, exc.status_code)
+
+
 def build_app(backend: GenerateBackend, *, chat_template: ChatTemplate | None = None, api_key: str | None = None,
               max_pending: int = DEFAULT_MAX_PENDING, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               clamp_max_tokens: bool = False) -> ASGIApp:
@@ -264,91 +362,16 @@ def build_app(backend: GenerateBackend, *, chat_template: ChatTemplate | None = 
             run's own server: its rollout clients ask for `[sampling] max_tokens` on every turn, and a
             turn that reaches the context ends with finish_reason "length").
     """
-    created = int(time.time())
-    admission = Admission(max_pending)
-
-    def overloaded() -> JSONResponse:
-        return error_response(f"server overloaded: {admission.active} requests queued or running (limit "
-                              f"{admission.limit}); retry later", 503, {"Retry-After": "1"})
-
-    async def generate(request: Request) -> JSONResponse:
-        try:
-            prompt_ids, params, request_id = parse_generate_request(await read_json(request, max_body_bytes),
-                                                                    backend, clamp_max_tokens)
-        except BadRequest as e:
-            return error_response(str(e), e.status)
-        if not admission.enter():
-            return overloaded()
-        try:
-            completion = await unless_disconnected(request, backend.generate(prompt_ids, params))
-        except ClientGone:
-            return error_response("client disconnected", 499)
-        except ValueError as e:  # the backend's contract: a request it cannot serve
-            return error_response(str(e), 400)
-        except Exception as e:  # noqa: BLE001 - one failed request must not take the server down
-            logger.exception("backend failed on a generate request")
-            return error_response(f"backend error: {type(e).__name__}: {e}", 500)
-        finally:
-            admission.leave()
-        try:
-            payload = generate_response(request_id or f"gen-{uuid.uuid4().hex}", prompt_ids, completion)
-        except ValueError as e:
-            logger.error("backend broke its contract: %s", e)
-            return error_response(f"backend error: {e}", 500)
-        return JSONResponse(payload)
-
-    async def chat_completions(request: Request) -> Response:
-        assert chat_template is not None
-        try:
-            body = await read_json(request, max_body_bytes)
-            req = chat.parse_chat_request(body, chat_template, backend.model_name, backend.max_model_len,
-                                          clamp_max_tokens)
-        except BadRequest as e:
-            return error_response(str(e), e.status)
-        if not admission.enter():
-            return overloaded()
-        run = chat.ChatRun(backend, chat_template, req, admission.leave)
-        if req.stream:
-            return StreamingResponse(chat.stream(run, backend.model_name), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        try:
-            return JSONResponse(await unless_disconnected(request, chat.complete(run, backend.model_name)))
-        except ClientGone:
-            return error_response("client disconnected", 499)
-        except ValueError as e:
-            return error_response(str(e), 400)
-        except Exception as e:  # noqa: BLE001 - one failed request must not take the server down
-            logger.exception("backend failed on a chat request")
-            return error_response(f"backend error: {type(e).__name__}: {e}", 500)
-
-    card = {"id": backend.model_name, "object": "model", "created": created, "owned_by": "jaxrl",
-            "max_model_len": backend.max_model_len}
-
-    async def models(request: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [card]})
-
-    async def model(request: Request) -> JSONResponse:
-        name = request.path_params["name"]
-        if name != backend.model_name:
-            return error_response(f"model {name!r} does not exist; this server serves {backend.model_name!r}", 404)
-        return JSONResponse(card)
-
-    async def health(request: Request) -> JSONResponse:
-        return JSONResponse({"status": "ok", "pending": admission.active})
-
-    async def http_error(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, HTTPException)
-        return error_response(exc.detail, exc.status_code)
-
+    r = _Routes(backend, chat_template, Admission(max_pending), max_body_bytes, clamp_max_tokens)
     routes = [
-        Route(GENERATE_ROUTE, generate, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/models/{name:path}", model, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
+        Route(GENERATE_ROUTE, r.generate, methods=["POST"]),
+        Route("/v1/models", r.models, methods=["GET"]),
+        Route("/v1/models/{name:path}", r.model, methods=["GET"]),
+        Route("/health", r.health, methods=["GET"]),
     ]
     if chat_template is not None:
-        routes.append(Route(chat.CHAT_ROUTE, chat_completions, methods=["POST"]))
-    app: ASGIApp = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+        routes.append(Route(chat.CHAT_ROUTE, r.chat_completions, methods=["POST"]))
+    app: ASGIApp = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     return RequireApiKey(app, api_key) if api_key else app
 
 
