@@ -324,23 +324,11 @@ def serve(
     """Serve a model or a run's checkpoint over HTTP: OpenAI chat completions (streaming too), vLLM's
     token-in/token-out route, /v1/models and /health; or, with --jetstream, over JetStream's gRPC server
     (jaxrl.inference.jetstream). Ctrl-C stops it."""
-    import os
     import signal
     import threading
     import time
 
-    if dtype not in (None, "float32", "bfloat16"):
-        raise _fail(f"--dtype: {dtype!r} is not float32 or bfloat16")
-    if max_pending < 1:
-        raise _fail(f"--max-pending must be >= 1, got {max_pending}")
-    api_key = None
-    if api_key_env is not None:
-        api_key = os.environ.get(api_key_env)
-        if not api_key:
-            raise _fail(f"--api-key-env: the environment variable {api_key_env} is not set or empty")
-    shape = _parse_mesh(mesh)
-    if jetstream:
-        _check_jetstream(api_key, port)
+    api_key, shape = _serve_options(dtype, max_pending, api_key_env, mesh, jetstream, port)
     from jaxrl.cli import serve as serving  # heavy (JAX): kept off the validate/init path
     from jaxrl.inference.server import start_server
 
@@ -356,15 +344,18 @@ def serve(
             t0 = time.perf_counter()
             buckets = serving.warmup(scheduler)
             err.print(f"compiled {buckets} prompt buckets + decode in {time.perf_counter() - t0:.1f}s", markup=False)
-        if jetstream:
-            handle, where = _start_jetstream(loaded, host, port), f"grpc://{host}:{port} (JetStream Orchestrator)"
-        else:
-            try:
+        try:
+            if jetstream:
+                handle = serving.start_jetstream(loaded, host, port)
+                where = f"grpc://{host}:{port} (JetStream Orchestrator)"
+            else:
                 handle = start_server(scheduler, host, port, chat_template=loaded.chat_template, api_key=api_key,
                                       max_pending=max_pending)
-            except OSError as exc:
-                raise _fail(f"jaxrl serve: cannot listen on {host}:{port}: {exc}") from None
-            where = f"{handle.base_url} (chat: {handle.base_url}/chat/completions)"
+                where = f"{handle.base_url} (chat: {handle.base_url}/chat/completions)"
+        except serving.ServeError as exc:  # from start_jetstream only
+            raise _fail(f"jaxrl serve --jetstream: {exc}") from None
+        except OSError as exc:
+            raise _fail(f"jaxrl serve: cannot listen on {host}:{port}: {exc}") from None
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
@@ -379,6 +370,27 @@ def serve(
         scheduler.stop()
 
 
+def _serve_options(dtype: str | None, max_pending: int, api_key_env: str | None, mesh: str, jetstream: bool,
+                   port: int) -> tuple[str | None, dict[str, int]]:
+    """`serve`'s options checked before the model loads (each refusal exits with code 2, naming the option):
+    the API key read from `api_key_env` (None without it) and the mesh shape parsed from `mesh`."""
+    import os
+
+    if dtype not in (None, "float32", "bfloat16"):
+        raise _fail(f"--dtype: {dtype!r} is not float32 or bfloat16")
+    if max_pending < 1:
+        raise _fail(f"--max-pending must be >= 1, got {max_pending}")
+    api_key = None
+    if api_key_env is not None:
+        api_key = os.environ.get(api_key_env)
+        if not api_key:
+            raise _fail(f"--api-key-env: the environment variable {api_key_env} is not set or empty")
+    shape = _parse_mesh(mesh)
+    if jetstream:
+        _check_jetstream(api_key, port)
+    return api_key, shape
+
+
 def _check_jetstream(api_key: str | None, port: int) -> None:
     """Refuse what `serve --jetstream` cannot do, before the model loads."""
     if api_key is not None:
@@ -389,21 +401,6 @@ def _check_jetstream(api_key: str | None, port: int) -> None:
         import jaxrl.inference.jetstream  # noqa: F401 - about 5 s (TensorFlow): paid here, before the model loads
     except ImportError as exc:
         raise _fail(f"--jetstream needs the jetstream extra (pip install 'jaxrl[jetstream]'): {exc}") from None
-
-
-def _start_jetstream(loaded: Any, host: str, port: int) -> Any:
-    """JetStream's gRPC server over the loaded engine and weights (`jaxrl.inference.jetstream.serve`), with the
-    served tokenizer and its end-of-turn ids; `stop()` ends it."""
-    from jaxrl.inference import jetstream as js
-
-    template, scheduler = loaded.chat_template, loaded.scheduler
-    try:
-        tokenizer = js.HFTokenizer(template.tokenizer.backend_tokenizer, template.stop_token_ids)
-        return js.serve(js.JetStreamEngine(scheduler.engine, scheduler.params, tokenizer), port, host)
-    except ValueError as exc:
-        raise _fail(f"jaxrl serve --jetstream: {exc}") from None
-    except OSError as exc:
-        raise _fail(f"jaxrl serve: cannot listen on {host}:{port}: {exc}") from None
 
 
 RunsDir = Annotated[Path, typer.Option("--runs-dir", envvar="JAXRL_RUNS_DIR",

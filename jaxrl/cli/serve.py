@@ -4,7 +4,8 @@ A folder holding safetensors weights is served as it is (`jaxrl.model.hf.load_hf
 as a run, its checkpoints folder or one step's (`jaxrl.export.exporter.find_source`): the run's base model,
 with the checkpoint's LoRA applied at `lora_alpha / lora_rank`, and the run's tokenizer. The weights
 are sharded over every visible device (or `mesh`), as in `jaxrl run`; one `Engine` + `Scheduler` serve
-them, behind `jaxrl.inference.server` (OpenAI chat completions, vLLM's token route, `/v1/models`, `/health`).
+them, behind `jaxrl.inference.server` (OpenAI chat completions, vLLM's token route, `/v1/models`, `/health`)
+or, with `--jetstream`, behind JetStream's gRPC server (`start_jetstream`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -119,3 +121,21 @@ def warmup(scheduler: Scheduler) -> int:
         return await scheduler.warmup(SamplingParams())
 
     return asyncio.run(both())
+
+
+def start_jetstream(loaded: Loaded, host: str, port: int) -> Any:
+    """JetStream's gRPC server over the loaded engine and weights (`jaxrl.inference.jetstream.serve`), with the
+    served tokenizer and its end-of-turn ids; `stop()` ends it. Needs the jetstream extra.
+
+    Raises:
+        ServeError: JetStream cannot serve this model or tokenizer.
+        OSError: it cannot listen on `host:port`.
+    """
+    from jaxrl.inference import jetstream as js  # the jetstream extra (TensorFlow): only `--jetstream` needs it
+
+    template, scheduler = loaded.chat_template, loaded.scheduler
+    try:
+        tokenizer = js.HFTokenizer(template.tokenizer.backend_tokenizer, template.stop_token_ids)
+        return js.serve(js.JetStreamEngine(scheduler.engine, scheduler.params, tokenizer), port, host)
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
