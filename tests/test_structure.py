@@ -68,3 +68,24 @@ def test_config_and_the_validate_init_path_import_no_jax(code, tmp_path):
     out = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, timeout=120,
                          cwd=PACKAGE.parent)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_module_or_function_too_long():
+    """Small files with one concern each, and functions that fit on a screen (STYLE.md): a module over
+    600 lines or a function / method over 80 lines (from its `def` to its last line, decorators left out,
+    docstring counted) is named here."""
+    long = []
+    for path in MODULES:
+        text = path.read_text(encoding="utf-8")
+        if (lines := len(text.splitlines())) > MAX_MODULE_LINES:
+            long.append(f"{_name(path)}: {lines} lines (module, over {MAX_MODULE_LINES})")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{_name(path)}:{node.lineno} {node.name}: {lines} lines (over {MAX_FUNCTION_LINES})")
+    assert not long, "too long:\n" + "\n".join(long)
