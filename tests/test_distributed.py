@@ -11,6 +11,8 @@ import os
 import socket
 import subprocess
 import sys
+import time
+import traceback
 from pathlib import Path
 
 import jax
@@ -76,13 +78,15 @@ def _train() -> dict:
 
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14], [3, 3, 3, 3, 3, 3], [7, 1]]
+MAX_TOKENS = [8, 8, 8, 8, 8, 16]  # process 1's last request outlives process 0's: process 0 asks to stop first
 
 
 def _generate() -> dict:
-    """Greedy completions of PROMPTS (8 tokens, 4 decode slots: two requests queue) by one engine over every
-    device of every process, each process asking for its own prompts (process p: every P-th from p); then,
-    after gathers and an update to a LoRA of version 1 made while the engine is paused,
-    one more prompt per process. Prompt index -> (tokens, policy versions)."""
+    """Greedy completions of PROMPTS (MAX_TOKENS tokens, 4 decode slots: two requests queue) by one engine over
+    every device of every process, each process asking for its own prompts (process p: every P-th from p);
+    then, after gathers and an update to a LoRA of version 1 made while the engine is paused, one more
+    prompt per process, and a stop that process 0 asks for while process 1's request is still decoding.
+    Prompt index -> (tokens, policy versions)."""
     mesh = make_mesh(MESH)
     base = jax.jit(lambda k: qwen3.init_params(CFG, k),
                    out_shardings=spec_shardings(qwen3.param_specs(CFG), CFG.dims(), mesh))(jax.random.key(0))
@@ -94,10 +98,10 @@ def _generate() -> dict:
     count, index = jax.process_count(), jax.process_index()
     sched = GroupScheduler(engine, params, "tiny", distributed.Exchange()) if count > 1 else \
         Scheduler(engine, params, "tiny")
-    greedy = SamplingParams(temperature=0.0, max_tokens=8)
 
     async def ask(indices):
-        done = await asyncio.gather(*[sched.generate(PROMPTS[i], greedy) for i in indices])
+        greedy = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS[i]) for i in indices]
+        done = await asyncio.gather(*[sched.generate(PROMPTS[i], p) for i, p in zip(indices, greedy, strict=True)])
         return {i: (c.token_ids, c.policy_versions) for i, c in zip(indices, done, strict=True)}
 
     try:
@@ -122,7 +126,9 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> tuple[dict, list[dict]]:
     """(this process's result on 8 devices with one controller, the results of this file run as a worker in
-    2 processes x 4 CPU devices). The workers compile while this process does, to save wall time."""
+    2 processes x 4 CPU devices). The workers compile while this process does, to save wall time; a worker
+    that fails ends the other at once (it would wait for its peer until the coordination service's
+    timeout), and the failure shows both workers' logs."""
     out = tmp_path_factory.mktemp("dist")
     port = _free_port()
     procs = []
@@ -131,16 +137,22 @@ def results(tmp_path_factory) -> tuple[dict, list[dict]]:
         env |= {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
                 "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
                 "JAX_PROCESS_ID": str(pid)}
-        procs.append(subprocess.Popen([sys.executable, __file__, str(out / f"{pid}.json")], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        with open(out / f"{pid}.log", "w") as log:
+            procs.append(subprocess.Popen([sys.executable, __file__, str(out / f"{pid}.json")], env=env,
+                                          stdout=log, stderr=subprocess.STDOUT))
     try:
         single = _train()["replicated"] | {"generated": _generate()}
-        logs = [p.communicate(timeout=300)[0] for p in procs]
+        deadline = time.monotonic() + 600  # about 60 s on an idle 2-core machine
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs) \
+                and all(p.poll() in (None, 0) for p in procs):
+            time.sleep(0.2)
     finally:
         for p in procs:
             p.kill()
-    for p, log in zip(procs, logs, strict=True):
-        assert p.returncode == 0, log
+            p.wait()
+    logs = "\n".join(f"--- worker {pid} (exit {p.returncode}):\n" + (out / f"{pid}.log").read_text()[-5000:]
+                     for pid, p in enumerate(procs))
+    assert all(p.returncode == 0 for p in procs), logs
     return single, [json.loads((out / f"{pid}.json").read_text()) for pid in range(2)]
 
 
@@ -151,8 +163,8 @@ def test_an_engine_spanning_two_processes_samples_what_one_process_does(results)
     got = pair[0]["generated"] | pair[1]["generated"]
     assert sorted(pair[0]["generated"]) == ["0", "2", "4"] and sorted(pair[1]["generated"]) == ["1", "3", "5"]
     assert got == {i: [list(tokens), list(versions)] for i, (tokens, versions) in want.items()}
-    assert all(len(tokens) == 8 for tokens, _ in got.values())
-    assert [got[i][1] for i in "0145"] == [[0] * 8, [0] * 8, [1] * 8, [1] * 8]  # after the update: version 1
+    assert [len(got[str(i)][0]) for i in range(len(PROMPTS))] == MAX_TOKENS
+    assert [got[i][1] for i in "0145"] == [[0] * 8, [0] * 8, [1] * 8, [1] * 16]  # after the update: version 1
 
 
 @pytest.mark.parametrize("mode", ["replicated", "host_local"])
@@ -249,15 +261,20 @@ def test_from_env_tpu_vm_and_plain_host(tmp_path):
     distributed.barrier("single")
 
 
-if __name__ == "__main__":  # a worker of `two_process_results`
+if __name__ == "__main__":  # a worker of `results`
     distributed.initialize(distributed.from_env())
-    exchange = distributed.Exchange()
-    results = {"process_count": jax.process_count(), "local_devices": jax.local_device_count(),
-               "primary": distributed.is_primary(),
-               "gathered": distributed.all_gather_objects({"rows": list(range(3 * jax.process_index()))}),
-               "any": [distributed.any_process(jax.process_index() == 1), distributed.any_process(False)],
-               "exchanged": [exchange.gather([jax.process_index(), k]) for k in range(3)] + [exchange.gather(
-                   jax.process_index(), decide=lambda objs: [f"decided on {jax.process_index()}", objs])],
-               **_train(), "generated": _generate()}
-    distributed.barrier("done")
+    try:
+        exchange = distributed.Exchange()
+        results = {"process_count": jax.process_count(), "local_devices": jax.local_device_count(),
+                   "primary": distributed.is_primary(),
+                   "gathered": distributed.all_gather_objects({"rows": list(range(3 * jax.process_index()))}),
+                   "any": [distributed.any_process(jax.process_index() == 1), distributed.any_process(False)],
+                   "exchanged": [exchange.gather([jax.process_index(), k]) for k in range(3)] + [exchange.gather(
+                       jax.process_index(), decide=lambda objs: [f"decided on {jax.process_index()}", objs])],
+                   **_train(), "generated": _generate()}
+        distributed.barrier("done")
+    except BaseException:  # exit now: the runtime's shutdown barrier would wait minutes for the other worker
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
     Path(sys.argv[1]).write_text(json.dumps(results))

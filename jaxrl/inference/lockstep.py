@@ -12,7 +12,9 @@ pending, and whether it wants to stop or to pause. The group's first process, th
 group's one queue and decides the round's plan: which requests take the free slots (first come, first
 served, in order of round then process), which are dropped, whether to swap weights (once every process
 has the same version pending: in-flight updates take effect at the same decode step everywhere, and each
-token records the version that sampled it, as on one host), pause, or stop. Every process applies the
+token records the version that sampled it, as on one host), pause, or stop (once every process has asked
+to: a process that is done keeps stepping the group's programs for the others' requests still in flight,
+which would otherwise fail or wait forever). Every process applies the
 plan, so slots, PRNG keys and sampled tokens are the same on every process; each hands out the tokens
 of its own requests. The sampled tokens come out of the programs replicated, so reading them needs no
 transfer between hosts.
@@ -66,6 +68,7 @@ class GroupScheduler(Scheduler):
         self._parked_for = 0  # while parked: the stretches begun when it parked (it waits for their end); else 0
         self._holding = threading.local()  # paused() depth of the calling thread
         self._idle = True
+        self._stop_posted = False  # this process has asked the group to stop (it no longer waits when idle)
         super().__init__(engine, params, model_name, seed)
 
     def update_params(self, params: Params, version: int) -> None:
@@ -108,7 +111,7 @@ class GroupScheduler(Scheduler):
         """This process's message for the round (waits up to `idle_s` for local work when idle)."""
         with self._cv:
             if self._idle:
-                self._cv.wait_for(lambda: self._stop or self._waiting or self._versions or self._entered > self._exited,
+                self._cv.wait_for(lambda: (self._stop and not self._stop_posted) or self._waiting or self._versions or self._entered > self._exited,
                                   timeout=self.idle_s)
             new = []
             while self._waiting:
@@ -121,6 +124,7 @@ class GroupScheduler(Scheduler):
                 self._reported.discard(rid)
             gave_up = [rid for rid, req in self._mine.items() if req.future.cancelled() and rid not in self._reported]
             self._reported.update(gave_up)
+            self._stop_posted = self._stop
             return {"new": new, "cancel": gave_up, "version": max(self._versions, default=None),
                     "stop": self._stop, "pause": self._entered > self._exited}
 
@@ -138,7 +142,7 @@ class GroupScheduler(Scheduler):
         admit = [] if pause else [self._queue.popleft() for _ in range(min(self._slots.count(None), len(self._queue)))]
         idle = not self._queue and not admit and not self.active and not self._unread
         return {"admit": admit, "cancel": cancel, "version": version, "pause": pause,
-                "stop": any(p["stop"] for p in posts), "idle": idle}
+                "stop": all(p["stop"] for p in posts), "idle": idle}
 
     def _next(self) -> list[_Request] | None:
         """One round: post, receive the leader's plan, apply it; the requests to admit (None: stop)."""
