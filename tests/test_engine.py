@@ -152,7 +152,7 @@ def test_scheduler_keeps_each_requests_settings_in_a_shared_batch():
     greedy, penalised = _greedy_reference(params, prompt, 10), _greedy_reference(params, prompt, 10, penalty=3.0)
     assert penalised != greedy
     one = dict(temperature=1.0, max_tokens=10, seed=1)
-    requests = {  # six requests through four slots; each truncation alone leaves the top token only
+    requests = {  # nine requests through four slots; each truncation alone leaves the top token only
         "greedy": SamplingParams(temperature=0.0, max_tokens=10),
         "top_k": SamplingParams(top_k=1, **one),
         "top_p": SamplingParams(top_p=1e-3, **one),
@@ -160,6 +160,9 @@ def test_scheduler_keeps_each_requests_settings_in_a_shared_batch():
         "penalised": SamplingParams(temperature=0.0, repetition_penalty=3.0, max_tokens=10),
         "first_token_stops": SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=(greedy[0],)),
         "one_token": SamplingParams(temperature=0.0, max_tokens=1),
+        # min_tokens: the stop token (and one beyond the vocabulary, ignored) banned from the first draws
+        "min_tokens_4": SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=(greedy[0], 99), min_tokens=4),
+        "min_tokens_1": SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=(greedy[0],), min_tokens=1),
     }
     sched = Scheduler(engine, params, "tiny")
 
@@ -175,6 +178,8 @@ def test_scheduler_keeps_each_requests_settings_in_a_shared_batch():
     assert out["penalised"].token_ids == penalised
     assert (out["first_token_stops"].token_ids, out["first_token_stops"].finish_reason) == (greedy[:1], "stop")
     assert (out["one_token"].token_ids, out["one_token"].finish_reason) == (greedy[:1], "length")
+    _check_min_tokens(params, prompt, out["min_tokens_4"], greedy[0], 4)
+    _check_min_tokens(params, prompt, out["min_tokens_1"], greedy[0], 1)
 
 
 def test_scheduler_seed_reproducible_and_stop_tokens():
@@ -276,3 +281,21 @@ def test_weight_copies_only_on_cpu_and_the_same_tokens_without_them():
         outs.append((toks, lps))
     assert outs[0][0] == outs[1][0]
     np.testing.assert_allclose(outs[0][1], outs[1][1], atol=1e-5)
+
+
+
+
+def _check_min_tokens(params, prompt, got, stop, m):
+    """`got` is greedy decoding with `stop` banned from its first `m` draws: each token the argmax of the
+    logits with `stop` at -inf for the first m, its logprob that of that masked distribution, and it
+    ends at `stop` or at its length (one teacher-forced forward pass checks all)."""
+    toks = got.token_ids
+    assert len(toks) > m and stop not in toks[:-1] and (toks[-1] == stop) == (got.finish_reason == "stop")
+    h, _ = qwen3.forward(CFG, params["base"], jnp.asarray([prompt + toks]), jnp.arange(len(prompt + toks))[None],
+                         lora=params["lora"], lora_scale=0.5)
+    lg = np.asarray(qwen3.logits(params["base"], h)[0, len(prompt) - 1:-1], np.float64)
+    lg[:m, stop] = -np.inf
+    assert lg.argmax(axis=-1).tolist() == toks
+    lp = lg - lg.max(axis=-1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(axis=-1, keepdims=True))
+    np.testing.assert_allclose(got.logprobs, lp[np.arange(len(toks)), toks], atol=1e-4)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxrl.inference.protocol import SamplingParams
-from jaxrl.inference.sampling import CHUNK, SlotSampling, draw, mark_seen, sample
+from jaxrl.inference.sampling import CHUNK, SlotSampling, draw, mark_seen, sample, stop_ban
 
 LOGITS = jnp.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 N = 40_000
@@ -105,6 +105,31 @@ def test_greedy_sees_the_penalty():
     seen = jnp.zeros(8, bool).at[0].set(True)
     toks, _ = _draws(n=4, seen=seen, temperature=0.0, repetition_penalty=10.0)
     assert (toks == 1).all()
+
+
+def test_stop_ban_masks_stop_tokens_until_min_tokens_and_the_logprob_is_renormalised():
+    """`min_tokens`: a row short of it draws from the softmax without its stop tokens, greedy included,
+    and reports the logprob of that distribution; a row past it, or one that would ban every token,
+    draws from the whole."""
+    stop = jnp.zeros((2, 8), bool).at[:, jnp.array([0, 2])].set(True)
+    ban = stop_ban(stop, jnp.array([1, 3]), jnp.array([3, 3]))
+    assert np.asarray(ban).tolist() == [[True, False, True] + [False] * 5, [False] * 8]
+    n = N
+    banned = jnp.broadcast_to(ban[0], (n, 8))
+    keys = jax.random.split(jax.random.key(3), n)
+    toks, lps = jax.jit(lambda lg, k, b: sample(lg, _rows(n, temperature=0.7, top_k=4), k, truncate=True, ban_BV=b))(
+        jnp.broadcast_to(LOGITS, (n, 8)), keys, banned)
+    toks, lps = np.asarray(toks), np.asarray(lps)
+    want = _softmax(np.where(np.asarray(ban[0]), -np.inf, LOGITS / 0.7))
+    kept = want * (np.arange(8) < 6)  # top_k = 4 of what the ban leaves: 1, 3, 4, 5
+    np.testing.assert_allclose(_freq(toks), kept / kept.sum(), atol=0.01)
+    np.testing.assert_allclose(lps, np.log(want[toks]), rtol=1e-5)
+    greedy, lp = sample(LOGITS[None], _rows(1, temperature=0.0), keys[:1], truncate=False, ban_BV=ban[:1])
+    assert int(greedy[0]) == 1
+    np.testing.assert_allclose(float(lp[0]), np.log(_softmax(np.where(ban[0], -np.inf, LOGITS))[1]), rtol=1e-5)
+    every, _ = sample(LOGITS[None], _rows(1, temperature=0.0), keys[:1], truncate=False,
+                      ban_BV=jnp.ones((1, 8), bool))
+    assert int(every[0]) == 0
 
 
 def test_seed_fixes_the_draws_and_different_seeds_differ():

@@ -180,6 +180,7 @@ def compile_prefill(s: Shapes, mesh: Mesh, bucket: int | None = None) -> Program
                             lambda x: replicated)
     lowered = engine._prefill.lower(params, jax.ShapeDtypeStruct((bucket,), jnp.int32, sharding=replicated),
                                     jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), sampling, key,
+                                    jax.ShapeDtypeStruct((s.model.vocab_size,), jnp.bool_, sharding=replicated),
                                     truncate=True)
     declared = {"weights": shard_bytes(params["base"]), "lora": shard_bytes(params["lora"])}
     return _measure(f"prefill {bucket}", lowered, declared)
@@ -193,6 +194,7 @@ def abstract_decode_state(engine: Engine) -> DecodeState:
     shape = (c.num_layers, b, s, c.num_kv_heads, c.head_dim)
     cache_sh = array_sharding((None, "batch", None, "kv_heads", None), shape, engine.mesh)
     vec_sh = array_sharding(("batch",), (b,), engine.mesh)
+    slot_vocab_sh = array_sharding(("batch", None), (b, c.vocab_size), engine.mesh)
     cache = {n: jax.ShapeDtypeStruct(shape, engine.cache_dtype, sharding=cache_sh) for n in ("k", "v")}
     per_slot = _placed(jax.eval_shape(lambda: (SlotSampling.neutral(b), jax.random.split(jax.random.key(0), b))),
                        lambda x: vec_sh)
@@ -202,8 +204,9 @@ def abstract_decode_state(engine: Engine) -> DecodeState:
         positions=jax.ShapeDtypeStruct((b,), jnp.int32, sharding=vec_sh),
         sampling=per_slot[0],
         keys=per_slot[1],
-        seen=jax.ShapeDtypeStruct((b, c.vocab_size), jnp.bool_,
-                                  sharding=array_sharding(("batch", None), (b, c.vocab_size), engine.mesh)),
+        seen=jax.ShapeDtypeStruct((b, c.vocab_size), jnp.bool_, sharding=slot_vocab_sh),
+        stop=jax.ShapeDtypeStruct((b, c.vocab_size), jnp.bool_, sharding=slot_vocab_sh),
+        generated=jax.ShapeDtypeStruct((b,), jnp.int32, sharding=vec_sh),
     )
 
 

@@ -3,11 +3,14 @@
 A decode state holds `B = max_concurrent_decodes` slots. `prefill` runs one prompt (right-padded to a
 length bucket) through the model, keeps its key/value cache as a `Prefix` and samples the first token;
 `insert` copies a prefix into a free slot; `generate` advances every slot by one token. Sampling runs on
-device (`jaxrl.inference.sampling`: temperature, top_p, top_k, min_p, repetition penalty, per-slot PRNG keys), and
-every sampled token comes with its logprob under the sampling distribution after temperature,
-`log_softmax(logits / T)` (the trainer recomputes the same quantity; with T = 0, greedy, T = 1 is used
-for the logprob). The truncations cut the distribution that is sampled from but not the reported
-logprob, as in vLLM's default. Prefill runs `qwen3.forward`; a decode step runs `jaxrl.model.decode`, the same
+device (`jaxrl.inference.sampling`: temperature, top_p, top_k, min_p, repetition penalty, `min_tokens`,
+per-slot PRNG keys), and every sampled token comes with its logprob under the sampling distribution after
+temperature, `log_softmax(logits / T)` of the logits as the penalty and `min_tokens`' ban left them (the
+trainer recomputes the same quantity from the raw logits; with T = 0, greedy, T = 1 is used for the
+logprob). The truncations cut the distribution that is sampled from but not the reported logprob, as in
+vLLM's default. `min_tokens` is counted per slot on device (`DecodeState.generated`): while a slot has
+sampled fewer, its stop tokens (`DecodeState.stop`) are banned, in the same compiled decode step for
+every request. Prefill runs `qwen3.forward`; a decode step runs `jaxrl.model.decode`, the same
 layers with a bandwidth-minded attention over the cache. The decode state is donated to `insert` and
 `generate`, so the cache is updated in place.
 
@@ -23,11 +26,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.inference.protocol import SamplingParams
-from jaxrl.inference.sampling import SlotSampling, mark_seen, sample
+from jaxrl.inference.sampling import SlotSampling, mark_seen, sample, stop_ban
 from jaxrl.model import qwen3
 from jaxrl.model.decode import decode_step, unstack_layers
 from jaxrl.model.qwen3 import KVCache, ModelConfig, Params
@@ -37,8 +41,9 @@ from jaxrl.parallel.sharding import array_sharding
 @struct.dataclass
 class Prefix:
     """A prefilled prompt: its cache {"k","v"} [L, 1, T_bucket, K, H], the first sampled token and its
-    logprob ([1] each), the prompt's true length, the slot's sampling settings and PRNG key, and the
-    tokens seen so far (prompt and first token; bool [1, V]) for the repetition penalty."""
+    logprob ([1] each), the prompt's true length, the slot's sampling settings and PRNG key, the
+    tokens seen so far (prompt and first token; bool [1, V]) for the repetition penalty, and the
+    request's stop tokens (bool [1, V]) for `min_tokens`."""
 
     cache: KVCache
     token: jax.Array
@@ -47,6 +52,7 @@ class Prefix:
     sampling: SlotSampling
     key: jax.Array
     seen: jax.Array
+    stop: jax.Array
 
 
 @struct.dataclass
@@ -54,7 +60,8 @@ class DecodeState:
     """All decode slots: cache [L, B, S, K, H] (with `Engine.unstack`, lists of L arrays [B, S, K, H]);
     the next input token [B] and its position [B]; sampling settings; one PRNG key per slot [B]; tokens
     seen per slot, bool [B, V] (kept up to date only while some slot has a repetition penalty: a slot's
-    settings are fixed at insert)."""
+    settings are fixed at insert); each slot's stop tokens, bool [B, V], and the tokens it has sampled,
+    int32 [B] (the prefill's first one included), for `min_tokens`."""
 
     cache: KVCache
     tokens: jax.Array
@@ -62,6 +69,8 @@ class DecodeState:
     sampling: SlotSampling
     keys: jax.Array
     seen: jax.Array
+    stop: jax.Array
+    generated: jax.Array
 
 
 @struct.dataclass
@@ -180,6 +189,8 @@ class Engine:
             sampling=SlotSampling.neutral(b),
             keys=jax.random.split(jax.random.key(0), b),
             seen=jnp.zeros((b, c.vocab_size), jnp.bool_),
+            stop=jnp.zeros((b, c.vocab_size), jnp.bool_),
+            generated=jax.device_put(jnp.zeros((b,), jnp.int32), vec_sh),
         )
 
     def bucket(self, length: int) -> int:
@@ -205,8 +216,10 @@ class Engine:
             raise NotImplementedError("prefill on top of an existing prefix is not supported")
         key = jax.random.key(0) if key is None else key
         sampling = sampling or SamplingParams()
+        stop_V = np.zeros((self.cfg.vocab_size,), np.bool_)
+        stop_V[[t for t in sampling.stop_token_ids if t < self.cfg.vocab_size]] = True  # others are never sampled
         return self._prefill(params, jnp.asarray(padded_tokens, jnp.int32), jnp.int32(true_length),
-                             SlotSampling.of(sampling), key, truncate=sampling.truncates)
+                             SlotSampling.of(sampling), key, stop_V, truncate=sampling.truncates)
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
         """Copy `prefix` into decode slot `slot` (the decode state's buffers are donated)."""
@@ -220,7 +233,7 @@ class Engine:
         return self._generate(params, decode_state, truncate=truncate, penalize=penalize)
 
     # jitted bodies --------------------------------------------------------------------------------
-    def _prefill_impl(self, params, tokens_T, true_length, sampling, key, *, truncate):
+    def _prefill_impl(self, params, tokens_T, true_length, sampling, key, stop_V, *, truncate):
         t = tokens_T.shape[0]
         hidden_BTD, kv = qwen3.forward(self.cfg, params["base"], tokens_T[None], jnp.arange(t, dtype=jnp.int32)[None],
                                        lora=params.get("lora"), lora_scale=self.lora_scale, mesh=self.mesh)
@@ -229,10 +242,12 @@ class Engine:
         prompt_T = jnp.where(jnp.arange(t) < true_length, tokens_T, self.cfg.vocab_size)  # padding: dropped
         seen_BV = jnp.zeros((1, self.cfg.vocab_size), jnp.bool_).at[0, prompt_T].set(True, mode="drop")
         key, sub = jax.random.split(key)
-        token, logprob = sample(logits_BV, sampling, sub[None], truncate=truncate, seen_BV=seen_BV)
+        stop_BV = stop_V[None]
+        token, logprob = sample(logits_BV, sampling, sub[None], truncate=truncate, seen_BV=seen_BV,
+                                ban_BV=stop_ban(stop_BV, jnp.zeros((1,), jnp.int32), sampling.min_tokens))
         kv = {k: v.astype(self.cache_dtype) for k, v in kv.items()}
         token, logprob = self._replicated(token), self._replicated(logprob)
-        return Prefix(kv, token, logprob, true_length, sampling, key, mark_seen(seen_BV, token))
+        return Prefix(kv, token, logprob, true_length, sampling, key, mark_seen(seen_BV, token), stop_BV)
 
     def _insert_impl(self, prefix: Prefix, state: DecodeState, slot):
         def put(dst, src):
@@ -251,6 +266,8 @@ class Engine:
             sampling=jax.tree.map(put1, state.sampling, prefix.sampling),
             keys=put1(state.keys, prefix.key[None]),
             seen=jax.lax.dynamic_update_slice(state.seen, prefix.seen, (slot, 0)),
+            stop=jax.lax.dynamic_update_slice(state.stop, prefix.stop, (slot, 0)),
+            generated=put1(state.generated, jnp.ones((1,), jnp.int32)),
         )
 
     def _generate_impl(self, params, state: DecodeState, *, truncate, penalize):
@@ -260,11 +277,12 @@ class Engine:
         logits_BV = qwen3.logits(_unembedding(params), hidden_BTD)[:, 0]
         split = jax.vmap(jax.random.split)(state.keys)
         tokens, logprobs = sample(logits_BV, state.sampling, split[:, 1], truncate=truncate,
-                                  seen_BV=state.seen if penalize else None)
+                                  seen_BV=state.seen if penalize else None,
+                                  ban_BV=stop_ban(state.stop, state.generated, state.sampling.min_tokens))
         positions = jnp.minimum(state.positions + 1, self.max_seq_len - 1)
         seen = mark_seen(state.seen, tokens) if penalize else state.seen
         new = DecodeState(cache=cache, tokens=tokens, positions=positions, sampling=state.sampling,
-                          keys=split[:, 0], seen=seen)
+                          keys=split[:, 0], seen=seen, stop=state.stop, generated=state.generated + 1)
         return new, ResultTokens(self._replicated(tokens), self._replicated(logprobs))
 
     def _replicated(self, x: jax.Array) -> jax.Array:

@@ -17,7 +17,9 @@ class SamplingParams:
     disables it. repetition_penalty: > 0; a token already in the prompt or the output has its logit
     divided by it when positive, multiplied when negative (CTRL, Keskar et al. 2019, as in vLLM and
     transformers); 1 disables it. max_tokens: sampled tokens per turn (>= 1). stop_token_ids: sampling
-    stops after emitting one of these (it is kept in the output). seed: makes the request's samples
+    stops after emitting one of these (it is kept in the output). min_tokens: >= 0; the first
+    `min_tokens` sampled tokens are never one of `stop_token_ids` (their logits are masked out of the
+    distribution, as vLLM's `min_tokens`); 0 disables it. seed: makes the request's samples
     reproducible; None draws from the engine's key.
     """
 
@@ -28,6 +30,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     max_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
     seed: int | None = None
 
     @property

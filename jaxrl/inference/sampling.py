@@ -1,17 +1,22 @@
 """Token sampling on device, one pass or a few over the vocabulary, no sort.
 
-Per row: repetition penalty, then temperature, then the truncations (min_p, top_k, top_p over the
-top-k set renormalised, in vLLM's order), then one draw by inverse CDF. Each truncation keeps the
-tokens whose probability is at least a threshold; the top_k and top_p thresholds are found by
-bisection over the bit patterns of float32 probabilities (monotone for non-negative floats), so 31
-fused compare-and-reduce passes over [B, V] give the exact threshold with no sort (a sort of 151,936
-logits per row cost about 50 ms per row on 2 CPU cores). The draw uses one uniform per row and a
-two-level cumulative sum (chunk sums, then within the chosen chunk), so no per-token random numbers
-(Tunix spends 115 ms per step in `jax.random.categorical` over that vocabulary).
+Per row: repetition penalty, then the ban (tokens that may not be sampled yet: the stop tokens of a
+request still short of its `min_tokens`, whose logits become -inf), then temperature, then the
+truncations (min_p, top_k, top_p over the top-k set renormalised, in vLLM's order), then one draw by
+inverse CDF. Each truncation keeps the tokens whose probability is at least a threshold; the top_k and
+top_p thresholds are found by bisection over the bit patterns of float32 probabilities (monotone for
+non-negative floats), so 31 fused compare-and-reduce passes over [B, V] give the exact threshold with
+no sort (a sort of 151,936 logits per row cost about 50 ms per row on 2 CPU cores). The draw uses one
+uniform per row and a two-level cumulative sum (chunk sums, then within the chosen chunk), so no
+per-token random numbers (Tunix spends 115 ms per step in `jax.random.categorical` over that vocabulary).
 
-The reported logprob is that of the drawn token under `log_softmax(penalised_logits / T)`, before
-truncation, as vLLM reports it by default; the trainer recomputes the same quantity (T = 0, greedy,
-reports T = 1).
+The reported logprob is that of the drawn token under `log_softmax(processed_logits / T)`, where the
+processed logits are the penalised ones with the banned tokens at -inf: the distribution the token was
+drawn from, up to the truncations, which cut what is sampled but not the reported logprob, as in vLLM's
+default. The ban and the penalty change the distribution itself, so the logprob reflects them (an
+early token of a `min_tokens` request reports its probability renormalised over the tokens that were
+allowed); the trainer recomputes `log_softmax(logits / T)` with neither, so its importance ratio sees
+both as the difference between the sampling and the trained policy. T = 0, greedy, reports T = 1.
 """
 
 from __future__ import annotations
@@ -29,13 +34,14 @@ _ONE_BITS = 0x3F800000  # float32 1.0
 @struct.dataclass
 class SlotSampling:
     """Sampling settings of each row, all [B]: float32 temperature, top_p, min_p, repetition_penalty;
-    int32 top_k (<= 0: off)."""
+    int32 top_k (<= 0: off) and min_tokens (tokens sampled before a stop token may be; 0: off)."""
 
     temperature: jax.Array
     top_p: jax.Array
     top_k: jax.Array
     min_p: jax.Array
     repetition_penalty: jax.Array
+    min_tokens: jax.Array
 
     @classmethod
     def of(cls, params: SamplingParams) -> SlotSampling:
@@ -43,14 +49,14 @@ class SlotSampling:
         f32 = jnp.float32
         return cls(jnp.array([params.temperature], f32), jnp.array([params.top_p], f32),
                    jnp.array([params.top_k], jnp.int32), jnp.array([params.min_p], f32),
-                   jnp.array([params.repetition_penalty], f32))
+                   jnp.array([params.repetition_penalty], f32), jnp.array([params.min_tokens], jnp.int32))
 
     @classmethod
     def neutral(cls, b: int) -> SlotSampling:
-        """`b` greedy rows with every truncation and the penalty off."""
+        """`b` greedy rows with every truncation, the penalty and `min_tokens` off."""
         f32 = jnp.float32
         return cls(jnp.zeros((b,), f32), jnp.ones((b,), f32), jnp.zeros((b,), jnp.int32), jnp.zeros((b,), f32),
-                   jnp.ones((b,), f32))
+                   jnp.ones((b,), f32), jnp.zeros((b,), jnp.int32))
 
 
 def _largest_threshold(ok, b: int) -> jax.Array:
@@ -104,7 +110,7 @@ def draw(w_BV: jax.Array, u_B: jax.Array) -> jax.Array:
 
 
 def sample(logits_BV: jax.Array, s: SlotSampling, keys_B: jax.Array, *, truncate: bool,
-           seen_BV: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+           seen_BV: jax.Array | None = None, ban_BV: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Sample one token per row; return (tokens int32 [B], logprobs float32 [B]).
 
     Args:
@@ -112,11 +118,16 @@ def sample(logits_BV: jax.Array, s: SlotSampling, keys_B: jax.Array, *, truncate
         keys_B: one PRNG key per row.
         truncate: (static) apply min_p / top_k / top_p; False skips their passes (every row has them off).
         seen_BV: bool, tokens already in each row's prompt or output; None: no repetition penalty.
+        ban_BV: bool, tokens each row may not sample (`min_tokens`: `stop_ban`); a row that bans every
+            token bans none. None: no ban.
     """
     logits_BV = logits_BV.astype(jnp.float32)
     if seen_BV is not None:
         r_B1 = s.repetition_penalty[:, None]
         logits_BV = jnp.where(seen_BV, jnp.where(logits_BV > 0, logits_BV / r_B1, logits_BV * r_B1), logits_BV)
+    if ban_BV is not None:
+        ban_BV = ban_BV & ~jnp.all(ban_BV, axis=-1, keepdims=True)
+        logits_BV = jnp.where(ban_BV, -jnp.inf, logits_BV)
     greedy_B = s.temperature <= 0.0
     scaled_BV = logits_BV / jnp.where(greedy_B, 1.0, s.temperature)[:, None]
     top_B1 = jnp.max(scaled_BV, axis=-1, keepdims=True)
@@ -132,3 +143,9 @@ def sample(logits_BV: jax.Array, s: SlotSampling, keys_B: jax.Array, *, truncate
 def mark_seen(seen_BV: jax.Array, tokens_B: jax.Array) -> jax.Array:
     """`seen_BV` with each row's token set."""
     return seen_BV.at[jnp.arange(tokens_B.shape[0]), tokens_B].set(True)
+
+
+def stop_ban(stop_BV: jax.Array, generated_B: jax.Array, min_tokens_B: jax.Array) -> jax.Array:
+    """The tokens `sample` may not draw for `min_tokens` (vLLM's): each row's stop tokens (`stop_BV`, bool)
+    while it has sampled fewer than `min_tokens_B` tokens (`generated_B`, int32, before this draw). bool [B, V]."""
+    return stop_BV & (generated_B < min_tokens_B)[:, None]
