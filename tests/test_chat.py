@@ -140,6 +140,35 @@ def test_stop_strings(url):
     assert got[-2]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_min_tokens_holds_off_stop_token_ids_and_stop_strings_on_both_routes(server, url):
+    """vLLM's `min_tokens`: the first greedy token made a stop token ends the completion at once, and
+    with `min_tokens` 4 it cannot be sampled before the fifth; a stop string met before `min_tokens`
+    tokens does not end it either (its first occurrence is passed)."""
+    whole = chat(url, temperature=0, max_tokens=16, return_token_ids=True)
+    first = whole["choices"][0]["token_ids"][0]
+    root = server.base_url.removesuffix("/v1")
+    for min_tokens in (0, 4):
+        sampling = {"temperature": 0, "max_tokens": 8, "stop_token_ids": [first], "min_tokens": min_tokens}
+        r = httpx.post(root + GENERATE_ROUTE, timeout=120,
+                       json={"token_ids": whole["prompt_token_ids"], "sampling_params": sampling})
+        assert r.status_code == 200, r.text
+        ids = r.json()["choices"][0]["token_ids"]
+        by_chat = chat(url, temperature=0, max_tokens=8, stop_token_ids=[first], min_tokens=min_tokens,
+                       return_token_ids=True)["choices"][0]["token_ids"]
+        if min_tokens == 0:
+            assert ids == by_chat == [first] and r.json()["choices"][0]["finish_reason"] == "stop"
+        else:
+            assert len(ids) >= 4 and first not in ids[:4] and len(by_chat) >= 4 and first not in by_chat[:4]
+    sampled = {"temperature": 5.0, "seed": 5, "max_tokens": 12, "min_tokens": 4, "return_token_ids": True}
+    ref = chat(url, **sampled)["choices"][0]
+    stop = ref["message"]["content"][:3]  # ends within the first 3 tokens (found nowhere later: so hot a
+    # temperature draws tokens from all over the vocabulary)
+    assert len(stop) == 3 and ref["message"]["content"].count(stop) == 1 and ref["finish_reason"] == "length"
+    held = chat(url, **sampled, stop=stop)["choices"][0]
+    assert (held["message"]["content"], held["token_ids"], held["finish_reason"]) == \
+        (ref["message"]["content"], ref["token_ids"], "length")
+
+
 def test_text_stream_holds_back_partial_characters_and_stop_prefixes(template):
     tok = template.tokenizer
     text = "naïve café 🎉🎉 — 你好, stop here"
@@ -353,7 +382,9 @@ def test_a_non_streaming_request_is_cancelled_when_its_client_leaves(server, sch
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"presence_penalty": 3}, "presence_penalty must be a number in [-2, 2]"),
     ({"frequency_penalty": -2.5}, "frequency_penalty must be a number in [-2, 2]"),
-    ({"min_tokens": 4}, "min_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 3}, "min_tokens must be an integer in [0, max_tokens = 2]"),
+    ({"min_tokens": 1.5}, "min_tokens"),
     ({"echo": True}, "echo"),
 ])
 def test_unknown_unsupported_and_out_of_range_fields_are_400s_naming_them_on_both_routes(server, url, fields, needle):

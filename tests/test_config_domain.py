@@ -64,6 +64,7 @@ def problems_of(tmp_path: Path, text: str) -> str:
     ("max_steps = 1180591620717411303424", "", "max_steps: 1180591620717411303424 is beyond 2147483647"),
     ("", "[sampling]\nmax_tokens = 2147483648", "sampling.max_tokens: 2147483648 is beyond 2147483647"),
     ("", "[eval]\ninterval = 99999999999", "eval.interval: 99999999999 is beyond 2147483647"),
+    ("", "[sampling]\nmin_tokens = 4096", "sampling.min_tokens: 4096 must be < jax.seq_len (4096)"),
     ("rollouts_per_example = 65536\nbatch_size = 65536", "[jax]\nseed = 2147483647",
      "jax.seed: 2147483647 is too large for rollouts_per_example = 65536"),
 ])
@@ -184,6 +185,7 @@ def set_up(cfg: RunConfig, model_dir: Path) -> None:
     seed = (cfg.sampling_seed * SEED_MULTIPLIER + last_group) * n + n - 1
     sampling = SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
                               repetition_penalty=cfg.sampling.repetition_penalty or 1.0,
+                              min_tokens=cfg.sampling.min_tokens or 0,
                               max_tokens=cfg.sampling.max_tokens or jcfg.seq_len - 1, seed=seed)
     context = loader.model_context("http://127.0.0.1:1/v1", cfg.model, model_dir, sampling)
     body = json.loads(json.dumps(context.sampling.model_dump(exclude_none=True), allow_nan=False))

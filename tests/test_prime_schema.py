@@ -209,25 +209,28 @@ def test_max_inflight_rollouts_and_env_files_mean_what_they_say(tmp_path):
     assert result.exit_code == 2 and f"{path}: env_files.0: file not found" in result.stderr
 
 
-def test_repetition_penalty_and_enable_thinking_reach_both_rollout_clients(tiny_model_dir):
+def test_repetition_penalty_min_tokens_and_enable_thinking_reach_both_rollout_clients(tiny_model_dir):
     """v1 environments: the Qwen3 renderer's switch and the request's sampling fields; classic ones: the
-    chat request's `chat_template_kwargs` and `repetition_penalty` (left to the template when unset)."""
+    chat request's `chat_template_kwargs`, `repetition_penalty` and `min_tokens` (left out when unset)."""
     from types import SimpleNamespace
 
     from jaxrl.envs import classic, loader
     from jaxrl.inference.protocol import SamplingParams
 
-    sampling = SamplingParams(repetition_penalty=1.3, max_tokens=8)
+    sampling = SamplingParams(repetition_penalty=1.3, max_tokens=8, min_tokens=3)
     context = loader.model_context("http://127.0.0.1:1/v1", "m", tiny_model_dir, sampling, enable_thinking=True)
     assert context.client.renderer.enable_thinking is True
     assert context.sampling.model_dump()["repetition_penalty"] == 1.3
+    assert context.sampling.wire_args()["min_tokens"] == 3  # what the train client sends as sampling_params
     assert loader.model_context("http://127.0.0.1:1/v1", "m", tiny_model_dir, sampling).client.renderer \
         .enable_thinking is False
     args = classic.sampling_args(SimpleNamespace(sampling_args=None), sampling, 0, enable_thinking=True)
     assert args["extra_body"]["chat_template_kwargs"] == {"enable_thinking": True}
-    assert args["extra_body"]["repetition_penalty"] == 1.3
+    assert args["extra_body"]["repetition_penalty"] == 1.3 and args["extra_body"]["min_tokens"] == 3
     plain = classic.sampling_args(SimpleNamespace(sampling_args=None), SamplingParams(), 0)
-    assert "chat_template_kwargs" not in plain["extra_body"] and "repetition_penalty" not in plain["extra_body"]
+    assert not {"chat_template_kwargs", "repetition_penalty", "min_tokens"} & set(plain["extra_body"])
+    assert "min_tokens" not in loader.model_context("http://127.0.0.1:1/v1", "m", tiny_model_dir,
+                                                    SamplingParams()).sampling.wire_args()
 
 
 def test_an_env_version_pin_is_checked_against_the_installed_package():

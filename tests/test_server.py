@@ -156,6 +156,10 @@ def test_models_and_health(server, root):
         ({"token_ids": [1], "sampling_params": {"stop_token_ids": [1.5]}}, "stop_token_ids"),
         ({"token_ids": [1], "sampling_params": {"logprobs": 5}}, "logprobs"),
         ({"token_ids": [1], "sampling_params": {"min_p": 1.5}}, "min_p"),
+        ({"token_ids": [1], "sampling_params": {"min_tokens": -1}}, "min_tokens"),
+        ({"token_ids": [1], "sampling_params": {"min_tokens": True}}, "min_tokens"),
+        ({"token_ids": [1], "sampling_params": {"max_tokens": 4, "min_tokens": 5}},
+         "min_tokens must be an integer in [0, max_tokens = 4], got 5"),
         ({"token_ids": [1], "sampling_params": {"beam_width": 4}}, "beam_width"),
         ({"token_ids": [1], "sampling_params": [1]}, "object"),
         ({"token_ids": [1], "features": {}}, "features"),
@@ -184,11 +188,12 @@ def test_huge_values_within_range_are_served(root, backend):
     """Values at the edge of their range; `max_tokens` fills the context exactly (one more is a 400, as
     in vLLM: test_chat.py)."""
     params = {"top_k": 10**30, "max_tokens": backend.max_model_len - 2, "seed": -(2**63), "temperature": 1e-9,
-              "min_p": 0.05, "repetition_penalty": 1.3}
+              "min_p": 0.05, "repetition_penalty": 1.3, "min_tokens": backend.max_model_len - 2}
     r = httpx.post(root + GENERATE_ROUTE, json={"token_ids": [3, 4], "sampling_params": params})
     assert r.status_code == 200, r.text
     assert backend.calls[-1][1] == SamplingParams(temperature=0.0, top_k=2**31 - 1, min_p=0.05, repetition_penalty=1.3,
-                                                  max_tokens=backend.max_model_len - 2, seed=-(2**63))
+                                                  max_tokens=backend.max_model_len - 2, seed=-(2**63),
+                                                  min_tokens=backend.max_model_len - 2)
 
 
 def test_body_over_the_limit_is_413(root):

@@ -342,6 +342,9 @@ class RunConfig(_Table):
         if self.sampling.max_tokens is not None and self.sampling.max_tokens >= self.jax.seq_len:
             problems.append(("sampling.max_tokens", f"{self.sampling.max_tokens} must be < jax.seq_len "
                                                     f"({self.jax.seq_len}); raise [jax] seq_len"))
+        if self.sampling.max_tokens is None and (self.sampling.min_tokens or 0) >= self.jax.seq_len:
+            problems.append(("sampling.min_tokens", f"{self.sampling.min_tokens} must be < jax.seq_len "
+                                                    f"({self.jax.seq_len}), the most a turn can sample"))
         names = [e.display_name for e in self.env]
         for i, name in enumerate(names):
             if name in names[:i]:
@@ -428,8 +431,6 @@ def no_effect_notes(cfg: RunConfig) -> list[str]:
     if cfg.sampling.extra_body:
         notes.append("sampling.extra_body: extra fields of Hosted Training's inference requests; no effect here")
     later = "jaxrl does not apply it yet (issue 16); the run goes on without it"
-    if cfg.sampling.min_tokens:
-        notes.append(f"sampling.min_tokens: {later}")
     if cfg.sampling.temp_scheduler is not None:
         notes.append(f"sampling.temp_scheduler: {later}: sampling.temperature throughout")
     if cfg.sampling.reasoning_effort is not None:

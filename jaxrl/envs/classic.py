@@ -161,6 +161,8 @@ def sampling_args(environment: Environment, sampling: SamplingParams, seed_offse
         extra["top_k"] = sampling.top_k
     if sampling.penalizes:
         extra["repetition_penalty"] = sampling.repetition_penalty
+    if sampling.min_tokens:
+        extra["min_tokens"] = sampling.min_tokens
     args = {**own, "temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_tokens,
             "logprobs": True, "extra_body": extra}
     if sampling.seed is not None:

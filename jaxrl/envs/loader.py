@@ -348,6 +348,8 @@ def model_context(
         fields["top_k"] = sampling.top_k
     if sampling.penalizes:
         fields["repetition_penalty"] = sampling.repetition_penalty
+    if sampling.min_tokens:
+        fields["min_tokens"] = sampling.min_tokens
     if sampling.seed is not None:
         fields["seed"] = sampling.seed + seed_offset
     return vf.ModelContext(model=model_name, client=client, sampling=vf.SamplingConfig(**fields))

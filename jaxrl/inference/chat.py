@@ -16,8 +16,9 @@ request that hits a stop string is cancelled in the backend at once.
 
 Sampling fields (vLLM's ranges): `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`,
 `max_tokens` or `max_completion_tokens` (prompt plus completion within the context, else a 400 naming
-both), `seed`, `stop` (a string or a list of up to 16), `stop_token_ids`; `n`, `presence_penalty` and
-`frequency_penalty` (each in [-2, 2]), `top_logprobs`, `min_tokens` and vLLM's `echo`,
+both), `seed`, `stop` (a string or a list of up to 16), `stop_token_ids`, `min_tokens` (vLLM's: neither
+a stop token, the end-of-turn ids included, nor a stop string ends the completion before that many
+tokens); `n`, `presence_penalty` and `frequency_penalty` (each in [-2, 2]), `top_logprobs` and vLLM's `echo`,
 `add_generation_prompt`, `continue_final_message`, `include_stop_str_in_output` only at their neutral
 values, and `logit_bias` empty. Extras, as vLLM's: `logprobs: true` gives each sampled token's logprob
 under the sampling distribution; `return_token_ids: true` adds `prompt_token_ids` to the response (the
@@ -49,12 +50,12 @@ CHAT_ROUTE = "/v1/chat/completions"
 MAX_STOP_STRINGS = 16
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 # Neutral values of OpenAI and vLLM fields this server has no sampling for; anything else is refused.
-_NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "top_logprobs": 0, "min_tokens": 0, "echo": False,
+_NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "top_logprobs": 0, "echo": False,
             "add_generation_prompt": True, "continue_final_message": False, "include_stop_str_in_output": False}
 # Fields this route reads (besides `_NEUTRAL`'s), and fields that cannot change its output.
 _BUILT = frozenset({"model", "messages", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p",
                     "repetition_penalty", "max_tokens", "max_completion_tokens", "seed", "stop", "stop_token_ids",
-                    "logprobs", "return_token_ids", "return_tokens_as_token_ids", "skip_special_tokens",
+                    "min_tokens", "logprobs", "return_token_ids", "return_tokens_as_token_ids", "skip_special_tokens",
                     "chat_template_kwargs", "ignore_eos", "logit_bias", "tools", "functions", "response_format",
                     "tool_choice", "function_call"})
 _NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "cache_salt", "priority",
@@ -224,6 +225,7 @@ def parse_chat_request(body: Any, template: ChatTemplate, model_name: str, max_m
     fields = {k: body.get(k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")}
     fields["max_tokens"] = body.get("max_completion_tokens", body.get("max_tokens"))
     fields["stop_token_ids"] = body.get("stop_token_ids")
+    fields["min_tokens"] = body.get("min_tokens")
     params = sampling_from(fields, len(prompt_ids), max_model_len, clamp_max_tokens)
     if not _flag(body, "ignore_eos"):
         params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, *template.stop_token_ids))
@@ -233,14 +235,15 @@ def parse_chat_request(body: Any, template: ChatTemplate, model_name: str, max_m
 
 
 class TextStream:
-    """Sampled tokens to text, incrementally, cut before the first stop string.
+    """Sampled tokens to text, incrementally, cut before the first stop string found once `min_tokens`
+    tokens are in (vLLM's rule: a stop string wholly before then is not looked for again).
 
     `add` decodes only a window of recent tokens (vLLM's prefix/read offsets), so a long completion
     costs O(n) decoding, not O(n^2); a token whose bytes end mid-character waits for the next one.
     """
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...], skip_special_tokens: bool) -> None:
-        self._tok, self._stop, self._skip = tokenizer, stop, skip_special_tokens
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...], skip_special_tokens: bool, min_tokens: int = 0) -> None:
+        self._tok, self._stop, self._skip, self._min = tokenizer, stop, skip_special_tokens, min_tokens
         self._hold = max(map(len, stop), default=1) - 1  # chars that might begin a stop string
         self.token_ids: list[int] = []
         self.text = ""
@@ -266,6 +269,8 @@ class TextStream:
 
     def _check(self, old_len: int, new: str) -> None:
         self.text += new
+        if len(self.token_ids) < self._min:  # vLLM's min_tokens: stop strings count from then on
+            return
         start = max(0, old_len - self._hold)
         hits = [i for s in self._stop if (i := self.text.find(s, start)) >= 0]
         if hits:
@@ -294,7 +299,7 @@ class ChatRun:
     def __init__(self, backend: GenerateBackend, template: ChatTemplate, req: ChatRequest,
                  on_done: Callable[[], None]) -> None:
         self.req = req
-        self.text = TextStream(template.tokenizer, req.stop, req.skip_special_tokens)
+        self.text = TextStream(template.tokenizer, req.stop, req.skip_special_tokens, req.params.min_tokens)
         self._tok = template.tokenizer
         self._queue: asyncio.Queue[tuple[int, float] | None] = asyncio.Queue()
         self.task = asyncio.ensure_future(backend.generate(req.prompt_ids, req.params, on_token=self._on_token))

@@ -71,14 +71,13 @@ _IGNORED_SAMPLING_KEYS = frozenset({"skip_special_tokens", "routed_experts_promp
 # sends by default); any other value would ask for sampling this engine does not do.
 _NEUTRAL_SAMPLING_VALUES: dict[str, Any] = {
     "n": 1,
-    "min_tokens": 0,
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
     "ignore_eos": False,
 }
 _SAMPLING_KEYS = frozenset(
-    {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "stop_token_ids", "seed",
-     "logprobs"}
+    {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "stop_token_ids", "min_tokens",
+     "seed", "logprobs"}
 ) | _IGNORED_SAMPLING_KEYS | frozenset(_NEUTRAL_SAMPLING_VALUES)
 # Top-level request keys besides the three the route needs: `cache_salt` isolates vLLM's prefix cache
 # between tenants and `priority` orders its queue; neither changes what is sampled.

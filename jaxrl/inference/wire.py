@@ -55,8 +55,9 @@ def sampling_from(raw: Mapping[str, Any], prompt_len: int, max_model_len: int,
     and 0 off, as in vLLM), min_p [0, 1], repetition_penalty (> 0), max_tokens (integer >= 1 with
     `prompt_len + max_tokens <= max_model_len`, as vLLM and OpenAI require; with `clamp_max_tokens` any
     larger value is cut to the room left instead; default: the room left in the context,
-    `max_model_len - prompt_len`, as in vLLM), stop_token_ids (non-negative integers), seed (an int64).
-    Keys other than these are the caller's business.
+    `max_model_len - prompt_len`, as in vLLM), stop_token_ids (non-negative integers), min_tokens
+    (integer in [0, max_tokens], as in vLLM: no stop token is sampled before that many tokens), seed (an
+    int64). Keys other than these are the caller's business.
     """
     defaults = SamplingParams()
 
@@ -91,6 +92,12 @@ def sampling_from(raw: Mapping[str, Any], prompt_len: int, max_model_len: int,
                          f"request asks for {prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} in "
                          f"the completion); reduce max_tokens to at most {max_model_len - prompt_len}")
 
+    min_tokens = raw.get("min_tokens")
+    if min_tokens is None:
+        min_tokens = defaults.min_tokens
+    elif not is_int(min_tokens) or not 0 <= min_tokens <= max_tokens:
+        raise BadRequest(f"min_tokens must be an integer in [0, max_tokens = {max_tokens}], got {min_tokens!r}")
+
     stop = raw.get("stop_token_ids")
     if stop is None:
         stop = []
@@ -109,5 +116,6 @@ def sampling_from(raw: Mapping[str, Any], prompt_len: int, max_model_len: int,
         repetition_penalty=repetition_penalty,
         max_tokens=max_tokens,
         stop_token_ids=tuple(stop),
+        min_tokens=min(min_tokens, INT32_MAX),  # beyond any context: never reached anyway
         seed=seed,
     )

@@ -304,6 +304,7 @@ class Run:
         self.sampling = SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                                        top_k=cfg.sampling.top_k,
                                        repetition_penalty=cfg.sampling.repetition_penalty or 1.0,
+                                       min_tokens=cfg.sampling.min_tokens or 0,
                                        max_tokens=cfg.sampling.max_tokens or jcfg.seq_len - 1)
         self.client = {"base_url": self.server.base_url, "model_name": cfg.model, "tokenizer_path": self.tokenizer_path,
                        "enable_thinking": cfg.sampling.enable_thinking}
