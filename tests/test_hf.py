@@ -129,6 +129,23 @@ def test_kv_cache_decode_matches_full_forward(checkpoint):
     assert _max_diff(np.asarray(jnp.concatenate(steps, axis=1)), np.asarray(full_BTD)) <= ATOL
 
 
+def test_packed_segments_match_separate_forwards(tmp_path):
+    """Two samples packed into one row (positions from 0 each, segment ids 1 and 2) give each sample the
+    logits transformers gives it alone; without the segment ids the second sample sees the first."""
+    m = _hf_model(tie=False, heads=4, kv_heads=2)
+    m.save_pretrained(tmp_path)
+    cfg, params = hf.load_hf(tmp_path)
+    a, b = TOKENS_BT[0, :5], TOKENS_BT[1, :7]
+    want = np.concatenate([_torch_logits(m, a[None])[0], _torch_logits(m, b[None])[0]])
+    tokens_1T = jnp.asarray(np.concatenate([a, b])[None])
+    positions_1T = jnp.asarray(np.concatenate([np.arange(5), np.arange(7)])[None].astype(np.int32))
+    segments_1T = jnp.asarray(np.array([[1] * 5 + [2] * 7], np.int32))
+    packed_BTD, _ = _forward(cfg, params, tokens_1T, positions_1T, segment_ids=segments_1T)
+    assert _max_diff(np.asarray(qwen3.logits(params, packed_BTD))[0], want) <= ATOL
+    crossed_BTD, _ = _forward(cfg, params, tokens_1T, positions_1T)
+    assert _max_diff(np.asarray(qwen3.logits(params, crossed_BTD))[0, 5:], want[5:]) > 1e-2
+
+
 def test_load_with_shardings(tmp_path):
     """Each weight lands with the sharding asked for, and the sharded model gives the same logits."""
     from jaxrl.parallel.sharding import make_mesh, spec_shardings

@@ -307,8 +307,20 @@ def attention_inputs(cfg: ModelConfig, lora_scale: float, x_BTD: jax.Array, posi
     return q_BTNH, k_BTKH, v_BTKH
 
 
-def _attention(cfg: ModelConfig, lora_scale: float, x_BTD, positions_BT, w, lw, k_cache, v_cache, key_pos_BS):
-    """Attention with its residual. Returns the new residual stream and this layer's key/value cache."""
+def attention_mask(positions_BT: jax.Array, key_pos_BS: jax.Array,
+                   segment_ids_BT: jax.Array | None = None) -> jax.Array:
+    """Which keys each query attends to, bool [B, T, S]: those at a position <= its own (causal) and, with
+    `segment_ids_BT` (int32 [B, T], training and prefill only, so S = T), of its own segment, so the
+    samples packed into one row never see each other (each sample's positions count from 0)."""
+    mask_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
+    if segment_ids_BT is not None:
+        mask_BTS &= segment_ids_BT[:, None, :] == segment_ids_BT[:, :, None]
+    return mask_BTS
+
+
+def _attention(cfg: ModelConfig, lora_scale: float, x_BTD, positions_BT, w, lw, k_cache, v_cache, mask_BTS):
+    """Attention with its residual (`mask_BTS`: `attention_mask`). Returns the new residual stream and
+    this layer's key/value cache."""
     b, t, _ = x_BTD.shape
     nk, g, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     lw = lw or {}
@@ -324,7 +336,6 @@ def _attention(cfg: ModelConfig, lora_scale: float, x_BTD, positions_BT, w, lw, 
     q_BTKGH = q_BTNH.reshape(b, t, nk, g, hd)
     scores_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH.astype(q_BTKGH.dtype)).astype(jnp.float32)
     scores_BKGTS = scores_BKGTS / math.sqrt(hd)
-    mask_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
     scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, -1e30)
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(x_BTD.dtype)
     attn_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH.astype(x_BTD.dtype))
@@ -381,10 +392,10 @@ def unstack_layers(cfg: ModelConfig, tree: Params | None) -> list[tuple[Any, Any
 
 
 def _decoder_layer(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | None, x_BTD, positions_BT,
-                   key_pos_BS, xs):
+                   mask_BTS, xs):
     """One decoder layer of `kind` ("mlp" or "moe"); `xs` holds its weights, LoRA and cache slices."""
     w, lw, mw, mlw, kc, vc = xs
-    x_BTD, k, v = _attention(cfg, lora_scale, x_BTD, positions_BT, w, lw, kc, vc, key_pos_BS)
+    x_BTD, k, v = _attention(cfg, lora_scale, x_BTD, positions_BT, w, lw, kc, vc, mask_BTS)
     return feed_forward(cfg, kind, lora_scale, mesh, x_BTD, w, mw, mlw), k, v
 
 
@@ -400,23 +411,26 @@ def decoder_stack(
     remat: bool = False,
     mesh: Mesh | None = None,
     scan_layers: bool = True,
+    segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache, jax.Array]:
     """`forward` before the final norm, plus every layer's output: returns (residual stream [B, T, D],
     cache, layer outputs [L, B, T, D]). Arguments as in `forward`."""
     x_BTD = params["embed"][tokens_BT]
     b = tokens_BT.shape[0]
     if cache is None:
-        key_pos_BS = positions_BT
+        mask_BTS = attention_mask(positions_BT, positions_BT, segment_ids)
     else:
+        if segment_ids is not None:
+            raise ValueError("segment_ids apply to self-attention within tokens_BT, not to a KV cache")
         s = cache["k"].shape[2]
-        key_pos_BS = jnp.broadcast_to(jnp.arange(s, dtype=positions_BT.dtype), (b, s))
+        mask_BTS = attention_mask(positions_BT, jnp.broadcast_to(jnp.arange(s, dtype=positions_BT.dtype), (b, s)))
     lora = lora or {}
     kc, vc = (None, None) if cache is None else (cache["k"], cache["v"])
     kinds = layer_kinds(cfg)
 
     def body_of(kind):
         def body(x, xs):
-            x, k, v = _decoder_layer(cfg, kind, lora_scale, mesh, x, positions_BT, key_pos_BS, xs)
+            x, k, v = _decoder_layer(cfg, kind, lora_scale, mesh, x, positions_BT, mask_BTS, xs)
             return x, (k, v, x)
         return jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable) if remat else body
 
@@ -449,6 +463,7 @@ def forward(
     remat: bool = False,
     mesh: Mesh | None = None,
     scan_layers: bool = True,
+    segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Run the decoder stack; return final-norm hidden states and the key/value cache.
 
@@ -466,16 +481,21 @@ def forward(
             is larger than 1 (`jaxrl.model.moe.moe_block`). None: no expert parallelism.
         scan_layers: run a stack whose layers are all of one kind with `lax.scan` (compile time flat in
             depth); False unrolls it (as a mixed dense/MoE stack always is).
+        segment_ids: int32 [B, T] (no cache only): a query attends only to keys of its own segment, so
+            several samples packed into one row (each with positions from 0) stay independent (SFT's
+            packing, `jaxrl.rl.sft`). None: one segment per row.
 
     Returns:
         hidden_BTD in the params' dtype, and {"k","v"}: [L, B, T, K, H] (no cache given) or the
         updated [L, B, S, K, H] cache.
 
     Raises:
-        ValueError: the expert count is not a multiple of the mesh's `expert` axis.
+        ValueError: the expert count is not a multiple of the mesh's `expert` axis, or `segment_ids` with
+            a cache.
     """
     x_BTD, cache, _ = decoder_stack(cfg, params, tokens_BT, positions_BT, lora=lora, lora_scale=lora_scale,
-                                    cache=cache, remat=remat, mesh=mesh, scan_layers=scan_layers)
+                                    cache=cache, remat=remat, mesh=mesh, scan_layers=scan_layers,
+                                    segment_ids=segment_ids)
     return rms_norm(x_BTD, params["final_norm"], cfg.rms_norm_eps), cache
 
 
