@@ -148,8 +148,10 @@ NO_ENV = MINIMAL.replace('[[env]]\nid = "primeintellect/reverse-text"\n', "")
      "sampling.top_p: Input should be greater than 0, got 0.0"),
     (MINIMAL.replace('id = "primeintellect/reverse-text"', 'name = "x"'),
      "env.0.id: required key is missing"),
-    (NO_ENV, "env: required key is missing"),
-    (top("env = []", NO_ENV), "env: List should have at least 1 item after validation, not 0, got []"),
+    (NO_ENV, "env: required key is missing (at least one [[env]]; only an SFT config, with [jax.sft], may "
+             "have none)"),
+    (top("env = []", NO_ENV), "env: required key is missing (at least one [[env]]; only an SFT config, with "
+                              "[jax.sft], may have none)"),
     (re.sub("^model = .*\n", "", MINIMAL), "model: required key is missing"),
 ])
 def test_rule_violations_name_the_key(tmp_path, text, expected):

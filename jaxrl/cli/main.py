@@ -1,4 +1,5 @@
-"""The `jaxrl` command: `validate`, `init` and `run` a Hosted Training TOML file; manage local runs as
+"""The `jaxrl` command: `validate`, `init` and `run` a Hosted Training TOML file (`sft` one with `[jax.sft]`,
+supervised fine-tuning: `jaxrl.run.sft`); manage local runs as
 `prime rl` manages hosted ones (`list`, `logs`, `stop`, `delete`, `checkpoints`, `plot`: `jaxrl.cli.runs`);
 `models`, `compile` (a run's programs compiled for a TPU slice: `jaxrl.compile`), `export` and `serve`.
 
@@ -97,19 +98,41 @@ def run(
 ) -> None:
     """Train: load the config, then start the run (in the foreground, or in
     the background with --detach). Its console output is also kept in `<output_dir>/<name>/console.log`."""
+    _start(path, detach, "run")
+
+
+@app.command()
+def sft(
+    path: ConfigPath,
+    detach: Annotated[bool, typer.Option("--detach", help="Run in the background, as `jaxrl run --detach`.")] = False,
+) -> None:
+    """Supervised fine-tuning: train the LoRA on the chat JSONL that the config's `[jax.sft]` names
+    (README, "Supervised fine-tuning"); a run like `jaxrl run`'s (checkpoints, adapters, metrics, eval,
+    `--detach`), whose checkpoint an RL config's `checkpoint_id` starts from."""
+    _start(path, detach, "sft")
+
+
+def _start(path: Path, detach: bool, command: str) -> None:
+    """`jaxrl run` or `jaxrl sft` (`command`): the config must be of that kind (`[jax.sft]` set for sft
+    only); then the run, in the foreground or detached."""
     import os
 
     from jaxrl.cli import runs
     from jaxrl.run.layout import run_dir_of, run_name
 
     cfg = _load(path)
+    if command == "run" and cfg.jax.sft is not None:
+        raise _fail(f"{path}: jax.sft: this is an SFT config; train it with `jaxrl sft {path}`")
+    if command == "sft" and cfg.jax.sft is None:
+        raise _fail(f"{path}: jax.sft: required by `jaxrl sft` (the data to train on); an RL config runs with "
+                    f"`jaxrl run {path}`")
     run_dir, name = run_dir_of(cfg), run_name(cfg)
     pid = runs.running_pid(run_dir)
     if pid is not None and pid != os.getpid():  # a detached run's own process finds itself recorded
-        raise _fail(f"jaxrl run: run {name} is already running (pid {pid}) in {run_dir}; follow it with "
+        raise _fail(f"jaxrl {command}: run {name} is already running (pid {pid}) in {run_dir}; follow it with "
                     f"`jaxrl logs {name} --follow`, stop it with `jaxrl stop {name}`")
     if detach:
-        pid = runs.detach(path.resolve(), run_dir)
+        pid = runs.detach(path.resolve(), run_dir, command)
         where = "" if cfg.jax.output_dir == runs.DEFAULT_RUNS_DIR else f" --runs-dir {cfg.jax.output_dir}"
         out.print(f"started run {name} in the background (pid {pid}); its folder is {run_dir}\n"
                   f"follow it:  jaxrl logs {name}{where} --follow\n"
@@ -121,7 +144,7 @@ def run(
     try:  # join a multi-host run (JAX_* variables, GCP Batch, Cloud TPU pod) before any device is touched
         distributed.initialize(distributed.from_env())
     except ValueError as exc:
-        raise _fail(f"jaxrl run: {exc}") from None
+        raise _fail(f"jaxrl {command}: {exc}") from None
     if not distributed.is_primary():  # process 0 alone keeps the run's record and log
         _train(cfg)
         return
@@ -130,13 +153,14 @@ def run(
         _train(cfg, run_dir=run_dir)
         return
     with (run_dir / runs.LOG).open("a", encoding="utf-8") as log:
-        log.write(f"--- jaxrl run {path.resolve()} {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
+        log.write(f"--- jaxrl {command} {path.resolve()} {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
         _train(cfg, runs.TeeConsole(log, soft_wrap=True), log, run_dir)
 
 
 def _train(cfg: RunConfig, console: Console | None = None, log: Any = None, run_dir: Path | None = None) -> None:
-    """Run the runner; print (and copy to `log`) its errors without traceback and exit with its status;
-    record how the run ended in `run_dir`'s `run.json` when given."""
+    """Run the runner (the SFT one for a config with `[jax.sft]`); print (and copy to `log`) its errors
+    without traceback and exit with its status; record how the run ended in `run_dir`'s `run.json` when
+    given."""
     import traceback
 
     from jaxrl.cli import runs
@@ -145,7 +169,12 @@ def _train(cfg: RunConfig, console: Console | None = None, log: Any = None, run_
 
     code, message = 1, None
     try:
-        run_training(cfg, console)  # it loads the `env_file` secrets into the environment
+        if cfg.jax.sft is None:
+            run_training(cfg, console)  # it loads the `env_file` secrets into the environment
+        else:
+            from jaxrl.run.sft import SftRun
+
+            run_training(cfg, console, run_class=SftRun)
         code = 0
     except ConfigError as exc:
         code, message = 2, str(exc)

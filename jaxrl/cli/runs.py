@@ -239,16 +239,17 @@ def finish(folder: Path, exit_code: int) -> None:
     write_record(folder, status=state, ended=time.time(), exit_code=exit_code)
 
 
-def detach(config: Path, folder: Path) -> int:
-    """Start `python -m jaxrl run CONFIG` in a new session (it outlives the terminal and ignores its
-    Ctrl-C), stdin closed, stdout and stderr appended to `<folder>/console.log`; record it as running
-    and return its pid. The child sees the log as its stdout and so does not copy its console again."""
+def detach(config: Path, folder: Path, command: str = "run") -> int:
+    """Start `python -m jaxrl <command> CONFIG` (command "run" or "sft") in a new session (it outlives the
+    terminal and ignores its Ctrl-C), stdin closed, stdout and stderr appended to `<folder>/console.log`;
+    record it as running and return its pid. The child sees the log as its stdout and so does not copy its
+    console again."""
     folder.mkdir(parents=True, exist_ok=True)
     with (folder / LOG).open("a", encoding="utf-8") as log:
-        log.write(f"--- jaxrl run {config} (detached) {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
+        log.write(f"--- jaxrl {command} {config} (detached) {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
         log.flush()
         env = os.environ | {"PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen([sys.executable, "-m", "jaxrl", "run", str(config)], stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen([sys.executable, "-m", "jaxrl", command, str(config)], stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     write_record(folder, pid=proc.pid, host=HOST, status="running", config=str(config), started=time.time(),
                  ended=None, exit_code=None)

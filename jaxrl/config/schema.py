@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from jaxrl.config.algorithms import AdvantageConfig, LossConfig, OptimConfig
 from jaxrl.config.base import AllOrPositive, FolderName, PathStr, _Table, folder_name_problem, minus_one_or_positive
 from jaxrl.config.envs import BufferConfig, EnvConfig, EvalConfig, ValConfig
+from jaxrl.config.sft import DataError, SftConfig, read_jsonl
 
 LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_TARGETS: tuple[str, ...] = get_args(LoraTarget)
@@ -227,6 +228,9 @@ class JaxConfig(_Table):
     """`[jax.advantage]`: rewards to advantages. Default: the group mean as baseline, nothing else."""
     optim: OptimConfig = OptimConfig()
     """`[jax.optim]`: AdamW and the learning-rate schedule. Default: constant rate, clipped at norm 1."""
+    sft: SftConfig | None = None
+    """`[jax.sft]`: makes the file a supervised fine-tuning config, trained by `jaxrl sft`
+    (`jaxrl.config.sft`). Default None: an RL config (`jaxrl run`)."""
 
 
 class RunConfig(_Table):
@@ -280,8 +284,9 @@ class RunConfig(_Table):
     has checkpoints of its own (it resumes from them). Default None."""
     sampling: SamplingConfig = SamplingConfig()
     """`[sampling]`. Default: all its defaults."""
-    env: list[EnvConfig] = Field(min_length=1)
-    """`[[env]]` training environments; at least one."""
+    env: list[EnvConfig] = []
+    """`[[env]]` training environments; at least one, except in an SFT config (`[jax.sft]`), where they are
+    only what `[eval]` and `[val]` play."""
     wandb: WandbConfig | None = None
     """`[wandb]`. Default None: no W&B logging."""
     eval: EvalConfig | None = None
@@ -345,6 +350,7 @@ class RunConfig(_Table):
         if self.sampling.max_tokens is None and (self.sampling.min_tokens or 0) >= self.jax.seq_len:
             problems.append(("sampling.min_tokens", f"{self.sampling.min_tokens} must be < jax.seq_len "
                                                     f"({self.jax.seq_len}), the most a turn can sample"))
+        problems += self._sft_rules()
         names = [e.display_name for e in self.env]
         for i, name in enumerate(names):
             if name in names[:i]:
@@ -385,6 +391,23 @@ class RunConfig(_Table):
         return self
 
 
+    def _sft_rules(self) -> list[tuple[str, str]]:
+        """Without `[jax.sft]`, at least one `[[env]]`; with it and no `[[env]]`, `[eval]` needs
+        `[[eval.env]]` and `[val]` is refused (both would have nothing to play)."""
+        if self.env:
+            return []
+        if self.jax.sft is None:
+            return [("env", "required key is missing (at least one [[env]]; only an SFT config, with "
+                            "[jax.sft], may have none)")]
+        problems = []
+        if self.eval is not None and not self.eval.env:
+            problems.append(("eval", "plays the [[env]] environments by default, and this SFT config has none; "
+                                     "add [[eval.env]] tables or [[env]]"))
+        if self.val is not None:
+            problems.append(("val", "plays the [[env]] environments, and this SFT config has none"))
+        return problems
+
+
 def load_config(path: str | Path) -> RunConfig:
     """Read, validate and resolve a TOML run config. `env_file` entries become absolute paths (relative
     ones are taken from the config file's folder). Raises ConfigError listing every problem found."""
@@ -411,6 +434,15 @@ def load_config(path: str | Path) -> RunConfig:
             found.append(str(file))
             if not file.is_file():
                 missing.append((f"{key}.{i}", f"file not found: {file}"))
+    if cfg.jax.sft is not None:
+        data = (cfg.config_dir / Path(cfg.jax.sft.data).expanduser()).resolve()
+        cfg.jax.sft.data = str(data)
+        try:
+            read_jsonl(data)  # every line, so a bad one is named before anything loads
+        except FileNotFoundError:
+            missing.append(("jax.sft.data", f"file not found: {data}"))
+        except (OSError, DataError) as exc:
+            missing.append(("jax.sft.data", str(exc)))
     if missing:
         raise ConfigError(path, missing)
     cfg.env_file, cfg.env_files = found, []

@@ -132,6 +132,11 @@ id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
 # beta2 = 0.999
 # max_grad_norm = 1.0          # clip the gradient's global norm
 
+# [jax.sft]                    # makes this a supervised fine-tuning config, for `jaxrl sft` (README)
+# data = "sft.jsonl"           # chat JSONL: {"messages": [...]} or {"prompt": ..., "completion": ...} a line
+# batch_size = 8               # packed rows of [jax] seq_len tokens per step
+# seed = 0                     # packing and epoch order
+
 # [adapters]
 # interval = 0                 # export every N steps; 0 = at the end only
 # keep_last = 3                # -1 = all

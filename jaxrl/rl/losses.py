@@ -181,6 +181,15 @@ def kl_penalty(logp_BT: jax.Array, ref_logp_BT: jax.Array, estimator: str) -> ja
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
+def sft_loss(logp_BT: jax.Array, mask_BT: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Supervised fine-tuning's loss: the negative log-likelihood of the target tokens where `mask_BT` is
+    True (the assistant's), a mean over those tokens (token-mean, as prime-rl's and TRL's SFT losses),
+    0.0 with none. `logp_BT`: float32 log p(target) at temperature 1. Returns the float32 scalar loss and
+    no metrics ({}; the step reports it as `loss`)."""
+    mask = mask_BT.astype(jnp.float32)
+    return -jnp.sum(logp_BT * mask) / jnp.maximum(mask.sum(), 1.0), {}
+
+
 def aggregate(values_BT: jax.Array, mask_BT: jax.Array, how: str, length: int | None = None) -> jax.Array:
     """One scalar from per-token values over `mask_BT`.
 

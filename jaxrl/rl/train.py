@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -109,7 +109,10 @@ class Batch:
     inference_logprobs: float32 [B, T] (engine logprobs, 0 elsewhere); advantages: float32 [B];
     temperature: float32 [B] (the sampling temperature; 0 is scored at 1); loss_positions: int32 [B, P],
     each row's loss-token positions in order, padded with T (the train step computes logprobs there
-    only; P is the most loss tokens of a row, rounded up by `loss_width`).
+    only; P is the most loss tokens of a row, rounded up by `loss_width`); positions: int32 [B, T], each
+    input's position (RoPE, causal mask); segment_ids: int32 [B, T], which sample of the row each input
+    belongs to (attention stays within a segment). An RL row is one sample: positions 0..T-1, segment 1;
+    an SFT row packs several (`jaxrl.rl.sft.pack`), each with positions from 0.
     """
 
     inputs: np.ndarray
@@ -119,6 +122,8 @@ class Batch:
     advantages: np.ndarray
     temperature: np.ndarray
     loss_positions: np.ndarray
+    positions: np.ndarray
+    segment_ids: np.ndarray
 
 
 def loss_width(n: int) -> int:
@@ -151,12 +156,20 @@ def make_batch(samples: list[tuple[list[int], list[bool], list[float]]], advanta
         targets[i, : n - 1] = ids[1:]
         mask[i, : n - 1] = sampled[1:]
         logp[i, : n - 1] = lps[1:]
-    counts = mask.sum(axis=1)
+    return Batch(inputs, targets, mask, logp, np.asarray(advantages, np.float32),
+                 np.full((b,), temperature, np.float32), loss_positions(mask),
+                 np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(), np.ones((b, t), np.int32))
+
+
+def loss_positions(mask_BT: np.ndarray) -> np.ndarray:
+    """`Batch.loss_positions` of a bool loss mask [B, T]: int32 [B, P], each row's True positions in order,
+    padded with T; P = `loss_width` of the most loss tokens of a row, at most T."""
+    b, t = mask_BT.shape
+    counts = mask_BT.sum(axis=1)
     positions = np.full((b, min(loss_width(int(counts.max(initial=0))), t)), t, np.int32)
     for i in range(b):
-        positions[i, : counts[i]] = np.flatnonzero(mask[i])
-    return Batch(inputs, targets, mask, logp, np.asarray(advantages, np.float32),
-                 np.full((b,), temperature, np.float32), positions)
+        positions[i, : counts[i]] = np.flatnonzero(mask_BT[i])
+    return positions
 
 
 def sampled_logprobs(params: Params, hidden_BTD: jax.Array, targets_BT: jax.Array, positions_BP: jax.Array,
@@ -206,7 +219,9 @@ class Trainer:
     """Owns the jitted train step for one model, mesh and optimizer.
 
     `loss_cfg` is `[jax.loss]` (`jaxrl.rl.losses.policy_loss`); with `kl_coef > 0` each step also runs
-    the base model with the LoRA off, the reference policy, without a copy of its weights.
+    the base model with the LoRA off, the reference policy, without a copy of its weights. `objective`
+    "sft" trains supervised fine-tuning instead (`jaxrl.rl.sft`): the same step, optimizer and
+    accumulation over the negative log-likelihood of the batch's loss tokens.
     `learning_rate`, when set, maps the optimizer step (int32) to its rate (`learning_rate` above): `tx`
     must then be built at rate 1, each update is scaled by it, and it is reported as `optim/lr`.
     """
@@ -219,6 +234,7 @@ class Trainer:
     remat: bool = False
     micro_batch_size: int | None = None  # sequences per pass; None: the whole batch in one pass
     learning_rate: Callable[[jax.Array], jax.Array] | None = None
+    objective: Literal["rl", "sft"] = "rl"  # "sft": supervised fine-tuning (`losses.sft_loss`), `loss_cfg` unused
 
     def __post_init__(self) -> None:
         # Nothing is donated: the rollout engine may still hold the previous LoRA while this step runs.
@@ -261,20 +277,26 @@ class Trainer:
                           micro_batches=self.micro_batches(batch.inputs.shape[0]))
 
     def loss(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
-        b, t = batch["inputs"].shape
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        """The objective of one (micro-)batch and its metrics: `[jax.loss]`'s policy loss, or with
+        `objective = "sft"` the token-mean negative log-likelihood of the loss tokens (`losses.sft_loss`)."""
+        positions, segments = batch["positions"], batch["segment_ids"]
         hidden, _ = qwen3.forward(self.cfg, params["base"], batch["inputs"], positions, lora=params["lora"],
-                                  lora_scale=self.lora_scale, remat=self.remat, mesh=self.mesh)
+                                  lora_scale=self.lora_scale, remat=self.remat, mesh=self.mesh, segment_ids=segments)
+        sft = self.objective == "sft"
         logp, entropy = sampled_logprobs(params["base"], hidden, batch["targets"], batch["loss_positions"],
-                                         batch["temperature"], entropy_grad=self.loss_cfg.entropy_coef > 0)
-        ref_logp = None
-        if self.loss_cfg.kl_coef > 0:  # the reference policy: the same base weights, LoRA off
-            ref_hidden, _ = qwen3.forward(self.cfg, params["base"], batch["inputs"], positions, mesh=self.mesh)
-            ref_logp = jax.lax.stop_gradient(sampled_logprobs(
-                params["base"], ref_hidden, batch["targets"], batch["loss_positions"], batch["temperature"])[0])
-        loss, metrics = losses.policy_loss(logp, batch["inference_logprobs"], batch["advantages"],
-                                           batch["loss_mask"], self.loss_cfg, entropy_BT=entropy,
-                                           ref_logp_BT=ref_logp)
+                                         batch["temperature"], entropy_grad=not sft and self.loss_cfg.entropy_coef > 0)
+        if sft:
+            loss, metrics = losses.sft_loss(logp, batch["loss_mask"])
+        else:
+            ref_logp = None
+            if self.loss_cfg.kl_coef > 0:  # the reference policy: the same base weights, LoRA off
+                ref_hidden, _ = qwen3.forward(self.cfg, params["base"], batch["inputs"], positions, mesh=self.mesh,
+                                              segment_ids=segments)
+                ref_logp = jax.lax.stop_gradient(sampled_logprobs(
+                    params["base"], ref_hidden, batch["targets"], batch["loss_positions"], batch["temperature"])[0])
+            loss, metrics = losses.policy_loss(logp, batch["inference_logprobs"], batch["advantages"],
+                                               batch["loss_mask"], self.loss_cfg, entropy_BT=entropy,
+                                               ref_logp_BT=ref_logp)
         entropy = jax.lax.stop_gradient(entropy)
         mask = batch["loss_mask"].astype(jnp.float32)
         metrics["policy/entropy"] = jnp.sum(entropy * mask) / jnp.maximum(mask.sum(), 1.0)
@@ -286,7 +308,7 @@ class Trainer:
         "sequence_sum" (means over sequences), so the accumulated loss is the one-pass loss. The metrics,
         token means, are weighted alike (exact with "token_mean", by sequence otherwise)."""
         mask = batch["loss_mask"].astype(jnp.float32)
-        if self.loss_cfg.aggregation == "token_mean":
+        if self.objective == "sft" or self.loss_cfg.aggregation == "token_mean":
             return mask.sum()
         return (mask.sum(axis=1) > 0).astype(jnp.float32).sum()
 

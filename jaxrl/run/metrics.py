@@ -31,6 +31,7 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, console: Console | None = None,
                  wandb: WandbRun | None = None) -> None:
         self.path = run_dir / METRICS
+        self.headline = HEADLINE  # the metrics of each printed step line (an SFT run has its own)
         self.console = console or Console()
         self.wandb = wandb
         self._file = self.path.open("a", encoding="utf-8")
@@ -49,7 +50,7 @@ class MetricsLogger:
         self._file.flush()
         if self.wandb:
             self.wandb.log(step, {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)})
-        line = "  ".join(f"{k} {_fmt(metrics[k])}" for k in HEADLINE if isinstance(metrics.get(k), int | float))
+        line = "  ".join(f"{k} {_fmt(metrics[k])}" for k in self.headline if isinstance(metrics.get(k), int | float))
         self._progress.update(self._task, completed=step, description=line)
         if line:  # a row of eval metrics only (step 0: the base model) has its own printed report
             self._progress.console.print(f"step {step:>4}  {line}")

@@ -83,10 +83,11 @@ def pad_length(n: int, seq_len: int) -> int:
     return min(width, seq_len)
 
 
-def run(cfg: RunConfig, console: Console | None = None) -> Path:
+def run(cfg: RunConfig, console: Console | None = None, run_class: type[Run] | None = None) -> Path:
     """Train `cfg` to `max_steps`, resuming from the run's last complete checkpoint when there is one;
     return the run folder. See the module docstring. Secrets (`env_file` values, secret-named
-    environment variables) are replaced by `***` in the messages of the errors below.
+    environment variables) are replaced by `***` in the messages of the errors below. `run_class`: the
+    phases to run (default `Run`; `jaxrl.run.sft.SftRun` for an SFT config).
 
     Raises:
         ConfigError: the mesh does not fit the devices, the model folder is missing or unreadable, an
@@ -101,7 +102,7 @@ def run(cfg: RunConfig, console: Console | None = None) -> Path:
     os.environ.update(env_values)
     secrets = secret_values(env_values)
     try:
-        return Run(cfg, console, secrets).run()
+        return (run_class or Run)(cfg, console, secrets).run()
     except (RunError, ConfigError) as exc:
         exc.args = tuple(redact(str(a), secrets) if isinstance(a, str) else a for a in exc.args)
         if isinstance(exc, ConfigError):
@@ -283,6 +284,21 @@ class Run:
     def start(self) -> None:
         """Start the W&B run, the engine and its scheduler and server, the event loop, the evaluator and the
         rollout producer; `close` stops them."""
+        self.start_serving()
+        cfg = self.cfg
+        n, groups, seed = self.rollouts_per_example, self.groups_per_step, cfg.sampling_seed
+        next_t, resumed = Producer.resumed(self.meta, self.start_step, groups)
+        self.producer = Producer(self.loop, self.buffer, self.buffer_state, self.play, self.versions,
+                                 lambda t: (seed * 1_000_003 + t) * n, n, groups,
+                                 in_flight_groups(cfg.batch_size, n, cfg.oversampling_factor), cfg.max_async_level,
+                                 self.start_step, next_t, resumed, last_step=cfg.max_steps,
+                                 processes=jax.process_count(), index=jax.process_index(),
+                                 gather=distributed.Exchange().gather if jax.process_count() > 1 else None)
+        self.train_thread = ThreadPoolExecutor(1, thread_name_prefix="jaxrl-train")  # the loop plays meanwhile
+
+    def start_serving(self) -> None:
+        """Start the W&B run, the engine and its scheduler and server (`versions`: the policy version of
+        each token they sample), the metrics logger, the event loop and the evaluator."""
         cfg, jcfg = self.cfg, self.cfg.jax
         wandb_run = wandb_log.start(cfg, self.run_dir, self.secrets, self.console) if self.primary else None
         engine = Engine(self.mcfg, self.engine_mesh, jcfg.decode_slots, jcfg.seq_len, lora_scale=self.lora_scale,
@@ -298,7 +314,7 @@ class Run:
         else:
             self.scheduler = Scheduler(engine, self.engine_params(), model_name=cfg.model, seed=seed)
         self.scheduler.policy_version = self.start_step
-        versions = VersionLog(self.scheduler)  # the policy version of each token of the producer's rollouts
+        self.versions = versions = VersionLog(self.scheduler)  # each sampled token's policy version
         self.server = start_server(versions, host=jcfg.host, port=jcfg.port, chat_template=self.chat_template,
                                    clamp_max_tokens=True)
         self.sampling = SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
@@ -318,15 +334,6 @@ class Run:
         self.evaluator = evaluate.Evaluator(cfg, self.envs, self.eval_envs, self.client, self.sampling, self.console,
                                             self.secrets, self.in_flight)  # [eval]
         self.serving = contextlib.AsyncExitStack()
-        n, groups, seed = self.rollouts_per_example, self.groups_per_step, cfg.sampling_seed
-        next_t, resumed = Producer.resumed(self.meta, self.start_step, groups)
-        self.producer = Producer(loop, self.buffer, self.buffer_state, self.play, versions,
-                                 lambda t: (seed * 1_000_003 + t) * n, n, groups,
-                                 in_flight_groups(cfg.batch_size, n, cfg.oversampling_factor), cfg.max_async_level,
-                                 self.start_step, next_t, resumed, last_step=cfg.max_steps,
-                                 processes=jax.process_count(), index=jax.process_index(),
-                                 gather=distributed.Exchange().gather if jax.process_count() > 1 else None)
-        self.train_thread = ThreadPoolExecutor(1, thread_name_prefix="jaxrl-train")  # the loop plays meanwhile
 
     def engine_params(self) -> dict[str, Any]:
         """The engine's parameters: its base weights and the trainer's LoRA, placed for this host's engine
@@ -350,15 +357,7 @@ class Run:
         (unless `[buffer] skip_verification`) and evaluate the base model (`[eval] eval_base_model`, as
         step 0). Raises RunError when a pre-flight rollout fails on any process."""
         cfg, loop, console = self.cfg, self.loop, self.console
-        # Rollouts in flight are cancelled at every run's end, not only on a signal.
-        loop.set_exception_handler(lambda lp, context: None if isinstance(
-            context.get("exception"), asyncio.CancelledError) else lp.default_exception_handler(context))
-        t_warm = time.perf_counter()
-        buckets = loop.run_until_complete(self.scheduler.warmup(self.sampling))
-        console.print(f"engine compiled ({buckets} prefill buckets + decode) in {time.perf_counter() - t_warm:.1f}s")
-        for env in self.envs:  # one interception server and client per env for the whole run
-            loop.run_until_complete(self.serving.enter_async_context(env.serving()))
-        loop.run_until_complete(self.serving.enter_async_context(self.evaluator.serving()))
+        self.serve_envs()
         if not cfg.buffer.skip_verification:
             t_check = time.perf_counter()
             failing = loop.run_until_complete(rollouts.preflight(
@@ -370,9 +369,28 @@ class Run:
                                "to skip this check):\n  " + "\n  ".join(failing))
             console.print(f"pre-flight: one rollout of each environment passed in "
                           f"{time.perf_counter() - t_check:.1f}s")
-        if self.start_step == 0 and (base_metrics := self.evaluator.run(0, loop, self.stop)) and self.logger:
-            self.logger.log(0, base_metrics)  # [eval] eval_base_model: the untrained model, as step 0
-        self.serving_tasks = asyncio.all_tasks(loop)
+        self.evaluate_base()
+
+    def serve_envs(self) -> None:
+        """Compile the engine and serve the environments (training and eval) for the whole run."""
+        loop = self.loop
+        # Rollouts in flight are cancelled at every run's end, not only on a signal.
+        loop.set_exception_handler(lambda lp, context: None if isinstance(
+            context.get("exception"), asyncio.CancelledError) else lp.default_exception_handler(context))
+        t_warm = time.perf_counter()
+        buckets = loop.run_until_complete(self.scheduler.warmup(self.sampling))
+        self.console.print(f"engine compiled ({buckets} prefill buckets + decode) in "
+                           f"{time.perf_counter() - t_warm:.1f}s")
+        for env in self.envs:  # one interception server and client per env for the whole run
+            loop.run_until_complete(self.serving.enter_async_context(env.serving()))
+        loop.run_until_complete(self.serving.enter_async_context(self.evaluator.serving()))
+
+    def evaluate_base(self) -> None:
+        """`[eval] eval_base_model`: the untrained model as a step-0 metrics row (on a fresh run only);
+        then note the tasks running before any group (`close` settles them)."""
+        if self.start_step == 0 and (base_metrics := self.evaluator.run(0, self.loop, self.stop)) and self.logger:
+            self.logger.log(0, base_metrics)
+        self.serving_tasks = asyncio.all_tasks(self.loop)
 
     # -- each step ----------------------------------------------------------------------------------------
 
