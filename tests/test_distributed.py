@@ -69,7 +69,7 @@ def _train() -> dict:
                 batch = Batch(**{
                     name: distributed.global_batch(
                         arr[p * n:(p + 1) * n], array_sharding(("batch",) + (None,) * (arr.ndim - 1), arr.shape, mesh))
-                    for name, arr in vars(batch).items()})
+                    for name, arr in vars(batch).items() if arr is not None})
             state, metrics = trainer.step(state, base, batch)
         out[mode] = {"metrics": {k: float(v) for k, v in metrics.items()},
                      "lora": [x.tolist() for x in jax.tree.leaves(distributed.to_host(state.lora))],

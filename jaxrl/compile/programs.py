@@ -152,9 +152,9 @@ def compile_train(s: Shapes, mesh: Mesh) -> Program:
     # every row a whole sequence of loss tokens: the widest batch `make_batch` can build
     fields = {"inputs": ((rows, t), jnp.int32), "targets": ((rows, t), jnp.int32), "loss_mask": ((rows, t), bool),
               "inference_logprobs": ((rows, t), jnp.float32), "advantages": ((rows,), jnp.float32),
-              "temperature": ((rows,), jnp.float32), "loss_positions": ((rows, min(loss_width(t), t)), jnp.int32),
-              "positions": ((rows, t), jnp.int32), "segment_ids": ((rows, t), jnp.int32)}
-    missing = {f.name for f in dataclasses.fields(Batch)} ^ fields.keys()
+              "temperature": ((rows,), jnp.float32), "loss_positions": ((rows, min(loss_width(t), t)), jnp.int32)}
+    # an RL batch: one sample per row, no packed positions or segment ids (the fields that default to None)
+    missing = {f.name for f in dataclasses.fields(Batch) if f.default is dataclasses.MISSING} ^ fields.keys()
     if missing:
         raise ValueError(f"compile_train does not build the train batch fields {sorted(missing)}")
     batch = {n: jax.ShapeDtypeStruct(shape, dt, sharding=array_sharding(("batch",) + (None,) * (len(shape) - 1),

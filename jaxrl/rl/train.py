@@ -109,10 +109,10 @@ class Batch:
     inference_logprobs: float32 [B, T] (engine logprobs, 0 elsewhere); advantages: float32 [B];
     temperature: float32 [B] (the sampling temperature; 0 is scored at 1); loss_positions: int32 [B, P],
     each row's loss-token positions in order, padded with T (the train step computes logprobs there
-    only; P is the most loss tokens of a row, rounded up by `loss_width`); positions: int32 [B, T], each
-    input's position (RoPE, causal mask); segment_ids: int32 [B, T], which sample of the row each input
-    belongs to (attention stays within a segment). An RL row is one sample: positions 0..T-1, segment 1;
-    an SFT row packs several (`jaxrl.rl.sft.pack`), each with positions from 0.
+    only; P is the most loss tokens of a row, rounded up by `loss_width`). positions, segment_ids: int32
+    [B, T] or None: each input's position (RoPE, causal mask) and which sample of the row it belongs to
+    (attention stays within a segment), for rows that pack several samples (SFT, `jaxrl.rl.sft.pack`),
+    each with positions from 0; None (RL's `make_batch`): one sample per row, positions 0..T-1.
     """
 
     inputs: np.ndarray
@@ -122,8 +122,8 @@ class Batch:
     advantages: np.ndarray
     temperature: np.ndarray
     loss_positions: np.ndarray
-    positions: np.ndarray
-    segment_ids: np.ndarray
+    positions: np.ndarray | None = None
+    segment_ids: np.ndarray | None = None
 
 
 def loss_width(n: int) -> int:
@@ -157,8 +157,7 @@ def make_batch(samples: list[tuple[list[int], list[bool], list[float]]], advanta
         mask[i, : n - 1] = sampled[1:]
         logp[i, : n - 1] = lps[1:]
     return Batch(inputs, targets, mask, logp, np.asarray(advantages, np.float32),
-                 np.full((b,), temperature, np.float32), loss_positions(mask),
-                 np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(), np.ones((b, t), np.int32))
+                 np.full((b,), temperature, np.float32), loss_positions(mask))
 
 
 def loss_positions(mask_BT: np.ndarray) -> np.ndarray:
@@ -261,6 +260,8 @@ class Trainer:
         pad = k * self.micro_batch_size - rows if k > 1 else 0
         out = {}
         for name, arr in dataclasses.asdict(batch).items():
+            if arr is None:  # positions / segment ids of unpacked rows: built in the step
+                continue
             if isinstance(arr, jax.Array) and not pad:  # already on the mesh (`distributed.global_batch`)
                 out[name] = arr
                 continue
@@ -279,7 +280,9 @@ class Trainer:
     def loss(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
         """The objective of one (micro-)batch and its metrics: `[jax.loss]`'s policy loss, or with
         `objective = "sft"` the token-mean negative log-likelihood of the loss tokens (`losses.sft_loss`)."""
-        positions, segments = batch["positions"], batch["segment_ids"]
+        b, t = batch["inputs"].shape
+        positions = batch.get("positions", jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
+        segments = batch.get("segment_ids")  # None: one sample per row
         hidden, _ = qwen3.forward(self.cfg, params["base"], batch["inputs"], positions, lora=params["lora"],
                                   lora_scale=self.lora_scale, remat=self.remat, mesh=self.mesh, segment_ids=segments)
         sft = self.objective == "sft"

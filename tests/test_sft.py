@@ -1,0 +1,284 @@
+"""Supervised fine-tuning: the JSONL forms and their errors, the assistant-only mask through the real Qwen3
+chat template, packing (positions, segments), the epoch order, the SFT loss, and a tiny `jaxrl sft` run
+whose checkpoint an RL run warm-starts from."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from rich.console import Console
+from test_run import _metrics
+from test_train import CFG, _setup
+from typer.testing import CliRunner
+
+from jaxrl.cli.main import app
+from jaxrl.config.schema import ConfigError, load_config
+from jaxrl.config.sft import DataError, parse_line, read_jsonl
+from jaxrl.model import assets
+from jaxrl.parallel.sharding import make_mesh
+from jaxrl.rl import losses, sft
+from jaxrl.run.checkpoint import Checkpointer
+from jaxrl.run.runner import Run
+
+REPO = Path(__file__).resolve().parents[1]
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello there"}, {"role": "user", "content": "again"},
+        {"role": "assistant", "content": "ok"}]
+
+
+@pytest.fixture(scope="module")
+def template(qwen3_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir), local_files_only=True)
+
+
+# -- the JSONL forms ---------------------------------------------------------------------------------------
+
+
+def test_parse_line_forms():
+    assert parse_line(json.dumps({"messages": CHAT})) == (CHAT, 0)
+    messages, context = parse_line(json.dumps({"prompt": "hi", "completion": "hello"}))
+    assert messages == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}] and context == 0
+    prompt, completion = CHAT[:4], [CHAT[4]]
+    assert parse_line(json.dumps({"prompt": prompt, "completion": completion})) == (CHAT, 1)
+
+
+@pytest.mark.parametrize(("line", "reason"), [
+    ("{not json", "not JSON"),
+    ("[1, 2]", "must be a JSON object, got list"),
+    ('{"text": "x"}', "needs 'messages', or 'prompt' and 'completion'; has ['text']"),
+    ('{"prompt": "x"}', "needs 'messages', or 'prompt' and 'completion'"),
+    ('{"messages": [{"role": "robot", "content": "x"}]}', "messages[0].role 'robot' is not one of"),
+    ('{"messages": [{"role": "user", "content": 3}]}', "messages[0].content must be a string, got int"),
+    ('{"messages": [{"role": "user"}]}', "messages[0] must be an object with exactly 'role' and 'content'"),
+    ('{"messages": [{"role": "user", "content": "x"}]}', "no assistant message to train on"),
+    ('{"prompt": [{"role": "assistant", "content": "x"}], "completion": [{"role": "user", "content": "y"}]}',
+     "no assistant message to train on"),
+    ('{"prompt": "x", "completion": "y", "extra": 1}', "other keys ['extra']"),
+])
+def test_parse_line_refuses(line, reason):
+    with pytest.raises(ValueError, match=reason.replace("[", r"\[").replace("]", r"\]")):
+        parse_line(line)
+
+
+def test_a_bad_line_is_named_by_its_number(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n\n" + '{"prompt": 1, "completion": "b"}\n')
+    with pytest.raises(DataError, match=r"d.jsonl line 3: prompt must be a string or a non-empty list"):
+        read_jsonl(path)
+    path.write_text("\n \n")
+    with pytest.raises(DataError, match=r"d.jsonl: no conversation in the file"):
+        read_jsonl(path)
+
+
+SFT_TABLE = '\n[jax.sft]\ndata = "{data}"\n'
+
+
+def _sft_config(tmp_path: Path, data: str, extra: str = "", env: bool = False) -> Path:
+    path = tmp_path / "sft.toml"
+    path.write_text(f'model = "m"\n{extra}\n' + ('[[env]]\nid = "jaxrl/lowercase"\n' if env else "")
+                    + SFT_TABLE.format(data=data))
+    return path
+
+
+def test_config_errors_name_file_key_and_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"sft.toml: jax.sft.data: file not found: .*missing.jsonl"):
+        load_config(_sft_config(tmp_path, "missing.jsonl"))
+    (tmp_path / "d.jsonl").write_text('{"prompt": "a", "completion": "b"}\n{"messages": []}\n')
+    with pytest.raises(ConfigError, match=r"sft.toml: jax.sft.data: .*d.jsonl line 2: messages must be a string or"):
+        load_config(_sft_config(tmp_path, "d.jsonl"))
+    (tmp_path / "d.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    cfg = load_config(_sft_config(tmp_path, "d.jsonl"))  # no [[env]]: fine in an SFT config
+    assert cfg.env == [] and cfg.jax.sft.data == str(tmp_path / "d.jsonl") and cfg.jax.sft.batch_size == 8
+    with pytest.raises(ConfigError, match=r"sft.toml: eval: plays the \[\[env\]\] environments by default"):
+        load_config(_sft_config(tmp_path, "d.jsonl", extra="[eval]\n"))
+    with pytest.raises(ConfigError, match=r"jax.sft.batch_size: Input should be greater than or equal to 1"):
+        load_config(_write(tmp_path / "sft.toml", _sft_config(tmp_path, "d.jsonl").read_text() + "batch_size = 0\n"))
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_run_and_sft_commands_take_their_own_kind(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    sft_cfg = _sft_config(tmp_path, "d.jsonl", env=True)
+    out = CliRunner().invoke(app, ["run", str(sft_cfg)])
+    assert out.exit_code == 2 and "jax.sft: this is an SFT config; train it with `jaxrl sft" in out.output
+    rl_cfg = _write(tmp_path / "rl.toml", 'model = "m"\n[[env]]\nid = "jaxrl/lowercase"\n')
+    out = CliRunner().invoke(app, ["sft", str(rl_cfg)])
+    assert out.exit_code == 2 and "jax.sft: required by `jaxrl sft`" in out.output
+
+
+# -- tokens and the assistant mask -------------------------------------------------------------------------
+
+
+def _trained_text(tok, ids, mask) -> list[str]:
+    """The decoded runs of masked-in tokens."""
+    runs, cur = [], []
+    for i, m in zip(ids, mask, strict=True):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(tok.decode(cur))
+            cur = []
+    return runs + ([tok.decode(cur)] if cur else [])
+
+
+def test_mask_covers_assistant_replies_only(template):
+    tok = sft.Tokenizer.from_tokenizer(template, enable_thinking=False)
+    ids, mask = tok.encode(sft.Conversation(1, CHAT, 0))
+    assert template.decode(ids) == template.apply_chat_template(CHAT, tokenize=False, enable_thinking=False)
+    # each reply and its end-of-turn; the last turn's empty think block is the generation prompt's, not trained
+    assert _trained_text(template, ids, mask) == ["hello there<|im_end|>", "ok<|im_end|>"]
+    ids, mask = tok.encode(sft.Conversation(1, CHAT, 1))  # prompt/completion: the prompt's reply is context
+    assert _trained_text(template, ids, mask) == ["ok<|im_end|>"]
+    thinking = sft.Tokenizer.from_tokenizer(template, enable_thinking=True)
+    ids, mask = thinking.encode(sft.Conversation(1, CHAT, 1))  # thinking on: the model writes the think block
+    assert _trained_text(template, ids, mask) == ["<think>\n\n</think>\n\nok<|im_end|>"]
+
+
+def test_load_names_a_line_the_template_cannot_render(tmp_path, template):
+    class Refusing:
+        chat_template = "x"
+
+        def encode(self, text, add_special_tokens=False):
+            return template.encode(text, add_special_tokens=add_special_tokens)
+
+        def apply_chat_template(self, messages, **kw):
+            raise ValueError("bad role order")
+
+    (tmp_path / "d.jsonl").write_text('\n{"prompt": "a", "completion": "b"}\n')
+    with pytest.raises(DataError, match=r"d.jsonl line 2: the chat template cannot render it: .*bad role order"):
+        sft.load(tmp_path / "d.jsonl", sft.Tokenizer.from_tokenizer(Refusing(), None), 64, 0)
+
+
+# -- packing -----------------------------------------------------------------------------------------------
+
+
+def test_pack_rows_positions_and_segments():
+    samples = [([1, 2, 3, 4], [False, False, True, True]),   # 3 pairs
+               ([5, 6, 7], [False, True, True]),              # 2 pairs: fits the first row (5 of 6)
+               ([8, 9, 10, 11, 12], [False] * 4 + [True]),    # 4 pairs: a new row
+               ([13, 14], [True, False]),                     # no loss token after the first: dropped
+               (list(range(20, 30)), [False, True] * 5)]      # 10 tokens: cut to 7, a third row
+    d = sft.pack(samples, 6)
+    assert (d.rows, d.conversations, d.truncated) == (3, 4, 1)
+    assert d.inputs.tolist()[:2] == [[1, 2, 3, 5, 6, 0], [8, 9, 10, 11, 0, 0]]
+    assert d.targets.tolist()[0] == [2, 3, 4, 6, 7, 0]
+    assert d.positions.tolist()[:2] == [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 0]]
+    assert d.segment_ids.tolist()[:2] == [[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 0, 0]]
+    assert d.loss_mask.tolist()[:2] == [[False, True, True, True, True, False],
+                                        [False, False, False, True, False, False]]
+    assert d.inputs.tolist()[2] == list(range(20, 26)) and d.targets.tolist()[2] == list(range(21, 27))
+    b = d.batch(np.array([0, 1]))
+    assert b.loss_positions.tolist() == [[1, 2, 3, 4] + [6] * 2, [3] + [6] * 5]
+    assert b.temperature.tolist() == [1.0, 1.0] and not b.advantages.any()
+    with pytest.raises(ValueError, match="no conversation has an assistant token"):
+        sft.pack([([1, 2], [True, False])], 6)
+
+
+def test_step_rows_cover_each_epoch_once_and_resume_alike():
+    taken = np.concatenate([sft.step_rows(s, 3, 7, seed=5) for s in range(7)])  # 21 rows = 3 epochs of 7
+    for e in range(3):
+        assert sorted(taken[7 * e: 7 * e + 7].tolist()) == list(range(7))
+    assert not np.array_equal(taken[:7], taken[7:14])  # each epoch in its own order
+    assert sft.step_rows(4, 3, 7, seed=5).tolist() == taken[12:15].tolist()
+
+
+# -- the loss ----------------------------------------------------------------------------------------------
+
+
+def test_sft_loss_is_the_token_mean_nll():
+    logp = np.log(np.array([[0.5, 0.25, 0.9], [0.1, 1.0, 0.2]], np.float32))
+    mask = np.array([[True, True, False], [False, False, True]])
+    loss, _ = losses.sft_loss(logp, mask)
+    assert float(loss) == pytest.approx(-(np.log(0.5) + np.log(0.25) + np.log(0.2)) / 3, rel=1e-6)
+    assert float(losses.sft_loss(logp, np.zeros_like(mask))[0]) == 0.0
+
+
+def _rows(seed: int, n: int, width: int):
+    rng = np.random.default_rng(seed)
+    samples = []
+    for _ in range(n):
+        k = int(rng.integers(5, 10))
+        ids = rng.integers(0, CFG.vocab_size, k).tolist()
+        samples.append((ids, [i >= 2 for i in range(k)]))
+    return samples
+
+
+def test_sft_step_packed_equals_one_sample_per_row_and_loss_falls():
+    """The SFT loss of packed rows equals the loss of the same samples one per row (segments keep them
+    apart in the train step), and a few steps on a tiny set lower it."""
+    mesh = make_mesh({}, jax.devices()[:1])
+    base, trainer, state = _setup(mesh, objective="sft")
+    samples = _rows(0, 6, 32)
+    packed, single = sft.pack(samples, 32), sft.pack(samples, 9)  # 9 pairs: room for one sample per row
+    assert packed.rows < single.rows == 6
+    params, loss = {"base": base, "lora": state.lora}, jax.jit(lambda p, b: trainer.loss(p, b)[0])
+    one = loss(params, trainer.shard_batch(packed.batch(np.arange(packed.rows))))
+    alone = loss(params, trainer.shard_batch(single.batch(np.arange(single.rows))))
+    assert float(one) == pytest.approx(float(alone), rel=1e-5)
+    batch = packed.batch(np.arange(packed.rows))
+    seen = []
+    for _ in range(4):
+        state, metrics = trainer.step(state, base, batch)
+        seen.append(float(metrics["loss"]))
+    assert seen[0] == pytest.approx(float(one), rel=1e-5) and seen[-1] < seen[0] - 0.1
+
+
+# -- a run, then an RL run from its checkpoint ------------------------------------------------------------
+
+
+def test_sft_run_checkpoints_and_an_rl_run_warm_starts_from_it(tmp_path):
+    model = assets.ensure_tiny_assets(REPO / "assets").resolve()
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"say {w}", "completion": f"{w} {w}"}) + "\n"
+                            for w in ("cat", "dog", "sun", "sea")))
+    common = f"""model = "jaxrl/qwen3-tiny"
+learning_rate = 1e-2
+[[env]]
+id = "jaxrl/lowercase"
+[checkpoints]
+interval = 2
+[jax]
+model_path = "{model}"
+output_dir = "{tmp_path / 'runs'}"
+seq_len = 128
+lora_rank = 4
+"""
+    sft_cfg = _write(tmp_path / "sft.toml", f'name = "warm"\nmax_steps = 3\n{common}[jax.sft]\ndata = "d.jsonl"\n'
+                                            f'batch_size = 1\n')
+    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    done = subprocess.run([sys.executable, "-m", "jaxrl", "sft", str(sft_cfg)], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SFT data: 4 conversations in 1 rows of 128 tokens" in done.stdout, done.stdout
+    run_dir = tmp_path / "runs" / "warm"
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["tokens_per_s"] > 0 and r["sft/loss_tokens"] > 0 for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"]  # the one row, three times
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "completed"
+    ckpt = Checkpointer(str(run_dir / "checkpoints"), read_only=True)
+    assert ckpt.all_steps() == [2, 3]
+
+    rl_cfg = load_config(_write(tmp_path / "rl.toml", f'name = "rl"\nmax_steps = 2\ncheckpoint_id = "warm"\n'
+                                                      f'batch_size = 8\nrollouts_per_example = 4\n{common}'))
+    rl = Run(rl_cfg, Console(quiet=True), [])
+    rl.setup()  # loads the model, the environments and the warm start; starts no engine
+    try:
+        saved, _ = ckpt.restore(3, rl.state)
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), saved.lora,
+                     rl.state.lora)
+        assert int(rl.state.step) == 0 and rl.start_step == 0  # the LoRA only: step and optimizer start fresh
+    finally:
+        rl.ckpt.close()
+        ckpt.close()
