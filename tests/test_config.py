@@ -84,7 +84,8 @@ def test_defaults_follow_the_reference(tmp_path):
         "seq_len": 4096, "lora_rank": 16,
         "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         "dtype": "float32", "output_dir": "runs", "checkpoint_dir": None, "rollout_timeout": 600.0, "seed": 0,
-        "decode_slots": 32, "remat": False, "micro_batch_size": None, "engine_hosts": 0, "host": "127.0.0.1", "port": 0}
+        "decode_slots": 32, "remat": False, "micro_batch_size": None, "engine_hosts": 0, "host": "127.0.0.1", "port": 0,
+        "sft": None}
 
 
 def test_eval_defaults_and_overrides(tmp_path):
