@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.console import Console
 
+from jaxrl.cli.train import quiet_libraries, train
 from jaxrl.compile.slices import slice_names
 from jaxrl.config.env_file import load_env_file
 from jaxrl.config.schema import ConfigError, RunConfig, load_config, no_effect_notes, resolve_model_path
@@ -32,20 +33,6 @@ out = Console(soft_wrap=True, highlight=False)
 err = Console(stderr=True, soft_wrap=True, highlight=False)
 
 ConfigPath = Annotated[Path, typer.Argument(help="Run config (TOML).", show_default=False)]
-
-
-def _quiet_libraries() -> None:
-    """Keep third-party chatter out of a run's console and console.log, errors excepted: transformers'
-    "PyTorch was not found" on every import (its level is read from the environment at import), absl's
-    (Orbax's) notes, gcsfs' retries, TensorFlow's (JetStream's seqio) start-up lines. A variable already
-    set in the environment wins."""
-    import logging
-    import os
-
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    for name in ("absl", "gcsfs", "tensorflow", "transformers"):
-        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def _fail(message: str) -> typer.Exit:
@@ -138,7 +125,7 @@ def _start(path: Path, detach: bool, command: str) -> None:
                   f"follow it:  jaxrl logs {name}{where} --follow\n"
                   f"stop it:    jaxrl stop {name}{where}", markup=False)
         return
-    _quiet_libraries()
+    quiet_libraries()
     from jaxrl.parallel import distributed  # heavy (JAX), as is the runner: kept off the validate/init path
 
     try:  # join a multi-host run (JAX_* variables, GCP Batch, Cloud TPU pod) before any device is touched
@@ -146,56 +133,15 @@ def _start(path: Path, detach: bool, command: str) -> None:
     except ValueError as exc:
         raise _fail(f"jaxrl {command}: {exc}") from None
     if not distributed.is_primary():  # process 0 alone keeps the run's record and log
-        _train(cfg)
+        train(cfg)
         return
     runs.start(run_dir, path.resolve())
     if runs.stdout_is(run_dir / runs.LOG):  # detached: stdout and stderr already go to the log
-        _train(cfg, run_dir=run_dir)
+        train(cfg, run_dir=run_dir)
         return
     with (run_dir / runs.LOG).open("a", encoding="utf-8") as log:
         log.write(f"--- jaxrl {command} {path.resolve()} {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
-        _train(cfg, runs.TeeConsole(log, soft_wrap=True), log, run_dir)
-
-
-def _train(cfg: RunConfig, console: Console | None = None, log: Any = None, run_dir: Path | None = None) -> None:
-    """Run the runner (the SFT one for a config with `[jax.sft]`); print (and copy to `log`) its errors
-    without traceback and exit with its status; record how the run ended in `run_dir`'s `run.json` when
-    given."""
-    import traceback
-
-    from jaxrl.cli import runs
-    from jaxrl.run.errors import RunError
-    from jaxrl.run.runner import run as run_training
-
-    code, message = 1, None
-    try:
-        if cfg.jax.sft is None:
-            run_training(cfg, console)  # it loads the `env_file` secrets into the environment
-        else:
-            from jaxrl.run.sft import SftRun
-
-            run_training(cfg, console, run_class=SftRun)
-        code = 0
-    except ConfigError as exc:
-        code, message = 2, str(exc)
-    except RunError as exc:  # a checkpoint that cannot be written, failing environments, preemption
-        code, message = exc.exit_code, f"jaxrl run: {exc}"
-    except KeyboardInterrupt:  # a second Ctrl-C
-        code = 130
-        raise
-    except BaseException:
-        if log is not None:
-            log.write(traceback.format_exc())
-        raise
-    finally:
-        if log is not None and message is not None:
-            log.write(message + "\n")
-        if run_dir is not None:
-            runs.finish(run_dir, code)
-    if message is not None:
-        err.print(message, markup=False)
-    if code:
-        raise typer.Exit(code=code)
+        train(cfg, runs.TeeConsole(log, soft_wrap=True), log, run_dir)
 
 
 def _parse_mesh(text: str) -> dict[str, int]:
