@@ -282,3 +282,20 @@ lora_rank = 4
     finally:
         rl.ckpt.close()
         ckpt.close()
+
+
+def test_shipped_example_is_valid_and_regenerates():
+    """configs/sft_lowercase.toml and configs/rl_from_sft.toml load; the shipped JSONL is what
+    scripts/make_sft_lowercase.py writes, every completion scored 1 by the environment's reward."""
+    import importlib.util
+
+    from lowercase.taskset import lowercase_fraction
+
+    cfg = load_config(REPO / "configs" / "sft_lowercase.toml")
+    assert load_config(REPO / "configs" / "rl_from_sft.toml").checkpoint_id == cfg.name
+    spec = importlib.util.spec_from_file_location("make_sft", REPO / "scripts" / "make_sft_lowercase.py")
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    rows = make.rows(0)
+    assert [json.loads(line) for line in Path(cfg.jax.sft.data).read_text().splitlines()] == rows
+    assert len(rows) == 400 and all(lowercase_fraction(r["completion"]) == 1.0 for r in rows)
