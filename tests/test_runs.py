@@ -225,6 +225,9 @@ def test_plot_draws_eval_curves_from_metrics(tmp_path, env):
     assert panels(rows) == [("reward", ["reward/mean"]), ("entropy", ["policy/entropy"]),
                             ("KL", ["policy/ref_kl"]), ("learning rate", ["optim/lr"]),
                             ("eval / val", eval_keys(rows))]
+    sft_rows = [{"step": 1, "loss": 3.0, "sft/epoch": 0.5, "optim/lr": 1e-4},
+                {"step": 2, "loss": 2.0, "sft/epoch": 1.0}]
+    assert panels(sft_rows) == [("SFT loss", ["loss"]), ("learning rate", ["optim/lr"])]
     (folder / "metrics.jsonl").write_text("")
     empty = jaxrl(env, "plot", "evald", "--runs-dir", tmp_path / "runs")
     assert empty.returncode == 2 and "no reward/mean or eval/val metrics to plot yet" in empty.stderr

@@ -4,7 +4,7 @@ panels (matplotlib, Agg backend: no display needed).
 Panels, from the rows of `metrics.jsonl` (one per step; a step-0 row is the base model's eval), each
 drawn only when the run has its metrics:
 - reward: `reward/mean` per step with a +-`reward/std` band, and `reward/<env>/mean` with several
-  environments;
+  environments; in an SFT run (`jaxrl sft`: rows with `sft/epoch`), its `loss` instead;
 - entropy: `policy/entropy` (a collapse towards 0 comes before reward collapse);
 - KL: `policy/kl` (trainer against the engine that sampled) and `policy/ref_kl` (against the reference
   policy, with `[jax.loss] kl_coef > 0`);
@@ -48,6 +48,8 @@ def panels(rows: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
     out = []
     if series(rows, "reward/mean")[0]:
         out.append(("reward", ["reward/mean", *sorted(k for k in present if _ENV_REWARD.match(k))]))
+    elif series(rows, "sft/epoch")[0]:  # an SFT run: its loss is what to watch
+        out.append(("SFT loss", ["loss"]))
     for label, keys in TRAINING_PANELS:
         if drawn := [k for k in keys if series(rows, k)[0]]:
             out.append((label, drawn))
@@ -61,7 +63,7 @@ def plot_run(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
     100 dpi); return `out`.
 
     Raises:
-        ValueError: no row has a `reward/mean` or an eval series to plot.
+        ValueError: no row has a `reward/mean`, an SFT loss or an eval series to plot.
     """
     import matplotlib
 
@@ -70,7 +72,7 @@ def plot_run(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
 
     steps, mean = series(rows, "reward/mean")
     shown = panels(rows)
-    if not steps and not eval_keys(rows):
+    if not steps and not eval_keys(rows) and not series(rows, "sft/epoch")[0]:
         raise ValueError("no reward/mean or eval/val metrics to plot yet")
     fig, axes = plt.subplots(len(shown), 1, figsize=(8, 3.5 * len(shown)), squeeze=False, sharex=True)
     marker = "o" if len(steps) <= 30 else None  # a short run's points stay visible
