@@ -22,8 +22,10 @@ from jaxrl.config.sft import DataError, parse_line, read_jsonl
 from jaxrl.model import assets
 from jaxrl.parallel.sharding import make_mesh
 from jaxrl.rl import losses, sft
+from jaxrl.run import runner
 from jaxrl.run.checkpoint import Checkpointer
 from jaxrl.run.runner import Run
+from jaxrl.run.sft import SftRun
 
 REPO = Path(__file__).resolve().parents[1]
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
@@ -267,15 +269,19 @@ lora_rank = 4
     assert all(r["tokens_per_s"] > 0 and r["sft/loss_tokens"] > 0 for r in rows)
     assert rows[-1]["loss"] < rows[0]["loss"]  # the one row, three times
     assert json.loads((run_dir / "run.json").read_text())["status"] == "completed"
+    # more steps: the same run resumes from its checkpoint 3 (in this process) and trains step 4 only
+    _write(sft_cfg, sft_cfg.read_text().replace("max_steps = 3", "max_steps = 4"))
+    runner.run(load_config(sft_cfg), Console(quiet=True), run_class=SftRun)
+    assert [r["step"] for r in _metrics(run_dir)] == [1, 2, 3, 4]
     ckpt = Checkpointer(str(run_dir / "checkpoints"), read_only=True)
-    assert ckpt.all_steps() == [2, 3]
+    assert ckpt.all_steps() == [2, 3, 4]
 
     rl_cfg = load_config(_write(tmp_path / "rl.toml", f'name = "rl"\nmax_steps = 2\ncheckpoint_id = "warm"\n'
                                                       f'batch_size = 8\nrollouts_per_example = 4\n{common}'))
     rl = Run(rl_cfg, Console(quiet=True), [])
     rl.setup()  # loads the model, the environments and the warm start; starts no engine
     try:
-        saved, _ = ckpt.restore(3, rl.state)
+        saved, _ = ckpt.restore(4, rl.state)
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), saved.lora,
                      rl.state.lora)
         assert int(rl.state.step) == 0 and rl.start_step == 0  # the LoRA only: step and optimizer start fresh
