@@ -104,6 +104,15 @@ def test_config_errors_name_file_key_and_line(tmp_path):
         load_config(_write(tmp_path / "sft.toml", _sft_config(tmp_path, "d.jsonl").read_text() + "batch_size = 0\n"))
 
 
+def test_epochs_in_place_of_max_steps(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    epochs = '\nepochs = 2.5\n[jax.optim]\nwarmup_steps = 200\n'  # warmup checked once the steps are known
+    assert load_config(_write(tmp_path / "sft.toml", _sft_config(tmp_path, "d.jsonl").read_text() + epochs))
+    with pytest.raises(ConfigError, match=r"jax.sft.epochs: set \[jax.sft\] epochs or max_steps, not both"):
+        load_config(_write(tmp_path / "sft.toml", "max_steps = 10\n" + (tmp_path / "sft.toml").read_text()))
+    assert [sft.epoch_steps(e, 10, 4) for e in (1, 2, 2.5, 0.01)] == [3, 5, 7, 1]
+
+
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
@@ -256,8 +265,8 @@ output_dir = "{tmp_path / 'runs'}"
 seq_len = 128
 lora_rank = 4
 """
-    sft_cfg = _write(tmp_path / "sft.toml", f'name = "warm"\nmax_steps = 3\n{common}[jax.sft]\ndata = "d.jsonl"\n'
-                                            f'batch_size = 1\n')
+    sft_cfg = _write(tmp_path / "sft.toml", f'name = "warm"\n{common}[jax.sft]\ndata = "d.jsonl"\n'
+                                            f'batch_size = 1\nepochs = 3\n')  # one row: 3 steps
     env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     done = subprocess.run([sys.executable, "-m", "jaxrl", "sft", str(sft_cfg)], capture_output=True, text=True,
                           timeout=600, env=env)
@@ -270,7 +279,7 @@ lora_rank = 4
     assert rows[-1]["loss"] < rows[0]["loss"]  # the one row, three times
     assert json.loads((run_dir / "run.json").read_text())["status"] == "completed"
     # more steps: the same run resumes from its checkpoint 3 (in this process) and trains step 4 only
-    _write(sft_cfg, sft_cfg.read_text().replace("max_steps = 3", "max_steps = 4"))
+    _write(sft_cfg, "max_steps = 4\n" + sft_cfg.read_text().replace("epochs = 3\n", ""))
     runner.run(load_config(sft_cfg), Console(quiet=True), run_class=SftRun)
     assert [r["step"] for r in _metrics(run_dir)] == [1, 2, 3, 4]
     ckpt = Checkpointer(str(run_dir / "checkpoints"), read_only=True)

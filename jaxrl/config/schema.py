@@ -383,7 +383,8 @@ class RunConfig(_Table):
                                                "put checkpoints on gs:// with [jax] checkpoint_dir"))
         if len(set(self.jax.lora_targets)) != len(self.jax.lora_targets):
             problems.append(("jax.lora_targets", "lists a projection twice"))
-        if self.jax.optim.warmup_steps and self.jax.optim.warmup_steps >= self.max_steps:
+        epochs = self.jax.sft is not None and self.jax.sft.epochs is not None  # max_steps known with the data
+        if self.jax.optim.warmup_steps and self.jax.optim.warmup_steps >= self.max_steps and not epochs:
             problems.append(("jax.optim.warmup_steps", f"{self.jax.optim.warmup_steps} must be < max_steps "
                                                        f"({self.max_steps})"))
         if problems:
@@ -392,14 +393,17 @@ class RunConfig(_Table):
 
 
     def _sft_rules(self) -> list[tuple[str, str]]:
-        """Without `[jax.sft]`, at least one `[[env]]`; with it and no `[[env]]`, `[eval]` needs
-        `[[eval.env]]` and `[val]` is refused (both would have nothing to play)."""
+        """Without `[jax.sft]`, at least one `[[env]]`; with it, `epochs` or `max_steps`, not both, and
+        without `[[env]]`, `[eval]` needs `[[eval.env]]` and `[val]` is refused (both would have nothing
+        to play)."""
+        problems = []
+        if self.jax.sft is not None and self.jax.sft.epochs is not None and "max_steps" in self.model_fields_set:
+            problems.append(("jax.sft.epochs", "set [jax.sft] epochs or max_steps, not both"))
         if self.env:
-            return []
+            return problems
         if self.jax.sft is None:
             return [("env", "required key is missing (at least one [[env]]; only an SFT config, with "
                             "[jax.sft], may have none)")]
-        problems = []
         if self.eval is not None and not self.eval.env:
             problems.append(("eval", "plays the [[env]] environments by default, and this SFT config has none; "
                                      "add [[eval.env]] tables or [[env]]"))

@@ -33,9 +33,9 @@ def _path(value: str) -> str:
 class SftConfig(_Table):
     """`[jax.sft]`: present in a config that `jaxrl sft` trains (and `jaxrl run` refuses). Each step is one
     AdamW step (`[jax.optim]`, top-level `learning_rate`, LoRA as `[jax]` sets it) on `batch_size` rows
-    of `[jax] seq_len` tokens packed from the data, for `max_steps` steps; the rows are drawn epoch after
-    epoch, each epoch in a new seeded order. `[[env]]` is optional here: it is what `[eval]` / `[val]`
-    play (README, "Supervised fine-tuning")."""
+    of `[jax] seq_len` tokens packed from the data, for `max_steps` steps (or `epochs` passes); the rows
+    are drawn epoch after epoch, each epoch in a new seeded order. `[[env]]` is optional here: it is what
+    `[eval]` / `[val]` play (README, "Supervised fine-tuning")."""
 
     data: Annotated[str, AfterValidator(_path)]
     """Chat-format JSONL file (relative to the config file; absolute after loading). Required."""
@@ -44,6 +44,10 @@ class SftConfig(_Table):
     RL step, does not apply). Default 8."""
     seed: int = Field(0, ge=0)
     """Seed of the conversations' packing order and of each epoch's row order. Default 0."""
+    epochs: float | None = Field(None, gt=0)
+    """Passes over the data, in place of `max_steps` (not with it): the run trains
+    `ceil(epochs * rows / batch_size)` steps, the rows counted once the data is packed, and its
+    `[jax.optim]` schedule spans them. Default None: `max_steps` steps."""
 
 
 class DataError(ValueError):

@@ -136,6 +136,7 @@ id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
 # data = "sft.jsonl"           # chat JSONL: {"messages": [...]} or {"prompt": ..., "completion": ...} a line
 # batch_size = 8               # packed rows of [jax] seq_len tokens per step
 # seed = 0                     # packing and epoch order
+# epochs = 2.0                 # passes over the data, in place of max_steps (not with it)
 
 # [adapters]
 # interval = 0                 # export every N steps; 0 = at the end only

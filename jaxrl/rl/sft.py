@@ -22,6 +22,7 @@ of its own would (tests/test_hf.py checks the logits against transformers). A co
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -193,3 +194,9 @@ def step_rows(step: int, batch_size: int, rows: int, seed: int) -> np.ndarray:
     order = np.concatenate([np.random.default_rng((seed, e)).permutation(rows) for e in epochs])
     start = first - epochs[0] * rows
     return order[start:start + batch_size]
+
+
+def epoch_steps(epochs: float, rows: int, batch_size: int) -> int:
+    """Optimizer steps of `epochs` passes over `rows` rows taken `batch_size` at a time: the ceiling of
+    `epochs * rows / batch_size`, at least 1."""
+    return max(1, math.ceil(epochs * rows / batch_size - 1e-9))

@@ -75,9 +75,10 @@ class SftRun(Run):
         """Load the model, the LoRA, the trainer, the data (packed), the eval environments and the last
         checkpoint (or `checkpoint_id`'s LoRA). Raises ConfigError (key `jax.sft.data`) for data that
         cannot be tokenized or packed."""
-        cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.load_model()
+        self.load_data()  # sets max_steps from [jax.sft] epochs
+        cfg = self.cfg
         if self.primary:
             write_run_config(self.run_dir, cfg)
         self.adapters = RunAdapters(cfg, self.mcfg, adapters_dir_of(cfg), self.console)
@@ -85,7 +86,6 @@ class SftRun(Run):
         self.state = self.trainer.init_state(self.base, self.init_lora())
         self.identity = model_identity(cfg.model, dataclasses.asdict(self.mcfg), cfg.jax.lora_rank,
                                        tuple(cfg.jax.lora_targets))
-        self.load_data()
         self.serves = cfg.eval is not None or cfg.val is not None  # the engine and server, for eval only
         self.envs, self.eval_envs, self.chat_template = [], [], None
         if self.serves:
@@ -106,7 +106,8 @@ class SftRun(Run):
 
     def load_data(self) -> None:
         """Read, tokenize (the tokenizer folder's chat template, `[sampling] enable_thinking`) and pack
-        `[jax.sft] data` into rows of `[jax] seq_len` (`data`)."""
+        `[jax.sft] data` into rows of `[jax] seq_len` (`data`); with `[jax.sft] epochs`, `cfg.max_steps`
+        becomes their steps (ConfigError, key `jax.optim.warmup_steps`, when the warmup is not shorter)."""
         cfg, scfg = self.cfg, self.cfg.jax.sft
         t0 = time.perf_counter()
         try:
@@ -116,6 +117,12 @@ class SftRun(Run):
         except (DataError, ValueError, OSError) as exc:
             raise ConfigError(cfg.source, [("jax.sft.data", str(exc))]) from None
         d = self.data
+        if scfg.epochs is not None:
+            steps = sft.epoch_steps(scfg.epochs, d.rows, scfg.batch_size)
+            self.cfg = cfg = cfg.model_copy(update={"max_steps": steps})
+            if (warmup := cfg.jax.optim.warmup_steps) and warmup >= steps:
+                raise ConfigError(cfg.source, [("jax.optim.warmup_steps", f"{warmup} must be < the {steps} steps of "
+                                                                          f"{scfg.epochs} epochs")])
         steps_per_epoch = d.rows / scfg.batch_size
         self.console.print(f"SFT data: {d.conversations} conversations in {d.rows} rows of {cfg.jax.seq_len} tokens "
                            f"({int(d.loss_mask.sum())} trained tokens; {d.truncated} conversations cut to the "
