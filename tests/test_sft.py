@@ -189,8 +189,10 @@ def test_pack_rows_positions_and_segments():
     assert d.loss_mask.tolist()[:2] == [[False, True, True, True, True, False],
                                         [False, False, False, True, False, False]]
     assert d.inputs.tolist()[2] == list(range(20, 26)) and d.targets.tolist()[2] == list(range(21, 27))
-    b = d.batch(np.array([0, 1]))
+    b = d.batch(np.array([0, 1]))  # as wide as row 0 needs, the fullest, in every batch
     assert b.loss_positions.tolist() == [[1, 2, 3, 4] + [6] * 2, [3] + [6] * 5]
+    wide = sft.pack([(list(range(22)), [True] * 22), ([1, 2], [False, True])], 21)  # rows of 21 and 1 loss tokens
+    assert wide.batch(np.array([1])).loss_positions.shape == (1, 21)  # not 16: one shape, one compile
     assert b.temperature.tolist() == [1.0, 1.0] and not b.advantages.any()
     with pytest.raises(ValueError, match="no conversation has an assistant token"):
         sft.pack([([1, 2], [True, False])], 6)

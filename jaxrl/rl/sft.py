@@ -119,11 +119,13 @@ class SftData:
         return self.inputs.shape[0]
 
     def batch(self, rows: np.ndarray) -> Batch:
-        """A train `Batch` of the given row indices: temperature 1, no engine logprobs or advantages."""
+        """A train `Batch` of the given row indices: temperature 1, no engine logprobs or advantages, and
+        loss positions as wide as the data's fullest row needs (every batch one shape: one compile)."""
         mask = self.loss_mask[rows]
         b, t = mask.shape
+        most = int(self.loss_mask.sum(axis=1).max())
         return Batch(self.inputs[rows], self.targets[rows], mask, np.zeros((b, t), np.float32),
-                     np.zeros((b,), np.float32), np.ones((b,), np.float32), loss_positions(mask),
+                     np.zeros((b,), np.float32), np.ones((b,), np.float32), loss_positions(mask, most),
                      self.positions[rows], self.segment_ids[rows])
 
 

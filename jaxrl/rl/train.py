@@ -160,12 +160,14 @@ def make_batch(samples: list[tuple[list[int], list[bool], list[float]]], advanta
                  np.full((b,), temperature, np.float32), loss_positions(mask))
 
 
-def loss_positions(mask_BT: np.ndarray) -> np.ndarray:
+def loss_positions(mask_BT: np.ndarray, most: int | None = None) -> np.ndarray:
     """`Batch.loss_positions` of a bool loss mask [B, T]: int32 [B, P], each row's True positions in order,
-    padded with T; P = `loss_width` of the most loss tokens of a row, at most T."""
+    padded with T; P = `loss_width` of the most loss tokens of a row (or of `most`, when given, for one
+    width over batches: the step compiles once), at most T."""
     b, t = mask_BT.shape
     counts = mask_BT.sum(axis=1)
-    positions = np.full((b, min(loss_width(int(counts.max(initial=0))), t)), t, np.int32)
+    most = int(counts.max(initial=0)) if most is None else max(most, int(counts.max(initial=0)))
+    positions = np.full((b, min(loss_width(most), t)), t, np.int32)
     for i in range(b):
         positions[i, : counts[i]] = np.flatnonzero(mask_BT[i])
     return positions
