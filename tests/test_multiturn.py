@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import jax
-import numpy as np
 import pytest
 from follow_rules.taskset import RULES, SHORT_CHARS, rule_score
 from tokenizers import Tokenizer
@@ -77,16 +76,15 @@ def test_training_samples_by_strategy():
         return Rollout(list(range(n)), mask, [-1.0 if m else 0.0 for m in mask], 0.0, False, True, None, "e", 0)
 
     two_turns, one_turn = rollout([False, True, False, True]), rollout([False, False, True, True])
-    adv = np.array([0.5, -0.5])
-    samples, sample_adv = training_samples([two_turns, one_turn], adv, "interleaved")
+    samples, source = training_samples([two_turns, one_turn], "interleaved")
     assert samples == [(r.token_ids, r.loss_mask, r.logprobs) for r in (two_turns, one_turn)]
-    assert sample_adv.tolist() == [0.5, -0.5]
-    samples, sample_adv = training_samples([two_turns, one_turn], adv, "branching")
+    assert source.tolist() == [0, 1]
+    samples, source = training_samples([two_turns, one_turn], "branching")
     assert [s[0] for s in samples] == [[0, 1], [0, 1, 2, 3], [0, 1, 2, 3]]
     assert [s[1] for s in samples] == [[False, True], [False, False, False, True], [False, False, True, True]]
-    assert sample_adv.dtype == np.float32 and sample_adv.tolist() == [0.5, 0.5, -0.5]
+    assert source.tolist() == [0, 0, 1]  # each sample trains with its rollout's advantage and temperature
     with pytest.raises(ValueError, match="unknown trajectory_strategy 'depth-first'"):
-        training_samples([two_turns], adv[:1], "depth-first")
+        training_samples([two_turns], "depth-first")
 
 
 class Recording:
@@ -159,10 +157,10 @@ def test_multiturn_traces_through_the_real_server(tiny_server, tiny_model_dir):
         assert r.reward == pytest.approx(expected)
 
         # interleaved: the trace as one sample; branching: each turn's prompt + completion, only it masked in.
-        (interleaved,), adv = training_samples([r], np.array([0.25]), "interleaved")
-        assert interleaved == (r.token_ids, r.loss_mask, r.logprobs) and adv.tolist() == [0.25]
-        branching, adv = training_samples([r], np.array([0.25]), "branching")
-        assert adv.tolist() == [0.25] * TURNS
+        (interleaved,), source = training_samples([r], "interleaved")
+        assert interleaved == (r.token_ids, r.loss_mask, r.logprobs) and source.tolist() == [0]
+        branching, source = training_samples([r], "branching")
+        assert source.tolist() == [0] * TURNS
         for (ids, sample_mask, sample_lps), (prompt, completion, lps) in zip(branching, calls, strict=True):
             assert ids == prompt + completion
             assert sample_mask == [False] * len(prompt) + [True] * len(completion)

@@ -23,6 +23,11 @@ from jaxrl.rl.producer import Producer, VersionLog, in_flight_groups
 N = 2  # rollouts per group
 
 
+def temperature_of(step: int) -> float:
+    """A temperature schedule that tells the steps apart."""
+    return 1.0 - 0.25 * step
+
+
 @dataclasses.dataclass
 class Engine1:
     """The engine side as the producer sees it: each request samples one token of the current `version`."""
@@ -46,9 +51,11 @@ class Run:
         self.log = VersionLog(self.engine)
         self.gates: dict[int, asyncio.Event] = {}
         self.played: list[int] = []
+        self.temperatures: dict[int, float] = {}  # what each group's play was asked to sample at
         self.buffer = Buffer((20,), BufferConfig())
         self.producer = Producer(self.loop, self.buffer, BufferState.fresh(1), self.play, self.log,
-                                 lambda t: 1000 + t * N, N, per_step, in_flight, level, step, next_t, resumed,
+                                 lambda t: 1000 + t * N, temperature_of, N, per_step, in_flight, level, step, next_t,
+                                 resumed,
                                  last_step, processes, index, gather, poll_s=0.01)
         RUNS.append(self)
 
@@ -58,9 +65,10 @@ class Run:
             self.gates[t].set()
         return self.gates[t]
 
-    async def play(self, job, first_seed):
+    async def play(self, job, first_seed, temperature):
         t = (first_seed - 1000) // N
         self.played.append(t)
+        self.temperatures[t] = temperature
         for i in range(N):
             await self.log.generate([1], SamplingParams(seed=first_seed + i))
         await self.gate(t).wait()
@@ -129,6 +137,39 @@ def test_oversampling_keeps_batch_times_factor_in_flight_and_takes_the_first_to_
     taken = run.take(1)
     assert [g.t for g in taken.groups] == [0, 4]  # 0 finished first, then 4 and 5 (lowest number first)
     assert taken.metrics(1, N, 4)["async/staleness_mean"] == 1.0  # launched at version 0, trained at 1
+
+
+def test_each_group_samples_at_the_temperature_of_the_step_it_was_started_for():
+    """`[sampling.temp_scheduler]`: a group plays at the temperature of the step the producer was filling
+    when it launched the group, keeps it when a later step takes it, and the step reports the mean."""
+    run = Run(per_step=2, in_flight=4, level=2)
+    run.producer.refill()  # groups 0-3, for step 0
+    taken = run.take(0)  # then 4 and 5 are launched for step 1
+    assert [g.temperature for g in taken.groups] == [temperature_of(0)] * 2
+    assert taken.metrics(0, N, 4)["sampling/temperature"] == temperature_of(0)
+    run.update(1)
+    taken = run.take(1)  # 2 and 3, started for step 0, trained at step 1; then 6 and 7 for step 2
+    assert [(g.t, g.temperature) for g in taken.groups] == [(2, temperature_of(0)), (3, temperature_of(0))]
+    run.update(2)
+    taken = run.take(2)
+    assert [(g.t, g.temperature) for g in taken.groups] == [(4, temperature_of(1)), (5, temperature_of(1))]
+    assert {t: run.temperatures[t] for t in range(8)} == {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0, 4: 0.75, 5: 0.75,
+                                                          6: 0.5, 7: 0.5}
+
+
+@pytest.mark.parametrize(("table", "max_steps", "want"), [
+    (None, 5, [0.7] * 6),  # no schedule: [sampling] temperature
+    ({"start_temperature": 1.0, "end_temperature": 0.5}, 5, [1.0, 0.875, 0.75, 0.625, 0.5, 0.5]),
+    ({"type": "cosine", "start_temperature": 1.0, "end_temperature": 0.0, "total_steps": 3}, 9,
+     [1.0, 0.5, 0.0, 0.0, 0.0, 0.0]),
+    ({"start_temperature": 1.0, "end_temperature": 0.5, "total_steps": 1}, 9, [0.5] * 6),
+])
+def test_the_temperature_schedule_of_the_schema(table, max_steps, want):
+    from jaxrl.config.schema import SamplingConfig
+    from jaxrl.rl.rollouts import temperature_at
+
+    sampling = SamplingConfig(temperature=0.7, temp_scheduler=table)
+    assert [temperature_at(sampling, step, max_steps) for step in range(1, 7)] == pytest.approx(want)
 
 
 def test_nothing_is_launched_once_the_last_step_is_taken():

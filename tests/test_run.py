@@ -20,7 +20,8 @@ def tiny_model_dir() -> Path:
     return assets.ensure_tiny_assets(REPO / "assets").resolve()
 
 
-def _config(tmp_path: Path, model: Path, *, max_steps: int, extra: str = "", jax_extra: str = "") -> Path:
+def _config(tmp_path: Path, model: Path, *, max_steps: int, extra: str = "", jax_extra: str = "",
+            sampling_extra: str = "") -> Path:
     path = tmp_path / "rl.toml"
     path.write_text(f"""
 name = "e2e"
@@ -35,6 +36,7 @@ oversampling_factor = 1
 
 [sampling]
 max_tokens = 8
+{sampling_extra}
 
 [[env]]
 id = "jaxrl/lowercase"
@@ -134,7 +136,9 @@ def test_moe_run_with_expert_parallelism(tmp_path):
 def test_run_with_training_knobs(tmp_path, tiny_model_dir):
     """A 2-step run with every [jax] training table set away from its default: the PPO loss with
     clip-higher, dual clip, a k3 KL penalty and an entropy bonus, GRPO's std-normalised advantages with
-    reward clipping, and a linear decay logged as optim/lr."""
+    reward clipping, and a linear decay logged as optim/lr; and [sampling] min_tokens (through the real
+    rollout client) with a temperature schedule: the rollouts of step 1 sample at 1.5 and are trained
+    at 1.5 (the engine's and the trainer's logprobs agree before any update), those of step 2 at 0.5."""
     knobs = """
 [jax.loss]
 type = "ppo"
@@ -152,11 +156,17 @@ reward_max = 1.0
 [jax.optim]
 schedule = "linear"
 weight_decay = 0.01
+
+[sampling.temp_scheduler]
+start_temperature = 1.5
+end_temperature = 0.5
 """
-    cfg = _config(tmp_path, tiny_model_dir, max_steps=2, jax_extra=knobs)
+    cfg = _config(tmp_path, tiny_model_dir, max_steps=2, jax_extra=knobs, sampling_extra="min_tokens = 2")
     out = _jaxrl("run", str(cfg))
     assert out.returncode == 0, out.stdout + out.stderr
     rows = _metrics(tmp_path / "runs" / "e2e")
     assert [r["optim/lr"] for r in rows] == pytest.approx([1e-2, 5e-3])
+    assert [r["sampling/temperature"] for r in rows] == [1.5, 0.5] and rows[0]["policy/kl"] < 1e-3
+    assert all(r["rollouts/failed"] == 0 and r["seq_len"] > 2 for r in rows)
     assert rows[0]["policy/ref_kl"] == 0.0 and rows[1]["policy/ref_kl"] >= 0.0  # LoRA starts as the base
     assert all(math.isfinite(r["loss"]) for r in rows)

@@ -298,7 +298,9 @@ def test_default_micro_batch_rule():
 
 def test_engine_and_trainer_agree_at_step_one():
     """`policy/kl` between the engine's logprobs and the trainer's, same weights, fp32: below 1e-5 (the
-    trainer's fused head and loss-position gather against the engine's decode step and sampler)."""
+    trainer's fused head and loss-position gather against the engine's decode step and sampler), with
+    each sample at its own temperature (`[sampling.temp_scheduler]` mixes them in a batch; 0 is greedy),
+    which the batch carries per row: scored all at one temperature, they disagree."""
     base = jax.tree.map(lambda x: x * 10 if x.ndim > 1 else x, qwen3.init_params(CFG, jax.random.key(0)))
     lora = jax.tree.map(lambda x: x + 0.3, qwen3.init_lora(CFG, 4, TARGETS, jax.random.key(1)))
     mesh = make_mesh({}, jax.devices()[:1])
@@ -307,9 +309,11 @@ def test_engine_and_trainer_agree_at_step_one():
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 128, size=int(rng.integers(3, 12))).tolist() for _ in range(6)]
 
+    temperatures = np.array([0.7, 1.3, 0.7, 1.3, 0.0, 1.0], np.float32)
+
     async def play():
-        return await asyncio.gather(*[sched.generate(p, SamplingParams(temperature=0.7, max_tokens=20, seed=i))
-                                      for i, p in enumerate(prompts)])
+        return await asyncio.gather(*[sched.generate(p, SamplingParams(temperature=float(t), max_tokens=20, seed=i))
+                                      for i, (p, t) in enumerate(zip(prompts, temperatures, strict=True))])
 
     try:
         outs = asyncio.run(play())
@@ -318,10 +322,14 @@ def test_engine_and_trainer_agree_at_step_one():
     samples = [(p + o.token_ids, [False] * len(p) + [True] * len(o.token_ids), [0.0] * len(p) + o.logprobs)
                for p, o in zip(prompts, outs, strict=True)]
     trainer = Trainer(CFG, mesh, make_optimizer(1e-2), lora_scale=0.5)
-    _, metrics = trainer.step(trainer.init_state(base, lora), base,
-                              make_batch(samples, rng.normal(size=6), 0.7, pad_to=48))
+    advantages = rng.normal(size=6)
+    batch = make_batch(samples, advantages, temperatures, pad_to=48)
+    assert batch.temperature.tolist() == temperatures.tolist()
+    _, metrics = trainer.step(trainer.init_state(base, lora), base, batch)
     assert 0 <= float(metrics["policy/kl"]) < 1e-5
     assert float(metrics["policy/clip_fraction"]) == 0
+    _, one = trainer.step(trainer.init_state(base, lora), base, make_batch(samples, advantages, 0.7, pad_to=48))
+    assert float(one["policy/kl"]) > 1e-3
 
 
 def test_reference_kl_is_the_base_with_lora_off():

@@ -46,7 +46,9 @@ class _Invalid(ValueError):
 
 class TempSchedulerConfig(_Table):
     """`[sampling.temp_scheduler]`: the sampling temperature over steps, from `start_temperature` at step 1
-    to `end_temperature` at `total_steps` (then held), linearly or along a half cosine."""
+    to `end_temperature` at `total_steps` (then held), linearly or along a half cosine
+    (`jaxrl.rl.rollouts.temperature_at`). A group of rollouts samples at the temperature of the step the
+    producer is gathering when it starts, and trains at that temperature whichever step takes it."""
 
     type: Literal["linear", "cosine"] = "linear"
     """"linear" or "cosine". Default "linear"."""
@@ -81,7 +83,8 @@ class SamplingConfig(_Table):
     only). Default None: `jax.seed`."""
     temp_scheduler: TempSchedulerConfig | None = None
     """`[sampling.temp_scheduler]`: a temperature schedule over the training steps, in place of
-    `temperature`. Default None: `temperature` throughout."""
+    `temperature` for training rollouts (`[eval]`, `[val]` and the pre-flight rollout keep sampling at
+    `temperature`, so an eval curve moves only with the weights). Default None: `temperature` throughout."""
     enable_thinking: bool | None = None
     """The chat template's thinking switch (Qwen3's `enable_thinking`). Default None: off, as the
     rollout client has always rendered (`jaxrl.envs.loader.model_context`)."""
@@ -466,9 +469,6 @@ def no_effect_notes(cfg: RunConfig) -> list[str]:
         notes.append(f"tailscale: {cloud} (environments run in the trainer's process)")
     if cfg.sampling.extra_body:
         notes.append("sampling.extra_body: extra fields of Hosted Training's inference requests; no effect here")
-    later = "jaxrl does not apply it yet (issue 16); the run goes on without it"
-    if cfg.sampling.temp_scheduler is not None:
-        notes.append(f"sampling.temp_scheduler: {later}: sampling.temperature throughout")
     if cfg.sampling.reasoning_effort is not None:
         notes.append("sampling.reasoning_effort: Qwen3 has no reasoning effort control; no effect here "
                      "(enable_thinking is its switch)")

@@ -30,15 +30,15 @@ max_tokens = 512               # tokens sampled per turn, < [jax] seq_len
 # top_p = 1.0                  # nucleus sampling; 1.0 = off (jaxrl only)
 # top_k = -1                   # keep the k most likely tokens; -1 = off (jaxrl only)
 # repetition_penalty = 1.0     # > 0; 1 = off
-# min_tokens = 0               # tokens sampled before a stop token may end a turn
+# min_tokens = 0               # tokens sampled before a stop token may end a turn (vLLM's)
 # seed = 0                     # seed of rollout sampling; default: [jax] seed
 # enable_thinking = false      # the chat template's thinking switch
 # extra_body = {}              # Hosted Training only: accepted, no effect here
 # reasoning_effort = "low"     # Hosted Training only: accepted, no effect here
-# [sampling.temp_scheduler]    # temperature over steps, instead of temperature
+# [sampling.temp_scheduler]    # training rollouts' temperature over steps (eval keeps temperature)
 # type = "linear"              # or "cosine"
-# start_temperature = 1.0
-# end_temperature = 0.5
+# start_temperature = 1.0      # at step 1
+# end_temperature = 0.5        # from total_steps on
 # total_steps = 100            # default: max_steps
 
 [[env]]                        # one [[env]] table per training environment

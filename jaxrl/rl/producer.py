@@ -2,7 +2,9 @@
 
 The producer keeps example groups in flight on the run's event loop: each group is drawn from the
 buffer, numbered `t` in launch order over the run (its rollouts sample with the seeds `seed_of(t) + i`,
-so a group's tokens depend on its number, never on when it ran), and played by `play`. It launches
+so a group's tokens depend on its number, never on when it ran), and played by `play` at the
+temperature of the step the producer is filling when it launches the group (`temperature_of`:
+`[sampling.temp_scheduler]`), which the group keeps for the trainer. It launches
 groups while fewer than `in_flight` are launched and not yet trained on (`ceil(batch_size x
 oversampling_factor / rollouts_per_example)` groups, prime-rl's in-flight rollouts = batch_size x
 oversampling_factor), and only while the engine's policy is recent enough for the next step to train
@@ -99,13 +101,14 @@ class VersionLog:
 @dataclasses.dataclass(eq=False)
 class Group:
     """One example group. `version`: the engine's policy version at launch, a lower bound of its tokens'.
-    `owner`: the process that plays it; `task`: plays it (None: another process does). `versions` (every
-    token's policy version) and `finished` (rank in finishing order over the run, -1 until then): set
-    when it finished; `rollouts`: set then on its owner only."""
+    `temperature`: what its rollouts sample at. `owner`: the process that plays it; `task`: plays it (None:
+    another process does). `versions` (every token's policy version) and `finished` (rank in finishing
+    order over the run, -1 until then): set when it finished; `rollouts`: set then on its owner only."""
 
     t: int
     job: Job
     version: int
+    temperature: float
     task: asyncio.Task | None
     owner: int = 0
     rollouts: list[Rollout] | None = None
@@ -128,10 +131,13 @@ class Taken:
 
     def metrics(self, step: int, rollouts_per_example: int, in_flight: int) -> dict[str, float]:
         """`async/staleness_mean` and `async/staleness_max` (policy versions the step's played tokens lag
-        version `step`), `async/stale_dropped` (rollouts dropped, in whole groups) and `async/in_flight`
-        (rollouts launched and not yet trained on once the step's batch was taken)."""
+        version `step`), `async/stale_dropped` (rollouts dropped, in whole groups), `async/in_flight`
+        (rollouts launched and not yet trained on once the step's batch was taken) and
+        `sampling/temperature` (the mean of the step's groups' sampling temperatures)."""
         lag = np.array([step - v for g in self.groups for v in g.versions], np.float64)
-        return {"async/staleness_mean": float(lag.mean()) if lag.size else 0.0,
+        temperatures = [g.temperature for g in self.groups]
+        return {"sampling/temperature": float(np.mean(temperatures)) if temperatures else 0.0,
+                "async/staleness_mean": float(lag.mean()) if lag.size else 0.0,
                 "async/staleness_max": float(lag.max()) if lag.size else 0.0,
                 "async/stale_dropped": float(len(self.stale) * rollouts_per_example),
                 "async/in_flight": float(in_flight * rollouts_per_example)}
@@ -143,9 +149,12 @@ class Producer:
     Args:
         loop: the run's event loop, which plays the groups (it runs whenever the runner waits on it).
         buffer, state: the example buffer and its state (draws of every group launched so far).
-        play: `play(job, first_seed)` plays one group on the loop and never raises (`rollouts.collect`).
+        play: `play(job, first_seed, temperature)` plays one group on the loop and never raises
+            (`rollouts.collect`).
         log: the `VersionLog` the engine's server answers through.
         seed_of: first rollout seed of group `t`; rollout i samples with `seed_of(t) + i`.
+        temperature_of: the sampling temperature of groups launched for step `step` (0-based: the step
+            the producer is filling; `jaxrl.rl.rollouts.temperature_at` of `step + 1`).
         rollouts_per_example, per_step: rollouts of a group; groups a step trains on (all processes).
         in_flight: groups kept launched and not trained on; `per_step` when `max_async_level` is 0.
         max_async_level: policy versions the oldest token of a trained group may lag the trainer.
@@ -161,15 +170,16 @@ class Producer:
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, buffer: Buffer, state: BufferState,
-                 play: Callable[[Job, int], Awaitable[list[Rollout]]], log: VersionLog,
-                 seed_of: Callable[[int], int], rollouts_per_example: int, per_step: int, in_flight: int,
+                 play: Callable[[Job, int, float], Awaitable[list[Rollout]]], log: VersionLog,
+                 seed_of: Callable[[int], int], temperature_of: Callable[[int], float], rollouts_per_example: int,
+                 per_step: int, in_flight: int,
                  max_async_level: int, step: int, next_t: int,
                  resumed: Sequence[tuple[int, Job]] = (), last_step: int | None = None, processes: int = 1,
                  index: int = 0, gather: Callable[[Any], list[Any]] | None = None, poll_s: float = 0.05) -> None:
         if (processes > 1) != (gather is not None):
             raise ValueError("several processes need a gather, and only they")
         self._loop, self.buffer, self.state, self.log = loop, buffer, state, log
-        self._play, self._seed_of, self._n = play, seed_of, rollouts_per_example
+        self._play, self._seed_of, self._temperature_of, self._n = play, seed_of, temperature_of, rollouts_per_example
         self.per_step, self.in_flight, self.max_async_level = per_step, max(in_flight, per_step), max_async_level
         self.version = self.next_step = step
         self.next_t = next_t
@@ -214,14 +224,15 @@ class Producer:
         load = [0] * self.processes
         for g in self.groups:
             load[g.owner] += g.finished < 0
+        temperature = self._temperature_of(self.next_step)
         for t, job in launch:
             owner = min(range(self.processes), key=lambda p: (load[p], p))
             load[owner] += 1
             task = None
             if owner == self.index:
                 self.log.expect(self.seeds(t))
-                task = self._loop.create_task(self._play(job, self._seed_of(t)))
-            self.groups.append(Group(t, job, self.version, task, owner))
+                task = self._loop.create_task(self._play(job, self._seed_of(t), temperature))
+            self.groups.append(Group(t, job, self.version, temperature, task, owner))
 
     # taking ---------------------------------------------------------------------------------------
     async def take(self, step: int, stopping: Callable[[], bool] | None = None) -> Taken | None:

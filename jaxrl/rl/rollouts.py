@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from jaxrl.config.algorithms import AdvantageConfig
+from jaxrl.config.schema import SamplingConfig
 from jaxrl.envs import loader
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.rl import losses
@@ -28,6 +29,24 @@ FAILURE_WINDOW = 3
 """Steps over which the failed-rollout fraction is taken."""
 MAX_FAILED_FRACTION = 0.5
 """A run stops when more than this fraction of the rollouts of the last `FAILURE_WINDOW` steps failed."""
+
+
+def temperature_at(sampling: SamplingConfig, step: int, max_steps: int) -> float:
+    """The sampling temperature of training step `step` (1-based): `[sampling] temperature`, or with
+    `[sampling.temp_scheduler]` its schedule over `n = total_steps or max_steps` steps, with
+    `p = (step - 1) / (n - 1)` (1 from step n on, and for n = 1): "linear" `start + (end - start) * p`,
+    "cosine" `end + (start - end) * (1 + cos(pi * p)) / 2` (a half cosine, as the learning rate's)."""
+    s = sampling.temp_scheduler
+    if s is None:
+        return sampling.temperature
+    n = s.total_steps or max_steps
+    p = 1.0 if step >= n else max(step - 1, 0) / (n - 1)
+    match s.type:
+        case "linear":
+            return s.start_temperature + (s.end_temperature - s.start_temperature) * p
+        case "cosine":
+            return s.end_temperature + (s.start_temperature - s.end_temperature) * (1 + math.cos(math.pi * p)) / 2
+    raise ValueError(f"unknown temp_scheduler type {s.type!r}")
 
 
 async def collect(loaded: list[loader.LoadedEnv], jobs: list[tuple[int, int]], rollouts_per_example: int,

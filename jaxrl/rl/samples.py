@@ -1,5 +1,6 @@
 """Rollouts into training samples, by `trajectory_strategy`: the whole trace as one sample
-("interleaved") or one sample per turn ("branching"), each with its rollout's advantage.
+("interleaved") or one sample per turn ("branching"), each with the index of its rollout (whose
+advantage and sampling temperature it trains with).
 """
 
 from __future__ import annotations
@@ -40,20 +41,19 @@ def turn_samples(token_ids: list[int], loss_mask: list[bool], logprobs: list[flo
 
 
 def training_samples(
-    rollouts: Sequence[Rollout], advantages: np.ndarray, strategy: Literal["interleaved", "branching"]
+    rollouts: Sequence[Rollout], strategy: Literal["interleaved", "branching"]
 ) -> tuple[list[Sample], np.ndarray]:
-    """The training samples of successful rollouts and the advantage of each (float32 [samples]).
+    """The training samples of successful rollouts and the index into `rollouts` of each one's rollout
+    (int [samples]: `advantages[index]` gives each sample its rollout's advantage).
 
     interleaved: one sample per rollout, every turn's sampled span masked in.
-    branching: one sample per turn (`turn_samples`), each with its rollout's advantage.
-    `advantages` is float [len(rollouts)]. Raises ValueError on an unknown strategy.
+    branching: one sample per turn (`turn_samples`). Raises ValueError on an unknown strategy.
     """
     match strategy:
         case "interleaved":
-            return [(r.token_ids, r.loss_mask, r.logprobs) for r in rollouts], np.asarray(advantages, np.float32)
+            return [(r.token_ids, r.loss_mask, r.logprobs) for r in rollouts], np.arange(len(rollouts))
         case "branching":
             per_rollout = [turn_samples(r.token_ids, r.loss_mask, r.logprobs) for r in rollouts]
             counts = [len(s) for s in per_rollout]
-            return [s for samples in per_rollout for s in samples], np.repeat(
-                np.asarray(advantages, np.float32), counts)
+            return [s for samples in per_rollout for s in samples], np.repeat(np.arange(len(rollouts)), counts)
     raise ValueError(f"unknown trajectory_strategy {strategy!r}; expected 'interleaved' or 'branching'")

@@ -107,7 +107,8 @@ class Batch:
 
     inputs, targets: int32 [B, T]; loss_mask: bool [B, T] (True on sampled tokens);
     inference_logprobs: float32 [B, T] (engine logprobs, 0 elsewhere); advantages: float32 [B];
-    temperature: float32 [B] (the sampling temperature; 0 is scored at 1); loss_positions: int32 [B, P],
+    temperature: float32 [B] (each row's sampling temperature, which `[sampling.temp_scheduler]` varies
+    between rows of one batch; 0 is scored at 1); loss_positions: int32 [B, P],
     each row's loss-token positions in order, padded with T (the train step computes logprobs there
     only; P is the most loss tokens of a row, rounded up by `loss_width`). positions, segment_ids: int32
     [B, T] or None: each input's position (RoPE, causal mask) and which sample of the row it belongs to
@@ -136,9 +137,9 @@ def loss_width(n: int) -> int:
 
 
 def make_batch(samples: list[tuple[list[int], list[bool], list[float]]], advantages: np.ndarray,
-               temperature: float, pad_to: int) -> Batch:
+               temperature: float | np.ndarray, pad_to: int) -> Batch:
     """Pack (token_ids, sampled_mask, logprobs) triples, each of one length, into a `Batch` of width
-    `pad_to - 1`.
+    `pad_to - 1`. `temperature`: what each sample was sampled at, one for all or float [samples].
 
     Raises:
         ValueError: a sample is longer than `pad_to`.
@@ -157,7 +158,7 @@ def make_batch(samples: list[tuple[list[int], list[bool], list[float]]], advanta
         mask[i, : n - 1] = sampled[1:]
         logp[i, : n - 1] = lps[1:]
     return Batch(inputs, targets, mask, logp, np.asarray(advantages, np.float32),
-                 np.full((b,), temperature, np.float32), loss_positions(mask))
+                 np.broadcast_to(np.asarray(temperature, np.float32), (b,)).copy(), loss_positions(mask))
 
 
 def loss_positions(mask_BT: np.ndarray, most: int | None = None) -> np.ndarray:

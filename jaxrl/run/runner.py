@@ -39,6 +39,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from rich.console import Console
 from rich.markup import escape
@@ -114,15 +115,18 @@ def run(cfg: RunConfig, console: Console | None = None, run_class: type[Run] | N
 class Step:
     """One step's data as it moves through the phases. `step` counts from 0 (the step it trains is logged
     as `step + 1`, the policy version it publishes). `groups`: the step's groups of rollouts, from every
-    process, in launch order, with `jobs` their `(env index, example index)`; `trained`: those `judge`
-    kept for training. Times are `time.perf_counter()` seconds."""
+    process, in launch order, with `jobs` their `(env index, example index)` and `temperatures` what
+    each sampled at; `trained`: those `judge` kept for training, with `trained_temperatures`. Times are
+    `time.perf_counter()` seconds."""
 
     step: int
     t_start: float
     jobs: list[tuple[int, int]]
     groups: list[list[loader.Rollout]]
+    temperatures: list[float]
     metrics: dict[str, float]
     trained: list[list[loader.Rollout]] = dataclasses.field(default_factory=list)
+    trained_temperatures: list[float] = dataclasses.field(default_factory=list)
 
 
 class Run:
@@ -289,7 +293,8 @@ class Run:
         n, groups, seed = self.rollouts_per_example, self.groups_per_step, cfg.sampling_seed
         next_t, resumed = Producer.resumed(self.meta, self.start_step, groups)
         self.producer = Producer(self.loop, self.buffer, self.buffer_state, self.play, self.versions,
-                                 lambda t: (seed * 1_000_003 + t) * n, n, groups,
+                                 lambda t: (seed * 1_000_003 + t) * n,
+                                 lambda step: rollouts.temperature_at(cfg.sampling, step + 1, cfg.max_steps), n, groups,
                                  in_flight_groups(cfg.batch_size, n, cfg.oversampling_factor), cfg.max_async_level,
                                  self.start_step, next_t, resumed, last_step=cfg.max_steps,
                                  processes=jax.process_count(), index=jax.process_index(),
@@ -343,10 +348,11 @@ class Run:
             lora = jax.device_put(distributed.to_host(lora), self.engine_lora_sh)
         return {"base": self.engine_base, "lora": lora}
 
-    async def play(self, job: tuple[int, int], first_seed: int) -> list[loader.Rollout]:
-        """The `rollouts_per_example` rollouts of one group (the producer's `play`)."""
+    async def play(self, job: tuple[int, int], first_seed: int, temperature: float) -> list[loader.Rollout]:
+        """The `rollouts_per_example` rollouts of one group at `temperature` (the producer's `play`)."""
         jcfg = self.cfg.jax
-        out = await rollouts.collect(self.envs, [job], self.rollouts_per_example, self.client, self.sampling,
+        sampling = dataclasses.replace(self.sampling, temperature=temperature)
+        out = await rollouts.collect(self.envs, [job], self.rollouts_per_example, self.client, sampling,
                                      first_seed, jcfg.rollout_timeout, self.in_flight)
         return out[0]
 
@@ -420,7 +426,8 @@ class Run:
         metrics = taken.metrics(step, self.rollouts_per_example, len(self.producer.groups))
         # the wait: rollouts in flight overlap the previous step
         metrics["time/rollout"] = time.perf_counter() - t_start
-        return Step(step, t_start, [g.job for g in taken.groups], groups, metrics)
+        return Step(step, t_start, [g.job for g in taken.groups], groups, [g.temperature for g in taken.groups],
+                    metrics)
 
     def judge(self, s: Step) -> None:
         """The step's rollout metrics, the failure verdict over the run so far (RunError when most rollouts
@@ -441,6 +448,7 @@ class Run:
         keep = self.producer.record(s.jobs, [[r.reward for r in g if r.ok] for g in groups])
         s.metrics |= self.buffer.metrics(self.producer.state, keep)
         s.trained = [g for g, k in zip(groups, keep, strict=True) if k]
+        s.trained_temperatures = [t for t, k in zip(s.temperatures, keep, strict=True) if k]
 
     def train(self, s: Step) -> dict[str, float]:
         """One optimizer step on `s.trained`'s successful rollouts, in the train thread while the event loop
@@ -453,9 +461,11 @@ class Run:
                                f"[buffer] online_difficulty_filtering); no update[/]")
             return {"optim/skipped": 1.0, "time/train": time.perf_counter() - t_train, "train/samples": 0.0}
         advantages = rollouts.advantages(s.trained, cfg.jax.advantage)
+        temperatures = np.array([t for g, t in zip(s.trained, s.trained_temperatures, strict=True)
+                                 for r in g if r.ok], np.float32)  # what each rollout sampled at
         width = pad_length(max(len(r.token_ids) for r in trained_ok), cfg.jax.seq_len)
-        samples, sample_advantages = training_samples(trained_ok, advantages, cfg.trajectory_strategy)
-        batch = make_batch(samples, sample_advantages, self.sampling.temperature, width)
+        samples, source = training_samples(trained_ok, cfg.trajectory_strategy)
+        batch = make_batch(samples, advantages[source], temperatures[source], width)
         self.state, metrics = loop.run_until_complete(loop.run_in_executor(self.train_thread, self._train, batch))
         if metrics["optim/skipped"]:
             self.console.print(f"[yellow]step {s.step + 1}: loss or gradient not finite; update skipped, "
