@@ -33,6 +33,7 @@ from jaxrl.model import hf
 from jaxrl.model.qwen3 import init_lora
 from jaxrl.rl.buffer import Buffer, BufferState
 from jaxrl.rl.producer import in_flight_groups
+from jaxrl.rl.rollouts import temperature_at
 from jaxrl.rl.train import learning_rate, make_optimizer
 from jaxrl.run import resources
 
@@ -183,13 +184,15 @@ def set_up(cfg: RunConfig, model_dir: Path) -> None:
     resources.env_resources(cfg.infrastructure.compute_size)
     last_group = 4 * cfg.max_steps * math.ceil(groups * cfg.oversampling_factor)
     seed = (cfg.sampling_seed * SEED_MULTIPLIER + last_group) * n + n - 1
-    sampling = SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
-                              repetition_penalty=cfg.sampling.repetition_penalty or 1.0,
-                              min_tokens=cfg.sampling.min_tokens or 0,
-                              max_tokens=cfg.sampling.max_tokens or jcfg.seq_len - 1, seed=seed)
-    context = loader.model_context("http://127.0.0.1:1/v1", cfg.model, model_dir, sampling)
-    body = json.loads(json.dumps(context.sampling.model_dump(exclude_none=True), allow_nan=False))
-    wire.sampling_from(body, prompt_len=1, max_model_len=jcfg.seq_len, clamp_max_tokens=True)  # the run's server
+    for step in (1, cfg.max_steps):  # the temperature of the first and the last step's groups
+        sampling = SamplingParams(temperature=temperature_at(cfg.sampling, step, cfg.max_steps),
+                                  top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
+                                  repetition_penalty=cfg.sampling.repetition_penalty or 1.0,
+                                  min_tokens=cfg.sampling.min_tokens or 0,
+                                  max_tokens=cfg.sampling.max_tokens or jcfg.seq_len - 1, seed=seed)
+        context = loader.model_context("http://127.0.0.1:1/v1", cfg.model, model_dir, sampling)
+        body = json.loads(json.dumps(context.sampling.model_dump(exclude_none=True), allow_nan=False))
+        wire.sampling_from(body, prompt_len=1, max_model_len=jcfg.seq_len, clamp_max_tokens=True)  # the run's server
 
 
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture,
