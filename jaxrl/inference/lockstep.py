@@ -111,8 +111,8 @@ class GroupScheduler(Scheduler):
         """This process's message for the round (waits up to `idle_s` for local work when idle)."""
         with self._cv:
             if self._idle:
-                self._cv.wait_for(lambda: (self._stop and not self._stop_posted) or self._waiting or self._versions or self._entered > self._exited,
-                                  timeout=self.idle_s)
+                self._cv.wait_for(lambda: (self._stop and not self._stop_posted) or self._waiting or self._versions
+                                  or self._entered > self._exited, timeout=self.idle_s)
             new = []
             while self._waiting:
                 req = self._waiting.popleft()
