@@ -55,6 +55,8 @@ def test_models_command_sizes_shards_for_the_mesh():
     assert rows["Qwen/Qwen3-235B-A22B-Instruct-2507"][:2] == ["235.09 B", "22.19 B"]
     assert rows["Qwen/Qwen3-30B-A3B-Thinking-2507"][:2] == ["30.53 B", "3.35 B"]
     assert rows["Qwen/Qwen3-4B-Instruct-2507"][:3] == ["4.02 B", "4.02 B", "0.94 GiB"]  # 8.04 GB bf16 / 8
+    # full fine-tuning: float32 weights and two moments (6x the bf16 weights) plus the engine's bf16 copy
+    assert rows["Qwen/Qwen3-4B-Instruct-2507"][4] == "6.56 GiB"
 
 
 def test_models_command_rejects_a_bad_mesh():

@@ -45,3 +45,11 @@ def test_cli_compiles_a_checkpoint_config_for_a_slice(tmp_path, tiny_model_dir):
     wrong = runner.invoke(app, ["compile", str(config), "--topology", "v6e-8"])
     assert wrong.exit_code == 2 and "jax.mesh" in wrong.output and "v6e-8 has 8 chips" in wrong.output
     assert "v5litepod-16" in runner.invoke(app, ["compile", "--help"]).output
+    # full fine-tuning: float32 master weights (twice the bfloat16 ones), AdamW moments and the step's new
+    # weights and moments beside them (at least 5 x the weights), and the engine's bfloat16 copy
+    config.write_text(config.read_text() + 'finetune = "full"\n')
+    full = runner.invoke(app, ["compile", str(config), "--topology", "v5litepod-4", "--json", str(tmp_path / "f.json")])
+    assert full.exit_code == 0, full.output
+    lora, full = data["bytes_per_chip"], json.loads((tmp_path / "f.json").read_text())["bytes_per_chip"]
+    assert full["weights"] == 2 * lora["weights"] and full["engine_weights"] == lora["weights"] > 0
+    assert lora["engine_weights"] == 0 and full["lora_optimizer"] >= 5 * full["weights"]

@@ -81,7 +81,7 @@ def test_defaults_follow_the_reference(tmp_path):
     assert cfg.infrastructure.compute_size == "M"
     assert cfg.jax.model_dump(exclude={"loss", "advantage", "optim"}) == {  # those: test_training_knobs_load...
         "model_path": None, "tokenizer_path": None, "mesh": {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1},
-        "seq_len": 4096, "lora_rank": 16,
+        "seq_len": 4096, "finetune": "lora", "lora_rank": 16,
         "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         "dtype": "float32", "output_dir": "runs", "checkpoint_dir": None, "rollout_timeout": 600.0, "seed": 0,
         "decode_slots": 32, "remat": False, "micro_batch_size": None, "engine_hosts": 0, "host": "127.0.0.1", "port": 0,
@@ -197,6 +197,24 @@ LE = "Input should be less than or equal to"
 ])
 def test_table_rules(tmp_path, table, expected):
     assert problems(tmp_path, MINIMAL + table + "\n") == [expected]
+
+
+FULL_ONLY = 'has no effect with [jax] finetune = "full" (every weight trains, there is no LoRA); remove it'
+
+
+def test_full_finetuning_refuses_lora_settings(tmp_path):
+    """`[jax] finetune = "full"` trains no LoRA: each LoRA setting the file sets away from its default is an
+    error naming its key; the defaults are not (a saved run config holds every field)."""
+    cfg = load_config(write(tmp_path, MINIMAL + '[jax]\nfinetune = "full"\n'))
+    assert cfg.jax.finetune == "full" and load_config(write(tmp_path, MINIMAL)).jax.finetune == "lora"
+    assert type(cfg).model_validate(cfg.model_dump(mode="json")).jax.finetune == "full"  # as run_config.json
+    text = top("lora_alpha = 32", MINIMAL) + '[adapters]\ninterval = 5\n[jax]\nfinetune = "full"\nlora_rank = 8\n' \
+        'lora_targets = ["q_proj"]\n'
+    assert problems(tmp_path, text) == [f"jax.lora_rank: {FULL_ONLY}", f"jax.lora_targets: {FULL_ONLY}",
+                                        f"lora_alpha: {FULL_ONLY}",
+                                        f"adapters: {FULL_ONLY}; `jaxrl export` writes the whole model"]
+    assert problems(tmp_path, MINIMAL + '[jax]\nfinetune = "partial"\n') == [
+        "jax.finetune: Input should be 'lora' or 'full', got 'partial'"]
 
 
 def test_env_ratios_must_match_the_envs_when_there_are_several(tmp_path):

@@ -468,3 +468,51 @@ def test_a_run_writes_its_adapters_and_export_reads_its_checkpoint(tmp_path, tin
     for k, v in written.items():
         np.testing.assert_array_equal(v, exported[k])
     assert any(np.any(v != 0) for k, v in written.items() if "lora_B" in k)  # trained, not the fresh LoRA
+
+
+def test_full_finetuning_run_resumes_and_exports_the_whole_model(tmp_path, tiny_model_dir, compile_cache):
+    """A real `jaxrl run` with `[jax] finetune = "full"` and a KL penalty: 2 steps, then resumed from its
+    checkpoint to 3; the checkpoint holds every weight (moved from the model's), no adapter is written,
+    `jaxrl export` writes a model that transformers loads with jaxrl's logits of those weights (and
+    refuses an adapter), and `jaxrl serve` serves those weights."""
+    from test_resume import finish, start, write_config
+
+    from jaxrl.cli import serve
+    from jaxrl.export import exporter
+
+    def config(steps):
+        path = write_config(tmp_path / "rl.toml", tiny_model_dir, "full", max_steps=steps,
+                            extra="[buffer]\nskip_verification = true\n",
+                            jax_extra='finetune = "full"\n[jax.loss]\nkl_coef = 0.01\n')
+        text = path.read_text().replace("lora_rank = 4\n", "").replace("learning_rate = 1e-2", "learning_rate = 1e-3")
+        path.write_text(text)
+        return path
+
+    run_dir = tmp_path / "runs" / "full"
+    for steps in (2, 3):
+        code, log = finish(start(config(steps), tmp_path / "run.log", compile_cache), tmp_path / "run.log")
+        assert code == 0, log
+    assert "resuming from checkpoint step 2" in log and "PEFT adapters" not in log
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[0]["policy/ref_kl"] == 0 < rows[-1]["policy/ref_kl"]
+    assert not (run_dir / "adapters").exists()
+
+    source = exporter.find_source(str(run_dir))
+    assert (source.step, source.finetune) == (3, "full")
+    mcfg, start_weights = hf.load_hf(tiny_model_dir)
+    weights = exporter.restore_trained(source, mcfg).base
+    moved = jax.tree.map(lambda a, b: not np.array_equal(np.asarray(a), np.asarray(b)), start_weights, weights)
+    assert all(jax.tree.leaves(moved))
+    result = _export(run_dir, "--out", tmp_path / "model")
+    assert result.exit_code == 0, result.output
+    assert _export(run_dir, "--out", tmp_path / "a", "--adapter").exit_code == 2
+    m = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "model").eval()
+    np.testing.assert_allclose(_torch_logits(m), _jax_logits(mcfg, weights), atol=ATOL, rtol=0)
+    assert (tmp_path / "model" / "tokenizer.json").is_file()
+    loaded = serve.load(str(run_dir), decode_slots=2, seq_len=32)  # `jaxrl serve` of the checkpoint
+    try:
+        assert "full fine-tuning of" in loaded.description
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                     loaded.scheduler.params["base"], weights)
+    finally:
+        loaded.scheduler.stop()

@@ -176,6 +176,15 @@ def test_warm_start_refuses_a_missing_checkpoint_or_another_models(tmp_path, tin
     cfg_path.write_text(cfg_path.read_text().replace('"other/2"', '"other/7"'))
     with pytest.raises(ConfigError, match=r"no checkpoint for step 7 in .*other/checkpoints \(steps: 2\)"):
         runner.run(load_config(cfg_path))
+    # a full fine-tuning checkpoint (every weight, no LoRA) cannot start a LoRA run
+    full = Trainer(mcfg, make_mesh({}, jax.devices()[:1]), make_optimizer(1e-2, full=True), lora_scale=0.0, full=True)
+    other = Checkpointer(str(tmp_path / "runs" / "full" / "checkpoints"), keep=-1)
+    other.save(1, full.init_state(base, None), {"step": 1, "identity": model_identity(
+        "jaxrl/qwen3-tiny", dataclasses.asdict(mcfg), 16, (), "full")})
+    other.close()
+    cfg_path.write_text(cfg_path.read_text().replace('"other/7"', '"full/1"'))
+    with pytest.raises(ConfigError, match=r"different model or LoRA: finetune: checkpoint 'full', this run 'lora'"):
+        runner.run(load_config(cfg_path))
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated weights", "garbage config"])

@@ -69,3 +69,21 @@ def test_bf16_weights_keep_float32_outputs():
     np.testing.assert_allclose(lp, _plain(H)[0], atol=0.1)
     g = jax.grad(lambda h: jnp.sum(head.token_logprobs(W.astype(jnp.bfloat16), h, Y, S)[0]))(H.astype(jnp.bfloat16))
     assert g.dtype == jnp.bfloat16
+
+
+def test_w_grad_differentiates_projection_and_hidden_states_as_the_plain_formulation():
+    """Full fine-tuning's path (`w_grad`): values, and gradients of W and h through logprobs and entropy
+    together, equal jax.grad of the plain log-softmax (the projection is a variable here)."""
+    def plain(w, h):
+        logp_NV = jax.nn.log_softmax((h @ w) * S[:, None], axis=-1)
+        ent = -(jnp.exp(logp_NV) * logp_NV).sum(-1)
+        return jnp.sum(jnp.take_along_axis(logp_NV, Y[:, None], axis=-1)[:, 0] * G_LOGP + ent * G_ENT)
+
+    def fused(w, h):
+        logp, ent = head.token_logprobs(w, h, Y, S, w_grad=True, chunk=8)
+        return jnp.sum(logp * G_LOGP + ent * G_ENT)
+
+    np.testing.assert_allclose(jax.jit(fused)(W, H), plain(W, H), rtol=1e-5)
+    want, got = jax.grad(plain, argnums=(0, 1))(W, H), jax.jit(jax.grad(fused, argnums=(0, 1)))(W, H)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)

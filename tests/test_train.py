@@ -439,3 +439,71 @@ def test_make_optimizer_options_hand_computed():
         m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g**2
         w = w - lr * ((m / (1 - b1**k)) / (np.sqrt(v / (1 - b2**k)) + eps) + wd * w)
         np.testing.assert_allclose(params["lora"]["w"], w, rtol=1e-5)
+
+
+def _full_setup(mesh, **trainer_args):
+    base = qwen3.init_params(CFG, jax.random.key(0))
+    base = jax.device_put(base, spec_shardings(qwen3.param_specs(CFG), CFG.dims(), mesh))
+    trainer = Trainer(CFG, mesh, make_optimizer(LR, full=True), lora_scale=0.0, full=True, **trainer_args)
+    return base, trainer, trainer.init_state(base, None)
+
+
+def test_full_finetuning_trains_every_weight_with_state_sharded_alike():
+    """`finetune = "full"`: one step is AdamW on `jax.grad` of the loss over every base weight (recomputed
+    here), every weight moves, Adam's moments have the weights' shardings (fsdp x tensor mesh), the
+    starting weights are untouched (they can serve as the KL reference), and the loss of a fixed batch
+    goes down over a few steps (PPO's clipped surrogate, which the step minimises as it is; "is" reports
+    a stop-gradient-weighted value); no LoRA factor exists."""
+    mesh = make_mesh({"fsdp": 2, "tensor": 2}, jax.devices()[:4])
+    base, trainer, state = _full_setup(mesh, loss_cfg=LossConfig(type="ppo"))
+    before = jax.tree.map(np.array, base)
+    assert state.lora == {} and state.trained is state.base
+    adam = state.opt_state[1][0]
+    for moments in (adam.mu, adam.nu):
+        jax.tree.map(lambda m, w: np.testing.assert_equal(m.sharding.is_equivalent_to(w.sharding, w.ndim), True),
+                     moments, base)
+    batch = _batch(1)
+    sharded = trainer.shard_batch(batch)
+    grads = jax.grad(lambda w: trainer.loss({"base": w, "lora": None}, sharded)[0])(base)
+    updates, _ = make_optimizer(LR, full=True).update(grads, make_optimizer(LR, full=True).init(base), base)
+    expected = optax.apply_updates(base, updates)
+    losses = []
+    for i in range(4):
+        state, metrics = trainer.step(state, None, batch)
+        losses.append(float(metrics["loss"]))
+        if i == 0:  # Adam's step is lr-sized where the gradient is not 0: a tiny gradient's rounding shows
+            np.testing.assert_allclose(metrics["optim/grad_norm"], optax.tree.norm(grads), rtol=1e-4)
+            jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=LR / 100),
+                         state.base, expected)
+    assert int(state.step) == 4 and losses == sorted(losses, reverse=True) and losses[-1] < losses[0], losses
+    changed = jax.tree.map(lambda a, b: not np.array_equal(a, np.asarray(b)), before, state.base)
+    assert all(jax.tree.leaves(changed))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b)), before, base)
+    jax.tree.map(lambda a, b: np.testing.assert_equal(a.sharding.is_equivalent_to(b.sharding, a.ndim), True),
+                 state.base, base)
+
+
+def test_full_finetuning_kl_reference_is_the_frozen_start():
+    """In full fine-tuning `policy/ref_kl` is measured against the weights passed as `base` (the frozen
+    start): 0 at the first step, > 0 once the weights moved; the step refuses a KL penalty without them."""
+    mesh = make_mesh({}, jax.devices()[:1])
+    base, trainer, state = _full_setup(mesh, loss_cfg=LossConfig(kl_coef=0.5))
+    with pytest.raises(ValueError, match="reference"):
+        trainer.step(state, None, _batch(0))
+    state, metrics = trainer.step(state, base, _batch(0))
+    assert float(metrics["policy/ref_kl"]) == 0.0
+    state, metrics = trainer.step(state, base, _batch(0))
+    assert float(metrics["policy/ref_kl"]) > 0.0
+
+
+def test_full_finetuning_bfloat16_forward_keeps_float32_master_weights():
+    """With `dtype` bfloat16 the forward runs in bfloat16 while the trained weights and Adam's moments stay
+    float32, so an update far below bfloat16's resolution of a weight (lr 1e-6) is not rounded away."""
+    mesh = make_mesh({}, jax.devices()[:1])
+    base = qwen3.init_params(CFG, jax.random.key(0))
+    trainer = Trainer(CFG, mesh, make_optimizer(1e-6, full=True), lora_scale=0.0, full=True, dtype=jnp.bfloat16)
+    state = trainer.init_state(base, None)
+    state, _ = trainer.step(state, None, _batch(0))
+    assert {x.dtype for x in jax.tree.leaves(state.base)} == {jnp.dtype(jnp.float32)}
+    moved = jax.tree.map(lambda a, b: not np.array_equal(np.asarray(a), np.asarray(b)), base, state.base)
+    assert all(jax.tree.leaves(moved))

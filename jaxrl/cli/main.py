@@ -164,7 +164,9 @@ def models(
     lora_rank: Annotated[int, typer.Option(help="LoRA rank for the adapter + AdamW state column.")] = 16,
 ) -> None:
     """List the supported architectures and Hosted Training models: parameters (total and active per
-    token), and the bytes each device holds for the weights and for LoRA + AdamW state on a mesh."""
+    token), and the bytes each device holds on a mesh for the weights, for LoRA + AdamW state, and for full
+    fine-tuning (`[jax] finetune = "full"`): float32 master weights and two AdamW moments (12 bytes a
+    parameter) plus, in bfloat16, the engine's copy (a KL reference adds one more copy in the dtype)."""
     import math
 
     import jax
@@ -184,7 +186,8 @@ def models(
     devices = math.prod(shape.values()) if shape else 1
     out.print("architectures: " + ", ".join(f"{k} ({v})" for k, v in catalog.ARCHITECTURES.items()))
     table = Table(title=f"Hosted Training models on mesh {shape or {'fsdp': 1}} ({devices} devices), {dtype}")
-    for col in ("model", "params", "active/token", "weights/device", f"LoRA r{lora_rank}+AdamW/device"):
+    for col in ("model", "params", "active/token", "weights/device", f"LoRA r{lora_rank}+AdamW/device",
+                "full FT/device"):
         table.add_column(col, justify="left" if col == "model" else "right")
     for name, hf_config in catalog.HOSTED_MODELS.items():
         mcfg = qwen3.ModelConfig.from_hf(hf_config)
@@ -195,9 +198,10 @@ def models(
         active = total - inactive * len(mcfg.moe_layers)
         targets = tuple(qwen3.LORA_TARGETS)
         lora = bytes_per_device(qwen3.lora_specs(mcfg, lora_rank, targets), {**dims, "R": lora_rank}, shape, 4)
-        table.add_row(name, f"{total / 1e9:.2f} B", f"{active / 1e9:.2f} B",
-                      f"{bytes_per_device(specs, dims, shape, itemsize) / 2**30:.2f} GiB",
-                      f"{3 * lora / 2**30:.2f} GiB")
+        weights = bytes_per_device(specs, dims, shape, itemsize)
+        full = 3 * bytes_per_device(specs, dims, shape, 4) + (weights if itemsize != 4 else 0)
+        table.add_row(name, f"{total / 1e9:.2f} B", f"{active / 1e9:.2f} B", f"{weights / 2**30:.2f} GiB",
+                      f"{3 * lora / 2**30:.2f} GiB", f"{full / 2**30:.2f} GiB")
     Console(width=max(out.width, 130), highlight=False).print(table)
     out.print("A model name in a config is found as a local folder, a gs:// URL, or an id in the local "
               f"Hugging Face cache ({hf_cache_dir()}); nothing is downloaded.", markup=False)

@@ -89,13 +89,17 @@ def load(ref: str, *, name: str | None = None, decode_slots: int = 32, seq_len: 
         raise ServeError(f"cannot load the model from {model_path}: {exc}") from None
     if source is not None:
         try:
-            restored = export.restore_lora(source, mcfg)
+            restored = export.restore_trained(source, mcfg)
         except export.ExportError as exc:
             raise ServeError(str(exc)) from None
-        dims = {**mcfg.dims(), "R": source.lora_rank}
-        lora = jax.device_put(restored, spec_shardings(lora_specs(mcfg, source.lora_rank, source.lora_targets),
-                                                       dims, mesh))
-        lora_scale = source.lora_alpha / source.lora_rank
+        if restored.base is not None:  # full fine-tuning: the checkpoint's weights replace the base
+            base = jax.device_put(jax.tree.map(lambda x, b: x.astype(b.dtype), restored.base, base),
+                                  jax.tree.map(lambda b: b.sharding, base))
+        else:
+            dims = {**mcfg.dims(), "R": source.lora_rank}
+            lora = jax.device_put(restored.lora, spec_shardings(lora_specs(mcfg, source.lora_rank,
+                                                                           source.lora_targets), dims, mesh))
+            lora_scale = source.lora_alpha / source.lora_rank
     try:
         template = ChatTemplate.load(tokenizer_path, model_path)
     except ValueError as exc:
@@ -107,8 +111,10 @@ def load(ref: str, *, name: str | None = None, decode_slots: int = 32, seq_len: 
     engine = Engine(mcfg, mesh, decode_slots, seq_len, lora_scale=lora_scale,
                     cache_dtype=jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
     scheduler = Scheduler(engine, {"base": base, "lora": lora}, model_name=name or ref, seed=seed)
-    what = f"checkpoint step {source.step} of {source.checkpoint_dir} (LoRA r{source.lora_rank} on " \
-           f"{model_path})" if source else model_path
+    what = model_path
+    if source:
+        trained = "full fine-tuning of" if source.finetune == "full" else f"LoRA r{source.lora_rank} on"
+        what = f"checkpoint step {source.step} of {source.checkpoint_dir} ({trained} {model_path})"
     return Loaded(scheduler, template, f"{what}, {dtype}, mesh {dict(mesh.shape)}")
 
 

@@ -42,6 +42,7 @@ class Shapes:
     seq_len: int
     micro_batch_size: int
     decode_slots: int
+    full: bool = False  # `[jax] finetune = "full"`: every weight trains (float32 master weights, AdamW over them)
 
     def at_depth(self, layers: int) -> Shapes:
         return dataclasses.replace(self, model=dataclasses.replace(self.model, num_layers=layers))
@@ -84,9 +85,12 @@ def abstract_params(specs: Any, dims: dict[str, int], mesh: Mesh, dtype: Any) ->
                         is_leaf=is_spec)
 
 
-def _weights(s: Shapes, mesh: Mesh) -> tuple[Any, Any]:
+def _weights(s: Shapes, mesh: Mesh, dtype: Any = None) -> tuple[Any, Any]:
+    """The base weights (in `dtype`, default `s.dtype`) and the LoRA (None in full fine-tuning)."""
     m = s.model
-    base = abstract_params(param_specs(m), m.dims(), mesh, s.dtype)
+    base = abstract_params(param_specs(m), m.dims(), mesh, s.dtype if dtype is None else dtype)
+    if s.full:
+        return base, None
     lora = abstract_params(lora_specs(m, s.lora_rank, s.lora_targets), {**m.dims(), "R": s.lora_rank}, mesh,
                            jnp.float32)
     return base, lora
@@ -125,28 +129,33 @@ def _dict_keys(path: tuple) -> tuple[str, ...]:
 
 def _optimizer_state(trainer: Trainer, base: Any, lora: Any, replicated: NamedSharding) -> Any:
     """`tx.init`'s state as ShapeDtypeStructs, placed as the run places it: each moment like the LoRA leaf
-    it follows (`zeros_like`), scalars (Adam's count) replicated (`Trainer.init_state`)."""
-    by_path = {("lora", *_dict_keys(p)): x.sharding for p, x in jax.tree_util.tree_leaves_with_path(lora)}
+    (or, in full fine-tuning, `lora` None, the weight) it follows (`zeros_like`), scalars (Adam's count)
+    replicated (`Trainer.init_state`)."""
+    trained, prefix = (base, ()) if lora is None else (lora, ("lora",))
+    by_path = {(*prefix, *_dict_keys(p)): x.sharding for p, x in jax.tree_util.tree_leaves_with_path(trained)}
 
     def place(path, x):
         keys = _dict_keys(path)
         sharding = next((by_path[keys[i:]] for i in range(len(keys)) if keys[i:] in by_path), None)
         if x.ndim and sharding is None:
-            raise ValueError(f"optimizer state leaf {jax.tree_util.keystr(path)} follows no LoRA leaf")
+            raise ValueError(f"optimizer state leaf {jax.tree_util.keystr(path)} follows no trained leaf")
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding if x.ndim else replicated)
 
-    return jax.tree_util.tree_map_with_path(place, jax.eval_shape(trainer.tx.init, {"base": base, "lora": lora}))
+    tree = base if lora is None else {"base": base, "lora": lora}
+    return jax.tree_util.tree_map_with_path(place, jax.eval_shape(trainer.tx.init, tree))
 
 
 def compile_train(s: Shapes, mesh: Mesh) -> Program:
     """`Trainer._step` at `s`'s shapes on `mesh`: a batch of `batch_rows` sequences of `seq_len - 1`
-    tokens (the widest a run trains), in micro-batches of `micro_batch_size`."""
-    trainer = Trainer(s.model, mesh, make_optimizer(1e-5), lora_scale=s.lora_scale, remat=s.remat,
-                      micro_batch_size=s.micro_batch_size)
-    base, lora = _weights(s, mesh)
+    tokens (the widest a run trains), in micro-batches of `micro_batch_size`. In full fine-tuning the
+    weights are the float32 master weights (declared as `weights`) and no KL reference is passed."""
+    trainer = Trainer(s.model, mesh, make_optimizer(1e-5, full=s.full), lora_scale=s.lora_scale, remat=s.remat,
+                      micro_batch_size=s.micro_batch_size, full=s.full, dtype=s.dtype)
+    base, lora = _weights(s, mesh, jnp.float32 if s.full else None)
     replicated = NamedSharding(mesh, PartitionSpec())
     opt = _optimizer_state(trainer, base, lora, replicated)
-    state = TrainState(lora, opt, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    state = TrainState({}, opt, step, base=base) if s.full else TrainState(lora, opt, step)
     k = trainer.micro_batches(s.batch_rows)
     rows, t = (k * s.micro_batch_size if k > 1 else s.batch_rows), s.seq_len - 1
     # every row a whole sequence of loss tokens: the widest batch `make_batch` can build
@@ -160,7 +169,7 @@ def compile_train(s: Shapes, mesh: Mesh) -> Program:
     batch = {n: jax.ShapeDtypeStruct(shape, dt, sharding=array_sharding(("batch",) + (None,) * (len(shape) - 1),
                                                                         shape, mesh))
              for n, (shape, dt) in fields.items()}
-    lowered = trainer._step.lower(state, base, batch, micro_batches=k)
+    lowered = trainer._step.lower(state, None if s.full else base, batch, micro_batches=k)
     declared = {"weights": shard_bytes(base), "lora": shard_bytes(lora), "optimizer": shard_bytes((opt, state.step)),
                 "batch": shard_bytes(batch)}
     return _measure("train", lowered, declared)

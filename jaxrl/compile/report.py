@@ -35,7 +35,8 @@ ENGINE_WEIGHT_SHARE = 0.5  # an engine spans the fewest hosts whose chips hold i
 TERMS = ("weights", "lora_optimizer", "engine_weights", "kv_cache", "temporaries", "other")
 ADVICE = {
     "weights": "more chips for the weights: a larger slice, or mesh axes fsdp / expert / tensor instead of data",
-    "lora_optimizer": "a smaller [jax] lora_rank or fewer lora_targets, or more fsdp / expert chips",
+    "lora_optimizer": "a smaller [jax] lora_rank or fewer lora_targets (finetune = \"lora\" rather than \"full\"), "
+                      "or more fsdp / expert chips",
     "engine_weights": "an engine over more hosts (--engine-hosts), or a larger slice",
     "kv_cache": "fewer [jax] decode_slots or a shorter seq_len",
     "temporaries": "[jax] remat = true, a smaller [jax] micro_batch_size, or fewer decode_slots",
@@ -103,7 +104,9 @@ class Report:
         lines = [f"{self.slice.name} ({self.slice.topology}): {self.slice.chips} chips on {self.hosts} hosts, "
                  f"mesh {self.mesh}; engine on {self.engine_hosts} host(s), mesh {self.engine_mesh}",
                  f"model: {s.model.num_layers} layers; train {s.batch_rows} x {s.seq_len} tokens in micro-batches "
-                 f"of {s.micro_batch_size}; {s.decode_slots} decode slots x {s.seq_len}",
+                 f"of {s.micro_batch_size}; {s.decode_slots} decode slots x {s.seq_len}; trains "
+                 + ("every weight (finetune = \"full\": lora_optimizer is the weights' AdamW state and update)"
+                    if s.full else f"LoRA r{s.lora_rank}"),
                  f"compiled at depth {', '.join(map(str, self.depths))}"
                  + (" and extrapolated (memory is affine in depth)" if s.model.num_layers not in self.depths else "")
                  + f" in {self.compile_s:.0f} s",
@@ -208,10 +211,11 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
         da, db = depths[:2]
         at = {n: _extrapolate(compiled[da][n], compiled[db][n], da, db, model.num_layers) for n in compiled[da]}
     train, prefill, decode = at["train"], at["prefill"], at["decode"]
-    shared = emesh.devices.size == mesh.devices.size
+    # the engine reads the trainer's weights unless it has its own mesh, or full fine-tuning casts them
+    shared = emesh.devices.size == mesh.devices.size and not (shapes.full and shapes.dtype != jnp.float32)
     terms = {
-        "weights": train["declared_weights"],
-        # the state in and out of the step (nothing is donated: the engine still reads the old LoRA)
+        "weights": train["declared_weights"],  # full fine-tuning: the float32 master weights
+        # the state in and out of the step (nothing is donated: the engine still reads the old LoRA or weights)
         "lora_optimizer": train["declared_lora"] + train["declared_optimizer"] + train["output"],
         "engine_weights": 0 if shared else decode["declared_weights"] + decode["declared_lora"],
         "kv_cache": decode["declared_kv_cache"],
@@ -257,7 +261,8 @@ def shapes_of(cfg: RunConfig, model: ModelConfig, batch_shards: int) -> Shapes:
     j = cfg.jax
     return Shapes(model, jnp.bfloat16 if j.dtype == "bfloat16" else jnp.float32, j.lora_rank, tuple(j.lora_targets),
                   cfg.lora_alpha / j.lora_rank, j.remat, cfg.batch_size, j.seq_len,
-                  j.micro_batch_size or default_micro_batch(j.seq_len, batch_shards), j.decode_slots)
+                  j.micro_batch_size or default_micro_batch(j.seq_len, batch_shards), j.decode_slots,
+                  full=j.finetune == "full")
 
 
 def compile_run(cfg: RunConfig, slice_name: str, depths: tuple[int, ...] | None = None,

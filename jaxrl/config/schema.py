@@ -186,12 +186,23 @@ class JaxConfig(_Table):
     seq_len: int = Field(4096, ge=2)
     """Max tokens of one trajectory (prompt plus completions), the KV cache and training length.
     Default 4096, above the 2048 `max_tokens` of the Hosted Training examples."""
+    finetune: Literal["lora", "full"] = "lora"
+    """What trains. "lora": LoRA adapters on `lora_targets` (Hu et al. 2021); the base weights stay frozen,
+    one copy shared by the trainer, the rollout engine and the KL reference (LoRA off). "full": every base
+    weight (full fine-tuning), as float32 master weights with AdamW state sharded like them; the forward
+    computes in `dtype`, the engine gets the new weights (in `dtype`) after each step, the KL reference
+    (`[jax.loss] kl_coef > 0` only) is a frozen copy of the starting weights, checkpoints hold the
+    weights, and `jaxrl export` writes the whole model. With "full", `lora_rank`, `lora_targets`,
+    `lora_alpha` and `[adapters]` (PEFT adapters of a LoRA) set away from their defaults are errors. Seeds' advice: learning rates of
+    1e-6 to 1e-5 for full fine-tuning, 1e-5 to 1e-4 for LoRA. Default "lora"."""
     lora_rank: int = Field(16, ge=1)
     """LoRA rank r; the update is scaled by `lora_alpha / lora_rank`. Default 16."""
     lora_targets: list[LoraTarget] = Field(list(LORA_TARGETS), min_length=1)
     """Hugging Face projection names that get LoRA adapters. Default: all seven attention and MLP ones."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of the frozen base weights and activations; LoRA and optimizer state stay float32."""
+    """Dtype of the base weights (frozen with LoRA; the engine's copy with `finetune = "full"`) and of the
+    activations; LoRA factors, full fine-tuning's master weights and optimizer state stay float32.
+    Default "float32"."""
     output_dir: PathStr = "runs"
     """Local folder (relative to the working directory) of each run's metrics and, unless
     `checkpoint_dir` is set, checkpoints: `<output_dir>/<name>/`. Default "runs"."""
@@ -255,7 +266,8 @@ class RunConfig(_Table):
     sampled tokens masked in) or "branching" (one sample per turn: that turn's prompt and completion, only
     the completion masked in; each with its trace's advantage). Default "interleaved"."""
     learning_rate: float = Field(1e-4, gt=0)
-    """Learning rate of the LoRA parameters. Default 1e-4."""
+    """Peak learning rate of the trained weights (the LoRA factors, or every weight with `[jax] finetune =
+    "full"`). Default 1e-4."""
     lora_alpha: int = Field(16, ge=1)
     """LoRA alpha; updates are scaled by `lora_alpha / jax.lora_rank`. Default 16."""
     oversampling_factor: float = Field(2.0, ge=1)
@@ -386,6 +398,8 @@ class RunConfig(_Table):
                                                "put checkpoints on gs:// with [jax] checkpoint_dir"))
         if len(set(self.jax.lora_targets)) != len(self.jax.lora_targets):
             problems.append(("jax.lora_targets", "lists a projection twice"))
+        if self.jax.finetune == "full":
+            problems += _lora_only_fields(self)
         epochs = self.jax.sft is not None and self.jax.sft.epochs is not None  # max_steps known with the data
         if self.jax.optim.warmup_steps and self.jax.optim.warmup_steps >= self.max_steps and not epochs:
             problems.append(("jax.optim.warmup_steps", f"{self.jax.optim.warmup_steps} must be < max_steps "
@@ -413,6 +427,17 @@ class RunConfig(_Table):
         if self.val is not None:
             problems.append(("val", "plays the [[env]] environments, and this SFT config has none"))
         return problems
+
+
+def _lora_only_fields(cfg: RunConfig) -> list[tuple[str, str]]:
+    """A problem for each LoRA setting a `[jax] finetune = "full"` config sets away from its default: it
+    would have no effect. (Defaults pass: a saved run config, `run_config.json`, holds every field.)"""
+    why = 'has no effect with [jax] finetune = "full" (every weight trains, there is no LoRA); remove it'
+    keys = [f"jax.{k}" for k in ("lora_rank", "lora_targets")
+            if getattr(cfg.jax, k) != JaxConfig.model_fields[k].get_default(call_default_factory=True)]
+    keys += [k for k in ("lora_alpha", "adapters")
+             if getattr(cfg, k) != RunConfig.model_fields[k].get_default(call_default_factory=True)]
+    return [(k, why + ("; `jaxrl export` writes the whole model" if k == "adapters" else "")) for k in keys]
 
 
 def load_config(path: str | Path) -> RunConfig:

@@ -90,6 +90,7 @@ id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
 # tokenizer_path = "path/to/tokenizer"  # default: the model folder
 # mesh = { data = 1, fsdp = 1, tensor = 1, expert = 1 }  # device mesh; product = device count
 # seq_len = 4096               # tokens per trajectory (prompt and completions)
+# finetune = "lora"            # "lora" (adapters) or "full" (every weight: no lora_* keys, lr 1e-6 to 1e-5)
 # lora_rank = 16
 # lora_targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # dtype = "float32"            # base weights: "float32" or "bfloat16"

@@ -1,6 +1,7 @@
 """`jaxrl export`: find a run's checkpoint and config (a run folder, a checkpoint folder or one step's,
 local or `gs://`), restore its LoRA and write it to Hugging Face format: merged weights or a PEFT
-adapter (`jaxrl.model.hf_lora`).
+adapter (`jaxrl.model.hf_lora`); a full fine-tuning checkpoint (`[jax] finetune = "full"`) is written
+as the whole model (`jaxrl.model.hf.save_hf`).
 """
 
 from __future__ import annotations
@@ -48,11 +49,12 @@ class Source:
     lora_alpha: int
     lora_targets: tuple[str, ...]
     dtype: str
+    finetune: str = "lora"  # `[jax] finetune`: "full" checkpoints hold every weight and no LoRA
 
     @classmethod
     def of(cls, cfg: RunConfig, checkpoint_dir: str, step: int) -> Source:
         return cls(checkpoint_dir, step, cfg.model, resolve_model_path(cfg), resolve_tokenizer_path(cfg),
-                   cfg.jax.lora_rank, cfg.lora_alpha, tuple(cfg.jax.lora_targets), cfg.jax.dtype)
+                   cfg.jax.lora_rank, cfg.lora_alpha, tuple(cfg.jax.lora_targets), cfg.jax.dtype, cfg.jax.finetune)
 
 
 def _run_source(run_dir: Path) -> tuple[RunConfig, dict[str, str]] | None:
@@ -127,7 +129,8 @@ def find_source(ref: str, step: int | None = None, config: str | Path | None = N
         raise ExportError(f"no checkpoint for step {step} in {ckpt_dir} (steps: {', '.join(map(str, steps))})")
     if resolved is not None:
         return Source(ckpt_dir, step, run_cfg.model, resolved["model_path"], resolved["tokenizer_path"],
-                      run_cfg.jax.lora_rank, run_cfg.lora_alpha, tuple(run_cfg.jax.lora_targets), run_cfg.jax.dtype)
+                      run_cfg.jax.lora_rank, run_cfg.lora_alpha, tuple(run_cfg.jax.lora_targets), run_cfg.jax.dtype,
+                      run_cfg.jax.finetune)
     try:
         return Source.of(run_cfg, ckpt_dir, step)
     except ConfigError as exc:
@@ -135,24 +138,35 @@ def find_source(ref: str, step: int | None = None, config: str | Path | None = N
 
 
 def restore_lora(source: Source, model_cfg: ModelConfig) -> Params:
-    """The LoRA of `source`'s checkpoint, on the default device, after checking the checkpoint is of
-    this model and LoRA shape.
+    """The LoRA of `source`'s checkpoint (`restore_trained`); {} for a full fine-tuning one."""
+    return restore_trained(source, model_cfg).lora
+
+
+def restore_trained(source: Source, model_cfg: ModelConfig) -> TrainState:
+    """The train state of `source`'s checkpoint, on the default device, after checking the checkpoint
+    is of this model, kind of fine-tuning and LoRA shape: its LoRA, or (`finetune = "full"`) its float32
+    weights in `base`.
 
     Raises:
         ExportError: the checkpoint cannot be read or is of another model or LoRA.
     """
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    targets = source.lora_targets
+    targets, full = source.lora_targets, source.finetune == "full"
 
     def abstract(tree: Any) -> Any:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), tree)
 
-    lora = abstract(jax.eval_shape(lambda: init_lora(model_cfg, source.lora_rank, targets, jax.random.key(0))))
-    base = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape(model_cfg.dims()), jnp.float32),
-                        param_specs(model_cfg), is_leaf=lambda x: hasattr(x, "letters"))
-    opt_state = abstract(jax.eval_shape(make_optimizer(1.0).init, {"base": base, "lora": lora}))
-    like = TrainState(lora, opt_state, jax.ShapeDtypeStruct((), jnp.int32, sharding=device))
-    identity = model_identity(source.model, dataclasses.asdict(model_cfg), source.lora_rank, targets)
+    base = abstract(jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape(model_cfg.dims()), jnp.float32),
+                                 param_specs(model_cfg), is_leaf=lambda x: hasattr(x, "letters")))
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=device)
+    if full:
+        like = TrainState({}, abstract(jax.eval_shape(make_optimizer(1.0, full=True).init, base)), step, base=base)
+    else:
+        lora = abstract(jax.eval_shape(lambda: init_lora(model_cfg, source.lora_rank, targets, jax.random.key(0))))
+        like = TrainState(lora, abstract(jax.eval_shape(make_optimizer(1.0).init, {"base": base, "lora": lora})),
+                          step)
+    identity = model_identity(source.model, dataclasses.asdict(model_cfg), source.lora_rank, targets,
+                              source.finetune)
     try:
         ckpt = Checkpointer(source.checkpoint_dir, read_only=True)
         try:
@@ -164,31 +178,41 @@ def restore_lora(source: Source, model_cfg: ModelConfig) -> Params:
             ckpt.close()
     except CheckpointError as exc:
         raise ExportError(str(exc)) from None
-    return state.lora
+    return state
 
 
 def export(source: Source, out: str | Path, *, adapter: bool = False) -> Path:
     """Write `source`'s checkpoint to the local folder `out`: the merged model (base weights in the run's
     dtype, plus the tokenizer files of its tokenizer folder), or with `adapter` the PEFT adapter folder.
+    A full fine-tuning checkpoint is the model itself: its weights, in the run's dtype (the weights its
+    rollout engine sampled with), plus the tokenizer files.
 
     Raises:
         ExportError: the checkpoint or the base model cannot be read, the adapter format cannot hold
-            this LoRA, or `out` cannot be written (a file, no permission, disk full).
+            this LoRA (or the checkpoint has none: full fine-tuning), or `out` cannot be written (a file,
+            no permission, disk full).
     """
     dtype = jnp.bfloat16 if source.dtype == "bfloat16" else jnp.float32
+    full = source.finetune == "full"
+    if full and adapter:
+        raise ExportError(f"checkpoint step {source.step} in {source.checkpoint_dir} is of full fine-tuning "
+                          "([jax] finetune = \"full\"): it has no LoRA adapter; export the model (--merged)")
     try:
         model_cfg = hf.load_config(source.model_path)
-        lora = restore_lora(source, model_cfg)
-        params = None if adapter else hf.load_hf(source.model_path, dtype=dtype)[1]
+        state = restore_trained(source, model_cfg)
+        params = None if adapter or full else hf.load_hf(source.model_path, dtype=dtype)[1]
     except (OSError, ValueError) as exc:
         raise ExportError(f"cannot read the base model {source.model_path}: {exc}") from None
     out = Path(out)
     try:
         if adapter:
-            save_adapter(out, model_cfg, lora, rank=source.lora_rank, alpha=source.lora_alpha,
+            save_adapter(out, model_cfg, state.lora, rank=source.lora_rank, alpha=source.lora_alpha,
                          targets=source.lora_targets, base_model_name_or_path=source.model)
             return out
-        save_merged(out, model_cfg, params, lora, source.lora_alpha / source.lora_rank)
+        if full:
+            hf.save_hf(out, model_cfg, state.base, dtype=dtype)
+        else:
+            save_merged(out, model_cfg, params, state.lora, source.lora_alpha / source.lora_rank)
         for folder, names in ((source.tokenizer_path, _TOKENIZER_FILES), (source.model_path, _MODEL_FILES)):
             for name in names:
                 if (src := epath.Path(folder) / name).exists():  # the folders may be gs:// ones

@@ -15,6 +15,10 @@ residual [M, D]; the backward pass is one multiply. The plain formulation (`jax.
 as `jaxrl.rl.train` had) runs the [C, D] x [D, V] matmul three times: forward, rematerialised forward,
 and the backward's transposed product.
 
+Full fine-tuning also differentiates the projection W (`w_grad`): `dW = s * h (onehot(y) - p)` summed
+over tokens needs each chunk's probabilities again in the backward pass, so that path is the plain one,
+autodiff through a rematerialised chunk (`jax.checkpoint`), still one chunk's logits at a time.
+
 Letters as in `jaxrl.model.qwen3`: M tokens, C tokens per chunk, J chunks, W rows of the second matmul.
 """
 
@@ -30,27 +34,29 @@ TOKENS_PER_CHUNK = 256
 
 
 def token_logprobs(w_DV: jax.Array, h_MD: jax.Array, targets_M: jax.Array, scale_M: jax.Array, *,
-                   entropy_grad: bool = False,
+                   entropy_grad: bool = False, w_grad: bool = False,
                    chunk: int = TOKENS_PER_CHUNK) -> tuple[jax.Array, jax.Array]:
     """Logprob of each target under `softmax(scale * (h @ w))` and that distribution's entropy, without
     materialising more than `chunk` tokens' logits at a time.
 
     Args:
-        w_DV: the output projection [D, V] (`qwen3.unembed_matrix`), any float dtype. Frozen: it cannot
-            be differentiated (LoRA trains adapters only).
-        h_MD: final-norm hidden states [M, D] in w's dtype; the one differentiable input.
+        w_DV: the output projection [D, V] (`qwen3.unembed_matrix`), any float dtype. Frozen unless
+            `w_grad` (LoRA trains adapters only).
+        h_MD: final-norm hidden states [M, D] in w's dtype; differentiable.
         targets_M: int32 token ids [M].
         scale_M: float32 inverse temperatures [M] (not differentiable).
         entropy_grad: (static) make the entropy differentiable too, at the cost of a third vocabulary
             matmul per chunk in the forward pass; without it a gradient through the entropy raises.
+        w_grad: (static) make `w_DV` differentiable too (full fine-tuning): the plain, rematerialised
+            chunk (`_plain_chunk`), in which every output is differentiable.
         chunk: (static) tokens per chunk.
 
     Returns:
         (logp_M, entropy_M), both float32 [M].
 
     Raises:
-        ValueError (at trace time): a gradient is asked of `w_DV`, of `scale_M`, or of the entropy
-            without `entropy_grad`.
+        ValueError (at trace time): a gradient is asked of `w_DV` without `w_grad`, of `scale_M`, or of
+            the entropy without `entropy_grad` (and without `w_grad`).
     """
     n, d = h_MD.shape
     c = min(chunk, n)
@@ -58,8 +64,22 @@ def token_logprobs(w_DV: jax.Array, h_MD: jax.Array, targets_M: jax.Array, scale
     h_JCD = jnp.pad(h_MD, ((0, pad), (0, 0))).reshape(-1, c, d)
     y_JC = jnp.pad(targets_M, (0, pad)).reshape(-1, c)
     s_JC = jnp.pad(scale_M.astype(jnp.float32), (0, pad), constant_values=1.0).reshape(-1, c)
-    logp_JC, entropy_JC = _fused(entropy_grad, w_DV, h_JCD, y_JC, s_JC)
+    if w_grad:
+        s_JC = jax.lax.stop_gradient(s_JC)
+        logp_JC, entropy_JC = jax.lax.map(jax.checkpoint(partial(_plain_chunk, w_DV)), (h_JCD, y_JC, s_JC))
+    else:
+        logp_JC, entropy_JC = _fused(entropy_grad, w_DV, h_JCD, y_JC, s_JC)
     return logp_JC.reshape(-1)[:n], entropy_JC.reshape(-1)[:n]
+
+
+def _plain_chunk(w_DV, xs):
+    """One chunk's (logp_C, entropy_C) by plain jnp ops, for autodiff through `w_DV` and `h_CD`."""
+    h_CD, y_C, s_C = xs
+    logits_CV = jnp.einsum("CD,DV->CV", h_CD, w_DV).astype(jnp.float32) * s_C[:, None]
+    lse_C = jax.nn.logsumexp(logits_CV, axis=-1)
+    logp_C = jnp.take_along_axis(logits_CV, y_C[:, None], axis=-1)[:, 0] - lse_C
+    p_CV = jnp.exp(logits_CV - lse_C[:, None])
+    return logp_C, lse_C - jnp.sum(p_CV * logits_CV, axis=-1)
 
 
 def _chunk_forward(w_DV, entropy_grad: bool, xs):

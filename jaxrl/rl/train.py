@@ -1,9 +1,14 @@
-"""The trainer: an optax optimizer whose mask freezes the base weights, and the jitted RL train step.
+"""The trainer: an optax optimizer over the trained weights, and the jitted RL train step.
 
-The trained tree is `{"base": params, "lora": lora}`. `optax.multi_transform` gives the `lora` leaves
-AdamW (with global-norm clipping) and the `base` leaves `optax.set_to_zero()`, which keeps no state; the
-step applies updates to the LoRA leaves only, so base weights stay bit-identical (and their gradients,
-never used, are removed by XLA).
+LoRA (`[jax] finetune = "lora"`): the trained tree is `{"base": params, "lora": lora}`.
+`optax.multi_transform` gives the `lora` leaves AdamW (with global-norm clipping) and the `base` leaves
+`optax.set_to_zero()`, which keeps no state; the step applies updates to the LoRA leaves only, so base
+weights stay bit-identical (and their gradients, never used, are removed by XLA).
+
+Full fine-tuning (`finetune = "full"`): the trained tree is the base params themselves, float32 master
+weights in `TrainState.base`, with AdamW (and its clipping) over every leaf; the optimizer moments are
+born with the weights' shardings. The forward runs in the trainer's `dtype`; the KL reference is a
+frozen copy of the starting weights, passed to the step where LoRA passes the base.
 
 Gradient accumulation: with `micro_batch_size` m, a batch of B sequences is padded (rows with no loss
 token) to k = ceil(B / m) micro-batches of m, and the step scans over them inside one jitted program
@@ -52,13 +57,15 @@ def trainable_labels(params: Params) -> Params:
 
 
 def make_optimizer(learning_rate: float, max_grad_norm: float = 1.0, weight_decay: float = 0.0,
-                   betas: tuple[float, float] = (0.9, 0.999)) -> optax.GradientTransformation:
-    """AdamW (Loshchilov & Hutter 2019) on the LoRA leaves with global-norm clipping; base leaves frozen.
+                   betas: tuple[float, float] = (0.9, 0.999), *, full: bool = False) -> optax.GradientTransformation:
+    """AdamW (Loshchilov & Hutter 2019) with global-norm clipping: on the LoRA leaves of a
+    `{"base", "lora"}` tree, base leaves frozen; or, with `full`, on every leaf of the tree it is given
+    (the base params: full fine-tuning; weight decay then reaches the norms and embeddings too).
     Its state does not depend on the learning rate or schedule (a `Trainer` with a `learning_rate`
     schedule builds it at rate 1), so any run's checkpoint restores into any other's optimizer."""
-    lora_tx = optax.chain(optax.clip_by_global_norm(max_grad_norm),
-                          optax.adamw(learning_rate, b1=betas[0], b2=betas[1], weight_decay=weight_decay))
-    return optax.multi_transform({"lora": lora_tx, "frozen": optax.set_to_zero()}, trainable_labels)
+    tx = optax.chain(optax.clip_by_global_norm(max_grad_norm),
+                     optax.adamw(learning_rate, b1=betas[0], b2=betas[1], weight_decay=weight_decay))
+    return tx if full else optax.multi_transform({"lora": tx, "frozen": optax.set_to_zero()}, trainable_labels)
 
 
 def learning_rate(step: jax.Array | int, peak: float, schedule: str = "constant", warmup_steps: int = 0,
@@ -91,13 +98,23 @@ def learning_rate(step: jax.Array | int, peak: float, schedule: str = "constant"
 
 @struct.dataclass
 class TrainState:
-    """What training changes: the LoRA factors, the optimizer state (over {"base", "lora"}; the frozen base
-    has none), and the number of optimizer steps taken (int32). The base weights live outside it, shared
-    with the rollout engine."""
+    """What training changes: the LoRA factors, the optimizer state, the number of optimizer steps taken
+    (int32) and, in full fine-tuning only, the base weights.
+
+    With LoRA, `opt_state` is over {"base", "lora"} (the frozen base has none) and the base weights live
+    outside the state, shared with the rollout engine; `base` is None. In full fine-tuning `lora` is {}
+    (no factors), `base` holds every weight (float32, the structure of `qwen3.param_specs`) and
+    `opt_state` is AdamW's over it."""
 
     lora: Params
     opt_state: Any
     step: jax.Array
+    base: Params | None = None
+
+    @property
+    def trained(self) -> Params:
+        """The weights the optimizer updates: `base` in full fine-tuning, else `lora`."""
+        return self.lora if self.base is None else self.base
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +192,8 @@ def loss_positions(mask_BT: np.ndarray, most: int | None = None) -> np.ndarray:
 
 
 def sampled_logprobs(params: Params, hidden_BTD: jax.Array, targets_BT: jax.Array, positions_BP: jax.Array,
-                     temperature_B: jax.Array, *, entropy_grad: bool = False) -> tuple[jax.Array, jax.Array]:
+                     temperature_B: jax.Array, *, entropy_grad: bool = False,
+                     w_grad: bool = False) -> tuple[jax.Array, jax.Array]:
     """Logprob of each target under `softmax(logits / T)` and the distribution's entropy at the positions
     the loss reads, computed there only (`jaxrl.model.head`: the projection and log-softmax fused, in
     chunks); float32 [B, T] each, 0 at every other position.
@@ -185,6 +203,7 @@ def sampled_logprobs(params: Params, hidden_BTD: jax.Array, targets_BT: jax.Arra
             >= T are padding and read nothing.
         temperature_B: float32; 0 (greedy) is scored at 1.
         entropy_grad: (static) whether the entropy is differentiable (a third vocabulary matmul per chunk).
+        w_grad: (static) whether the output projection is differentiable (full fine-tuning).
     """
     b, t, d = hidden_BTD.shape
     k = positions_BP.shape[1]
@@ -192,7 +211,7 @@ def sampled_logprobs(params: Params, hidden_BTD: jax.Array, targets_BT: jax.Arra
     y_BP = jnp.take_along_axis(targets_BT, positions_BP, axis=1, mode="clip")
     inv_t_B = 1.0 / jnp.where(temperature_B > 0, temperature_B, 1.0)
     logp, entropy = head.token_logprobs(qwen3.unembed_matrix(params), h_BPD.reshape(b * k, d), y_BP.reshape(-1),
-                                        jnp.repeat(inv_t_B, k), entropy_grad=entropy_grad)
+                                        jnp.repeat(inv_t_B, k), entropy_grad=entropy_grad, w_grad=w_grad)
     rows_B1 = jnp.arange(b)[:, None]
 
     def scatter(x):
@@ -208,12 +227,14 @@ def trainer_for(cfg: RunConfig, mcfg: ModelConfig, mesh: Mesh, lora_scale: float
     o, loss = cfg.jax.optim, cfg.jax.loss
     if loss.aggregation_length is None:
         loss = loss.model_copy(update={"aggregation_length": cfg.sampling.max_tokens or cfg.jax.seq_len})
-    tx = make_optimizer(1.0, o.max_grad_norm, o.weight_decay, (o.beta1, o.beta2))
+    full = cfg.jax.finetune == "full"
+    tx = make_optimizer(1.0, o.max_grad_norm, o.weight_decay, (o.beta1, o.beta2), full=full)
     schedule = functools.partial(learning_rate, peak=cfg.learning_rate, schedule=o.schedule,
                                  warmup_steps=o.warmup_steps, total_steps=cfg.max_steps)
     micro = cfg.jax.micro_batch_size or default_micro_batch(cfg.jax.seq_len, batch_shards(mesh))
     return Trainer(mcfg, mesh, tx, lora_scale, loss_cfg=loss, remat=cfg.jax.remat, micro_batch_size=micro,
-                   learning_rate=schedule)
+                   learning_rate=schedule, full=full,
+                   dtype=jnp.bfloat16 if cfg.jax.dtype == "bfloat16" else jnp.float32)
 
 
 @dataclasses.dataclass
@@ -221,11 +242,13 @@ class Trainer:
     """Owns the jitted train step for one model, mesh and optimizer.
 
     `loss_cfg` is `[jax.loss]` (`jaxrl.rl.losses.policy_loss`); with `kl_coef > 0` each step also runs
-    the base model with the LoRA off, the reference policy, without a copy of its weights. `objective`
+    the reference policy: with LoRA the base model with the LoRA off, without a copy of its weights; in
+    full fine-tuning (`full`) the frozen starting weights given to `step` as its `base`. `objective`
     "sft" trains supervised fine-tuning instead (`jaxrl.rl.sft`): the same step, optimizer and
     accumulation over the negative log-likelihood of the batch's loss tokens.
     `learning_rate`, when set, maps the optimizer step (int32) to its rate (`learning_rate` above): `tx`
     must then be built at rate 1, each update is scaled by it, and it is reported as `optim/lr`.
+    `full`: train every base weight (`tx` from `make_optimizer(..., full=True)`), the forward in `dtype`.
     """
 
     cfg: ModelConfig
@@ -237,20 +260,26 @@ class Trainer:
     micro_batch_size: int | None = None  # sequences per pass; None: the whole batch in one pass
     learning_rate: Callable[[jax.Array], jax.Array] | None = None
     objective: Literal["rl", "sft"] = "rl"  # "sft": supervised fine-tuning (`losses.sft_loss`), `loss_cfg` unused
+    full: bool = False
+    dtype: Any = jnp.float32  # full fine-tuning: what the float32 master weights are cast to for the forward
 
     def __post_init__(self) -> None:
         # Nothing is donated: the rollout engine may still hold the previous LoRA while this step runs.
         self._step = jax.jit(self._step_impl, static_argnames=("micro_batches",))
 
-    def init_state(self, base: Params, lora: Params) -> TrainState:
-        """A state at step 0 (arrays placed as they are)."""
-        opt_state = self.tx.init({"base": base, "lora": lora})
+    def init_state(self, base: Params, lora: Params | None) -> TrainState:
+        """A state at step 0 (arrays placed as they are; the optimizer moments take the weights'
+        shardings). In full fine-tuning `base` is the trained weights (float32) and `lora` is ignored."""
+        if self.full:
+            lora = {}
+        opt_state = self.tx.init(base if self.full else {"base": base, "lora": lora})
         replicated = NamedSharding(self.mesh, PartitionSpec())
         # Scalars (Adam's count, the step) are born on one device; put every leaf on the mesh so that a
         # restored state and a fresh one are placed alike.
         opt_state = jax.tree.map(
             lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated), opt_state)
-        return TrainState(lora=lora, opt_state=opt_state, step=jax.device_put(jnp.zeros((), jnp.int32), replicated))
+        return TrainState(lora=lora, opt_state=opt_state, step=jax.device_put(jnp.zeros((), jnp.int32), replicated),
+                          base=base if self.full else None)
 
     def micro_batches(self, rows: int) -> int:
         """How many micro-batches a batch of `rows` sequences is trained in (1 without `micro_batch_size`)."""
@@ -275,14 +304,24 @@ class Trainer:
             out[name] = jax.device_put(arr, array_sharding(axes, arr.shape, self.mesh))
         return out
 
-    def step(self, state: TrainState, base: Params, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        """One optimizer step on `batch`. Metrics stay on device (read them late)."""
+    def step(self, state: TrainState, base: Params | None, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One optimizer step on `batch`. Metrics stay on device (read them late). `base`: the frozen base
+        weights with LoRA; in full fine-tuning the KL reference's weights (None without `kl_coef`).
+
+        Raises:
+            ValueError: full fine-tuning with `kl_coef > 0` and no reference weights.
+        """
+        if self.full and base is None and self.loss_cfg.kl_coef > 0 and self.objective == "rl":
+            raise ValueError("full fine-tuning with a KL penalty needs the reference weights as `base`")
         return self._step(state, base, self.shard_batch(batch),
                           micro_batches=self.micro_batches(batch.inputs.shape[0]))
 
-    def loss(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
-        """The objective of one (micro-)batch and its metrics: `[jax.loss]`'s policy loss, or with
-        `objective = "sft"` the token-mean negative log-likelihood of the loss tokens (`losses.sft_loss`)."""
+    def loss(self, params: Params, batch: dict[str, jax.Array],
+             reference: Params | None = None) -> tuple[jax.Array, dict]:
+        """The objective of one (micro-)batch of `params` (`{"base", "lora"}`, lora None in full
+        fine-tuning) and its metrics: `[jax.loss]`'s policy loss, or with `objective = "sft"` the
+        token-mean negative log-likelihood of the loss tokens (`losses.sft_loss`). `reference`: the KL
+        reference's weights, run without LoRA; None: `params["base"]` (LoRA off)."""
         b, t = batch["inputs"].shape
         positions = batch.get("positions", jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
         segments = batch.get("segment_ids")  # None: one sample per row
@@ -290,16 +329,18 @@ class Trainer:
                                   lora_scale=self.lora_scale, remat=self.remat, mesh=self.mesh, segment_ids=segments)
         sft = self.objective == "sft"
         logp, entropy = sampled_logprobs(params["base"], hidden, batch["targets"], batch["loss_positions"],
-                                         batch["temperature"], entropy_grad=not sft and self.loss_cfg.entropy_coef > 0)
+                                         batch["temperature"], entropy_grad=not sft and self.loss_cfg.entropy_coef > 0,
+                                         w_grad=self.full)
         if sft:
             loss, metrics = losses.sft_loss(logp, batch["loss_mask"])
         else:
             ref_logp = None
-            if self.loss_cfg.kl_coef > 0:  # the reference policy: the same base weights, LoRA off
-                ref_hidden, _ = qwen3.forward(self.cfg, params["base"], batch["inputs"], positions, mesh=self.mesh,
+            if self.loss_cfg.kl_coef > 0:  # the reference policy: LoRA off, or the frozen starting weights
+                ref = params["base"] if reference is None else reference
+                ref_hidden, _ = qwen3.forward(self.cfg, ref, batch["inputs"], positions, mesh=self.mesh,
                                               segment_ids=segments)
                 ref_logp = jax.lax.stop_gradient(sampled_logprobs(
-                    params["base"], ref_hidden, batch["targets"], batch["loss_positions"], batch["temperature"])[0])
+                    ref, ref_hidden, batch["targets"], batch["loss_positions"], batch["temperature"])[0])
             loss, metrics = losses.policy_loss(logp, batch["inference_logprobs"], batch["advantages"],
                                                batch["loss_mask"], self.loss_cfg, entropy_BT=entropy,
                                                ref_logp_BT=ref_logp)
@@ -318,33 +359,49 @@ class Trainer:
             return mask.sum()
         return (mask.sum(axis=1) > 0).astype(jnp.float32).sum()
 
-    def _step_impl(self, state: TrainState, base: Params, batch: dict[str, jax.Array], micro_batches: int = 1):
-        params = {"base": base, "lora": state.lora}
-        # Differentiate the LoRA leaves only: XLA does not prune the base gradients of a full-tree grad
-        # (measured: a third of the step on the tiny model). The frozen branch of the optimizer never
-        # reads its gradients, so zeros stand in for them (and are pruned).
-        loss_and_grad = jax.value_and_grad(lambda lora, b: self.loss({"base": base, "lora": lora}, b), has_aux=True)
+    def _step_impl(self, state: TrainState, base: Params | None, batch: dict[str, jax.Array],
+                   micro_batches: int = 1):
+        if self.full:  # every weight, cast for the forward; `base` is the KL reference
+            def objective(weights, b):
+                cast = jax.tree.map(lambda w: w.astype(self.dtype), weights)
+                return self.loss({"base": cast, "lora": None}, b, reference=base)
+        else:  # the LoRA leaves only (see `_optimizer_update`)
+            def objective(lora, b):
+                return self.loss({"base": base, "lora": lora}, b)
+        loss_and_grad = jax.value_and_grad(objective, has_aux=True)
         if micro_batches == 1:
-            (loss, metrics), lora_grads = loss_and_grad(state.lora, batch)
+            (loss, metrics), grads = loss_and_grad(state.trained, batch)
         else:
-            (loss, metrics), lora_grads = accumulate(loss_and_grad, self.loss_weight, state.lora,
-                                                     split_micro_batches(batch, micro_batches, self.mesh))
-        grads = {"base": jax.tree.map(jnp.zeros_like, base), "lora": lora_grads}
-        grad_norm = optax.tree.norm(lora_grads)
+            (loss, metrics), grads = accumulate(loss_and_grad, self.loss_weight, state.trained,
+                                                split_micro_batches(batch, micro_batches, self.mesh))
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, opt_state = self.tx.update(grads, state.opt_state, params)
-        lora_updates = updates["lora"]
+        updates, opt_state = self._optimizer_update(state, base, grads)
         if self.learning_rate is not None:
             lr = self.learning_rate(state.step)
-            lora_updates = jax.tree.map(lambda u: u * lr, lora_updates)
+            updates = jax.tree.map(lambda u: u * lr, updates)
             metrics = {**metrics, "optim/lr": lr}
-        new_lora = optax.apply_updates(state.lora, lora_updates)
+        trained = optax.apply_updates(state.trained, updates)
         # A non-finite loss or gradient skips the step: weights and optimizer state stay as they were.
-        new_lora = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_lora, state.lora)
+        trained = jax.tree.map(lambda n, o: jnp.where(finite, n, o), trained, state.trained)
         opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), opt_state, state.opt_state)
         metrics = {**metrics, "loss": loss, "optim/grad_norm": grad_norm,
                    "optim/skipped": 1.0 - finite.astype(jnp.float32)}
-        return TrainState(new_lora, opt_state, state.step + finite.astype(jnp.int32)), metrics
+        step = state.step + finite.astype(jnp.int32)
+        if self.full:
+            return TrainState({}, opt_state, step, base=trained), metrics
+        return TrainState(trained, opt_state, step), metrics
+
+    def _optimizer_update(self, state: TrainState, base: Params | None, grads: Params) -> tuple[Params, Any]:
+        """The optimizer's updates of `state.trained` and its new state. With LoRA the optimizer sees the
+        `{"base", "lora"}` tree: XLA does not prune the base gradients of a full-tree grad (measured: a
+        third of the step on the tiny model), so only the LoRA is differentiated, and zeros, which the
+        frozen branch never reads (and XLA prunes), stand in for the base's gradients."""
+        if self.full:
+            return self.tx.update(grads, state.opt_state, state.base)
+        updates, opt_state = self.tx.update({"base": jax.tree.map(jnp.zeros_like, base), "lora": grads},
+                                            state.opt_state, {"base": base, "lora": state.lora})
+        return updates["lora"], opt_state
 
 
 def split_micro_batches(batch: dict[str, jax.Array], k: int, mesh: Mesh) -> dict[str, jax.Array]:
@@ -360,26 +417,26 @@ def split_micro_batches(batch: dict[str, jax.Array], k: int, mesh: Mesh) -> dict
     return jax.tree.map(one, batch)
 
 
-def accumulate(loss_and_grad: Any, weight: Any, lora: Params,
+def accumulate(loss_and_grad: Any, weight: Any, trained: Params,
                micro_kB: dict[str, jax.Array]) -> tuple[tuple[jax.Array, dict], Params]:
     """`((loss, metrics), grads)` of the whole batch from its micro-batches, one at a time (`jax.lax.scan`).
 
     Args:
-        loss_and_grad: `(lora, micro_batch) -> ((loss, metrics), grads)`, each a mean over the micro-batch.
+        loss_and_grad: `(trained, micro_batch) -> ((loss, metrics), grads)`, each a mean over the micro-batch.
         weight: `micro_batch -> float32 scalar`, how much of the whole batch's mean a micro-batch holds
             (its loss-token count); micro-batch i counts `weight_i / sum(weight)` (0 for every one when
             the sum is 0, as the one-pass mean of no tokens is).
-        lora: the differentiated LoRA tree.
+        trained: the differentiated weights (the LoRA, or every weight in full fine-tuning).
         micro_kB: the batch as [k, B / k, ...] arrays (`split_micro_batches`).
     """
     weights_k = jax.vmap(weight)(micro_kB)
     shares_k = weights_k / jnp.maximum(weights_k.sum(), 1.0)
     first = jax.tree.map(lambda x: x[0], micro_kB)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(loss_and_grad, lora, first))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(loss_and_grad, trained, first))
 
     def body(total, xs):
         micro, share = xs
-        out = loss_and_grad(lora, micro)
+        out = loss_and_grad(trained, micro)
         return jax.tree.map(lambda t, o: t + share.astype(o.dtype) * o, total, out), None
 
     total, _ = jax.lax.scan(body, zeros, (micro_kB, shares_k))

@@ -24,7 +24,8 @@ class RunAdapters:
     A LoRA that the PEFT format cannot hold (`save_adapter`) is a ConfigError when the config sets
     `[adapters]`; with the table left out, the run writes no adapters and says so on `console`. An
     adapter that cannot be written (storage down, disk full) is reported on `console` and the run goes
-    on: the checkpoints hold the same LoRA, and `jaxrl export --adapter` writes it from one.
+    on: the checkpoints hold the same LoRA, and `jaxrl export --adapter` writes it from one. With `[jax]
+    finetune = "full"` there is no LoRA and nothing is written (`jaxrl export` writes the whole model).
     """
 
     def __init__(self, cfg: RunConfig, model_cfg: ModelConfig, directory: str | epath.PathLike,
@@ -36,7 +37,9 @@ class RunAdapters:
         self.rank, self.alpha, self.targets = cfg.jax.lora_rank, cfg.lora_alpha, tuple(cfg.jax.lora_targets)
         self.base_model = cfg.model
         self.console = console
-        self.enabled = True
+        self.enabled = cfg.jax.finetune == "lora"  # full fine-tuning has no LoRA: `jaxrl export` writes the model
+        if not self.enabled:
+            return
         try:
             check_peft_targets(model_cfg, self.targets)
         except ValueError as exc:

@@ -1,4 +1,5 @@
-"""Orbax checkpoints of a run: the trainer state (LoRA, optimizer, step) plus JSON metadata (data
+"""Orbax checkpoints of a run: the trainer state (LoRA or, in full fine-tuning, every weight; optimizer,
+step) plus JSON metadata (data
 position, RNG seeds, metrics, the model it belongs to), in a local folder or on `gs://` through the
 same code.
 
@@ -20,6 +21,13 @@ from orbax.checkpoint import checkpoint_managers as policies
 from jaxrl.rl.train import TrainState
 from jaxrl.run import gcs
 from jaxrl.run.errors import RunError
+
+
+def _tree(state: TrainState) -> dict[str, Any]:
+    """What a checkpoint stores of `state`: `lora`, `opt_state` and `step`, or in full fine-tuning `base`
+    (the weights) in place of the empty `lora`."""
+    trained = {"lora": state.lora} if state.base is None else {"base": state.base}
+    return {**trained, "opt_state": state.opt_state, "step": state.step}
 
 
 class CheckpointError(RunError):
@@ -75,8 +83,7 @@ class Checkpointer:
         self.wait()
         if self._probe:
             self._check_reachable(f"cannot save step {step} to")
-        tree = {"lora": state.lora, "opt_state": state.opt_state, "step": state.step}
-        args = ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta))
+        args = ocp.args.Composite(state=ocp.args.StandardSave(_tree(state)), meta=ocp.args.JsonSave(meta))
         try:
             self._mngr.save(step, args=args, force=True)
         except Exception as exc:  # noqa: BLE001 - any storage failure becomes one clear error
@@ -102,15 +109,14 @@ class Checkpointer:
             CheckpointError: no complete checkpoint `step` exists, or its arrays do not fit `like`.
         """
         self._require(step)
-        target = {"lora": like.lora, "opt_state": like.opt_state, "step": like.step}
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _tree(like))
         try:
             out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
                                                                    meta=ocp.args.JsonRestore()))
         except Exception as exc:  # noqa: BLE001
             raise self._error(f"cannot restore step {step} from", exc) from exc
         tree = out["state"]
-        return TrainState(tree["lora"], tree["opt_state"], tree["step"]), dict(out["meta"])
+        return TrainState(tree.get("lora", {}), tree["opt_state"], tree["step"], tree.get("base")), dict(out["meta"])
 
     def delete(self, step: int) -> None:
         """Delete checkpoint `step` (a no-op for a step that does not exist)."""

@@ -1,5 +1,6 @@
 """Which checkpoint a warm start names (`checkpoint_id`) and whether a checkpoint fits this run's model:
-the identity (model id, architecture, LoRA shape) saved in every checkpoint's metadata.
+the identity (model id, architecture, kind of fine-tuning, LoRA shape) saved in every checkpoint's
+metadata; restoring a checkpoint after that check (`restore_checked`, `warm_start_state`).
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from jaxrl.config.schema import ConfigError, RunConfig
+from jaxrl.rl.train import TrainState
 from jaxrl.run import gcs
+from jaxrl.run.checkpoint import Checkpointer, CheckpointError
 from jaxrl.run.layout import checkpoint_dir_of
 
 
@@ -37,10 +40,14 @@ def resolve_checkpoint_id(cfg: RunConfig) -> tuple[str, int | None]:
     return checkpoint_dir_of(cfg, parts[0]), int(parts[1]) if len(parts) == 2 else None
 
 
-def model_identity(model: str, model_config: dict[str, Any], lora_rank: int, lora_targets: Iterable[str]) -> dict:
+def model_identity(model: str, model_config: dict[str, Any], lora_rank: int, lora_targets: Iterable[str],
+                   finetune: str = "lora") -> dict:
     """What a checkpoint must match to be loaded into a run: the model id, its architecture (the
-    `ModelConfig` fields) and the LoRA shape. Saved in every checkpoint's metadata."""
+    `ModelConfig` fields), what trains (`[jax] finetune`) and, with LoRA, the LoRA shape. Saved in every
+    checkpoint's metadata."""
     arch = {k: list(v) if isinstance(v, tuple) else v for k, v in model_config.items()}
+    if finetune == "full":
+        return {"model": model, "architecture": arch, "finetune": finetune}
     return {"model": model, "architecture": arch, "lora_rank": lora_rank, "lora_targets": sorted(lora_targets)}
 
 
@@ -50,10 +57,41 @@ def identity_mismatch(saved: dict[str, Any] | None, expected: dict[str, Any]) ->
     if saved is None:
         return []
     out = []
+    kind = saved.get("finetune", "lora")  # checkpoints from before full fine-tuning are LoRA ones
+    if kind != expected.get("finetune", "lora"):
+        return [f"finetune: checkpoint {kind!r}, this run {expected.get('finetune', 'lora')!r}"]
     for key in ("model", "lora_rank", "lora_targets"):
-        if saved.get(key) != expected[key]:
-            out.append(f"{key}: checkpoint {saved.get(key)!r}, this run {expected[key]!r}")
+        if saved.get(key) != expected.get(key):
+            out.append(f"{key}: checkpoint {saved.get(key)!r}, this run {expected.get(key)!r}")
     arch_saved, arch = saved.get("architecture", {}), expected["architecture"]
     out += [f"architecture.{k}: checkpoint {arch_saved.get(k)!r}, this run {arch.get(k)!r}"
             for k in sorted(set(arch_saved) | set(arch)) if arch_saved.get(k) != arch.get(k)]
     return out
+
+
+def restore_checked(ckpt: Checkpointer, step: int, like: TrainState, identity: dict) -> tuple[TrainState, dict]:
+    """Checkpoint `step` of `ckpt`, after checking it is of this run's model and LoRA shape."""
+    meta = ckpt.read_meta(step)
+    if problems := identity_mismatch(meta.get("identity"), identity):
+        raise CheckpointError(f"checkpoint step {step} in {ckpt.directory} is of a different model or LoRA: "
+                              + "; ".join(problems))
+    return ckpt.restore(step, like)
+
+
+def warm_start_state(cfg: RunConfig, like: TrainState, identity: dict, console: Any) -> TrainState:
+    """The train state of the checkpoint `cfg.checkpoint_id` names (its LoRA, or its weights in full
+    fine-tuning, start the run). Raises ConfigError (key `checkpoint_id`) when there is no such
+    checkpoint or it is of another model or kind of fine-tuning."""
+    directory, step = resolve_checkpoint_id(cfg)
+    try:
+        source = Checkpointer(directory, read_only=True)
+        step = source.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no checkpoint in {directory}")
+        restored, _ = restore_checked(source, step, like, identity)
+        source.close()
+    except CheckpointError as exc:
+        raise ConfigError(cfg.source, [("checkpoint_id", f"{cfg.checkpoint_id!r}: {exc}")]) from None
+    console.print(f"warm start: {'weights' if restored.base is not None else 'LoRA'} of checkpoint step {step} "
+                  f"in {directory}")
+    return restored

@@ -4,8 +4,9 @@ Each step: take `batch_size / rollouts_per_example` groups of `rollouts_per_exam
 example each, played through the verifiers environment against the in-process rollout server by the
 producer (`jaxrl.rl.producer`: groups are generated ahead, while earlier steps train, within
 `max_async_level` and `oversampling_factor`), turn rewards into group advantages, take one optimizer
-step on the LoRA (in a thread: the event loop goes on playing rollouts), hand the new LoRA to the
-engine (policy version = step), log, and checkpoint every `[checkpoints].interval` steps. Starting the
+step on the LoRA, or on every weight with `[jax] finetune = "full"` (in a thread: the event loop goes on
+playing rollouts), hand the new LoRA (or weights) to the engine (policy version = step), log, and
+checkpoint every `[checkpoints].interval` steps. Starting the
 same run again (same output folder and name) resumes from its last complete checkpoint, with the same
 step numbering, data position and sampling seeds, so with `max_async_level = 0` it reproduces the
 uninterrupted run. SIGTERM or SIGINT (preemption) checkpoints the last complete step and exits;
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -63,9 +65,9 @@ from jaxrl.rl.samples import training_samples
 from jaxrl.rl.train import TrainState, make_batch, trainer_for
 from jaxrl.run import evaluate, resources, wandb_log
 from jaxrl.run.adapters import RunAdapters
-from jaxrl.run.checkpoint import Checkpointer, CheckpointError
+from jaxrl.run.checkpoint import Checkpointer
 from jaxrl.run.errors import Preempted, RunError
-from jaxrl.run.identity import identity_mismatch, model_identity, resolve_checkpoint_id
+from jaxrl.run.identity import model_identity, restore_checked, warm_start_state
 from jaxrl.run.layout import METRICS, adapters_dir_of, checkpoint_dir_of, run_dir_of, write_run_config
 from jaxrl.run.metrics import MetricsLogger, trim_metrics
 from jaxrl.run.redaction import redact, secret_values
@@ -198,50 +200,67 @@ class Run:
         if self.primary:
             write_run_config(self.run_dir, cfg)  # what `jaxrl export` reads
         self.adapters = RunAdapters(cfg, self.mcfg, adapters_dir_of(cfg), self.console)
-        self.trainer = trainer_for(cfg, self.mcfg, self.mesh, self.lora_scale)  # [jax.loss], [jax.optim]
-        self.state = self.trainer.init_state(self.base, self.init_lora())
-        self.identity = model_identity(cfg.model, dataclasses.asdict(self.mcfg), cfg.jax.lora_rank,
-                                       tuple(cfg.jax.lora_targets))
+        self.init_training()
         self.load_envs()
         self.ckpt = Checkpointer(checkpoint_dir_of(cfg), keep=cfg.checkpoints.keep_cloud)
         self.buffer = Buffer(tuple(len(env.tasks) for env in self.envs), cfg.buffer)
-        buffer_state = BufferState.fresh(len(self.envs))
-        self.start_step, self.meta = 0, {}
-        if (latest := self.ckpt.latest_step()) is not None:
-            self.state, self.meta = _restore(self.ckpt, latest, self.state, self.identity)
-            self.start_step = int(self.meta["step"])
-            buffer_state = _buffer_state(self.meta)
-            self.console.print(f"resuming from checkpoint step {self.start_step} in {self.ckpt.directory}")
-        elif cfg.checkpoint_id:
-            self.state = self.trainer.init_state(self.base, _warm_start(cfg, self.state, self.identity,
-                                                                        self.console))
-        self.buffer_state = buffer_state
+        self.resume_or_warm_start()
+        self.buffer_state = _buffer_state(self.meta) if self.meta else BufferState.fresh(len(self.envs))
         self.done = self.saved = self.start_step  # last step run; last step checkpointed
         if self.primary and (dropped := trim_metrics(self.run_dir / METRICS, self.start_step)):
             self.console.print(f"dropped {dropped} metrics rows past step {self.start_step} "
                                f"(steps run after the last checkpoint)")
 
+    def init_training(self, objective: str = "rl") -> None:
+        """The trainer (`[jax.loss]`, `[jax.optim]`; `objective` "sft" for `jaxrl sft`), a fresh train state
+        (a new LoRA, or in full fine-tuning the loaded weights), the model identity checkpoints carry, and
+        `base`, the train step's: the frozen base, or in full fine-tuning the KL reference (the starting
+        weights in `[jax] dtype`, kept only with an RL `kl_coef > 0`; else None, freeing them)."""
+        cfg = self.cfg
+        self.trainer = dataclasses.replace(trainer_for(cfg, self.mcfg, self.mesh, self.lora_scale), objective=objective)
+        self.state = self.trainer.init_state(self.base, None if self.full else self.init_lora())
+        if self.full:
+            self.base = self.engine_weights(self.base) if objective == "rl" and cfg.jax.loss.kl_coef > 0 else None
+        self.identity = model_identity(cfg.model, dataclasses.asdict(self.mcfg), cfg.jax.lora_rank,
+                                       tuple(cfg.jax.lora_targets), cfg.jax.finetune)
+
+    def resume_or_warm_start(self) -> None:
+        """Restore the run's last complete checkpoint (`start_step`, `meta`: its step and metadata), else
+        start from `checkpoint_id`'s LoRA or weights (a fresh optimizer) or from step 0 (`meta` {})."""
+        self.start_step, self.meta = 0, {}
+        if (latest := self.ckpt.latest_step()) is not None:
+            self.state, self.meta = restore_checked(self.ckpt, latest, self.state, self.identity)
+            self.start_step = int(self.meta["step"])
+            self.console.print(f"resuming from checkpoint step {self.start_step} in {self.ckpt.directory}")
+        elif self.cfg.checkpoint_id:
+            warm = warm_start_state(self.cfg, self.state, self.identity, self.console)
+            self.state = self.trainer.init_state(warm.base, None) if self.full else \
+                self.trainer.init_state(self.base, warm.lora)
+
     def load_model(self) -> None:
-        """The base weights on the trainer's mesh (`base`) and on the mesh of this host's rollout engine
-        (`engine_base`: the same arrays with one process, or when the engine spans every process; the
-        engine's processes are `engine_group`). Raises ConfigError (key `model`, `jax.model_path` or
-        `jax.engine_hosts`) when the checkpoint cannot be loaded or the engine group does not divide the
-        processes."""
+        """The base weights on the trainer's mesh (`base`; float32 in full fine-tuning, the master
+        weights) and on the mesh of this host's rollout engine (`engine_base`: the same arrays with one
+        process, or when the engine spans every process; unused in full fine-tuning, where
+        `engine_params` places the trained weights; the engine's processes are `engine_group`). Raises
+        ConfigError (key `model`, `jax.model_path` or `jax.engine_hosts`) when the checkpoint cannot be
+        loaded or the engine group does not divide the processes."""
         cfg, jcfg = self.cfg, self.cfg.jax
         try:
             self.mesh = make_mesh(jcfg.mesh.model_dump())
         except ValueError as exc:  # a mesh of another device count: only the devices here tell
             raise ConfigError(cfg.source, [("jax.mesh", str(exc))]) from None
         self.dtype = jnp.bfloat16 if jcfg.dtype == "bfloat16" else jnp.float32
+        self.full = jcfg.finetune == "full"
+        trained_dtype = jnp.float32 if self.full else self.dtype
         self.model_path, self.tokenizer_path = resolve_model_path(cfg), resolve_tokenizer_path(cfg)
         t0 = time.perf_counter()
         try:
             self.mcfg = mcfg = hf.load_config(self.model_path)
             self.engine_group = _engine_group(cfg, mcfg, self.dtype)
             self.engine_mesh = distributed.group_mesh(self.mesh, self.engine_group)  # its rollout engine's devices
-            self.base = hf.load_hf(self.model_path, self.dtype,
+            self.base = hf.load_hf(self.model_path, trained_dtype,
                                    shardings=spec_shardings(param_specs(mcfg), mcfg.dims(), self.mesh))[1]
-            self.engine_base = self.base if self.engine_mesh is self.mesh else hf.load_hf(
+            self.engine_base = self.base if self.engine_mesh is self.mesh or self.full else hf.load_hf(
                 self.model_path, self.dtype, shardings=spec_shardings(param_specs(mcfg), mcfg.dims(),
                                                                       self.engine_mesh))[1]
         except ConfigError:
@@ -254,6 +273,13 @@ class Run:
         self.console.print(f"[bold]jaxrl[/] run [cyan]{self.run_dir}[/]: model {self.model_path} "
                            f"({sum(x.size for x in jax.tree.leaves(self.base)) / 1e6:.1f}M params, {jcfg.dtype}), "
                            f"mesh {dict(self.mesh.shape)}, loaded in {time.perf_counter() - t0:.1f}s")
+
+    def engine_weights(self, weights: Any) -> Any:
+        """Base weights in the engine's dtype: `weights` themselves, or (full fine-tuning in bfloat16)
+        a cast copy with the same shardings."""
+        if all(x.dtype == self.dtype for x in jax.tree.leaves(weights)):
+            return weights
+        return _cast(weights, self.dtype)
 
     def lora_shardings(self, mesh: Mesh) -> Any:
         """Shardings of the LoRA factors on `mesh`."""
@@ -341,8 +367,15 @@ class Run:
         self.serving = contextlib.AsyncExitStack()
 
     def engine_params(self) -> dict[str, Any]:
-        """The engine's parameters: its base weights and the trainer's LoRA, placed for this host's engine
-        (a collective with several processes)."""
+        """The engine's parameters: its base weights and the trainer's LoRA, or in full fine-tuning the
+        trained weights in `[jax] dtype` and no LoRA, placed for this host's engine (a collective with
+        several processes)."""
+        if self.full:
+            weights = self.engine_weights(self.state.base)
+            if self.engine_mesh is not self.mesh:
+                weights = jax.device_put(distributed.to_host(weights), spec_shardings(
+                    param_specs(self.mcfg), self.mcfg.dims(), self.engine_mesh))
+            return {"base": weights, "lora": None}
         lora = self.state.lora
         if self.engine_mesh is not self.mesh:
             lora = jax.device_put(distributed.to_host(lora), self.engine_lora_sh)
@@ -478,7 +511,8 @@ class Run:
             return new_state, {k: float(v) for k, v in jax.device_get(metrics).items()}
 
     def publish(self, version: int) -> None:
-        """Hand the trainer's LoRA to the engine as policy `version`; the producer's next groups play it."""
+        """Hand the trainer's LoRA (or, in full fine-tuning, its weights) to the engine as policy `version`;
+        the producer's next groups play it."""
         self.scheduler.update_params(self.engine_params(), version=version)
         self.producer.set_version(version)
 
@@ -564,27 +598,7 @@ def _buffer_state(meta: dict) -> BufferState:
     return BufferState(drawn, drawn, tuple({} for _ in drawn))
 
 
-def _restore(ckpt: Checkpointer, step: int, like: TrainState, identity: dict) -> tuple[TrainState, dict]:
-    """Checkpoint `step` of `ckpt`, after checking it is of this run's model and LoRA shape."""
-    meta = ckpt.read_meta(step)
-    if problems := identity_mismatch(meta.get("identity"), identity):
-        raise CheckpointError(f"checkpoint step {step} in {ckpt.directory} is of a different model or LoRA: "
-                              + "; ".join(problems))
-    return ckpt.restore(step, like)
-
-
-def _warm_start(cfg: RunConfig, like: TrainState, identity: dict, console: Console) -> Any:
-    """The LoRA of the checkpoint `cfg.checkpoint_id` names. Raises ConfigError (key `checkpoint_id`)
-    when there is no such checkpoint or it is of another model."""
-    directory, step = resolve_checkpoint_id(cfg)
-    try:
-        source = Checkpointer(directory, read_only=True)
-        step = source.latest_step() if step is None else step
-        if step is None:
-            raise CheckpointError(f"no checkpoint in {directory}")
-        restored, _ = _restore(source, step, like, identity)
-        source.close()
-    except CheckpointError as exc:
-        raise ConfigError(cfg.source, [("checkpoint_id", f"{cfg.checkpoint_id!r}: {exc}")]) from None
-    console.print(f"warm start: LoRA of checkpoint step {step} in {directory}")
-    return restored.lora
+@functools.partial(jax.jit, static_argnums=1)
+def _cast(tree: Any, dtype: Any) -> Any:
+    """Every leaf of `tree` as `dtype` (shardings kept: an elementwise op)."""
+    return jax.tree.map(lambda x: x.astype(dtype), tree)

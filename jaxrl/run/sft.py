@@ -15,7 +15,6 @@ as an RL run's, so an RL run's `checkpoint_id` warm-starts from it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from pathlib import Path
 
@@ -27,14 +26,12 @@ from jaxrl.config.sft import DataError
 from jaxrl.inference.chat import ChatTemplate
 from jaxrl.parallel import distributed
 from jaxrl.rl import rollouts, sft
-from jaxrl.rl.train import trainer_for
 from jaxrl.run import wandb_log
 from jaxrl.run.adapters import RunAdapters
 from jaxrl.run.checkpoint import Checkpointer
-from jaxrl.run.identity import model_identity
 from jaxrl.run.layout import METRICS, adapters_dir_of, checkpoint_dir_of, write_run_config
 from jaxrl.run.metrics import MetricsLogger, trim_metrics
-from jaxrl.run.runner import Run, _restore, _warm_start
+from jaxrl.run.runner import Run
 from jaxrl.run.signals import stop_on_signals
 
 HEADLINE = ("loss", "tokens_per_s", "time/step")
@@ -82,23 +79,13 @@ class SftRun(Run):
         if self.primary:
             write_run_config(self.run_dir, cfg)
         self.adapters = RunAdapters(cfg, self.mcfg, adapters_dir_of(cfg), self.console)
-        self.trainer = dataclasses.replace(trainer_for(cfg, self.mcfg, self.mesh, self.lora_scale), objective="sft")
-        self.state = self.trainer.init_state(self.base, self.init_lora())
-        self.identity = model_identity(cfg.model, dataclasses.asdict(self.mcfg), cfg.jax.lora_rank,
-                                       tuple(cfg.jax.lora_targets))
+        self.init_training("sft")
         self.serves = cfg.eval is not None or cfg.val is not None  # the engine and server, for eval only
         self.envs, self.eval_envs, self.chat_template = [], [], None
         if self.serves:
             self.load_envs()
         self.ckpt = Checkpointer(checkpoint_dir_of(cfg), keep=cfg.checkpoints.keep_cloud)
-        self.start_step, self.meta = 0, {}
-        if (latest := self.ckpt.latest_step()) is not None:
-            self.state, self.meta = _restore(self.ckpt, latest, self.state, self.identity)
-            self.start_step = int(self.meta["step"])
-            self.console.print(f"resuming from checkpoint step {self.start_step} in {self.ckpt.directory}")
-        elif cfg.checkpoint_id:
-            self.state = self.trainer.init_state(self.base, _warm_start(cfg, self.state, self.identity,
-                                                                        self.console))
+        self.resume_or_warm_start()
         self.done = self.saved = self.start_step
         if self.primary and (dropped := trim_metrics(self.run_dir / METRICS, self.start_step)):
             self.console.print(f"dropped {dropped} metrics rows past step {self.start_step} "
