@@ -193,8 +193,9 @@ class JaxConfig(_Table):
     computes in `dtype`, the engine gets the new weights (in `dtype`) after each step, the KL reference
     (`[jax.loss] kl_coef > 0` only) is a frozen copy of the starting weights, checkpoints hold the
     weights, and `jaxrl export` writes the whole model. With "full", `lora_rank`, `lora_targets`,
-    `lora_alpha` and `[adapters]` (PEFT adapters of a LoRA) set away from their defaults are errors. Seeds' advice: learning rates of
-    1e-6 to 1e-5 for full fine-tuning, 1e-5 to 1e-4 for LoRA. Default "lora"."""
+    `lora_alpha` and `[adapters]` (PEFT adapters of a LoRA) set away from their defaults are errors. The
+    seeds advise learning rates of 1e-6 to 1e-5 for full fine-tuning, 1e-5 to 1e-4 for LoRA. Default
+    "lora"."""
     lora_rank: int = Field(16, ge=1)
     """LoRA rank r; the update is scaled by `lora_alpha / lora_rank`. Default 16."""
     lora_targets: list[LoraTarget] = Field(list(LORA_TARGETS), min_length=1)
