@@ -6,11 +6,11 @@ producer (`jaxrl.rl.producer`: groups are generated ahead, while earlier steps t
 `max_async_level` and `oversampling_factor`), turn rewards into group advantages, take one optimizer
 step on the LoRA, or on every weight with `[jax] finetune = "full"` (in a thread: the event loop goes on
 playing rollouts), hand the new LoRA (or weights) to the engine (policy version = step), log, and
-checkpoint every `[checkpoints].interval` steps. Starting the
-same run again (same output folder and name) resumes from its last complete checkpoint, with the same
-step numbering, data position and sampling seeds, so with `max_async_level = 0` it reproduces the
-uninterrupted run. SIGTERM or SIGINT (preemption) checkpoints the last complete step and exits;
-rollouts in flight are dropped, listed in the checkpoint, and played again first on resume.
+checkpoint every `[checkpoints].interval` steps. Starting the same run again (same output folder and
+name) resumes from its last complete checkpoint, with the same step numbering, data position and
+sampling seeds, so with `max_async_level = 0` it reproduces the uninterrupted run. SIGTERM or SIGINT
+(preemption) checkpoints the last complete step and exits; rollouts in flight are dropped, listed in
+the checkpoint, and played again first on resume.
 Failing rollouts are dropped and counted (`jaxrl.rl.rollouts`); a run whose rollouts mostly fail stops.
 
 Multi-host (one process per host, `jaxrl.parallel.distributed`): the trainer runs on the mesh over every
@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -277,9 +276,8 @@ class Run:
     def engine_weights(self, weights: Any) -> Any:
         """Base weights in the engine's dtype: `weights` themselves, or (full fine-tuning in bfloat16)
         a cast copy with the same shardings."""
-        if all(x.dtype == self.dtype for x in jax.tree.leaves(weights)):
-            return weights
-        return _cast(weights, self.dtype)
+        same = all(x.dtype == self.dtype for x in jax.tree.leaves(weights))
+        return weights if same else jax.tree.map(lambda x: x.astype(self.dtype), weights)
 
     def lora_shardings(self, mesh: Mesh) -> Any:
         """Shardings of the LoRA factors on `mesh`."""
@@ -511,8 +509,7 @@ class Run:
             return new_state, {k: float(v) for k, v in jax.device_get(metrics).items()}
 
     def publish(self, version: int) -> None:
-        """Hand the trainer's LoRA (or, in full fine-tuning, its weights) to the engine as policy `version`;
-        the producer's next groups play it."""
+        """Hand the trainer's LoRA (or weights) to the engine as policy `version`; the next groups play it."""
         self.scheduler.update_params(self.engine_params(), version=version)
         self.producer.set_version(version)
 
@@ -596,9 +593,3 @@ def _buffer_state(meta: dict) -> BufferState:
         return BufferState.from_json(meta["buffer"])
     drawn = tuple(int(x) for x in meta["examples_drawn"])
     return BufferState(drawn, drawn, tuple({} for _ in drawn))
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _cast(tree: Any, dtype: Any) -> Any:
-    """Every leaf of `tree` as `dtype` (shardings kept: an elementwise op)."""
-    return jax.tree.map(lambda x: x.astype(dtype), tree)
