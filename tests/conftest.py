@@ -19,12 +19,13 @@ import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-# `jaxrl run` subprocesses (set after jax is imported here, so this process does not use it) share one
-# persistent compilation cache: the tiny model's train step and engine compile once per session instead
-# of once per run. A test that sets its own cache keeps it.
+# `jaxrl` subprocesses (set after jax is imported here, so this process does not use it) share one
+# persistent compilation cache that keeps every program: the tiny model's train step and engine compile once
+# per session instead of once per run, and a restarted run loads what an earlier one compiled.
 _COMPILE_CACHE = tempfile.mkdtemp(prefix="jaxrl-tests-jit-")
 atexit.register(shutil.rmtree, _COMPILE_CACHE, ignore_errors=True)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _COMPILE_CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 import pytest  # noqa: E402
@@ -78,7 +79,23 @@ def tiny_model_dir():
 
 
 @pytest.fixture(scope="session")
-def compile_cache(tmp_path_factory):
-    """A JAX compilation cache for e2e subprocesses: a restarted run loads what an earlier one compiled
-    instead of compiling it again (about 10 s per start on 2 cores)."""
-    return tmp_path_factory.mktemp("jax-cache")
+def recording_server(tiny_model_dir):
+    """(server handle, `helpers.Recording` backend): the tiny Qwen3's scheduler (4 decode slots, 160 tokens, one
+    device) behind a real rollout server on 127.0.0.1 with the model's chat template, shared by the test files
+    that play environments against it."""
+    from helpers import Recording
+
+    from jaxrl.inference.chat import ChatTemplate
+    from jaxrl.inference.engine import Engine
+    from jaxrl.inference.scheduler import Scheduler
+    from jaxrl.inference.server import start_server
+    from jaxrl.model import hf
+    from jaxrl.parallel.sharding import make_mesh
+
+    mcfg, base = hf.load_hf(tiny_model_dir)
+    engine = Engine(mcfg, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=4, max_seq_len=160)
+    backend = Recording(Scheduler(engine, {"base": base, "lora": None}, model_name="policy"))
+    handle = start_server(backend, chat_template=ChatTemplate.load(tiny_model_dir))
+    yield handle, backend
+    handle.stop()
+    backend.scheduler.stop()

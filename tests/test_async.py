@@ -2,23 +2,21 @@
 Qwen3, the lowercase environment, through the CLI in a subprocess. The producer's rules themselves are
 tested in test_producer.py; the synchronous mode by every other run test (they pin max_async_level = 0)."""
 
-from test_run import _config, _jaxrl, _metrics
+from helpers import jaxrl, read_metrics, write_run_config
 
 
 def test_async_run_trains_on_older_policy_tokens_keeps_the_oversampled_rollouts_in_flight_and_resumes(
         tmp_path, tiny_model_dir):
     def config(max_steps):
-        path = _config(tmp_path, tiny_model_dir, max_steps=max_steps)
         # 16 decode slots: every rollout in flight samples at once, so the second step's groups were
         # sampled (at least in part) by policy 0 while step 1 trained.
-        path.write_text(path.read_text().replace("max_async_level = 0", "max_async_level = 2")
-                        .replace("oversampling_factor = 1\n", "oversampling_factor = 2.0\n")
-                        .replace("decode_slots = 8", "decode_slots = 16"))
-        return path
+        return write_run_config(tmp_path / "rl.toml", tiny_model_dir, max_steps=max_steps, checkpoint_interval=2,
+                                synchronous=False, extra="max_async_level = 2\noversampling_factor = 2.0",
+                                decode_slots=16)
 
-    first = _jaxrl("run", str(config(3)))
+    first = jaxrl("run", str(config(3)))
     assert first.returncode == 0, first.stdout + first.stderr
-    rows = _metrics(tmp_path / "runs" / "e2e")
+    rows = read_metrics(tmp_path / "runs" / "e2e")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["rollouts/failed"] == 0
@@ -31,7 +29,7 @@ def test_async_run_trains_on_older_policy_tokens_keeps_the_oversampled_rollouts_
     assert rows[0]["async/staleness_max"] == 0  # step 1: every rollout launched at policy 0
     assert max(r["async/staleness_max"] for r in rows[1:]) >= 1
 
-    resumed = _jaxrl("run", str(config(4)))
+    resumed = jaxrl("run", str(config(4)))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resuming from checkpoint step 3" in resumed.stdout
-    assert [r["step"] for r in _metrics(tmp_path / "runs" / "e2e")] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_metrics(tmp_path / "runs" / "e2e")] == [1, 2, 3, 4]

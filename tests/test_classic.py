@@ -6,27 +6,17 @@ import asyncio
 import math
 from pathlib import Path
 
-import jax
 import pytest
 from echo_word import EchoAgainEnv, letter_overlap, said_the_word
 from gcs_fixtures import free_port
-from test_multiturn import Recording
-from test_run import _jaxrl, _metrics
+from helpers import REPO, SERVED_MODEL, jaxrl, read_metrics, shrink
 from tokenizers import Tokenizer
 from verifiers.legacy import SingleTurnEnv
 
 from jaxrl.envs.classic import chain_turns
 from jaxrl.envs.loader import EnvLoadError, LoadedEnv, Rollout, load_env, run_group
-from jaxrl.inference.chat import ChatTemplate
-from jaxrl.inference.engine import Engine
 from jaxrl.inference.protocol import SamplingParams
-from jaxrl.inference.scheduler import Scheduler
-from jaxrl.inference.server import start_server
-from jaxrl.model import hf
-from jaxrl.parallel.sharding import make_mesh
 
-MODEL = "policy"
-REPO = Path(__file__).resolve().parents[1]
 TURNS = 3
 MAX_TOKENS = 6
 
@@ -59,18 +49,6 @@ def load_environment(mode="ok"):
 '''
 
 
-@pytest.fixture(scope="module")
-def tiny_server(tiny_model_dir):
-    mcfg, base = hf.load_hf(tiny_model_dir)
-    engine = Engine(mcfg, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=4, max_seq_len=128)
-    scheduler = Scheduler(engine, {"base": base, "lora": None}, model_name=MODEL)
-    backend = Recording(scheduler)
-    handle = start_server(backend, chat_template=ChatTemplate.load(tiny_model_dir))
-    yield handle, backend
-    handle.stop()
-    scheduler.stop()
-
-
 @pytest.fixture
 def test_env_module(tmp_path, monkeypatch):
     (tmp_path / "jaxrl_test_classic_env.py").write_text(TEST_ENV)
@@ -81,7 +59,8 @@ def test_env_module(tmp_path, monkeypatch):
 def play(env: LoadedEnv, task: int, n: int, base_url: str, tokenizer_dir: Path, seed: int) -> list[Rollout]:
     async def go():
         async with env.serving():
-            return await run_group(env, task, n, base_url=base_url, model_name=MODEL, tokenizer_path=tokenizer_dir,
+            return await run_group(env, task, n, base_url=base_url, model_name=SERVED_MODEL,
+                                   tokenizer_path=tokenizer_dir,
                                    sampling=SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=seed))
 
     return asyncio.run(go())
@@ -136,8 +115,8 @@ def calls_by_rollout(calls: list, seeds: list[int]) -> list[list[tuple[list[int]
     return [[(p, c, lps) for p, c, lps, s in calls if s == seed] for seed in seeds]
 
 
-def test_single_turn_group_through_the_real_server(tiny_server, tiny_model_dir):
-    server, backend = tiny_server
+def test_single_turn_group_through_the_real_server(recording_server, tiny_model_dir):
+    server, backend = recording_server
     env = load_env("jaxrl/echo-word", {"num_train_examples": 4, "num_eval_examples": 0})
     backend.calls = []
     rollouts = play(env, 2, 3, server.base_url, tiny_model_dir, seed=7)
@@ -160,8 +139,8 @@ def test_single_turn_group_through_the_real_server(tiny_server, tiny_model_dir):
     assert len({tuple(r.token_ids) for r in rollouts}) == 3  # a group's rollouts differ
 
 
-def test_multi_turn_group_chains_turns_into_one_sample(tiny_server, tiny_model_dir):
-    server, backend = tiny_server
+def test_multi_turn_group_chains_turns_into_one_sample(recording_server, tiny_model_dir):
+    server, backend = recording_server
     env = load_env("jaxrl/echo-word", {"num_train_examples": 4, "num_eval_examples": 0, "turns": TURNS})
     backend.calls = []
     rollouts = play(env, 1, 4, server.base_url, tiny_model_dir, seed=3)
@@ -195,8 +174,8 @@ def test_multi_turn_group_chains_turns_into_one_sample(tiny_server, tiny_model_d
     assert 0 < chained < len(rollouts)
 
 
-def test_failures_are_rollouts_not_exceptions(tiny_server, tiny_model_dir, test_env_module):
-    server, _ = tiny_server
+def test_failures_are_rollouts_not_exceptions(recording_server, tiny_model_dir, test_env_module):
+    server, _ = recording_server
     broken = load_env(test_env_module)
     rollouts = play(broken, 0, 2, server.base_url, tiny_model_dir, seed=1)
     assert [r.ok for r in rollouts] == [False, False]
@@ -211,7 +190,7 @@ def test_failures_are_rollouts_not_exceptions(tiny_server, tiny_model_dir, test_
     assert all("Connection" in r.error for r in rollouts), [r.error for r in rollouts]
 
 
-def test_max_retries_plays_a_failed_rollout_again_with_its_seed(tiny_server, tiny_model_dir, test_env_module):
+def test_max_retries_plays_a_failed_rollout_again_with_its_seed(recording_server, tiny_model_dir, test_env_module):
     """`[[env]] max_retries` (a Hosted Training field): a rollout whose reward fails once passes on its
     second attempt, which samples with the same seed; without retries it counts as failed."""
     import dataclasses
@@ -219,9 +198,9 @@ def test_max_retries_plays_a_failed_rollout_again_with_its_seed(tiny_server, tin
 
     from jaxrl.rl import rollouts
 
-    server, backend = tiny_server
+    server, backend = recording_server
     flaky = load_env(test_env_module, {"mode": "flaky"})
-    client = {"base_url": server.base_url, "model_name": MODEL, "tokenizer_path": tiny_model_dir}
+    client = {"base_url": server.base_url, "model_name": SERVED_MODEL, "tokenizer_path": tiny_model_dir}
 
     def collect(env: LoadedEnv) -> Rollout:
         async def go():
@@ -238,24 +217,21 @@ def test_max_retries_plays_a_failed_rollout_again_with_its_seed(tiny_server, tin
     assert again.ok and again.reward == 1.0 and [c[3] for c in backend.calls] == [7, 7]
 
 
-def test_classic_config_trains(tmp_path, tiny_model_dir, compile_cache, monkeypatch):
+def test_classic_config_trains(tmp_path, tiny_model_dir):
     """configs/classic.toml (jaxrl/echo-word, 2 turns), shrunk to two small steps, through the real CLI:
     the run's server serves /v1/chat/completions, the pre-flight rollout passes, every rollout trains."""
-    text = (REPO / "configs" / "classic.toml").read_text()
-    for old, new in [("max_steps = 10", "max_steps = 2"), ("batch_size = 16", "batch_size = 8"),
-                     ("rollouts_per_example = 8", "rollouts_per_example = 4"), ("max_tokens = 12", "max_tokens = 6"),
-                     ("seq_len = 256", "seq_len = 128"), ("decode_slots = 32", "decode_slots = 8"),
-                     ('model_path = "../assets/qwen3-tiny"', f'model_path = "{tiny_model_dir}"\n'
-                                                             f'output_dir = "{tmp_path / "runs"}"')]:
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
+    text = shrink((REPO / "configs" / "classic.toml").read_text(), [
+        ("max_steps = 10", "max_steps = 2"), ("batch_size = 16", "batch_size = 8"),
+        ("rollouts_per_example = 8", "rollouts_per_example = 4"), ("max_tokens = 12", "max_tokens = 6"),
+        ("seq_len = 256", "seq_len = 128"), ("decode_slots = 32", "decode_slots = 8"),
+        ('model_path = "../assets/qwen3-tiny"',
+         f'model_path = "{tiny_model_dir}"\noutput_dir = "{tmp_path / "runs"}"')])
     cfg = tmp_path / "classic.toml"
     cfg.write_text(text)
-    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(compile_cache))
-    out = _jaxrl("run", str(cfg))
+    out = jaxrl("run", cfg)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "pre-flight: one rollout of each environment passed" in out.stdout
-    rows = _metrics(tmp_path / "runs" / "classic")
+    rows = read_metrics(tmp_path / "runs" / "classic")
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         assert row["rollouts/failed"] == 0 and row["train/samples"] == 8

@@ -18,6 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import subprocess_env
 
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.lockstep import GroupScheduler
@@ -133,9 +134,8 @@ def results(tmp_path_factory) -> tuple[dict, list[dict]]:
     port = _free_port()
     procs = []
     for pid in range(2):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-        env |= {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
-                "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
+        env = {k: v for k, v in subprocess_env(4).items() if not k.startswith("JAX_")}
+        env |= {"JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
                 "JAX_PROCESS_ID": str(pid)}
         with open(out / f"{pid}.log", "w") as log:
             procs.append(subprocess.Popen([sys.executable, __file__, str(out / f"{pid}.json")], env=env,

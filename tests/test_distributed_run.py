@@ -8,7 +8,7 @@ import signal
 import jax
 import numpy as np
 from gcs_fixtures import free_port
-from test_resume import finish, metrics, reproducible, start, wait_for, write_config
+from helpers import finish, read_metrics, reproducible, start, wait_for, write_run_config
 
 from jaxrl.export import exporter
 from jaxrl.model import hf
@@ -17,15 +17,14 @@ from jaxrl.run.checkpoint import Checkpointer
 STEPS = 2
 
 
-def _pair(cfg, tmp_path, name, compile_cache):
+def _pair(cfg, tmp_path, name):
     """`jaxrl run cfg` as processes 0 and 1 of a 2 x 4-device run; their logs are `<name>-<pid>.log`."""
     port = free_port()
-    return [start(cfg, tmp_path / f"{name}-{pid}.log", compile_cache,
-                  XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+    return [start(cfg, tmp_path / f"{name}-{pid}.log", devices=4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                   JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid)) for pid in range(2)]
 
 
-def test_two_processes_train_like_one(tmp_path, tiny_model_dir, gcs, compile_cache):
+def test_two_processes_train_like_one(tmp_path, tiny_model_dir, gcs):
     """Same metrics every step (rewards exactly; losses to float rounding, the train step's reductions
     being split over other devices), [val]'s included, and the same LoRA in the last checkpoint, with one
     rollout engine over both processes' devices (`engine_hosts = 2`, stepped in lockstep). Only process 0
@@ -34,13 +33,12 @@ def test_two_processes_train_like_one(tmp_path, tiny_model_dir, gcs, compile_cac
     runs = {}
     for name in ("one", "two"):
         (tmp_path / name).mkdir()
-        runs[name] = write_config(tmp_path / name / "rl.toml", tiny_model_dir, name, max_steps=STEPS,
-                                  extra="[buffer]\nskip_verification = true\n[val]\ninterval = 1\nnum_examples = 3\n"
-                                        "rollouts_per_example = 2",
-                                  jax_extra=f'checkpoint_dir = "{url}"\nengine_hosts = {2 if name == "two" else 0}')
-    procs = {"one": start(runs["one"], tmp_path / "one.log", compile_cache,
-                          XLA_FLAGS="--xla_force_host_platform_device_count=8")}
-    procs |= {f"two-{pid}": proc for pid, proc in enumerate(_pair(runs["two"], tmp_path, "two", compile_cache))}
+        runs[name] = write_run_config(tmp_path / name / "rl.toml", tiny_model_dir, name=name, max_steps=STEPS,
+                                      tables="[buffer]\nskip_verification = true\n\n[val]\ninterval = 1\n"
+                                             "num_examples = 3\nrollouts_per_example = 2",
+                                      jax_extra=f'checkpoint_dir = "{url}"\nengine_hosts = {2 if name == "two" else 0}')
+    procs = {"one": start(runs["one"], tmp_path / "one.log", devices=8)}
+    procs |= {f"two-{pid}": proc for pid, proc in enumerate(_pair(runs["two"], tmp_path, "two"))}
     try:
         logs = {name: finish(proc, tmp_path / f"{name}.log") for name, proc in procs.items()}
     finally:
@@ -52,8 +50,8 @@ def test_two_processes_train_like_one(tmp_path, tiny_model_dir, gcs, compile_cac
     assert "rollout engine: one over 2 processes (engine_hosts = 2)" in logs["two-0"][1]
     assert f"step    {STEPS} " in logs["two-0"][1] and "step    1 " not in logs["two-1"][1]
 
-    one = reproducible(metrics(tmp_path / "one" / "runs" / "one"))
-    two = reproducible(metrics(tmp_path / "two" / "runs" / "two"))  # both processes share this folder
+    one = reproducible(read_metrics(tmp_path / "one" / "runs" / "one"))
+    two = reproducible(read_metrics(tmp_path / "two" / "runs" / "two"))  # both processes share this folder
     assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, STEPS + 1))
     for a, b in zip(two, one, strict=True):
         assert a.keys() == b.keys()
@@ -78,20 +76,18 @@ def test_two_processes_train_like_one(tmp_path, tiny_model_dir, gcs, compile_cac
 
 
 def test_two_processes_async_keep_the_bound_resume_after_both_are_killed_and_stop_together(
-        tmp_path, tiny_model_dir, compile_cache):
+        tmp_path, tiny_model_dir):
     """max_async_level = 2, oversampling_factor = 2, an engine per process: both processes SIGKILLed after
     step 1, started again (they resume from the last checkpoint, the groups it had in flight played
     again), then SIGTERM to process 1 only after step 2: both stop after the same step, checkpointed.
     No trained token lags its step by more than 2 policy versions (`async/staleness_max`, from the
     versions every sampled token recorded), and generation did overlap training (a lag of 1)."""
-    cfg = write_config(tmp_path / "rl.toml", tiny_model_dir, "async", max_steps=6,
-                       extra="[buffer]\nskip_verification = true")
     # 16 decode slots: every rollout in flight samples at once
-    cfg.write_text(cfg.read_text().replace("max_async_level = 0", "max_async_level = 2")
-                   .replace("oversampling_factor = 1\n", "oversampling_factor = 2.0\n")
-                   .replace("decode_slots = 8", "decode_slots = 16"))
+    cfg = write_run_config(tmp_path / "rl.toml", tiny_model_dir, name="async", max_steps=6, synchronous=False,
+                           extra="max_async_level = 2\noversampling_factor = 2.0", decode_slots=16,
+                           tables="[buffer]\nskip_verification = true")
     ckpt_dir = str(tmp_path / "runs" / "async" / "checkpoints")
-    procs = _pair(cfg, tmp_path, "killed", compile_cache)
+    procs = _pair(cfg, tmp_path, "killed")
     try:
         wait_for(procs[0], tmp_path / "killed-0.log", "step    1 ", timeout=1200)
         for proc in procs:
@@ -99,7 +95,7 @@ def test_two_processes_async_keep_the_bound_resume_after_both_are_killed_and_sto
         assert [proc.wait(60) for proc in procs] == [-signal.SIGKILL] * 2
         after_kill = Checkpointer(ckpt_dir, read_only=True).latest_step() or 0
 
-        procs = _pair(cfg, tmp_path, "stopped", compile_cache)
+        procs = _pair(cfg, tmp_path, "stopped")
         log = tmp_path / "stopped-0.log"
         if after_kill:
             wait_for(procs[0], log, f"resuming from checkpoint step {after_kill}", timeout=1200)
@@ -115,7 +111,7 @@ def test_two_processes_async_keep_the_bound_resume_after_both_are_killed_and_sto
     meta = Checkpointer(ckpt_dir, read_only=True).read_meta(stopped_at)
     assert meta["step"] == stopped_at and meta["producer"]["in_flight"]  # the groups then in flight, listed
 
-    rows = metrics(tmp_path / "runs" / "async")
+    rows = read_metrics(tmp_path / "runs" / "async")
     assert [r["step"] for r in rows] == list(range(1, stopped_at + 1))
     for r in rows:
         assert r["rollouts/failed"] == 0 and r["train/samples"] == 8

@@ -3,14 +3,11 @@ which examples, rollouts and seeds each check plays, config errors, and one real
 
 import dataclasses
 import io
-import json
 import math
-import os
 import re
-import subprocess
-import sys
 
 import pytest
+from helpers import jaxrl, read_metrics, write_run_config
 from rich.console import Console
 
 from jaxrl.config.schema import ConfigError, RunConfig, load_config
@@ -123,27 +120,10 @@ def test_eval_env_errors_name_the_key(tmp_path):
 def test_run_with_eval_val_and_base_model(tmp_path, tiny_model_dir):
     """The real CLI in a subprocess, 2 steps: the base model is evaluated as step 0, [val] after every step,
     [eval] after step 2, each on the configured examples x rollouts, metrics in the step's row."""
-    cfg = tmp_path / "rl.toml"
-    cfg.write_text(f"""
-name = "evals"
-model = "jaxrl/qwen3-tiny"
-max_steps = 2
-batch_size = 8
-rollouts_per_example = 4
-learning_rate = 1e-2
-
-[sampling]
-max_tokens = 8
-
-[[env]]
-id = "jaxrl/lowercase"
-name = "lc-a"
-args = {{ num_eval_examples = 2 }}
-
-[[env]]
-id = "jaxrl/lowercase"
-name = "lc-b"
-
+    lc_a_and_b = 'id = "jaxrl/lowercase"\nname = "lc-a"\nargs = { num_eval_examples = 2 }\n\n' \
+                 '[[env]]\nid = "jaxrl/lowercase"\nname = "lc-b"'
+    cfg = write_run_config(tmp_path / "rl.toml", tiny_model_dir, name="evals", max_steps=2, synchronous=False,
+                           checkpoint_interval=None, env=lc_a_and_b, tables="""
 [eval]
 interval = 2
 num_examples = 2
@@ -153,7 +133,7 @@ eval_base_model = true
 [[eval.env]]
 id = "jaxrl/reverse-text"
 name = "rt"
-args = {{ num_eval_examples = 3, max_words = 2 }}
+args = { num_eval_examples = 3, max_words = 2 }
 num_examples = -1
 rollouts_per_example = 3
 
@@ -165,24 +145,15 @@ name = "lc-eval"
 interval = 1
 num_examples = 3
 rollouts_per_example = 1
-
-[jax]
-model_path = "{tiny_model_dir}"
-output_dir = "{tmp_path / 'runs'}"
-seq_len = 128
-lora_rank = 4
-decode_slots = 8
 """)
-    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    proc = subprocess.run([sys.executable, "-m", "jaxrl", "run", str(cfg)], capture_output=True, text=True,
-                          timeout=900, env=env)
+    proc = jaxrl("run", cfg, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for line in ("eval rt: 3 examples of its eval split x 3 rollouts",  # args, num_examples -1, override
                  "eval lc-eval: 2 examples of its eval split x 2 rollouts",  # the [eval] defaults
                  "val lc-a: 2 examples of its eval split x 1 rollouts",  # its split has 2 < num_examples
                  "val lc-b: 3 examples of its eval split x 1 rollouts"):
         assert line in proc.stdout, proc.stdout[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "runs" / "evals" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path / "runs" / "evals")
     assert [r["step"] for r in rows] == [0, 1, 2]
     base, first, second = rows
     assert "reward/mean" not in base and not any(k.startswith("val/") for k in base)  # eval only, no training

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 from etils import epath
+from helpers import finish, read_metrics, start, write_run_config
 from typer.testing import CliRunner
 
 from jaxrl.cli.main import app
@@ -448,14 +449,13 @@ def test_run_adapters_for_a_lora_peft_cannot_hold(tmp_path):
     assert "no PEFT adapters for this run" in console.export_text() and not (tmp_path / "a").exists()
 
 
-def test_a_run_writes_its_adapters_and_export_reads_its_checkpoint(tmp_path, tiny_model_dir, compile_cache):
+def test_a_run_writes_its_adapters_and_export_reads_its_checkpoint(tmp_path, tiny_model_dir):
     """A real 2-step `jaxrl run` with `[adapters] interval = 1, keep_last = 1`: only `adapters/step_2` is
     left, and it holds the LoRA of checkpoint 2, as `jaxrl export --adapter` writes it from there."""
-    from test_resume import finish, start, write_config
 
-    cfg = write_config(tmp_path / "rl.toml", tiny_model_dir, "adp", max_steps=2,
-                       extra="[adapters]\ninterval = 1\nkeep_last = 1\n[buffer]\nskip_verification = true\n")
-    code, log = finish(start(cfg, tmp_path / "run.log", compile_cache), tmp_path / "run.log")
+    cfg = write_run_config(tmp_path / "rl.toml", tiny_model_dir, name="adp", max_steps=2,
+                           tables="[adapters]\ninterval = 1\nkeep_last = 1\n\n[buffer]\nskip_verification = true\n")
+    code, log = finish(start(cfg, tmp_path / "run.log"), tmp_path / "run.log")
     run_dir = tmp_path / "runs" / "adp"
     assert code == 0, log
     assert f"PEFT adapters in {run_dir / 'adapters'}" in log
@@ -470,30 +470,27 @@ def test_a_run_writes_its_adapters_and_export_reads_its_checkpoint(tmp_path, tin
     assert any(np.any(v != 0) for k, v in written.items() if "lora_B" in k)  # trained, not the fresh LoRA
 
 
-def test_full_finetuning_run_resumes_and_exports_the_whole_model(tmp_path, tiny_model_dir, compile_cache):
+def test_full_finetuning_run_resumes_and_exports_the_whole_model(tmp_path, tiny_model_dir):
     """A real `jaxrl run` with `[jax] finetune = "full"` and a KL penalty: 2 steps, then resumed from its
     checkpoint to 3; the checkpoint holds every weight (moved from the model's), no adapter is written,
     `jaxrl export` writes a model that transformers loads with jaxrl's logits of those weights (and
     refuses an adapter), and `jaxrl serve` serves those weights."""
-    from test_resume import finish, start, write_config
-
     from jaxrl.cli import serve
     from jaxrl.export import exporter
 
     def config(steps):
-        path = write_config(tmp_path / "rl.toml", tiny_model_dir, "full", max_steps=steps,
-                            extra="[buffer]\nskip_verification = true\n",
-                            jax_extra='finetune = "full"\n[jax.loss]\nkl_coef = 0.01\n')
-        text = path.read_text().replace("lora_rank = 4\n", "").replace("learning_rate = 1e-2", "learning_rate = 1e-3")
-        path.write_text(text)
+        path = write_run_config(tmp_path / "rl.toml", tiny_model_dir, name="full", max_steps=steps, learning_rate=1e-3,
+                                tables="[buffer]\nskip_verification = true\n",
+                                jax_extra='finetune = "full"\n[jax.loss]\nkl_coef = 0.01\n')
+        path.write_text(path.read_text().replace("lora_rank = 4\n", ""))
         return path
 
     run_dir = tmp_path / "runs" / "full"
     for steps in (2, 3):
-        code, log = finish(start(config(steps), tmp_path / "run.log", compile_cache), tmp_path / "run.log")
+        code, log = finish(start(config(steps), tmp_path / "run.log"), tmp_path / "run.log")
         assert code == 0, log
     assert "resuming from checkpoint step 2" in log and "PEFT adapters" not in log
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[0]["policy/ref_kl"] == 0 < rows[-1]["policy/ref_kl"]
     assert not (run_dir / "adapters").exists()
 

@@ -3,7 +3,6 @@ a full disk, a non-finite loss, a missing or corrupt model folder, warm starts f
 or another model's, and secrets that must not leak. The matrix is in docs/reliability.md."""
 
 import dataclasses
-import os
 import re
 import shutil
 import subprocess
@@ -14,8 +13,17 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from test_resume import finish, metrics, start, wait_for, write_config
-from test_train import _batch, _setup
+from helpers import (
+    finish,
+    random_batch,
+    read_metrics,
+    start,
+    subprocess_env,
+    tiny_model_config,
+    tiny_trainer,
+    wait_for,
+    write_run_config,
+)
 
 from jaxrl.config.schema import ConfigError, load_config
 from jaxrl.model import hf
@@ -88,20 +96,21 @@ def _leaks(root: Path, text: str) -> list[str]:
     return found
 
 
-def test_failing_and_hanging_rollouts_are_dropped_then_a_mostly_failing_run_stops(tmp_path, tiny_model_dir,
-                                                                                   compile_cache):
+def test_failing_and_hanging_rollouts_are_dropped_then_a_mostly_failing_run_stops(tmp_path, tiny_model_dir):
     """Step 1: one reward raises and one hangs past the 3 s rollout timeout; both are dropped and
     counted, training goes on. Step 2: every reward raises; the run stops with the errors, secrets
     redacted, and the checkpoint of step 1 intact."""
     (tmp_path / "secrets.env").write_text(f"FAULTY_API_KEY={SECRET_FILE_VALUE}\n")
-    cfg = write_config(tmp_path / "rl.toml", tiny_model_dir, "faulty", max_steps=3, extra='env_file = ["secrets.env"]',
-                       env='id = "jaxrl/faulty-env"\nargs = { plan = { "3" = "raise", "6" = "hang" }, fail_after = 9 }',
-                       jax_extra="rollout_timeout = 3.0")
+    cfg = write_run_config(tmp_path / "rl.toml", tiny_model_dir, name="faulty", max_steps=3,
+                           extra='env_file = ["secrets.env"]',
+                           env='id = "jaxrl/faulty-env"\n'
+                               'args = { plan = { "3" = "raise", "6" = "hang" }, fail_after = 9 }',
+                           jax_extra="rollout_timeout = 3.0")
     log = tmp_path / "run.log"
-    proc = start(cfg, log, compile_cache, PYTHONPATH=str(_faulty_env_path(tmp_path)), WANDB_API_KEY=SECRET_ENV_VALUE)
+    proc = start(cfg, log, PYTHONPATH=str(_faulty_env_path(tmp_path)), WANDB_API_KEY=SECRET_ENV_VALUE)
     code, out = finish(proc, log)
     assert code == 1, out
-    rows = metrics(tmp_path / "runs" / "faulty")
+    rows = read_metrics(tmp_path / "runs" / "faulty")
     assert [r["step"] for r in rows] == [1]
     assert rows[0]["rollouts/failed"] == 2 and rows[0]["rollouts/timed_out"] == 1 and rows[0]["reward/mean"] == 1.0
     assert "step 1: 2 rollouts failed and were dropped" in out
@@ -125,20 +134,19 @@ def test_secrets_are_redacted():
     assert redact("a value-from-file b tok-123456 /usr/bin 1", secrets) == "a *** b *** /usr/bin 1"
 
 
-def test_gcs_answering_errors_mid_run_stops_clearly_and_keeps_local_state(tmp_path, tiny_model_dir, gcs, gcs_proxy,
-                                                                         compile_cache):
+def test_gcs_answering_errors_mid_run_stops_clearly_and_keeps_local_state(tmp_path, tiny_model_dir, gcs, gcs_proxy):
     """A run checkpointing to gs:// (warm-started from a gs:// checkpoint): the storage answers 503 from
     step 2 on; the run retries, then stops naming the step and the URL; metrics stay local."""
     mcfg, base = hf.load_hf(tiny_model_dir)
     seed_ckpt = Checkpointer("gs://jaxrl-test/faults/seed-run", keep=-1)
     seed_ckpt.save(5, _state_for(mcfg, base, rank=4), {"step": 5, "identity": _identity(mcfg)})
     seed_ckpt.close()
-    cfg = write_config(tmp_path / "rl.toml", tiny_model_dir, "gcs-down", max_steps=3,
-                       extra='checkpoint_id = "gs://jaxrl-test/faults/seed-run/5"',
-                       jax_extra='checkpoint_dir = "gs://jaxrl-test/faults"')
+    cfg = write_run_config(tmp_path / "rl.toml", tiny_model_dir, name="gcs-down", max_steps=3,
+                           extra='checkpoint_id = "gs://jaxrl-test/faults/seed-run/5"',
+                           jax_extra='checkpoint_dir = "gs://jaxrl-test/faults"')
     cfg.write_text(cfg.read_text().replace("interval = 1", "interval = 2"))
     log = tmp_path / "run.log"
-    proc = start(cfg, log, compile_cache)
+    proc = start(cfg, log)
     wait_for(proc, log, "step    1 ")
     gcs_proxy.set_mode("error")
     code, out = finish(proc, log)
@@ -147,7 +155,7 @@ def test_gcs_answering_errors_mid_run_stops_clearly_and_keeps_local_state(tmp_pa
     assert re.search(r"cannot save step 2 to gs://jaxrl-test/faults/gcs-down: .*not writable after 4 attempts.*503",
                      out), out
     assert "Traceback" not in out
-    assert [r["step"] for r in metrics(tmp_path / "runs" / "gcs-down")] == [1, 2]
+    assert [r["step"] for r in read_metrics(tmp_path / "runs" / "gcs-down")] == [1, 2]
 
 
 def _state_for(mcfg, base, rank: int):
@@ -163,7 +171,8 @@ def _identity(mcfg, rank: int = 4) -> dict:
 
 
 def test_warm_start_refuses_a_missing_checkpoint_or_another_models(tmp_path, tiny_model_dir):
-    cfg_path = write_config(tmp_path / "rl.toml", tiny_model_dir, "warm", max_steps=1, extra='checkpoint_id = "nope"')
+    cfg_path = write_run_config(tmp_path / "rl.toml", tiny_model_dir, name="warm", max_steps=1,
+                                extra='checkpoint_id = "nope"')
     with pytest.raises(ConfigError, match=r"checkpoint_id: 'nope': no checkpoint in .*/runs/nope/checkpoints"):
         runner.run(load_config(cfg_path))
     mcfg, base = hf.load_hf(tiny_model_dir)
@@ -197,7 +206,7 @@ def test_a_missing_or_corrupt_model_folder_is_a_clear_config_error(tmp_path, tin
             weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 3])
         else:
             (model / "config.json").write_text("{not json")
-    cfg = load_config(write_config(tmp_path / "rl.toml", model, "bad-model", max_steps=1))
+    cfg = load_config(write_run_config(tmp_path / "rl.toml", model, name="bad-model", max_steps=1))
     with pytest.raises(ConfigError, match="jax.model_path") as err:
         runner.run(cfg)
     if damage != "missing":
@@ -206,17 +215,17 @@ def test_a_missing_or_corrupt_model_folder_is_a_clear_config_error(tmp_path, tin
 
 def test_non_finite_loss_or_gradients_skip_the_step_and_keep_weights_finite():
     mesh = make_mesh({}, jax.devices()[:1])
-    base, trainer, state = _setup(mesh)
+    base, trainer, state = tiny_trainer(tiny_model_config(), mesh)
     lora0 = jax.tree.map(np.array, state.lora)
     for bad in ("inf advantage", "huge advantage"):
-        batch = _batch(0)
+        batch = random_batch(0)
         batch.advantages[0] = np.inf if bad == "inf advantage" else 3e38
         batch.advantages[1:] = 3e38 if bad == "huge advantage" else batch.advantages[1:]
         state, m = trainer.step(state, base, batch)
         assert float(m["optim/skipped"]) == 1.0, (bad, m)
         assert int(state.step) == 0
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b)), lora0, state.lora)
-    state, m = trainer.step(state, base, _batch(1))  # a good batch afterwards trains normally
+    state, m = trainer.step(state, base, random_batch(1))  # a good batch afterwards trains normally
     assert float(m["optim/skipped"]) == 0.0 and int(state.step) == 1
     assert all(bool(np.isfinite(np.asarray(x)).all()) for x in jax.tree.leaves(state.lora))
 
@@ -252,9 +261,8 @@ def test_a_full_disk_fails_the_checkpoint_clearly_and_keeps_the_previous_one(tmp
     script = tmp_path / "fill.py"
     script.write_text(DISK_FILLER)
     directory = tmp_path / "ckpt"
-    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    out = subprocess.run([sys.executable, str(script), str(directory)], capture_output=True, text=True, env=env,
-                         timeout=300)
+    out = subprocess.run([sys.executable, str(script), str(directory)], capture_output=True, text=True,
+                         env=subprocess_env(), timeout=300)
     assert out.returncode == 1, out.stdout + out.stderr
     assert re.search(rf"CheckpointError: cannot save step 2 to {directory}: .*(File too large|No space left)",
                      out.stdout), out.stdout

@@ -3,11 +3,8 @@ tokens as jaxrl's scheduler, and its gRPC server answers over the tiny checkpoin
 
 import asyncio
 import logging
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import grpc
@@ -15,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 from gcs_fixtures import free_port
+from helpers import spawn
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
 from typer.testing import CliRunner
 
@@ -147,17 +145,13 @@ def test_cli_jetstream_errors_are_one_clear_line(tiny_model_dir, args, message):
     assert message in result.stderr and "Traceback" not in result.output
 
 
-def test_cli_serve_jetstream_answers_grpc(served, tiny_model_dir, tmp_path, compile_cache):
+def test_cli_serve_jetstream_answers_grpc(served, tiny_model_dir, tmp_path):
     """`jaxrl serve MODEL --jetstream` as a user runs it; its greedy tokens are the scheduler's."""
     engine, _, _ = served
     _, base = hf.load_hf(tiny_model_dir)
     port, log = free_port(), tmp_path / "serve.log"
-    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-                        "JAX_COMPILATION_CACHE_DIR": str(compile_cache),
-                        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    proc = subprocess.Popen([sys.executable, "-m", "jaxrl", "serve", str(tiny_model_dir), "--jetstream", "--port",
-                             str(port), "--seq-len", "64", "--decode-slots", "2", "--no-warmup"],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    proc = spawn("serve", tiny_model_dir, "--jetstream", "--port", port, "--seq-len", "64", "--decode-slots", "2",
+                 "--no-warmup", log=log)
     try:
         deadline = time.monotonic() + 300
         while not re.search(rf"at grpc://127\.0\.0\.1:{port} ", log.read_text()):

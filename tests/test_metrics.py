@@ -3,14 +3,12 @@ are read back from its `.wandb` file (W&B's LevelDB-style log of protobuf record
 
 import json
 import math
-import os
 import struct
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers import jaxrl, read_metrics, subprocess_env, write_run_config
 from rich.console import Console
 
 from jaxrl.config.envs import BufferConfig
@@ -134,51 +132,19 @@ def test_two_copies_of_one_env_with_ratios_filtering_and_wandb(tmp_path, tiny_mo
     online difficulty filtering, W&B offline and a secret in an env_file. Each copy gets its own metrics,
     the groups split 1:3, the buffer state is in the checkpoint, and the secret is nowhere in the run."""
     (tmp_path / "secrets.env").write_text(f"JAXRL_TEST_TOKEN={SECRET}\n")
-    cfg = tmp_path / "rl.toml"
-    cfg.write_text(f"""
-name = "multi"
-model = "jaxrl/qwen3-tiny"
-max_steps = 2
-batch_size = 8
-rollouts_per_example = 2
-env_file = ["secrets.env"]
-max_async_level = 0  # synchronous: each step trains the groups drawn for it
-oversampling_factor = 1
-
-[sampling]
-max_tokens = 8
-
-[[env]]
-id = "jaxrl/lowercase"
-name = "lc-small"
-args = {{ num_train_examples = 3, seed = 1 }}
-
-[[env]]
-id = "jaxrl/lowercase"
-name = "lc"
-
-[buffer]
-online_difficulty_filtering = true
-env_ratios = [1.0, 3.0]
-
-[wandb]
-project = "jaxrl-test"
-
-[jax]
-model_path = "{tiny_model_dir}"
-output_dir = "{tmp_path / 'runs'}"
-seq_len = 128
-lora_rank = 4
-decode_slots = 8
-""")
-    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "WANDB_MODE")}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-    proc = subprocess.run([sys.executable, "-m", "jaxrl", "run", str(cfg)], capture_output=True, text=True,
-                          timeout=900, env=env)
+    two_copies = 'id = "jaxrl/lowercase"\nname = "lc-small"\nargs = { num_train_examples = 3, seed = 1 }\n\n' \
+                 '[[env]]\nid = "jaxrl/lowercase"\nname = "lc"'
+    # synchronous: each step trains the groups drawn for it
+    cfg = write_run_config(tmp_path / "rl.toml", tiny_model_dir, name="multi", max_steps=2, rollouts_per_example=2,
+                           checkpoint_interval=None, extra='env_file = ["secrets.env"]', env=two_copies,
+                           tables='[buffer]\nonline_difficulty_filtering = true\nenv_ratios = [1.0, 3.0]\n\n'
+                                  '[wandb]\nproject = "jaxrl-test"')
+    env = {k: v for k, v in subprocess_env().items() if k not in ("WANDB_API_KEY", "WANDB_MODE")}
+    proc = jaxrl("run", cfg, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = tmp_path / "runs" / "multi"
     assert f"W&B: offline run in {run_dir / 'wandb'}" in proc.stdout
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert 0 <= r["reward/lc-small/mean"] <= 1 and 0 <= r["reward/lc/mean"] <= 1

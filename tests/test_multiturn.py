@@ -3,31 +3,19 @@ traces through the in-process harness, verifiers' train client and the real serv
 and how a trace becomes training samples ("interleaved" or "branching")."""
 
 import asyncio
-import json
 import math
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-import jax
 import pytest
 from follow_rules.taskset import RULES, SHORT_CHARS, rule_score
+from helpers import REPO, SERVED_MODEL, jaxrl, read_metrics, shrink
 from tokenizers import Tokenizer
 
 from jaxrl.envs.loader import Rollout, load_env, run_group
-from jaxrl.inference.engine import Engine
 from jaxrl.inference.protocol import SamplingParams
-from jaxrl.inference.scheduler import Scheduler
-from jaxrl.inference.server import start_server
-from jaxrl.model import hf
-from jaxrl.parallel.sharding import make_mesh
 from jaxrl.rl.samples import training_samples, turn_samples
 
-MODEL = "policy"
 TURNS = 3
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_rule_scores_by_hand():
@@ -87,40 +75,15 @@ def test_training_samples_by_strategy():
         training_samples([two_turns], "depth-first")
 
 
-class Recording:
-    """The real scheduler behind the server, recording each request's prompt ids, completion, logprobs
-    and seed."""
-
-    def __init__(self, scheduler: Scheduler):
-        self.scheduler, self.model_name, self.max_model_len = scheduler, MODEL, scheduler.max_model_len
-        self.calls: list[tuple[list[int], list[int], list[float], int | None]] = []
-
-    async def generate(self, prompt_ids, params, *args, **kwargs):
-        out = await self.scheduler.generate(prompt_ids, params, *args, **kwargs)
-        self.calls.append((list(prompt_ids), list(out.token_ids), list(out.logprobs), params.seed))
-        return out
-
-
-@pytest.fixture(scope="module")
-def tiny_server(tiny_model_dir):
-    mcfg, base = hf.load_hf(tiny_model_dir)
-    engine = Engine(mcfg, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=4, max_seq_len=160)
-    scheduler = Scheduler(engine, {"base": base, "lora": None}, model_name=MODEL)
-    backend = Recording(scheduler)
-    handle = start_server(backend)
-    yield handle, backend
-    handle.stop()
-    scheduler.stop()
-
-
-def test_multiturn_traces_through_the_real_server(tiny_server, tiny_model_dir):
-    server, backend = tiny_server
+def test_multiturn_traces_through_the_real_server(recording_server, tiny_model_dir):
+    server, backend = recording_server
+    backend.calls = []
     env = load_env("jaxrl/follow-rules", {"num_train_examples": 4, "num_eval_examples": 1})
     task = env.tasks[1]
 
     async def go():
         async with env.serving():
-            return await run_group(env, task, 2, base_url=server.base_url, model_name=MODEL,
+            return await run_group(env, task, 2, base_url=server.base_url, model_name=SERVED_MODEL,
                                    tokenizer_path=tiny_model_dir,
                                    sampling=SamplingParams(temperature=1.0, max_tokens=8, seed=11))
 
@@ -167,25 +130,19 @@ def test_multiturn_traces_through_the_real_server(tiny_server, tiny_model_dir):
             assert sample_lps == pytest.approx([0.0] * len(prompt) + lps)
 
 
-def test_multiturn_config_trains_with_branching(tmp_path, tiny_model_dir, compile_cache):
+def test_multiturn_config_trains_with_branching(tmp_path, tiny_model_dir):
     """configs/multiturn.toml, shrunk to one small step, runs through the real CLI with
     trajectory_strategy = "branching": every rollout of the step trains as one sample per turn."""
-    text = (REPO / "configs" / "multiturn.toml").read_text()
-    for old, new in [("max_steps = 10", "max_steps = 1"), ("batch_size = 16", "batch_size = 4"),
-                     ("rollouts_per_example = 8", "rollouts_per_example = 2"), ("max_tokens = 16", "max_tokens = 4"),
-                     ('trajectory_strategy = "interleaved"', 'trajectory_strategy = "branching"'),
-                     ('model_path = "../assets/qwen3-tiny"', f'model_path = "{tiny_model_dir}"\n'
-                                                             f'output_dir = "{tmp_path / "runs"}"'),
-                     ("decode_slots = 32", "decode_slots = 4")]:
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
+    text = shrink((REPO / "configs" / "multiturn.toml").read_text(), [
+        ("max_steps = 10", "max_steps = 1"), ("batch_size = 16", "batch_size = 4"),
+        ("rollouts_per_example = 8", "rollouts_per_example = 2"), ("max_tokens = 16", "max_tokens = 4"),
+        ('trajectory_strategy = "interleaved"', 'trajectory_strategy = "branching"'),
+        ('model_path = "../assets/qwen3-tiny"', f'model_path = "{tiny_model_dir}"\noutput_dir = "{tmp_path / "runs"}"'),
+        ("decode_slots = 32", "decode_slots = 4")])
     cfg = tmp_path / "multiturn.toml"
     cfg.write_text(text + "\n[buffer]\nskip_verification = true\n")  # the rollout test above covers the env
-    env = os.environ | {"JAX_COMPILATION_CACHE_DIR": str(compile_cache),
-                        "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    out = subprocess.run([sys.executable, "-m", "jaxrl", "run", str(cfg)], capture_output=True, text=True,
-                         timeout=600, env=env)
+    out = jaxrl("run", cfg)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    (row,) = [json.loads(line) for line in (tmp_path / "runs" / "multiturn" / "metrics.jsonl").read_text().splitlines()]
+    (row,) = read_metrics(tmp_path / "runs" / "multiturn")
     assert row["rollouts/failed"] == 0 and row["train/samples"] == 4 * TURNS
     assert 0.0 <= row["reward/mean"] <= 1.0 and math.isfinite(row["loss"])

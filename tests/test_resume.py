@@ -2,7 +2,6 @@
 started again, against an uninterrupted run of the same config; and processes killed in the middle of
 an Orbax write, locally and on the GCS emulator."""
 
-import json
 import os
 import random
 import signal
@@ -15,80 +14,13 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import finish, read_metrics, reproducible, start, subprocess_env, wait_for, write_run_config
 
 from jaxrl.rl.train import TrainState
 from jaxrl.run.checkpoint import Checkpointer
 
-REPO = Path(__file__).resolve().parents[1]
-NOT_REPRODUCIBLE = ("time/", "tokens_per_s")  # wall-clock figures
 
-
-def write_config(path: Path, model: Path, name: str, *, max_steps: int, extra: str = "", jax_extra: str = "",
-                 env: str = 'id = "jaxrl/lowercase"') -> Path:
-    """A tiny run config at `path` (runs go under `path.parent / "runs"`)."""
-    path.write_text(f"""
-name = "{name}"
-model = "jaxrl/qwen3-tiny"
-max_steps = {max_steps}
-batch_size = 8
-rollouts_per_example = 4
-learning_rate = 1e-2
-max_async_level = 0  # synchronous: reproducible token for token
-oversampling_factor = 1
-{extra}
-
-[sampling]
-max_tokens = 8
-
-[[env]]
-{env}
-
-[checkpoints]
-interval = 1
-
-[jax]
-model_path = "{model}"
-output_dir = "{path.parent / 'runs'}"
-seq_len = 128
-lora_rank = 4
-decode_slots = 8
-{jax_extra}
-""")
-    return path
-
-
-def start(cfg: Path, log: Path, cache: Path, **env: str) -> subprocess.Popen:
-    """`python -m jaxrl run cfg` on one emulated CPU device, stdout and stderr to `log`."""
-    environ = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-                            "JAX_COMPILATION_CACHE_DIR": str(cache),
-                            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"} | env
-    out = log.open("w")
-    return subprocess.Popen([sys.executable, "-m", "jaxrl", "run", str(cfg)], stdout=out, stderr=subprocess.STDOUT,
-                            env=environ, cwd=cfg.parent)
-
-
-def wait_for(proc: subprocess.Popen, log: Path, text: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in log.read_text():
-        assert proc.poll() is None, f"exited {proc.returncode} before {text!r}:\n{log.read_text()}"
-        assert time.monotonic() < deadline, f"no {text!r} after {timeout}s:\n{log.read_text()}"
-        time.sleep(0.05)
-
-
-def finish(proc: subprocess.Popen, log: Path, timeout: float = 600) -> tuple[int, str]:
-    proc.wait(timeout)
-    return proc.returncode, log.read_text()
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def reproducible(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(NOT_REPRODUCIBLE)} for r in rows]
-
-
-def test_killed_and_preempted_run_reproduces_the_uninterrupted_one(tmp_path, tiny_model_dir, gcs, compile_cache):
+def test_killed_and_preempted_run_reproduces_the_uninterrupted_one(tmp_path, tiny_model_dir, gcs):
     """The reference run checkpoints locally; the interrupted one to gs:// (the emulator). SIGKILL lands
     at a random moment after a step is logged (its checkpoint being written, the next step's rollouts
     or train step); SIGTERM makes the run checkpoint and exit 143. The resumed run's metrics equal
@@ -98,30 +30,30 @@ def test_killed_and_preempted_run_reproduces_the_uninterrupted_one(tmp_path, tin
     print(f"kill timing seed {seed} (set JAXRL_TEST_SEED to replay)")
     steps = 3
     (tmp_path / "ref").mkdir()
-    ref_cfg = write_config(tmp_path / "ref" / "rl.toml", tiny_model_dir, "ref", max_steps=steps)
-    code, out = finish(start(ref_cfg, tmp_path / "ref.log", compile_cache), tmp_path / "ref.log")
+    ref_cfg = write_run_config(tmp_path / "ref" / "rl.toml", tiny_model_dir, name="ref", max_steps=steps)
+    code, out = finish(start(ref_cfg, tmp_path / "ref.log"), tmp_path / "ref.log")
     assert code == 0, out
-    reference = reproducible(metrics(tmp_path / "ref" / "runs" / "ref"))
+    reference = reproducible(read_metrics(tmp_path / "ref" / "runs" / "ref"))
     assert [r["step"] for r in reference] == [1, 2, 3]
 
     (tmp_path / "cut").mkdir()
     url = "gs://jaxrl-test/resume"
-    cfg = write_config(tmp_path / "cut" / "rl.toml", tiny_model_dir, "cut", max_steps=steps,
-                       jax_extra=f'checkpoint_dir = "{url}"')
+    cfg = write_run_config(tmp_path / "cut" / "rl.toml", tiny_model_dir, name="cut", max_steps=steps,
+                           jax_extra=f'checkpoint_dir = "{url}"')
     run_dir = tmp_path / "cut" / "runs" / "cut"
 
     log = tmp_path / "cut-1.log"  # SIGKILL after step 1 is logged
-    proc = start(cfg, log, compile_cache)
+    proc = start(cfg, log)
     wait_for(proc, log, "step    1 ")
     time.sleep(rng.uniform(0.0, 1.0))
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(60) == -signal.SIGKILL
     ckpt = Checkpointer(f"{url}/cut", read_only=True)
     after_kill = ckpt.latest_step() or 0
-    print(f"killed with checkpoints {ckpt.all_steps()}, {len(metrics(run_dir))} metrics rows")
+    print(f"killed with checkpoints {ckpt.all_steps()}, {len(read_metrics(run_dir))} metrics rows")
 
     log = tmp_path / "cut-2.log"  # SIGTERM after the next step is logged: checkpoint, exit 143
-    proc = start(cfg, log, compile_cache)
+    proc = start(cfg, log)
     wait_for(proc, log, "resuming from checkpoint" if after_kill else "step    1 ")
     wait_for(proc, log, f"step    {after_kill + 1} ")
     time.sleep(rng.uniform(0.0, 0.5))
@@ -134,11 +66,11 @@ def test_killed_and_preempted_run_reproduces_the_uninterrupted_one(tmp_path, tin
     assert Checkpointer(f"{url}/cut", read_only=True).latest_step() == preempted_at
 
     log = tmp_path / "cut-3.log"
-    code, out = finish(start(cfg, log, compile_cache), log)
+    code, out = finish(start(cfg, log), log)
     assert code == 0, out
     if preempted_at < steps:
         assert f"resuming from checkpoint step {preempted_at}" in out
-    assert reproducible(metrics(run_dir)) == reference
+    assert reproducible(read_metrics(run_dir)) == reference
     assert Checkpointer(f"{url}/cut", read_only=True).all_steps() == [1, 2, 3]
     assert not (run_dir / "checkpoints").exists()  # checkpoints went to gs://, metrics stayed local
 
@@ -172,8 +104,8 @@ def test_a_checkpoint_killed_mid_write_is_never_resumed_from(tmp_path, where, re
         partial = lambda: [p for p in Path(directory).glob("2.orbax-checkpoint-tmp*")]  # noqa: E731
     script = tmp_path / "writer.py"
     script.write_text(WRITER)
-    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    proc = subprocess.Popen([sys.executable, str(script), directory], stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, str(script), directory], stdout=subprocess.PIPE, text=True,
+                            env=subprocess_env())
     assert proc.stdout.readline().strip() == "writing"
     deadline = time.monotonic() + 60
     while not partial():

@@ -1,77 +1,26 @@
 """The main job end to end, through the real CLI in a subprocess: tiny Qwen3, a shipped verifiers
 environment, the in-process rollout server, LoRA training, checkpoints and resume."""
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import REPO, jaxrl, read_metrics, write_run_config
 
 from jaxrl.model import assets
 
-REPO = Path(__file__).resolve().parents[1]
 
-
-@pytest.fixture(scope="session")
-def tiny_model_dir() -> Path:
-    return assets.ensure_tiny_assets(REPO / "assets").resolve()
-
-
-def _config(tmp_path: Path, model: Path, *, max_steps: int, extra: str = "", jax_extra: str = "",
-            sampling_extra: str = "") -> Path:
-    path = tmp_path / "rl.toml"
-    path.write_text(f"""
-name = "e2e"
-model = "jaxrl/qwen3-tiny"
-max_steps = {max_steps}
-batch_size = 8
-rollouts_per_example = 4
-learning_rate = 1e-2
-max_async_level = 0  # synchronous: reproducible token for token
-oversampling_factor = 1
-{extra}
-
-[sampling]
-max_tokens = 8
-{sampling_extra}
-
-[[env]]
-id = "jaxrl/lowercase"
-
-[checkpoints]
-interval = 2
-
-[jax]
-model_path = "{model}"
-output_dir = "{tmp_path / 'runs'}"
-seq_len = 128
-lora_rank = 4
-decode_slots = 8
-{jax_extra}
-""")
-    return path
-
-
-def _jaxrl(*args: str, devices: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`jaxrl ARGS` in a fresh process that sees `devices` emulated CPU devices."""
-    env = os.environ | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    cmd = [sys.executable, "-m", "jaxrl", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def _config(tmp_path: Path, model: Path, *, max_steps: int, jax_extra: str = "", sampling: str = "") -> Path:
+    return write_run_config(tmp_path / "rl.toml", model, max_steps=max_steps, checkpoint_interval=2,
+                            jax_extra=jax_extra, sampling=sampling)
 
 
 def test_run_trains_checkpoints_and_resumes(tmp_path, tiny_model_dir):
     cfg = _config(tmp_path, tiny_model_dir, max_steps=3)
-    first = _jaxrl("run", str(cfg), devices=2)  # all-1 mesh -> fsdp=2: the restore is sharded
+    first = jaxrl("run", str(cfg), devices=2)  # all-1 mesh -> fsdp=2: the restore is sharded
     assert first.returncode == 0, first.stdout + first.stderr
     run_dir = tmp_path / "runs" / "e2e"
-    rows = _metrics(run_dir)
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert 0.0 <= r["reward/mean"] <= 1.0 and r["rollouts/failed"] == 0
@@ -79,27 +28,27 @@ def test_run_trains_checkpoints_and_resumes(tmp_path, tiny_model_dir):
         assert r["async/staleness_max"] == 0 and r["async/in_flight"] == 0  # synchronous: nothing ahead
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == [2, 3]
 
-    again = _jaxrl("run", str(cfg), devices=2)  # same run, already complete
+    again = jaxrl("run", str(cfg), devices=2)  # same run, already complete
     assert again.returncode == 0 and "already complete" in again.stdout
 
     cfg = _config(tmp_path, tiny_model_dir, max_steps=5)
-    resumed = _jaxrl("run", str(cfg), devices=2)
+    resumed = jaxrl("run", str(cfg), devices=2)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resuming from checkpoint step 3" in resumed.stdout
-    assert [r["step"] for r in _metrics(run_dir)] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4, 5]
 
 
 def test_run_on_a_2x2x2_mesh(tmp_path, tiny_model_dir):
     cfg = _config(tmp_path, tiny_model_dir, max_steps=1, jax_extra="mesh = { data = 2, fsdp = 2, tensor = 2 }")
-    out = _jaxrl("run", str(cfg), devices=8)
+    out = jaxrl("run", str(cfg), devices=8)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "'data': 2, 'fsdp': 2, 'tensor': 2" in out.stdout
-    assert _metrics(tmp_path / "runs" / "e2e")[0]["rollouts/failed"] == 0
+    assert read_metrics(tmp_path / "runs" / "e2e")[0]["rollouts/failed"] == 0
 
 
 def test_run_refuses_a_missing_model_without_traceback(tmp_path):
     cfg = _config(tmp_path, tmp_path / "nowhere", max_steps=1)
-    out = _jaxrl("run", str(cfg))
+    out = jaxrl("run", str(cfg))
     assert out.returncode == 2
     assert "jax.model_path" in out.stderr + out.stdout and "Traceback" not in out.stderr + out.stdout
 
@@ -112,9 +61,9 @@ def test_lowercase_is_learned(tmp_path, tiny_model_dir):
                    .replace('name = "quickstart"', 'name = "learn"')
                    .replace('model_path = "../assets/qwen3-tiny"', f'model_path = "{tiny_model_dir}"\n'
                             f'output_dir = "{tmp_path / "runs"}"'))
-    out = _jaxrl("run", str(cfg), timeout=900)
+    out = jaxrl("run", str(cfg), timeout=900)
     assert out.returncode == 0, out.stdout + out.stderr
-    rewards = [r["reward/mean"] for r in _metrics(tmp_path / "runs" / "learn")]
+    rewards = [r["reward/mean"] for r in read_metrics(tmp_path / "runs" / "learn")]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     print(f"reward/mean: first 3 steps {first:.3f}, last 3 steps {last:.3f}: {rewards}")
     assert last > first + 0.1
@@ -124,10 +73,10 @@ def test_moe_run_with_expert_parallelism(tmp_path):
     """The main job on a tiny Qwen3-MoE with 2-way expert parallelism trains, checkpoints and logs."""
     moe_dir = assets.ensure_tiny_assets(REPO / "assets", moe=True).resolve()
     cfg = _config(tmp_path, moe_dir, max_steps=2, jax_extra="mesh = { expert = 2 }")
-    proc = _jaxrl("run", str(cfg), devices=2)
+    proc = jaxrl("run", str(cfg), devices=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "'expert': 2" in proc.stdout
-    rows = _metrics(tmp_path / "runs" / "e2e")
+    rows = read_metrics(tmp_path / "runs" / "e2e")
     assert [r["step"] for r in rows] == [1, 2]
     assert all(math.isfinite(r["loss"]) and r["optim/grad_norm"] > 0 for r in rows)
     assert (tmp_path / "runs" / "e2e" / "checkpoints" / "2").is_dir()
@@ -161,10 +110,10 @@ weight_decay = 0.01
 start_temperature = 1.5
 end_temperature = 0.5
 """
-    cfg = _config(tmp_path, tiny_model_dir, max_steps=2, jax_extra=knobs, sampling_extra="min_tokens = 2")
-    out = _jaxrl("run", str(cfg))
+    cfg = _config(tmp_path, tiny_model_dir, max_steps=2, jax_extra=knobs, sampling="min_tokens = 2")
+    out = jaxrl("run", str(cfg))
     assert out.returncode == 0, out.stdout + out.stderr
-    rows = _metrics(tmp_path / "runs" / "e2e")
+    rows = read_metrics(tmp_path / "runs" / "e2e")
     assert [r["optim/lr"] for r in rows] == pytest.approx([1e-2, 5e-3])
     assert [r["sampling/temperature"] for r in rows] == [1.5, 0.5] and rows[0]["policy/kl"] < 1e-3
     assert all(r["rollouts/failed"] == 0 and r["seq_len"] > 2 for r in rows)

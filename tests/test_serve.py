@@ -5,11 +5,9 @@ then stopped by SIGINT / SIGTERM; and its errors as one clear line."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import spawn
 from typer.testing import CliRunner
 
 from jaxrl.cli.main import app
@@ -48,15 +47,11 @@ lora_rank = {rank}
 """
 
 
-def serve(args: list[str], log: Path, cache: Path, **env: str) -> tuple[subprocess.Popen, str]:
+def serve(args: list[str], log: Path, **env: str) -> tuple[subprocess.Popen, str]:
     """`python -m jaxrl serve ARGS --port 0` on one CPU device; returns the process and its base URL
     once it prints it."""
-    environ = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-                            "JAX_COMPILATION_CACHE_DIR": str(cache),
-                            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"} | env
-    proc = subprocess.Popen([sys.executable, "-m", "jaxrl", "serve", *args, "--port", "0", "--seq-len", "64",
-                             "--decode-slots", "2", "--no-warmup"],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=environ)
+    proc = spawn("serve", *args, "--port", "0", "--seq-len", "64", "--decode-slots", "2", "--no-warmup", log=log,
+                 **env)
     deadline = time.monotonic() + 300
     while not (found := re.search(r"at (http://127\.0\.0\.1:\d+/v1) ", log.read_text())):
         assert proc.poll() is None, f"exited {proc.returncode}:\n{log.read_text()}"
@@ -71,10 +66,9 @@ def stop(proc: subprocess.Popen, sig: int, log: Path) -> None:
     assert "stopping" in log.read_text() and "Traceback" not in log.read_text()
 
 
-def test_serve_a_model_folder_with_an_api_key(tiny_model_dir, tmp_path, compile_cache):
+def test_serve_a_model_folder_with_an_api_key(tiny_model_dir, tmp_path):
     log = tmp_path / "serve.log"
-    proc, base = serve([str(tiny_model_dir), "--name", "tiny", "--api-key-env", KEY_VAR], log, compile_cache,
-                       **{KEY_VAR: "k3y"})
+    proc, base = serve([str(tiny_model_dir), "--name", "tiny", "--api-key-env", KEY_VAR], log, **{KEY_VAR: "k3y"})
     try:
         root = base.removesuffix("/v1")
         assert httpx.get(root + "/health").json() == {"status": "ok", "pending": 0}
@@ -120,10 +114,10 @@ def run_dir(tmp_path_factory, tiny_model_dir):
     return run, mcfg, params, lora
 
 
-def test_serve_a_checkpoint_applies_its_lora(run_dir, tmp_path, compile_cache):
+def test_serve_a_checkpoint_applies_its_lora(run_dir, tmp_path):
     run, mcfg, params, lora = run_dir
     log = tmp_path / "serve.log"
-    proc, base = serve([str(run)], log, compile_cache)
+    proc, base = serve([str(run)], log)
     try:
         assert f"checkpoint step 3 of {run / 'checkpoints'} (LoRA r{RANK}" in log.read_text()
         body = {"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 6, "temperature": 1.0, "seed": 5,

@@ -3,17 +3,13 @@ chat template, packing (positions, segments), the epoch order, the SFT loss, and
 whose checkpoint an RL run warm-starts from."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from helpers import REPO, jaxrl, read_metrics, tiny_model_config, tiny_trainer
 from rich.console import Console
-from test_run import _metrics
-from test_train import CFG, _setup
 from typer.testing import CliRunner
 
 from jaxrl.cli.main import app
@@ -27,7 +23,7 @@ from jaxrl.run.checkpoint import Checkpointer
 from jaxrl.run.runner import Run
 from jaxrl.run.sft import SftRun
 
-REPO = Path(__file__).resolve().parents[1]
+CFG = tiny_model_config()
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "hello there"}, {"role": "user", "content": "again"},
         {"role": "assistant", "content": "ok"}]
@@ -231,7 +227,7 @@ def test_sft_step_packed_equals_one_sample_per_row_and_loss_falls():
     """The SFT loss of packed rows equals the loss of the same samples one per row (segments keep them
     apart in the train step), and a few steps on a tiny set lower it."""
     mesh = make_mesh({}, jax.devices()[:1])
-    base, trainer, state = _setup(mesh, objective="sft")
+    base, trainer, state = tiny_trainer(CFG, mesh, objective="sft")
     samples = _rows(0, 6, 32)
     packed, single = sft.pack(samples, 32), sft.pack(samples, 9)  # 9 pairs: room for one sample per row
     assert packed.rows < single.rows == 6
@@ -269,13 +265,11 @@ lora_rank = 4
 """
     sft_cfg = _write(tmp_path / "sft.toml", f'name = "warm"\n{common}[jax.sft]\ndata = "d.jsonl"\n'
                                             f'batch_size = 1\nepochs = 3\n')  # one row: 3 steps
-    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    done = subprocess.run([sys.executable, "-m", "jaxrl", "sft", str(sft_cfg)], capture_output=True, text=True,
-                          timeout=600, env=env)
+    done = jaxrl("sft", sft_cfg)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "SFT data: 4 conversations in 1 rows of 128 tokens" in done.stdout, done.stdout
     run_dir = tmp_path / "runs" / "warm"
-    rows = _metrics(run_dir)
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["tokens_per_s"] > 0 and r["sft/loss_tokens"] > 0 for r in rows)
     assert rows[-1]["loss"] < rows[0]["loss"]  # the one row, three times
@@ -283,7 +277,7 @@ lora_rank = 4
     # more steps: the same run resumes from its checkpoint 3 (in this process) and trains step 4 only
     _write(sft_cfg, "max_steps = 4\n" + sft_cfg.read_text().replace("epochs = 3\n", ""))
     runner.run(load_config(sft_cfg), Console(quiet=True), run_class=SftRun)
-    assert [r["step"] for r in _metrics(run_dir)] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
     ckpt = Checkpointer(str(run_dir / "checkpoints"), read_only=True)
     assert ckpt.all_steps() == [2, 3, 4]
 

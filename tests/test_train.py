@@ -5,44 +5,25 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import random_batch, tiny_model_config, tiny_trainer
 
 from jaxrl.config.algorithms import LossConfig
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
 from jaxrl.model import qwen3
-from jaxrl.model.qwen3 import LORA_TARGETS, ModelConfig
+from jaxrl.model.qwen3 import LORA_TARGETS
 from jaxrl.parallel.sharding import make_mesh, spec_shardings
 from jaxrl.rl.train import Trainer, learning_rate, loss_width, make_batch, make_optimizer, sampled_logprobs
 from jaxrl.run.checkpoint import Checkpointer
 
-CFG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8)
+CFG = tiny_model_config()
 TARGETS = tuple(LORA_TARGETS)
 LR = 1e-2
 
 
 def _setup(mesh, tx=None, **trainer_args):
-    base = qwen3.init_params(CFG, jax.random.key(0))
-    base = jax.device_put(base, spec_shardings(qwen3.param_specs(CFG), CFG.dims(), mesh))
-    lora = qwen3.init_lora(CFG, 4, TARGETS, jax.random.key(1))
-    lora = jax.device_put(lora, spec_shardings(qwen3.lora_specs(CFG, 4, TARGETS), {**CFG.dims(), "R": 4}, mesh))
-    trainer = Trainer(CFG, mesh, tx or make_optimizer(LR), lora_scale=2.0, **trainer_args)
-    return base, trainer, trainer.init_state(base, lora)
-
-
-def _batch(seed=0, b=8, t=24):
-    rng = np.random.default_rng(seed)
-    samples = []
-    for _ in range(b):
-        n = int(rng.integers(8, t))
-        ids = rng.integers(0, 128, n).tolist()
-        prompt = int(rng.integers(2, n - 2))
-        mask = [i >= prompt for i in range(n)]
-        lps = [float(-rng.uniform(3, 6)) if m else 0.0 for m in mask]
-        samples.append((ids, mask, lps))
-    adv = rng.normal(size=b).astype(np.float32)
-    return make_batch(samples, adv, temperature=1.0, pad_to=32)
+    return tiny_trainer(CFG, mesh, LR, tx=tx, **trainer_args)
 
 
 def test_make_batch_shifts_and_masks():
@@ -59,7 +40,7 @@ def test_base_weights_bit_identical_and_stateless_in_optimizer():
     before = jax.tree.map(np.array, base)
     lora0 = jax.tree.map(np.array, state.lora)
     for i in range(3):
-        state, metrics = trainer.step(state, base, _batch(i))
+        state, metrics = trainer.step(state, base, random_batch(i))
     assert int(state.step) == 3 and float(metrics["optim/skipped"]) == 0
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b)), before, base)
     changed = jax.tree.map(lambda a, b: not np.array_equal(a, np.asarray(b)), lora0, state.lora)
@@ -102,7 +83,7 @@ def test_make_batch_lists_each_rows_loss_positions():
 
 # float32 unit roundoff (half the machine epsilon) and the accumulation lengths of the sharded-parity tests below.
 U32 = float(np.finfo(np.float32).eps) / 2
-PARITY_BATCH, PARITY_WIDTH = 8, 31  # _batch(): 8 samples, pad_to 32 -> 31 positions
+PARITY_BATCH, PARITY_WIDTH = 8, 31  # random_batch(): 8 samples, pad_to 32 -> 31 positions
 ADAM_EPS = 1e-8  # optax.adamw's default, which make_optimizer keeps
 # Terms summed along the longest reduction path from the loss to a LoRA gradient: the loss and each weight
 # gradient over the batch's tokens (twice), the logsumexp over the vocabulary, and per layer the contractions over
@@ -124,7 +105,7 @@ def _lora_grads(trainer, base, lora, batch):
 def parity():
     """The same model, LoRA (every factor non-zero: fresh LoRA has b = 0, so a would get no gradient) and
     optimizer state on one device ("one") and on a data 2 x fsdp 2 x tensor 2 mesh ("mesh"), as
-    (base, trainer, state); and the one-device LoRA gradient of `_batch(0)` with its metrics."""
+    (base, trainer, state); and the one-device LoRA gradient of `random_batch(0)` with its metrics."""
     setups = {}
     for name, shape, n in (("one", {}, 1), ("mesh", {"data": 2, "fsdp": 2, "tensor": 2}, 8)):
         base, trainer, state = _setup(make_mesh(shape, jax.devices()[:n]))
@@ -134,7 +115,7 @@ def parity():
         setups[name] = (base, trainer, trainer.init_state(base, lora))
     assert len(jax.tree.leaves(setups["mesh"][2].lora)[0].sharding.device_set) == 8
     base, trainer, state = setups["one"]
-    return setups, _lora_grads(trainer, base, state.lora, _batch(0))
+    return setups, _lora_grads(trainer, base, state.lora, random_batch(0))
 
 
 def test_sharded_gradients_match_single_device(parity):
@@ -145,7 +126,7 @@ def test_sharded_gradients_match_single_device(parity):
     twice for two orders. Measured on 2 cores: about 5e-7."""
     setups, (g1, m1) = parity
     base, trainer, state = setups["mesh"]
-    g8, m8 = _lora_grads(trainer, base, state.lora, _batch(0))
+    g8, m8 = _lora_grads(trainer, base, state.lora, random_batch(0))
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g1), jax.tree.leaves(g8), strict=True):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.linalg.norm(a) > 0, jax.tree_util.keystr(path)
@@ -160,7 +141,7 @@ def test_sharded_optimizer_matches_single_device(parity):
     max_grad_norm, so the two updates agree to the rounding of a few elementwise operations: 16 u lr."""
     setups, (g_first, _) = parity
     base, trainer, state = setups["one"]
-    grads = [g_first, _lora_grads(trainer, base, state.lora, _batch(1))[0]]
+    grads = [g_first, _lora_grads(trainer, base, state.lora, random_batch(1))[0]]
     moves = []
     for base, trainer, state in setups.values():
         update = jax.jit(trainer.tx.update)
@@ -186,7 +167,7 @@ def test_sharded_train_step_matches_single_device(parity):
     setups, (g1, _) = parity
     after = {}
     for name, (base, trainer, state) in setups.items():
-        new, metrics = trainer.step(state, base, _batch(0))
+        new, metrics = trainer.step(state, base, random_batch(0))
         after[name] = (jax.tree.map(np.asarray, new.lora), float(metrics["optim/grad_norm"]))
     c = min(1.0, 1.0 / after["one"][1])
     leaves = (jax.tree.leaves(t) for t in (setups["one"][2].lora, g1, after["one"][0], after["mesh"][0]))
@@ -203,7 +184,7 @@ def test_sharded_train_step_matches_single_device(parity):
 def test_non_finite_loss_skips_the_step():
     mesh = make_mesh({}, jax.devices()[:1])
     base, trainer, state = _setup(mesh)
-    bad = _batch(0)
+    bad = random_batch(0)
     bad.inference_logprobs[bad.loss_mask] = np.nan
     lora0 = jax.tree.map(np.array, state.lora)
     state, metrics = trainer.step(state, base, bad)
@@ -216,7 +197,7 @@ def test_checkpoint_round_trip_and_retention(tmp_path):
     base, trainer, state = _setup(mesh)
     ckpt = Checkpointer(str(tmp_path / "ck"), keep=2)
     for step in range(1, 4):
-        state, _ = trainer.step(state, base, _batch(step))
+        state, _ = trainer.step(state, base, random_batch(step))
         ckpt.save(step, state, {"step": step, "examples_drawn": [step]})
     ckpt.wait()
     assert ckpt.all_steps() == [2, 3]
@@ -241,7 +222,7 @@ def test_step_metrics_are_those_of_the_batch():
     from a plain forward pass and `jax.grad`."""
     mesh = make_mesh({}, jax.devices()[:1])
     base, trainer, state = _setup(mesh)
-    batch = _batch(1)
+    batch = random_batch(1)
     _, metrics = trainer.step(state, base, batch)
     b, t = batch.inputs.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -277,7 +258,7 @@ def test_gradient_accumulation_matches_one_pass(shape, n, micro):
     for trainer in (one_pass, accumulating):
         state = state0
         for i in range(2):
-            state, metrics = trainer.step(state, base, _batch(i))
+            state, metrics = trainer.step(state, base, random_batch(i))
         results.append((jax.tree.map(np.asarray, (state.lora, state.opt_state)),
                         {k: float(v) for k, v in metrics.items()}))
     (t0, m0), (t1, m1) = results
@@ -337,11 +318,11 @@ def test_reference_kl_is_the_base_with_lora_off():
     update: LoRA's b starts at 0), and the penalty adds kl_coef times it to the loss."""
     mesh = make_mesh({}, jax.devices()[:1])
     base, trainer, state = _setup(mesh, loss_cfg=LossConfig(kl_coef=0.5))
-    batch = _batch(3)
+    batch = random_batch(3)
     state, metrics = trainer.step(state, base, batch)
     assert float(metrics["policy/ref_kl"]) == 0.0
     for i in range(2):
-        state, metrics = trainer.step(state, base, _batch(i))
+        state, metrics = trainer.step(state, base, random_batch(i))
     b, t = batch.inputs.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
@@ -371,7 +352,7 @@ def test_each_loss_trains_two_steps(cfg):
     base, trainer, state = _setup(mesh, loss_cfg=cfg)
     lora0 = jax.tree.map(np.array, state.lora)
     for i in range(2):
-        state, metrics = trainer.step(state, base, _batch(i))
+        state, metrics = trainer.step(state, base, random_batch(i))
     assert int(state.step) == 2 and np.isfinite(float(metrics["loss"]))
     assert not all(jax.tree.leaves(jax.tree.map(lambda a, b: np.array_equal(a, np.asarray(b)), lora0, state.lora)))
     assert ("policy/ref_kl" in metrics) == (cfg.kl_coef > 0)
@@ -386,7 +367,7 @@ def test_sequence_aggregation_accumulates_as_one_pass():
     for micro in (None, 3):
         base, trainer, state = _setup(mesh, loss_cfg=cfg, micro_batch_size=micro)
         for i in range(2):
-            state, metrics = trainer.step(state, base, _batch(i))
+            state, metrics = trainer.step(state, base, random_batch(i))
         results.append((jax.tree.map(np.asarray, state.lora), float(metrics["loss"])))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5), results[0][0], results[1][0])
     np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-5)
@@ -412,7 +393,7 @@ def test_scheduled_learning_rate_scales_each_update():
         base, trainer, state = _setup(mesh, tx=tx, learning_rate=lr)
         lrs = []
         for i in range(3):
-            state, metrics = trainer.step(state, base, _batch(i))
+            state, metrics = trainer.step(state, base, random_batch(i))
             lrs.append(float(metrics.get("optim/lr", np.nan)))
             if i == 1:  # steps 0 and 1 run at the full rate (warmup 1, then p = 0)
                 runs[name] = jax.tree.map(np.asarray, state.lora)
@@ -462,7 +443,7 @@ def test_full_finetuning_trains_every_weight_with_state_sharded_alike():
     for moments in (adam.mu, adam.nu):
         jax.tree.map(lambda m, w: np.testing.assert_equal(m.sharding.is_equivalent_to(w.sharding, w.ndim), True),
                      moments, base)
-    batch = _batch(1)
+    batch = random_batch(1)
     sharded = trainer.shard_batch(batch)
     grads = jax.grad(lambda w: trainer.loss({"base": w, "lora": None}, sharded)[0])(base)
     updates, _ = make_optimizer(LR, full=True).update(grads, make_optimizer(LR, full=True).init(base), base)
@@ -489,10 +470,10 @@ def test_full_finetuning_kl_reference_is_the_frozen_start():
     mesh = make_mesh({}, jax.devices()[:1])
     base, trainer, state = _full_setup(mesh, loss_cfg=LossConfig(kl_coef=0.5))
     with pytest.raises(ValueError, match="reference"):
-        trainer.step(state, None, _batch(0))
-    state, metrics = trainer.step(state, base, _batch(0))
+        trainer.step(state, None, random_batch(0))
+    state, metrics = trainer.step(state, base, random_batch(0))
     assert float(metrics["policy/ref_kl"]) == 0.0
-    state, metrics = trainer.step(state, base, _batch(0))
+    state, metrics = trainer.step(state, base, random_batch(0))
     assert float(metrics["policy/ref_kl"]) > 0.0
 
 
@@ -503,7 +484,7 @@ def test_full_finetuning_bfloat16_forward_keeps_float32_master_weights():
     base = qwen3.init_params(CFG, jax.random.key(0))
     trainer = Trainer(CFG, mesh, make_optimizer(1e-6, full=True), lora_scale=0.0, full=True, dtype=jnp.bfloat16)
     state = trainer.init_state(base, None)
-    state, _ = trainer.step(state, None, _batch(0))
+    state, _ = trainer.step(state, None, random_batch(0))
     assert {x.dtype for x in jax.tree.leaves(state.base)} == {jnp.dtype(jnp.float32)}
     moved = jax.tree.map(lambda a, b: not np.array_equal(np.asarray(a), np.asarray(b)), base, state.base)
     assert all(jax.tree.leaves(moved))

@@ -1,0 +1,204 @@
+"""What several test files share: the tiny-run config builder, the one way to start `jaxrl` in a subprocess
+(waited for, or in the background with its output in a log), the metrics reader, and the tiny trainer with
+its random batches. Test files import from here, never from each other."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+NOT_REPRODUCIBLE = ("time/", "tokens_per_s")  # wall-clock metrics
+
+
+# --- a tiny run's config --------------------------------------------------------------------------------------
+
+def run_toml(model: Path, output_dir: Path, *, name: str = "e2e", max_steps: int = 1, batch_size: int = 8,
+             rollouts_per_example: int = 4, max_tokens: int = 8, decode_slots: int = 8,
+             checkpoint_interval: int | None = 1, synchronous: bool = True, extra: str = "", tables: str = "",
+             jax_extra: str = "", sampling: str = "", env: str = 'id = "jaxrl/lowercase"') -> str:
+    """The TOML of a tiny run of `model` (a local HF folder) on one `[[env]]` (lowercase unless `env` says
+    otherwise), writing under `output_dir`: 8 rollouts of 8 tokens per step, LoRA rank 4, seq_len 128, 8 decode
+    slots.
+
+    synchronous: `max_async_level = 0` and `oversampling_factor = 1`, so the run and its resume are reproducible
+    token for token; False leaves the schema's defaults (or what `extra` sets).
+    extra: top-level lines; tables: whole tables placed before `[jax]`; jax_extra: lines of `[jax]`;
+    sampling: more lines of `[sampling]`; checkpoint_interval: `[checkpoints] interval`, None for no `[checkpoints]`
+    table."""
+    sync = "max_async_level = 0  # synchronous: reproducible token for token\noversampling_factor = 1" \
+        if synchronous else ""
+    checkpoints = f"[checkpoints]\ninterval = {checkpoint_interval}\n" if checkpoint_interval is not None else ""
+    return f"""
+name = "{name}"
+model = "jaxrl/qwen3-tiny"
+max_steps = {max_steps}
+batch_size = {batch_size}
+rollouts_per_example = {rollouts_per_example}
+learning_rate = 1e-2
+{sync}
+{extra}
+
+[sampling]
+max_tokens = {max_tokens}
+{sampling}
+
+[[env]]
+{env}
+
+{checkpoints}
+{tables}
+
+[jax]
+model_path = "{model}"
+output_dir = "{output_dir}"
+seq_len = 128
+lora_rank = 4
+decode_slots = {decode_slots}
+{jax_extra}
+"""
+
+
+def write_run_config(path: Path, model: Path, **kwargs) -> Path:
+    """`run_toml(model, path.parent / "runs", **kwargs)` written to `path`; returns `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(run_toml(model, path.parent / "runs", **kwargs))
+    return path
+
+
+def shrink(text: str, replacements: list[tuple[str, str]]) -> str:
+    """`text` with each `old` replaced by `new`, every `old` required to be there exactly once (a shipped config
+    that changed under a test fails loudly instead of running at full size)."""
+    for old, new in replacements:
+        assert text.count(old) == 1, f"{old!r} is not in the config exactly once"
+        text = text.replace(old, new)
+    return text
+
+
+# --- `jaxrl` in a subprocess ----------------------------------------------------------------------------------
+
+def subprocess_env(devices: int = 1, **env: str) -> dict[str, str]:
+    """This process's environment (with the session's compilation cache, see conftest.py) for a JAX subprocess
+    that sees `devices` emulated CPU devices, plus `env`. The session's other XLA flags are kept, so a perturbed
+    run (README, "Tests": e.g. `XLA_FLAGS=--xla_cpu_max_isa=AVX`) reaches subprocesses too."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).split()
+    return os.environ | {"XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])} | env
+
+
+def jaxrl(*args, devices: int = 1, timeout: float = 600, stdin: str | None = None, cwd: Path | None = None,
+          env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m jaxrl ARGS` run to its end (stdout and stderr captured apart, as text) with
+    `subprocess_env(devices)`, or `env` when given."""
+    return subprocess.run([sys.executable, "-m", "jaxrl", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, input=stdin, cwd=cwd, env=env or subprocess_env(devices))
+
+
+def spawn(*args, log: Path, devices: int = 1, cwd: Path | None = None, **env: str) -> subprocess.Popen:
+    """`python -m jaxrl ARGS` in the background with `subprocess_env(devices, **env)`, stdout and stderr to
+    `log`."""
+    return subprocess.Popen([sys.executable, "-m", "jaxrl", *map(str, args)], stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, env=subprocess_env(devices, **env), cwd=cwd)
+
+
+def start(cfg: Path, log: Path, devices: int = 1, **env: str) -> subprocess.Popen:
+    """`jaxrl run cfg` in the background, from cfg's folder (see `spawn`)."""
+    return spawn("run", cfg, log=log, devices=devices, cwd=cfg.parent, **env)
+
+
+def wait_for(proc: subprocess.Popen, log: Path, text: str, timeout: float = 300) -> None:
+    """Until `text` is in `log`; fails if the process exits first or `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text():
+        assert proc.poll() is None, f"exited {proc.returncode} before {text!r}:\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"no {text!r} after {timeout}s:\n{log.read_text()}"
+        time.sleep(0.05)
+
+
+def finish(proc: subprocess.Popen, log: Path, timeout: float = 600) -> tuple[int, str]:
+    """(exit code, the log's text) once `proc` has exited."""
+    proc.wait(timeout)
+    return proc.returncode, log.read_text()
+
+
+# --- what a run wrote -----------------------------------------------------------------------------------------
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The rows of `<run_dir>/metrics.jsonl`, in order."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def reproducible(rows: list[dict]) -> list[dict]:
+    """`rows` without their wall-clock metrics."""
+    return [{k: v for k, v in r.items() if not k.startswith(NOT_REPRODUCIBLE)} for r in rows]
+
+
+# --- the rollout server, recorded ----------------------------------------------------------------------------
+
+SERVED_MODEL = "policy"  # the model name the recording server answers to
+
+
+class Recording:
+    """The real scheduler behind the server, recording each request's prompt ids, completion, logprobs
+    and seed in `calls` (a test that reads it sets it to [] first)."""
+
+    def __init__(self, scheduler):
+        self.scheduler, self.model_name, self.max_model_len = scheduler, SERVED_MODEL, scheduler.max_model_len
+        self.calls: list[tuple[list[int], list[int], list[float], int | None]] = []
+
+    async def generate(self, prompt_ids, params, *args, **kwargs):
+        out = await self.scheduler.generate(prompt_ids, params, *args, **kwargs)
+        self.calls.append((list(prompt_ids), list(out.token_ids), list(out.logprobs), params.seed))
+        return out
+
+
+# --- the tiny trainer ------------------------------------------------------------------------------------------
+
+def random_batch(seed: int = 0, b: int = 8, t: int = 24, vocab: int = 128, pad_to: int = 32):
+    """A `Batch` of `b` random samples of 8 to `t - 1` tokens over `vocab` (prompt at least 2 tokens, the rest
+    sampled with logprobs in [-6, -3]), random advantages, temperature 1, padded to `pad_to`."""
+    from jaxrl.rl.train import make_batch
+
+    rng = np.random.default_rng(seed)
+    samples = []
+    for _ in range(b):
+        n = int(rng.integers(8, t))
+        ids = rng.integers(0, vocab, n).tolist()
+        prompt = int(rng.integers(2, n - 2))
+        mask = [i >= prompt for i in range(n)]
+        lps = [float(-rng.uniform(3, 6)) if m else 0.0 for m in mask]
+        samples.append((ids, mask, lps))
+    adv = rng.normal(size=b).astype(np.float32)
+    return make_batch(samples, adv, temperature=1.0, pad_to=pad_to)
+
+
+def tiny_model_config():
+    """The tiny dense Qwen3 of the trainer tests: vocab 128, hidden 32, MLP 64, 2 layers, 4 q / 2 kv heads of 8."""
+    from jaxrl.model.qwen3 import ModelConfig
+
+    return ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=8)
+
+
+def tiny_trainer(cfg, mesh, learning_rate: float = 1e-2, rank: int = 4, tx=None, **trainer_kwargs):
+    """(base weights, Trainer, TrainState) for model `cfg` on `mesh`: random base (key 0) and fresh LoRA (key 1)
+    of `rank` on every target, placed by their specs; the optimizer `tx` (default: `make_optimizer` at
+    `learning_rate`), lora_scale 2; `trainer_kwargs`: more `Trainer` fields."""
+    from jaxrl.model import qwen3
+    from jaxrl.parallel.sharding import spec_shardings
+    from jaxrl.rl.train import Trainer, make_optimizer
+
+    targets = tuple(qwen3.LORA_TARGETS)
+    base = qwen3.init_params(cfg, jax.random.key(0))
+    base = jax.device_put(base, spec_shardings(qwen3.param_specs(cfg), cfg.dims(), mesh))
+    lora = qwen3.init_lora(cfg, rank, targets, jax.random.key(1))
+    lora = jax.device_put(lora, spec_shardings(qwen3.lora_specs(cfg, rank, targets), {**cfg.dims(), "R": rank}, mesh))
+    trainer = Trainer(cfg, mesh, tx or make_optimizer(learning_rate), lora_scale=2.0, **trainer_kwargs)
+    return base, trainer, trainer.init_state(base, lora)
