@@ -22,9 +22,9 @@ NOT_REPRODUCIBLE = ("time/", "tokens_per_s")  # wall-clock metrics
 # --- a tiny run's config --------------------------------------------------------------------------------------
 
 def run_toml(model: Path, output_dir: Path, *, name: str = "e2e", max_steps: int = 1, batch_size: int = 8,
-             rollouts_per_example: int = 4, max_tokens: int = 8, decode_slots: int = 8,
-             checkpoint_interval: int | None = 1, synchronous: bool = True, extra: str = "", tables: str = "",
-             jax_extra: str = "", sampling: str = "", env: str = 'id = "jaxrl/lowercase"') -> str:
+             rollouts_per_example: int = 4, learning_rate: float | None = 1e-2, max_tokens: int = 8,
+             decode_slots: int = 8, checkpoint_interval: int | None = 1, synchronous: bool = True, extra: str = "",
+             tables: str = "", jax_extra: str = "", sampling: str = "", env: str = 'id = "jaxrl/lowercase"') -> str:
     """The TOML of a tiny run of `model` (a local HF folder) on one `[[env]]` (lowercase unless `env` says
     otherwise), writing under `output_dir`: 8 rollouts of 8 tokens per step, LoRA rank 4, seq_len 128, 8 decode
     slots.
@@ -33,9 +33,10 @@ def run_toml(model: Path, output_dir: Path, *, name: str = "e2e", max_steps: int
     token for token; False leaves the schema's defaults (or what `extra` sets).
     extra: top-level lines; tables: whole tables placed before `[jax]`; jax_extra: lines of `[jax]`;
     sampling: more lines of `[sampling]`; checkpoint_interval: `[checkpoints] interval`, None for no `[checkpoints]`
-    table."""
+    table; learning_rate: None for the schema's default."""
     sync = "max_async_level = 0  # synchronous: reproducible token for token\noversampling_factor = 1" \
         if synchronous else ""
+    lr = f"learning_rate = {learning_rate}" if learning_rate is not None else ""
     checkpoints = f"[checkpoints]\ninterval = {checkpoint_interval}\n" if checkpoint_interval is not None else ""
     return f"""
 name = "{name}"
@@ -43,7 +44,7 @@ model = "jaxrl/qwen3-tiny"
 max_steps = {max_steps}
 batch_size = {batch_size}
 rollouts_per_example = {rollouts_per_example}
-learning_rate = 1e-2
+{lr}
 {sync}
 {extra}
 

@@ -110,6 +110,7 @@ def test_generation_config(tiny):
     assert gen.eos_token_id == [151645, 151643] and gen.pad_token_id == 151643
 
 
+@pytest.mark.numerics
 def test_tiny_model_loads_in_jaxrl_and_transformers(tiny):
     import torch
 

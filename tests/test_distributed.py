@@ -156,6 +156,7 @@ def results(tmp_path_factory) -> tuple[dict, list[dict]]:
     return single, [json.loads((out / f"{pid}.json").read_text()) for pid in range(2)]
 
 
+@pytest.mark.numerics
 def test_an_engine_spanning_two_processes_samples_what_one_process_does(results):
     single, pair = results
     want = {str(i): v for i, v in single["generated"].items()}  # JSON keys
@@ -167,6 +168,7 @@ def test_an_engine_spanning_two_processes_samples_what_one_process_does(results)
     assert [got[i][1] for i in "0145"] == [[0] * 8, [0] * 8, [1] * 8, [1] * 16]  # after the update: version 1
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("mode", ["replicated", "host_local"])
 def test_two_processes_match_one_process(results, mode):
     single, pair = results

@@ -7,6 +7,7 @@ import signal
 
 import jax
 import numpy as np
+import pytest
 from gcs_fixtures import free_port
 from helpers import finish, read_metrics, reproducible, start, wait_for, write_run_config
 
@@ -24,6 +25,7 @@ def _pair(cfg, tmp_path, name):
                   JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid)) for pid in range(2)]
 
 
+@pytest.mark.numerics
 def test_two_processes_train_like_one(tmp_path, tiny_model_dir, gcs):
     """Same metrics every step (rewards exactly; losses to float rounding, the train step's reductions
     being split over other devices), [val]'s included, and the same LoRA in the last checkpoint, with one

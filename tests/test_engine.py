@@ -35,6 +35,7 @@ def _reference_logprobs(params, ids, temperature=1.0):
     return np.asarray(lp)
 
 
+@pytest.mark.numerics
 def test_prefill_insert_generate_match_full_forward():
     params = _params(lora_seed=1)
     engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=3, max_seq_len=48, lora_scale=0.5)
@@ -60,6 +61,7 @@ def test_prefill_insert_generate_match_full_forward():
         assert len(set(toks)) > 3  # sampled, not a degenerate repetition
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(("unstacked", "split"), [(False, False), (True, False), (True, True)])
 def test_decode_step_matches_model_forward_with_cache(unstacked, split):
     params = _params(lora_seed=1)
@@ -228,6 +230,7 @@ def test_update_params_in_flight_keeps_request_and_records_versions():
     assert np.mean(np.abs(np.array(c.logprobs[switch:]) - old[switch:]) > 1e-3) > 0.9
 
 
+@pytest.mark.numerics
 def test_sharded_engine_matches_single_device():
     params = _params(lora_seed=1)
     outs = []
@@ -252,6 +255,7 @@ def test_sharded_engine_matches_single_device():
     np.testing.assert_allclose(outs[0][1], outs[1][1], atol=1e-5)
 
 
+@pytest.mark.numerics
 def test_weight_copies_only_on_cpu_and_the_same_tokens_without_them():
     """The per-layer copy and the [D, V] unembedding are made on CPU only; on TPU/GPU (`unstack` False)
     the engine's params are the training arrays themselves, and it samples the same tokens."""

@@ -126,6 +126,7 @@ def trained(base):
     return cfg, params, lora, want
 
 
+@pytest.mark.numerics
 def test_merged_loads_in_transformers_with_the_lora_logits(base, trained, tmp_path):
     cfg, params, lora, want = trained
     np.testing.assert_allclose(_jax_logits(cfg, hf_lora.merge_lora(cfg, params, lora, ALPHA / RANK)), want,
@@ -136,6 +137,7 @@ def test_merged_loads_in_transformers_with_the_lora_logits(base, trained, tmp_pa
     np.testing.assert_allclose(_torch_logits(m.eval()), want, atol=ATOL, rtol=0)
 
 
+@pytest.mark.numerics
 def test_adapter_loads_in_peft_with_the_lora_logits_and_reads_back(base, trained, tmp_path):
     cfg, params, lora, want = trained
     targets = ALL
@@ -156,6 +158,7 @@ def test_adapter_loads_in_peft_with_the_lora_logits_and_reads_back(base, trained
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), back.lora, lora)
 
 
+@pytest.mark.numerics
 def test_adapter_of_some_targets_matches_peft(tmp_path):
     """An attention-only LoRA (q, v) on the dense model: no MLP modules in the adapter, peft agrees."""
     folder = tmp_path / "base"

@@ -82,6 +82,7 @@ def checkpoint(request, tmp_path_factory) -> tuple[Path, np.ndarray]:
     return folder, _torch_logits(m)
 
 
+@pytest.mark.numerics
 def test_load_matches_transformers(checkpoint):
     folder, want = checkpoint
     cfg, params = hf.load_hf(folder)
@@ -94,6 +95,7 @@ def test_load_matches_transformers(checkpoint):
         assert not (folder / hf.WEIGHTS_FILE).exists() and len(list(folder.glob("model-*.safetensors"))) > 2
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("max_shard_bytes", [None, 150_000])
 def test_round_trip_through_save_hf(checkpoint, tmp_path, max_shard_bytes):
     folder, want = checkpoint
@@ -111,6 +113,7 @@ def test_round_trip_through_save_hf(checkpoint, tmp_path, max_shard_bytes):
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), params, params2))
 
 
+@pytest.mark.numerics
 def test_kv_cache_decode_matches_full_forward(checkpoint):
     cfg, params = hf.load_hf(checkpoint[0])
     b, t = TOKENS_BT.shape
@@ -129,6 +132,7 @@ def test_kv_cache_decode_matches_full_forward(checkpoint):
     assert _max_diff(np.asarray(jnp.concatenate(steps, axis=1)), np.asarray(full_BTD)) <= ATOL
 
 
+@pytest.mark.numerics
 def test_packed_segments_match_separate_forwards(tmp_path):
     """Two samples packed into one row (positions from 0 each, segment ids 1 and 2) give each sample the
     logits transformers gives it alone; without the segment ids the second sample sees the first."""
@@ -146,6 +150,7 @@ def test_packed_segments_match_separate_forwards(tmp_path):
     assert _max_diff(np.asarray(qwen3.logits(params, crossed_BTD))[0, 5:], want[5:]) > 1e-2
 
 
+@pytest.mark.numerics
 def test_load_with_shardings(tmp_path):
     """Each weight lands with the sharding asked for, and the sharded model gives the same logits."""
     from jaxrl.parallel.sharding import make_mesh, spec_shardings

@@ -136,7 +136,8 @@ def test_two_copies_of_one_env_with_ratios_filtering_and_wandb(tmp_path, tiny_mo
                  '[[env]]\nid = "jaxrl/lowercase"\nname = "lc"'
     # synchronous: each step trains the groups drawn for it
     cfg = write_run_config(tmp_path / "rl.toml", tiny_model_dir, name="multi", max_steps=2, rollouts_per_example=2,
-                           checkpoint_interval=None, extra='env_file = ["secrets.env"]', env=two_copies,
+                           learning_rate=None, checkpoint_interval=None, extra='env_file = ["secrets.env"]',
+                           env=two_copies,
                            tables='[buffer]\nonline_difficulty_filtering = true\nenv_ratios = [1.0, 3.0]\n\n'
                                   '[wandb]\nproject = "jaxrl-test"')
     env = {k: v for k, v in subprocess_env().items() if k not in ("WANDB_API_KEY", "WANDB_MODE")}

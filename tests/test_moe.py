@@ -20,6 +20,7 @@ from jaxrl.parallel.sharding import make_mesh, spec_shardings
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.numerics
 ATOL = 1e-4
 VOCAB = 256
 TOKENS_BT = np.random.default_rng(1).integers(0, VOCAB, size=(2, 10)).astype(np.int32)

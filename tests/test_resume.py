@@ -20,6 +20,7 @@ from jaxrl.rl.train import TrainState
 from jaxrl.run.checkpoint import Checkpointer
 
 
+@pytest.mark.numerics
 def test_killed_and_preempted_run_reproduces_the_uninterrupted_one(tmp_path, tiny_model_dir, gcs):
     """The reference run checkpoints locally; the interrupted one to gs:// (the emulator). SIGKILL lands
     at a random moment after a step is logged (its checkpoint being written, the next step's rollouts

@@ -21,7 +21,7 @@ NAME = "bg"
 
 def _config(tmp_path: Path, model: Path, max_steps: int) -> Path:
     return write_run_config(tmp_path / f"rl-{max_steps}.toml", model, name=NAME, max_steps=max_steps,
-                            synchronous=False, tables='[infrastructure]\ncompute_size = "S"')
+                            learning_rate=None, synchronous=False, tables='[infrastructure]\ncompute_size = "S"')
 
 
 def wait_until(predicate, what: str, folder: Path, timeout: float = 300) -> None:

@@ -114,6 +114,7 @@ def run_dir(tmp_path_factory, tiny_model_dir):
     return run, mcfg, params, lora
 
 
+@pytest.mark.numerics
 def test_serve_a_checkpoint_applies_its_lora(run_dir, tmp_path):
     run, mcfg, params, lora = run_dir
     log = tmp_path / "serve.log"
