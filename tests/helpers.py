@@ -114,7 +114,7 @@ def start(cfg: Path, log: Path, devices: int = 1, **env: str) -> subprocess.Pope
     return spawn("run", cfg, log=log, devices=devices, cwd=cfg.parent, **env)
 
 
-def wait_for(proc: subprocess.Popen, log: Path, text: str, timeout: float = 300) -> None:
+def wait_for(proc: subprocess.Popen, log: Path, text: str, timeout: float = 600) -> None:
     """Until `text` is in `log`; fails if the process exits first or `timeout` seconds pass."""
     deadline = time.monotonic() + timeout
     while text not in log.read_text():
