@@ -94,7 +94,7 @@ def subprocess_env(devices: int = 1, **env: str) -> dict[str, str]:
     return os.environ | {"XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])} | env
 
 
-def jaxrl(*args, devices: int = 1, timeout: float = 600, stdin: str | None = None, cwd: Path | None = None,
+def jaxrl(*args, devices: int = 1, timeout: float = 900, stdin: str | None = None, cwd: Path | None = None,
           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python -m jaxrl ARGS` run to its end (stdout and stderr captured apart, as text) with
     `subprocess_env(devices)`, or `env` when given."""
@@ -123,7 +123,7 @@ def wait_for(proc: subprocess.Popen, log: Path, text: str, timeout: float = 600)
         time.sleep(0.05)
 
 
-def finish(proc: subprocess.Popen, log: Path, timeout: float = 600) -> tuple[int, str]:
+def finish(proc: subprocess.Popen, log: Path, timeout: float = 900) -> tuple[int, str]:
     """(exit code, the log's text) once `proc` has exited."""
     proc.wait(timeout)
     return proc.returncode, log.read_text()
