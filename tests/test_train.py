@@ -23,7 +23,7 @@ LR = 1e-2
 
 
 def _setup(mesh, tx=None, **trainer_args):
-    return tiny_trainer(CFG, mesh, LR, tx=tx, **trainer_args)
+    return tiny_trainer(CFG, mesh, tx=tx or make_optimizer(LR), **trainer_args)
 
 
 def test_make_batch_shifts_and_masks():
