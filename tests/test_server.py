@@ -9,13 +9,14 @@ from verifiers.v1 import SamplingConfig, TrainClientConfig
 from verifiers.v1.clients.train import TrainClient
 from verifiers.v1.dialects import ChatDialect
 
-from jaxrl.inference.protocol import Completion, SamplingParams
+from jaxrl.inference.protocol import BackendStopped, Completion, SamplingParams
 from jaxrl.inference.server import GENERATE_ROUTE, start_server
 
 MODEL = "test-model"
 MAX_MODEL_LEN = 256
 RAISE_ID = 999_999  # a prompt containing it makes the backend fail (not a bad request)
 NAN_ID = 999_998  # a prompt containing it makes the backend return a NaN logprob
+STOPPED_ID = 999_997  # a prompt containing it meets a backend that is shutting down
 IM_END = 151_645
 STOP_IDS = (IM_END, 151_643)  # what Qwen3's renderer sends: <|im_end|>, <|endoftext|>
 
@@ -36,6 +37,8 @@ class ReverseBackend:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens is too long")
         if RAISE_ID in prompt_ids:
             raise RuntimeError("engine exploded")
+        if STOPPED_ID in prompt_ids:
+            raise BackendStopped("the scheduler is stopped")
         out: list[int] = []
         finish = "length"
         for token in reversed(prompt_ids):
@@ -218,6 +221,17 @@ def test_api_key(backend):
         assert httpx.get(root + "/health").status_code == 200  # open, for load balancers
     finally:
         handle.stop()
+
+
+def test_a_request_dropped_at_shutdown_is_a_503_not_a_logged_failure(root, caplog):
+    """A run's close stops the scheduler under requests still in flight: their clients get a 503, and the
+    run's console no traceback (a 500 logs one)."""
+    with caplog.at_level("INFO", logger="jaxrl.inference.server"):
+        r = httpx.post(root + GENERATE_ROUTE, json={"token_ids": [1, STOPPED_ID]})
+        assert r.status_code == 503 and "the request was dropped" in r.json()["error"]["message"]
+        assert not [rec for rec in caplog.records if rec.exc_info]
+        r = httpx.post(root + GENERATE_ROUTE, json={"token_ids": [1, RAISE_ID]})
+        assert r.status_code == 500 and [rec for rec in caplog.records if rec.exc_info]
 
 
 def test_other_errors(root):

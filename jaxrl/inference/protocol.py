@@ -7,6 +7,12 @@ from collections.abc import Callable
 from typing import Literal, Protocol
 
 
+class BackendStopped(RuntimeError):
+    """A request that the backend dropped because it is shutting down (the scheduler was stopped while the
+    request was queued or decoding): the server answers 503, as for an overloaded engine, without logging
+    a failure."""
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings.

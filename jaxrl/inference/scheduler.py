@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from jaxrl.inference.engine import DecodeState, Engine, pad_prompt
-from jaxrl.inference.protocol import Completion, SamplingParams
+from jaxrl.inference.protocol import BackendStopped, Completion, SamplingParams
 from jaxrl.model.qwen3 import Params
 
 log = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ class Scheduler:
                        on_token=on_token)
         with self._cv:
             if self._stop:
-                raise RuntimeError("the scheduler is stopped")
+                raise BackendStopped("the scheduler is stopped")
             self._waiting.append(req)
             self._cv.notify()
         return await req.future
@@ -183,7 +183,7 @@ class Scheduler:
             self._cv.notify()
 
     def stop(self) -> None:
-        """Stop the loop; requests still queued or in flight fail with RuntimeError."""
+        """Stop the loop; requests still queued or in flight fail with BackendStopped (a RuntimeError)."""
         with self._cv:
             self._stop = True
             self._cv.notify()
@@ -221,7 +221,7 @@ class Scheduler:
             log.exception("scheduler loop failed")
             self._fail_all(exc)
             return
-        self._fail_all(RuntimeError("the scheduler is stopped"))
+        self._fail_all(BackendStopped("the scheduler is stopped"))
 
     def _next(self) -> list[_Request] | None:
         """Wait for work, apply a pending weight update, and return the requests to admit now (None: stop)."""

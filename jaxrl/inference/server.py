@@ -52,7 +52,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxrl.inference import chat
 from jaxrl.inference.chat import ChatTemplate
-from jaxrl.inference.protocol import Completion, GenerateBackend, SamplingParams
+from jaxrl.inference.protocol import BackendStopped, Completion, GenerateBackend, SamplingParams
 from jaxrl.inference.wire import BadRequest, check_penalties, is_int, sampling_from
 
 logger = logging.getLogger(__name__)
@@ -285,6 +285,8 @@ class _Routes:
             return error_response("client disconnected", 499)
         except ValueError as e:  # the backend's contract: a request it cannot serve
             return error_response(str(e), 400)
+        except BackendStopped as e:  # shutting down: no failure to log
+            return error_response(f"{e}; the request was dropped", 503)
         except Exception as e:  # noqa: BLE001 - one failed request must not take the server down
             logger.exception("backend failed on a generate request")
             return error_response(f"backend error: {type(e).__name__}: {e}", 500)
@@ -319,6 +321,8 @@ class _Routes:
             return error_response("client disconnected", 499)
         except ValueError as e:
             return error_response(str(e), 400)
+        except BackendStopped as e:  # shutting down: no failure to log
+            return error_response(f"{e}; the request was dropped", 503)
         except Exception as e:  # noqa: BLE001 - one failed request must not take the server down
             logger.exception("backend failed on a chat request")
             return error_response(f"backend error: {type(e).__name__}: {e}", 500)
