@@ -559,15 +559,19 @@ class Run:
             self.logger.close()
         self.train_thread.shutdown()
         self.producer.cancel()  # rollouts in flight past the last step, or since a failure: dropped
+        self.close_serving()
+        distributed.set_fence(None)
+        with contextlib.suppress(Exception):
+            self.ckpt.close()
+
+    def close_serving(self) -> None:
+        """Stop the serving side: the environments' servers, the event loop, the server, the scheduler."""
         if self.serving_tasks is not None:
             self.loop.run_until_complete(rollouts.settle(self.serving_tasks, timeout_s=10.0))
         self.loop.run_until_complete(self.serving.aclose())
         self.loop.close()
         self.server.stop()
         self.scheduler.stop()
-        distributed.set_fence(None)
-        with contextlib.suppress(Exception):
-            self.ckpt.close()
 
 
 

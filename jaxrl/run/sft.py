@@ -25,7 +25,7 @@ from jaxrl.config.schema import ConfigError, RunConfig
 from jaxrl.config.sft import DataError
 from jaxrl.inference.chat import ChatTemplate
 from jaxrl.parallel import distributed
-from jaxrl.rl import rollouts, sft
+from jaxrl.rl import sft
 from jaxrl.run import wandb_log
 from jaxrl.run.adapters import RunAdapters
 from jaxrl.run.checkpoint import Checkpointer
@@ -170,12 +170,7 @@ class SftRun(Run):
         if self.logger:
             self.logger.close()
         if self.serves:
-            if self.serving_tasks is not None:
-                self.loop.run_until_complete(rollouts.settle(self.serving_tasks, timeout_s=10.0))
-            self.loop.run_until_complete(self.serving.aclose())
-            self.loop.close()
-            self.server.stop()
-            self.scheduler.stop()
+            self.close_serving()
         distributed.set_fence(None)
         with contextlib.suppress(Exception):
             self.ckpt.close()
