@@ -1,6 +1,7 @@
 """`jaxrl compile`: the run's programs compiled for TPU slices by libtpu's compiler (no TPU attached)."""
 
 import json
+import tomllib
 
 import pytest
 
@@ -53,3 +54,38 @@ def test_cli_compiles_a_checkpoint_config_for_a_slice(tmp_path, tiny_model_dir):
     lora, full = data["bytes_per_chip"], json.loads((tmp_path / "f.json").read_text())["bytes_per_chip"]
     assert full["weights"] == 2 * lora["weights"] and full["engine_weights"] == lora["weights"] > 0
     assert lora["engine_weights"] == 0 and full["lora_optimizer"] >= 5 * full["weights"]
+    _check_kl_reference(runner, app, config, tmp_path, data, json.loads((tmp_path / "f.json").read_text()))
+
+
+def _check_kl_reference(runner, app, config, tmp_path, lora: dict, full: dict):
+    """Full fine-tuning with `kl_coef > 0` holds a frozen copy of the starting weights (in `[jax] dtype`)
+    for the KL reference: the train step's compiled arguments grow by that copy (plus the chip's tile
+    padding, under 1 MiB), which the report counts as `kl_reference`, so its total changes by exactly
+    the copy, the reference forward's scratch and the KL metric. With LoRA the reference is the base with the LoRA off:
+    the train step takes no argument more."""
+    from jaxrl.compile import programs, report, slices
+    from jaxrl.config.schema import RunConfig
+    from jaxrl.parallel.sharding import make_mesh
+
+    lora_text = config.read_text().replace('finetune = "full"\n', "")
+    config.write_text(config.read_text() + "[jax.loss]\nkl_coef = 0.1\n")
+    kl = runner.invoke(app, ["compile", str(config), "--topology", "v5litepod-4", "--json", str(tmp_path / "k.json")])
+    assert kl.exit_code == 0, kl.output
+    kl = json.loads((tmp_path / "k.json").read_text())
+    train = f"train@{full['model_layers']}"
+    on, off = kl["bytes_per_chip"], full["bytes_per_chip"]
+    copy = off["weights"] // 2  # the float32 master weights' bfloat16 copy
+    assert off["kl_reference"] == 0 and on["kl_reference"] == copy == kl["programs"][train]["declared"]["reference"]
+    assert 0 <= kl["programs"][train]["argument"] - full["programs"][train]["argument"] - copy < 2**20
+    # and the step's outputs by the KL metric (one scalar, `policy/ref_kl`), counted with its state
+    metric = kl["programs"][train]["output"] - full["programs"][train]["output"]
+    assert 0 < metric <= 2**10 and on["lora_optimizer"] - off["lora_optimizer"] == metric
+    same = [t for t in report.TERMS if t not in ("kl_reference", "temporaries", "lora_optimizer")]
+    assert {t: on[t] for t in same} == {t: off[t] for t in same}
+    assert on["total"] - off["total"] == copy + metric + on["temporaries"] - off["temporaries"]
+    # LoRA: the train step with the KL loss on takes the same arguments (the base it already has)
+    lora_kl = RunConfig.model_validate({**tomllib.loads(lora_text), "jax": {
+        **tomllib.loads(lora_text)["jax"], "loss": {"kl_coef": 0.1}}})
+    mesh = make_mesh({"fsdp": 4}, slices.topology_devices(slices.parse_slice("v5litepod-4")))
+    program = programs.compile_train(report.shapes_of(lora_kl, report.model_of(lora_kl), 4), mesh)
+    assert program.declared["reference"] == 0 and program.argument == lora["programs"][train]["argument"]

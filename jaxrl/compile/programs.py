@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl.config.algorithms import LossConfig
 from jaxrl.inference.engine import DecodeState, Engine
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.sampling import SlotSampling
@@ -43,6 +44,13 @@ class Shapes:
     micro_batch_size: int
     decode_slots: int
     full: bool = False  # `[jax] finetune = "full"`: every weight trains (float32 master weights, AdamW over them)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)  # `[jax.loss]`: kl_coef > 0 runs a reference
+
+    @property
+    def kl_copy(self) -> bool:
+        """Whether the run holds a frozen copy of the starting weights as its KL reference: full fine-tuning
+        with `kl_coef > 0` (with LoRA the reference is the base with the LoRA off: no copy)."""
+        return self.full and self.loss.kl_coef > 0
 
     def at_depth(self, layers: int) -> Shapes:
         return dataclasses.replace(self, model=dataclasses.replace(self.model, num_layers=layers))
@@ -147,11 +155,14 @@ def _optimizer_state(trainer: Trainer, base: Any, lora: Any, replicated: NamedSh
 
 def compile_train(s: Shapes, mesh: Mesh) -> Program:
     """`Trainer._step` at `s`'s shapes on `mesh`: a batch of `batch_rows` sequences of `seq_len - 1`
-    tokens (the widest a run trains), in micro-batches of `micro_batch_size`. In full fine-tuning the
-    weights are the float32 master weights (declared as `weights`) and no KL reference is passed."""
-    trainer = Trainer(s.model, mesh, make_optimizer(1e-5, full=s.full), lora_scale=s.lora_scale, remat=s.remat,
-                      micro_batch_size=s.micro_batch_size, full=s.full, dtype=s.dtype)
+    tokens (the widest a run trains), in micro-batches of `micro_batch_size`, with the run's `[jax.loss]`.
+    In full fine-tuning the weights are the float32 master weights (declared as `weights`), and with
+    `kl_coef > 0` the step also takes the KL reference, the starting weights in `dtype` on the trainer's
+    mesh as the run keeps them (`Run.init_training`; declared as `reference`)."""
+    trainer = Trainer(s.model, mesh, make_optimizer(1e-5, full=s.full), lora_scale=s.lora_scale, loss_cfg=s.loss,
+                      remat=s.remat, micro_batch_size=s.micro_batch_size, full=s.full, dtype=s.dtype)
     base, lora = _weights(s, mesh, jnp.float32 if s.full else None)
+    reference = _weights(s, mesh)[0] if s.kl_copy else None
     replicated = NamedSharding(mesh, PartitionSpec())
     opt = _optimizer_state(trainer, base, lora, replicated)
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
@@ -169,9 +180,9 @@ def compile_train(s: Shapes, mesh: Mesh) -> Program:
     batch = {n: jax.ShapeDtypeStruct(shape, dt, sharding=array_sharding(("batch",) + (None,) * (len(shape) - 1),
                                                                         shape, mesh))
              for n, (shape, dt) in fields.items()}
-    lowered = trainer._step.lower(state, None if s.full else base, batch, micro_batches=k)
+    lowered = trainer._step.lower(state, reference if s.full else base, batch, micro_batches=k)
     declared = {"weights": shard_bytes(base), "lora": shard_bytes(lora), "optimizer": shard_bytes((opt, state.step)),
-                "batch": shard_bytes(batch)}
+                "batch": shard_bytes(batch), "reference": shard_bytes(reference)}
     return _measure("train", lowered, declared)
 
 

@@ -27,16 +27,18 @@ from jaxrl.config.schema import ConfigError, RunConfig, resolve_model_path
 from jaxrl.model import catalog, hf
 from jaxrl.model.qwen3 import ModelConfig
 from jaxrl.parallel.sharding import MESH_AXES, make_mesh
-from jaxrl.rl.train import default_micro_batch
+from jaxrl.rl.train import default_micro_batch, loss_config
 
 FIT_SHARE = 0.9  # a run fits when its total is at most this share of HBM (the rest: runtime, fragmentation)
 ENGINE_WEIGHT_SHARE = 0.5  # an engine spans the fewest hosts whose chips hold its weights in this share of HBM
 
-TERMS = ("weights", "lora_optimizer", "engine_weights", "kv_cache", "temporaries", "other")
+TERMS = ("weights", "lora_optimizer", "kl_reference", "engine_weights", "kv_cache", "temporaries", "other")
 ADVICE = {
     "weights": "more chips for the weights: a larger slice, or mesh axes fsdp / expert / tensor instead of data",
     "lora_optimizer": "a smaller [jax] lora_rank or fewer lora_targets (finetune = \"lora\" rather than \"full\"), "
                       "or more fsdp / expert chips",
+    "kl_reference": "[jax.loss] kl_coef = 0, or finetune = \"lora\" (its reference is the base with the LoRA off: "
+                    "no copy), or more fsdp / expert chips",
     "engine_weights": "an engine over more hosts (--engine-hosts), or a larger slice",
     "kv_cache": "fewer [jax] decode_slots or a shorter seq_len",
     "temporaries": "[jax] remat = true, a smaller [jax] micro_batch_size, or fewer decode_slots",
@@ -217,6 +219,8 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
         "weights": train["declared_weights"],  # full fine-tuning: the float32 master weights
         # the state in and out of the step (nothing is donated: the engine still reads the old LoRA or weights)
         "lora_optimizer": train["declared_lora"] + train["declared_optimizer"] + train["output"],
+        # full fine-tuning with kl_coef > 0: the frozen starting weights (in `dtype`) the KL reference runs
+        "kl_reference": train["declared_reference"],
         "engine_weights": 0 if shared else decode["declared_weights"] + decode["declared_lora"],
         "kv_cache": decode["declared_kv_cache"],
         # the train step runs in a thread while the engine decodes: both programs' scratch at once
@@ -262,7 +266,7 @@ def shapes_of(cfg: RunConfig, model: ModelConfig, batch_shards: int) -> Shapes:
     return Shapes(model, jnp.bfloat16 if j.dtype == "bfloat16" else jnp.float32, j.lora_rank, tuple(j.lora_targets),
                   cfg.lora_alpha / j.lora_rank, j.remat, cfg.batch_size, j.seq_len,
                   j.micro_batch_size or default_micro_batch(j.seq_len, batch_shards), j.decode_slots,
-                  full=j.finetune == "full")
+                  full=j.finetune == "full", loss=loss_config(cfg))
 
 
 def compile_run(cfg: RunConfig, slice_name: str, depths: tuple[int, ...] | None = None,

@@ -220,13 +220,19 @@ def sampled_logprobs(params: Params, hidden_BTD: jax.Array, targets_BT: jax.Arra
     return scatter(logp), scatter(entropy)
 
 
-def trainer_for(cfg: RunConfig, mcfg: ModelConfig, mesh: Mesh, lora_scale: float) -> Trainer:
-    """The run's `Trainer`: `[jax.loss]` (Dr.GRPO's `aggregation_length` defaulting to `[sampling]
-    max_tokens`, else `[jax] seq_len`), `[jax.optim]` and its schedule over `max_steps` from the top-level
-    `learning_rate`."""
-    o, loss = cfg.jax.optim, cfg.jax.loss
+def loss_config(cfg: RunConfig) -> LossConfig:
+    """The run's `[jax.loss]`, Dr.GRPO's `aggregation_length` defaulting to `[sampling] max_tokens`, else
+    `[jax] seq_len`."""
+    loss = cfg.jax.loss
     if loss.aggregation_length is None:
         loss = loss.model_copy(update={"aggregation_length": cfg.sampling.max_tokens or cfg.jax.seq_len})
+    return loss
+
+
+def trainer_for(cfg: RunConfig, mcfg: ModelConfig, mesh: Mesh, lora_scale: float) -> Trainer:
+    """The run's `Trainer`: `[jax.loss]` (`loss_config`), `[jax.optim]` and its schedule over `max_steps`
+    from the top-level `learning_rate`."""
+    o, loss = cfg.jax.optim, loss_config(cfg)
     full = cfg.jax.finetune == "full"
     tx = make_optimizer(1.0, o.max_grad_norm, o.weight_decay, (o.beta1, o.beta2), full=full)
     schedule = functools.partial(learning_rate, peak=cfg.learning_rate, schedule=o.schedule,
