@@ -89,3 +89,26 @@ def _check_kl_reference(runner, app, config, tmp_path, lora: dict, full: dict):
     mesh = make_mesh({"fsdp": 4}, slices.topology_devices(slices.parse_slice("v5litepod-4")))
     program = programs.compile_train(report.shapes_of(lora_kl, report.model_of(lora_kl), 4), mesh)
     assert program.declared["reference"] == 0 and program.argument == lora["programs"][train]["argument"]
+
+
+def test_engine_group_is_the_runs_fit_rule():
+    """The report's engine hosts are the ones a run would take (`distributed.engine_hosts`): an engine per
+    host while the model's bfloat16 weights and KV cache fit 90% of a host's HBM (Qwen3-30B-A3B on v5p,
+    4 x 95 GiB), else the fewest hosts that hold them (Qwen3-235B-A22B: 438 GiB of weights, 2 of v5p-64's
+    8 hosts; 4 once 1024 slots of 4096 tokens add 752 GiB of cache). No compiling."""
+    from jaxrl.compile import report
+    from jaxrl.config.schema import RunConfig
+    from jaxrl.parallel.sharding import make_mesh
+
+    def hosts(model: str, slice_name: str, mesh: dict, slots: int) -> int:
+        cfg = RunConfig.model_validate({"model": model, "batch_size": 256, "rollouts_per_example": 8,
+                                        "env": [{"id": "a/b"}], "jax": {"mesh": mesh, "dtype": "bfloat16",
+                                                                        "decode_slots": slots}})
+        s = slices.parse_slice(slice_name)
+        mesh = make_mesh(mesh, slices.topology_devices(s))
+        return report.engine_hosts_for(report.shapes_of(cfg, report.model_of(cfg), 1), mesh, s.chip)
+
+    assert hosts("Qwen/Qwen3-30B-A3B-Instruct-2507", "v5p-16", {"fsdp": 2, "expert": 4}, 256) == 1
+    big = "Qwen/Qwen3-235B-A22B-Instruct-2507"
+    assert hosts(big, "v5p-64", {"fsdp": 2, "tensor": 2, "expert": 8}, 128) == 2
+    assert hosts(big, "v5p-64", {"fsdp": 2, "tensor": 2, "expert": 8}, 1024) == 4

@@ -216,8 +216,8 @@ def compile_(
     depths: Annotated[str, typer.Option(help="Compile at two reduced depths, e.g. '2,3', and extrapolate "
                                              "(memory is affine in depth); default: the model's depth.")] = "",
     engine_hosts: Annotated[int | None, typer.Option(help="Hosts per rollout engine; default: [jax] engine_hosts, else "
-                                                          "the fewest whose chips hold the engine's weights in "
-                                                          "half their HBM.")] = None,
+                                                          "the run's fit rule (one host unless the engine's "
+                                                          "weights and KV cache exceed 90% of its HBM).")] = None,
 ) -> None:
     """Compile the run's train step, prefill and decode programs for a TPU slice (on any machine: libtpu,
     no TPU) with abstract weights, and print per chip: weights, LoRA + optimizer, KV cache, temporaries,

@@ -24,13 +24,14 @@ import jax.numpy as jnp
 from jaxrl.compile import programs, slices
 from jaxrl.compile.programs import Program, Shapes
 from jaxrl.config.schema import ConfigError, RunConfig, resolve_model_path
+from jaxrl.inference.engine import engine_bytes
 from jaxrl.model import catalog, hf
 from jaxrl.model.qwen3 import ModelConfig
+from jaxrl.parallel import distributed
 from jaxrl.parallel.sharding import MESH_AXES, make_mesh
 from jaxrl.rl.train import default_micro_batch, loss_config
 
 FIT_SHARE = 0.9  # a run fits when its total is at most this share of HBM (the rest: runtime, fragmentation)
-ENGINE_WEIGHT_SHARE = 0.5  # an engine spans the fewest hosts whose chips hold its weights in this share of HBM
 
 TERMS = ("weights", "lora_optimizer", "kl_reference", "engine_weights", "kv_cache", "temporaries", "other")
 ADVICE = {
@@ -135,18 +136,13 @@ def _extrapolate(a: Program, b: Program, da: int, db: int, depth: int) -> dict[s
 
 
 def engine_hosts_for(shapes: Shapes, mesh: Any, chip: slices.Chip) -> int:
-    """The fewest hosts (a divisor of the slice's) whose chips hold the engine's weights within
-    `ENGINE_WEIGHT_SHARE` of HBM, by the declared shapes; all of them when none does."""
+    """Hosts per rollout engine by the run's own fit rule (`jaxrl.parallel.distributed.engine_hosts`, as
+    `jaxrl.run.runner` applies it): one unless the engine's base weights and KV cache (`engine_bytes`)
+    exceed 90% of one host's HBM (its chips' together), else the fewest hosts, a divisor of the slice's,
+    whose HBM holds them (all of them when none does)."""
     hosts = len({d.process_index for d in mesh.devices.flat})
-    for g in [g for g in range(1, hosts + 1) if hosts % g == 0]:
-        try:
-            sub = programs.engine_mesh(mesh, g)
-        except ValueError:
-            continue
-        base, _ = programs._weights(shapes, sub)
-        if programs.shard_bytes(base) <= ENGINE_WEIGHT_SHARE * chip.hbm_bytes:
-            return g
-    return hosts
+    need = engine_bytes(shapes.model, shapes.decode_slots, shapes.seq_len, jnp.dtype(shapes.dtype).itemsize)
+    return distributed.engine_hosts(0, need, mesh.devices.size // hosts * chip.hbm_bytes, hosts)
 
 
 def roofline(m: ModelConfig, s: Shapes, chip: slices.Chip, chips: int, engine_chips: int,

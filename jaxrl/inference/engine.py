@@ -35,7 +35,7 @@ from jaxrl.inference.sampling import SlotSampling, mark_seen, sample, stop_ban
 from jaxrl.model import qwen3
 from jaxrl.model.decode import decode_step, unstack_layers
 from jaxrl.model.qwen3 import KVCache, ModelConfig, Params
-from jaxrl.parallel.sharding import array_sharding
+from jaxrl.parallel.sharding import array_sharding, bytes_per_device
 
 
 @struct.dataclass
@@ -88,6 +88,14 @@ def copies_weights(platform: str) -> bool:
     tied embedding at 17 GB/s against 27 GB/s as [D, V]). On an accelerator the engine reads the training
     weights in place: the copies would cost a second base model's worth of HBM."""
     return platform == "cpu"
+
+
+def engine_bytes(cfg: ModelConfig, decode_slots: int, seq_len: int, itemsize: int) -> int:
+    """Bytes one rollout engine holds over all its chips: the base weights and the KV cache (k and v,
+    [L, decode_slots, seq_len, K, H]), both of `itemsize` bytes per element. What the engine group's fit
+    rule weighs (`jaxrl.parallel.distributed.engine_hosts`)."""
+    cache = 2 * cfg.num_layers * decode_slots * seq_len * cfg.num_kv_heads * cfg.head_dim * itemsize
+    return bytes_per_device(qwen3.param_specs(cfg), cfg.dims(), {}, itemsize) + cache
 
 
 def prefill_buckets(max_prefill_length: int, smallest: int = 16) -> tuple[int, ...]:

@@ -48,7 +48,7 @@ from rich.markup import escape
 from jaxrl.config.env_file import load_env_file
 from jaxrl.config.schema import ConfigError, RunConfig, resolve_model_path, resolve_tokenizer_path
 from jaxrl.envs import loader
-from jaxrl.inference.engine import Engine
+from jaxrl.inference.engine import Engine, engine_bytes
 from jaxrl.inference.lockstep import GroupScheduler
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
@@ -56,7 +56,7 @@ from jaxrl.inference.server import start_server
 from jaxrl.model import hf
 from jaxrl.model.qwen3 import ModelConfig, init_lora, lora_specs, param_specs
 from jaxrl.parallel import distributed
-from jaxrl.parallel.sharding import bytes_per_device, make_mesh, spec_shardings
+from jaxrl.parallel.sharding import make_mesh, spec_shardings
 from jaxrl.rl import rollouts
 from jaxrl.rl.buffer import Buffer, BufferExhausted, BufferState
 from jaxrl.rl.producer import Producer, VersionLog, in_flight_groups
@@ -579,9 +579,8 @@ def _engine_group(cfg: RunConfig, mcfg: ModelConfig, dtype: Any) -> range:
     """The processes whose devices this process's rollout engine spans: `[jax] engine_hosts` consecutive
     ones, or as many as the fit rule needs for the base weights and the KV cache
     (`jaxrl.parallel.distributed.engine_hosts`). Raises ConfigError (key `jax.engine_hosts`)."""
-    jcfg, itemsize = cfg.jax, jnp.dtype(dtype).itemsize
-    cache = 2 * mcfg.num_layers * jcfg.decode_slots * jcfg.seq_len * mcfg.num_kv_heads * mcfg.head_dim * itemsize
-    need = bytes_per_device(param_specs(mcfg), mcfg.dims(), {}, itemsize) + cache
+    jcfg = cfg.jax
+    need = engine_bytes(mcfg, jcfg.decode_slots, jcfg.seq_len, jnp.dtype(dtype).itemsize)
     try:
         hosts = distributed.engine_hosts(jcfg.engine_hosts, need, distributed.host_memory(), jax.process_count())
     except ValueError as exc:
