@@ -17,8 +17,12 @@ def test_slice_names():
     for bad in ("v5p-7", "v7-8", "v6e:4x4x4", "v5litepod-12"):
         with pytest.raises(ValueError, match="expected"):
             slices.parse_slice(bad)
-    devices = slices.topology_devices(slices.parse_slice("v5p-64"))
-    assert len(devices) == 32 and len({d.process_index for d in devices}) == 8 and devices[0].platform == "tpu"
+    # (chips, hosts) as the slices have them: v4 megacore (a device per chip), 8-chip v5e / v6e one host
+    for name, layout in (("v5p-64", (32, 8)), ("v4-16", (8, 2)), ("v6e-8", (8, 1)), ("v5litepod-8", (8, 1)),
+                         ("v6e-16", (16, 4))):
+        devices = slices.topology_devices(slices.parse_slice(name))
+        assert (len(devices), len({d.process_index for d in devices})) == layout, name
+        assert devices[0].platform == "tpu"
 
 
 def test_cli_compiles_a_checkpoint_config_for_a_slice(tmp_path, tiny_model_dir):

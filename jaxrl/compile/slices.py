@@ -104,6 +104,18 @@ def slice_names() -> str:
     return "; ".join(lines)
 
 
+def _host_layout(s: Slice) -> dict:
+    """What libtpu's default description gets wrong about a slice's devices and hosts: v4 runs its two
+    TensorCores per chip as one device (megacore; libtpu's default lists a device per core), and an
+    8-chip v5e or v6e slice is one host of 8 chips (ct5lp-hightpu-8t, ct6e-standard-8t; libtpu's default
+    is 2 hosts of 4, the hosts of the larger slices)."""
+    if s.chip.name == "v4":
+        return {"chip_config_name": "megacore"}
+    if s.chip.name in ("v5e", "v6e") and s.chips == 8:
+        return {"chips_per_host_bounds": (2, 4, 1)}
+    return {}
+
+
 def topology_devices(s: Slice) -> list:
     """The slice's TPU devices (process-major, as `jax.devices()` lists them on the slice), from libtpu's
     topology description; no TPU needed.
@@ -117,7 +129,7 @@ def topology_devices(s: Slice) -> list:
     # which would stop a second compile, or a test session beside a run, from starting.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
-        desc = topologies.get_topology_desc(topology_name=s.topology, platform="tpu")
+        desc = topologies.get_topology_desc(topology_name=s.topology, platform="tpu", **_host_layout(s))
     except Exception as exc:  # noqa: BLE001 - libtpu missing or refusing the shape: both end here
         raise RuntimeError(f"cannot describe TPU topology {s.topology} ({type(exc).__name__}: {exc}); "
                            f"is libtpu installed? pip install \"jax[tpu]==<jax's version>\"") from None
