@@ -90,6 +90,7 @@ def _run(coro):
     return asyncio.run(coro)
 
 
+@pytest.mark.numerics
 def test_scheduler_serves_a_stream_of_mixed_requests_through_few_slots():
     params = _params(lora_seed=1)
     engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=3, max_seq_len=64, lora_scale=0.5)
@@ -184,6 +185,7 @@ def test_scheduler_keeps_each_requests_settings_in_a_shared_batch():
     _check_min_tokens(params, prompt, out["min_tokens_1"], greedy[0], 1)
 
 
+@pytest.mark.numerics
 def test_scheduler_seed_reproducible_and_stop_tokens():
     params = _params()
     engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=2, max_seq_len=32)
@@ -204,6 +206,7 @@ def test_scheduler_seed_reproducible_and_stop_tokens():
         sched.stop()
 
 
+@pytest.mark.numerics
 def test_update_params_in_flight_keeps_request_and_records_versions():
     p0, p1 = _params(lora_seed=1), _params(lora_seed=2)
     engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=2, max_seq_len=96, lora_scale=0.5)

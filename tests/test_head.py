@@ -8,6 +8,8 @@ import pytest
 
 from jaxrl.model import head
 
+pytestmark = pytest.mark.numerics
+
 N, D, V = 37, 16, 50  # 37 tokens: five chunks of 8, the last one padded
 W = jax.random.normal(jax.random.key(0), (D, V)) * 0.5
 H = jax.random.normal(jax.random.key(1), (N, D))

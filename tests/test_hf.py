@@ -168,6 +168,7 @@ def test_load_with_shardings(tmp_path):
     assert _max_diff(_jax_logits(cfg, params), _torch_logits(m)) <= ATOL
 
 
+@pytest.mark.numerics
 def test_bf16_checkpoint(tmp_path):
     """A bf16 checkpoint loads exactly (bf16 -> fp32 is exact) and, run in bf16, stays near fp32.
 

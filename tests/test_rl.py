@@ -7,6 +7,7 @@ from jaxrl.config.algorithms import AdvantageConfig, LossConfig
 from jaxrl.rl import losses
 
 
+@pytest.mark.numerics
 def test_group_advantages_subtract_group_mean():
     adv = losses.group_advantages(np.array([1.0, 0.0, 0.5, 0.5, 0.0, 1.0]), rollouts_per_example=3)
     np.testing.assert_allclose(adv, [0.5, -0.5, 0.0, 0.0, -0.5, 0.5], rtol=1e-6)
@@ -17,6 +18,7 @@ def test_group_advantages_rejects_ragged_groups():
         losses.group_advantages(np.ones(6), rollouts_per_example=4)
 
 
+@pytest.mark.numerics
 def test_policy_loss_hand_computed():
     # two samples, three positions; the last position of sample 1 is not a sampled token
     logp = jnp.log(jnp.array([[0.5, 0.25, 0.1], [0.2, 0.9, 0.3]]))
@@ -36,6 +38,7 @@ def test_policy_loss_hand_computed():
     np.testing.assert_allclose(m["policy/ratio"], (1 + 0.5 + 1 + 1 + 18) / 5, rtol=1e-6)
 
 
+@pytest.mark.numerics
 def test_policy_gradient_raises_logprob_of_positive_advantage():
     mask = jnp.ones((1, 2), bool)
     inf = jnp.log(jnp.array([[0.3, 0.3]]))
@@ -49,6 +52,7 @@ def test_policy_gradient_raises_logprob_of_positive_advantage():
     assert (np.asarray(g_neg) > 0).all()
 
 
+@pytest.mark.numerics
 def test_group_advantages_std_and_rloo():
     rewards = np.array([1.0, 0.0, 0.5, 0.2, 0.2, 0.2])
     # group 1: centred [0.5, -0.5, 0], population std sqrt(1/6); group 2: all equal, so 0 whatever the estimator
@@ -59,6 +63,7 @@ def test_group_advantages_std_and_rloo():
     np.testing.assert_array_equal(losses.group_advantages(np.array([3.0]), 1, "rloo"), [0.0])
 
 
+@pytest.mark.numerics
 def test_advantages_clip_rewards_then_normalise_the_batch():
     groups = [np.array([2.0, 0.0]), np.array([0.5, 0.5, -1.0])]
     # clipped to [0, 1]: [1, 0] and [0.5, 0.5, 0]; centred: [0.5, -0.5] and [1/6, 1/6, -1/3]
@@ -87,6 +92,7 @@ def _loss_and_grad(cfg):
     return float(loss), metrics, np.asarray(grad)
 
 
+@pytest.mark.numerics
 def test_ppo_clipped_surrogate_hand_computed():
     # A = +1: max(-r, -clip(r, 0.8, 1.2)) = -0.5, -1, -1.2 (clipped); A = -1: max(r, clip(r)) = 0.8 (clipped), 1, 1.5
     loss, m, grad = _loss_and_grad(LossConfig(type="ppo"))
@@ -109,6 +115,7 @@ def test_ppo_clipped_surrogate_hand_computed():
     np.testing.assert_allclose(m["policy/clip_fraction"], 3 / 6, rtol=1e-6)
 
 
+@pytest.mark.numerics
 def test_gspo_sequence_ratio_hand_computed():
     inf = jnp.log(jnp.array([[0.2, 0.3], [0.2, 0.3]]))
     logp = inf + jnp.log(jnp.array([[2.0, 1.0], [0.9, 1.0]]))
@@ -129,6 +136,7 @@ def test_gspo_sequence_ratio_hand_computed():
                                                    LossConfig(type="ppo", aggregation="sequence_mean"))[0]), loss)
 
 
+@pytest.mark.numerics
 def test_cispo_keeps_clipped_tokens_gradient():
     ratios = jnp.array([[0.5, 1.0, 2.0]])
     inf = jnp.log(jnp.array([[0.2, 0.3, 0.4]]))
@@ -144,6 +152,7 @@ def test_cispo_keeps_clipped_tokens_gradient():
     np.testing.assert_allclose(m["policy/clip_fraction"], 2 / 3, rtol=1e-6)
 
 
+@pytest.mark.numerics
 def test_aggregations_hand_computed():
     values = jnp.array([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0], [7.0, 7.0, 7.0]])
     mask = jnp.array([[True, True, True], [True, False, False], [False, False, False]])  # row 2: no token
@@ -167,6 +176,7 @@ def test_aggregations_hand_computed():
     ("k2", 0.5 * np.log(2) ** 2, np.log(2)),     # (log r)^2 / 2; d/dlogp = -log r
     ("k3", 0.5 - 1 + np.log(2), 0.5),            # r - 1 - log r; d/dlogp = 1 - r
 ])
+@pytest.mark.numerics
 def test_reference_kl_penalty_hand_computed(estimator, value, dvalue):
     logp, ref = jnp.log(jnp.full((1, 2), 0.5)), jnp.log(jnp.full((1, 2), 0.25))
     np.testing.assert_allclose(losses.kl_penalty(logp, ref, estimator), [[value, value]], rtol=1e-5)
@@ -185,6 +195,7 @@ def test_reference_kl_penalty_hand_computed(estimator, value, dvalue):
     assert "policy/ref_kl" not in losses.policy_loss(logp, logp, jnp.array([0.0]), mask, LossConfig())[1]
 
 
+@pytest.mark.numerics
 def test_entropy_bonus_lowers_the_loss_by_its_coefficient():
     logp = jnp.log(jnp.full((1, 2), 0.5))
     entropy = jnp.array([[2.0, 4.0]])

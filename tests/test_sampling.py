@@ -35,6 +35,7 @@ def _softmax(x):
     return e / e.sum()
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("truncate", [False, True])
 def test_temperature_draws_from_the_tempered_softmax(truncate):
     toks, lps = _draws(truncate=truncate, temperature=0.7)
@@ -43,12 +44,14 @@ def test_temperature_draws_from_the_tempered_softmax(truncate):
     np.testing.assert_allclose(lps, np.log(want)[toks], rtol=1e-5)
 
 
+@pytest.mark.numerics
 def test_temperature_zero_is_greedy_with_the_t1_logprob():
     toks, lps = _draws(n=64, temperature=0.0, top_k=3)
     assert (toks == 0).all()
     np.testing.assert_allclose(lps, np.log(_softmax(LOGITS)[0]), rtol=1e-5)
 
 
+@pytest.mark.numerics
 def test_top_k_keeps_k_tokens_renormalised_and_reports_the_full_logprob():
     toks, lps = _draws(top_k=3)
     p = _softmax(LOGITS)
@@ -58,6 +61,7 @@ def test_top_k_keeps_k_tokens_renormalised_and_reports_the_full_logprob():
     np.testing.assert_allclose(lps, np.log(p)[toks], rtol=1e-5)
 
 
+@pytest.mark.numerics
 def test_top_p_keeps_the_smallest_nucleus_with_that_mass():
     p = _softmax(LOGITS)
     toks, _ = _draws(top_p=0.6)
@@ -67,6 +71,7 @@ def test_top_p_keeps_the_smallest_nucleus_with_that_mass():
     assert freq[nucleus:].sum() == 0
 
 
+@pytest.mark.numerics
 def test_top_p_applies_to_the_top_k_set_renormalised():
     # vLLM's order: top_k first, then top_p over the renormalised top-k distribution.
     p = _softmax(LOGITS)
@@ -78,6 +83,7 @@ def test_top_p_applies_to_the_top_k_set_renormalised():
     assert freq[keep:].sum() == 0
 
 
+@pytest.mark.numerics
 def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability():
     p = _softmax(LOGITS / 0.5)
     kept = p >= 0.2 * p.max()
@@ -87,6 +93,7 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability():
     np.testing.assert_allclose(lps, np.log(p)[toks], rtol=1e-5)
 
 
+@pytest.mark.numerics
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
     seen = jnp.array([True, False, False, False, False, True, False, False])
     toks, lps = _draws(seen=seen, repetition_penalty=2.0)
@@ -107,6 +114,7 @@ def test_greedy_sees_the_penalty():
     assert (toks == 1).all()
 
 
+@pytest.mark.numerics
 def test_stop_ban_masks_stop_tokens_until_min_tokens_and_the_logprob_is_renormalised():
     """`min_tokens`: a row short of it draws from the softmax without its stop tokens, greedy included,
     and reports the logprob of that distribution; a row past it, or one that would ban every token,
@@ -139,6 +147,7 @@ def test_seed_fixes_the_draws_and_different_seeds_differ():
     assert (a == b).all() and (a != c).any()
 
 
+@pytest.mark.numerics
 def test_large_vocab_across_chunks_and_per_row_settings():
     # V not a multiple of CHUNK; mass spread over several chunks; each row its own settings.
     v = 3 * CHUNK + 37

@@ -205,6 +205,7 @@ def test_step_rows_cover_each_epoch_once_and_resume_alike():
 # -- the loss ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.numerics
 def test_sft_loss_is_the_token_mean_nll():
     logp = np.log(np.array([[0.5, 0.25, 0.9], [0.1, 1.0, 0.2]], np.float32))
     mask = np.array([[True, True, False], [False, False, True]])
@@ -223,6 +224,7 @@ def _rows(seed: int, n: int, width: int):
     return samples
 
 
+@pytest.mark.numerics
 def test_sft_step_packed_equals_one_sample_per_row_and_loss_falls():
     """The SFT loss of packed rows equals the loss of the same samples one per row (segments keep them
     apart in the train step), and a few steps on a tiny set lower it."""

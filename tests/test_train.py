@@ -344,6 +344,7 @@ def test_engine_and_trainer_agree_at_step_one():
     assert float(one["policy/kl"]) > 1e-3
 
 
+@pytest.mark.numerics
 def test_reference_kl_is_the_base_with_lora_off():
     """`policy/ref_kl` is the k3 mean between the LoRA policy and the same base with LoRA off (0 before any
     update: LoRA's b starts at 0), and the penalty adds kl_coef times it to the loss."""
@@ -389,6 +390,7 @@ def test_each_loss_trains_two_steps(cfg):
     assert ("policy/ref_kl" in metrics) == (cfg.kl_coef > 0)
 
 
+@pytest.mark.numerics
 def test_sequence_aggregation_accumulates_as_one_pass():
     """GSPO with "sequence_mean" in micro-batches of 3 rows (the last padded) gives the one-pass loss and
     update: a micro-batch weighs its number of sequences, not its tokens."""
@@ -414,6 +416,7 @@ def test_learning_rate_schedules_hand_computed():
     np.testing.assert_allclose(learning_rate(steps, 1e-4), [1e-4] * 6)
 
 
+@pytest.mark.numerics
 def test_scheduled_learning_rate_scales_each_update():
     """A schedule on a rate-1 optimizer: a constant one gives bit for bit the weights of the optimizer at
     that rate (the default run's training is unchanged); `optim/lr` is the rate of each step taken."""
@@ -434,6 +437,7 @@ def test_scheduled_learning_rate_scales_each_update():
     assert np.isnan(runs["plain lr"]).all()
 
 
+@pytest.mark.numerics
 def test_make_optimizer_options_hand_computed():
     """Two AdamW updates of one LoRA leaf, recomputed in numpy: global-norm clipping (gradients of norm 1e-6
     clipped to 1e-7, which Adam's eps = 1e-8 makes visible), the betas and decoupled weight decay."""
@@ -460,6 +464,7 @@ def _full_setup(mesh, **trainer_args):
     return base, trainer, trainer.init_state(base, None)
 
 
+@pytest.mark.numerics
 def test_full_finetuning_trains_every_weight_with_state_sharded_alike():
     """`finetune = "full"`: one step is AdamW on `jax.grad` of the loss over every base weight (recomputed
     here), every weight moves, Adam's moments have the weights' shardings (fsdp x tensor mesh), the
