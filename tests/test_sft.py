@@ -297,6 +297,56 @@ lora_rank = 4
         ckpt.close()
 
 
+def test_full_sft_run_trains_every_weight_and_a_full_rl_run_warm_starts_from_it(tmp_path):
+    """`jaxrl sft` with `[jax] finetune = "full"` (in process, 2 steps): the loss falls, the checkpoint holds
+    every weight, each moved from the model's; an RL run with `finetune = "full"` and `checkpoint_id` naming it
+    starts from those weights (bit for bit: its train state and the weights its engine is given at start, so
+    its first rollouts sample the SFT'd policy), at step 0 with a fresh optimizer."""
+    from jaxrl.model import hf
+
+    model = assets.ensure_tiny_assets(REPO / "assets").resolve()
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"prompt": f"say {w}", "completion": f"{w} {w}"}) + "\n"
+                                              for w in ("cat", "dog", "sun", "sea")))
+    common = f"""model = "jaxrl/qwen3-tiny"
+learning_rate = 1e-3
+[[env]]
+id = "jaxrl/lowercase"
+[checkpoints]
+interval = 2
+[jax]
+model_path = "{model}"
+output_dir = "{tmp_path / 'runs'}"
+seq_len = 128
+finetune = "full"
+"""
+    sft_cfg = _write(tmp_path / "sft.toml", f'name = "full"\n{common}[jax.sft]\ndata = "d.jsonl"\nbatch_size = 1\n'
+                                            f'epochs = 2\n')  # one packed row: 2 steps
+    runner.run(load_config(sft_cfg), Console(quiet=True), run_class=SftRun)
+    run_dir = tmp_path / "runs" / "full"
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["loss"] < rows[0]["loss"]
+    ckpt = Checkpointer(str(run_dir / "checkpoints"), read_only=True)
+    assert ckpt.all_steps() == [2] and ckpt.read_meta(2)["identity"]["finetune"] == "full"
+
+    rl_cfg = load_config(_write(tmp_path / "rl.toml", f'name = "rl"\nmax_steps = 2\ncheckpoint_id = "full"\n'
+                                                      f'batch_size = 8\nrollouts_per_example = 4\n{common}'))
+    rl = Run(rl_cfg, Console(quiet=True), [])
+    rl.setup()  # loads the model, the environments and the warm start; starts no engine
+    try:
+        saved, _ = ckpt.restore(2, rl.state)
+        assert saved.lora == {} and int(rl.state.step) == 0 and rl.start_step == 0
+        _, start = hf.load_hf(model)
+        moved = jax.tree.map(lambda a, b: not np.array_equal(np.asarray(a), np.asarray(b)), start, saved.base)
+        assert all(jax.tree.leaves(moved))
+        for weights in (rl.state.base, rl.engine_params()["base"]):  # float32: the engine's cast is exact
+            jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), saved.base, weights)
+        fresh = jax.tree.map(lambda x: float(np.abs(np.asarray(x)).max()), rl.state.opt_state)
+        assert max(jax.tree.leaves(fresh)) == 0.0  # Adam's count and moments: the SFT run's are not carried over
+    finally:
+        rl.ckpt.close()
+        ckpt.close()
+
+
 def test_shipped_example_is_valid_and_regenerates():
     """configs/sft_lowercase.toml and configs/rl_from_sft.toml load; the shipped JSONL is what
     scripts/make_sft_lowercase.py writes, every completion scored 1 by the environment's reward."""
