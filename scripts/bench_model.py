@@ -4,11 +4,13 @@ random weights, the FLOP/s achieved, and their ratio to this machine's measured 
     python scripts/bench_model.py                      # 0.6B shape, B=4 x T=256, LoRA r16 on all 7 projections
     python scripts/bench_model.py --batch 4 --seq 256 --layers 28 --dtype float32
     python scripts/bench_model.py --compile-only       # compile time: scanned vs unrolled layer stack
+    python scripts/bench_model.py --train-only --finetune full   # the full fine-tuning step instead of LoRA
 
 FLOPs counted: the forward pass is 2 x (weights touched per token) + attention (4 x T x N x H per token for
 QK^T and PV, causal half not subtracted) + the unembedding over the whole vocabulary. The LoRA train step
 adds the backward pass through the activations (again 2 x forward matmul FLOPs): the frozen base weights
-need no weight gradients, so a LoRA step is ~2x a forward, not the 3x of full fine-tuning. The peer
+need no weight gradients, so a LoRA step is ~2x a forward, not the 3x of full fine-tuning (`--finetune full`:
+every weight's gradient and AdamW over float32 master weights, `[jax] finetune = "full"`'s step). The peer
 figure for the same work (transformers + peft, shared/peers/bench_hf_train.py) is measured against it, in
 alternating runs, by scripts/bench_peers.py.
 """
@@ -78,9 +80,15 @@ def bench_forward(cfg, base, b: int, t: int, reps: int) -> float:
     return min(_time(lambda: fwd(base, tokens).block_until_ready()) for _ in range(reps))
 
 
-def bench_train(cfg, mesh, base, lora, b: int, t: int, rank: int, reps: int) -> float:
-    trainer = Trainer(cfg, mesh, make_optimizer(1e-4), lora_scale=16 / rank)
-    state = trainer.init_state(base, lora)
+def bench_train(cfg, mesh, base, lora, b: int, t: int, rank: int, reps: int, full: bool = False, dtype=None) -> float:
+    """Best-of-`reps` seconds of one train step on B=`b` rows of `t` tokens: LoRA of `rank` over the frozen
+    `base`, or with `full` every weight of `base` (float32 master weights, the forward in `dtype`)."""
+    if full:
+        trainer = Trainer(cfg, mesh, make_optimizer(1e-6, full=True), lora_scale=0.0, full=True, dtype=dtype)
+        state, base = trainer.init_state(base, None), None
+    else:
+        trainer = Trainer(cfg, mesh, make_optimizer(1e-4), lora_scale=16 / rank)
+        state = trainer.init_state(base, lora)
     rng = np.random.default_rng(0)
     samples = [(rng.integers(0, 150_000, t + 1).tolist(), [True] * (t + 1), [-1.0] * (t + 1)) for _ in range(b)]
     batch = make_batch(samples, rng.standard_normal(b), 1.0, t + 1)
@@ -123,12 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--compile-only", action="store_true", help="only time compilation, scan vs unrolled")
     p.add_argument("--train-only", action="store_true", help="only the train step (scripts/bench_peers.py)")
+    p.add_argument("--finetune", choices=["lora", "full"], default="lora",
+                   help="the train step's kind: LoRA (default) or full fine-tuning ([jax] finetune)")
     args = p.parse_args(argv)
     cfg = dataclasses.replace(QWEN3_06B, num_layers=args.layers)
     dtype = jnp.dtype(args.dtype)
     b, t = args.batch, args.seq
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} x{len(jax.devices())}; Qwen3-0.6B shape, "
-          f"{cfg.num_layers} layers, {args.dtype}, B={b} T={t}, LoRA r{args.rank} on {len(TARGETS)} projections")
+          f"{cfg.num_layers} layers, {args.dtype}, B={b} T={t}, "
+          + (f"LoRA r{args.rank} on {len(TARGETS)} projections" if args.finetune == "lora" else "full fine-tuning"))
 
     if args.compile_only:
         for name, s in compile_times(cfg, b, t, args.rank).items():
@@ -137,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
 
     peak = matmul_peak(dtype)
     print(f"matmul peak (jitted 2048^3, {args.dtype}): {peak / 1e9:.1f} GFLOP/s")
-    mesh, base, lora = build(cfg, dtype, args.rank)
+    full = args.finetune == "full"
+    mesh, base, lora = build(cfg, jnp.dtype(jnp.float32) if full else dtype, args.rank)  # full: float32 masters
     fwd_flops = forward_flops_per_token(cfg, t) * b * t
 
     if not args.train_only:
@@ -145,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"forward (logits for every position): {b * t / s:7.1f} tokens/s, {s:.2f} s, "
               f"{fwd_flops / s / 1e9:.1f} GFLOP/s = {fwd_flops / s / peak:.0%} of peak")
 
-    s = bench_train(cfg, mesh, base, lora, b, t, args.rank, args.reps)
-    train_flops = 2 * fwd_flops
-    print(f"LoRA train step (RL loss, AdamW): {b * t / s:7.1f} tokens/s, {s:.2f} s, "
+    s = bench_train(cfg, mesh, base, lora, b, t, args.rank, args.reps, full=full, dtype=dtype)
+    train_flops = (3 if full else 2) * fwd_flops
+    print(f"{'full' if full else 'LoRA'} train step (RL loss, AdamW): {b * t / s:7.1f} tokens/s, {s:.2f} s, "
           f"{train_flops / s / 1e9:.1f} GFLOP/s = {train_flops / s / peak:.0%} of peak")
     return 0
 

@@ -1,6 +1,7 @@
-"""Test session setup: 8 emulated CPU devices unless XLA_FLAGS names another count (so sharded code paths run
-for real) and strict rank promotion. These must be set before jax is imported anywhere. The GCS clients are pointed at the
-session's local GCS emulator (see gcs_fixtures.py) before gcsfs, fsspec or tensorstore are imported."""
+"""Test session setup: 8 emulated CPU devices unless XLA_FLAGS names another count (so sharded code paths
+run for real) and strict rank promotion. These must be set before jax is imported anywhere. The GCS clients
+are pointed at the session's local GCS emulator (see gcs_fixtures.py) before gcsfs, fsspec or tensorstore
+are imported."""
 
 import atexit
 import os
