@@ -1,7 +1,6 @@
-"""Test session setup: 8 emulated CPU devices unless XLA_FLAGS names another count (so sharded code paths
-run for real) and strict rank promotion. These must be set before jax is imported anywhere. The GCS clients
-are pointed at the session's local GCS emulator (see gcs_fixtures.py) before gcsfs, fsspec or tensorstore
-are imported."""
+"""Test session setup: 8 emulated CPU devices (so sharded code paths run for real) and strict rank
+promotion. These must be set before jax is imported anywhere. The GCS clients are pointed at the
+session's local GCS emulator (see gcs_fixtures.py) before gcsfs, fsspec or tensorstore are imported."""
 
 import atexit
 import os
@@ -13,10 +12,7 @@ from gcs_fixtures import configure_clients, free_port
 GCS_PROXY_PORT = free_port()
 configure_clients(GCS_PROXY_PORT)
 
-# A device count already in XLA_FLAGS is kept (the numerics tests' perturbed runs use 16): the in-process tests
-# take the devices they need from the front of jax.devices(), the subprocesses set their own count (helpers.py).
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
