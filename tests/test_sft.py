@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from jaxrl.cli.main import app
 from jaxrl.config.schema import ConfigError, load_config
 from jaxrl.config.sft import DataError, parse_line, read_jsonl
-from jaxrl.model import assets
+from jaxrl.model import assets, hf_lora
 from jaxrl.parallel.sharding import make_mesh
 from jaxrl.rl import losses, sft
 from jaxrl.run import runner
@@ -265,7 +265,7 @@ output_dir = "{tmp_path / 'runs'}"
 seq_len = 128
 lora_rank = 4
 """
-    sft_cfg = _write(tmp_path / "sft.toml", f'name = "warm"\n{common}[jax.sft]\ndata = "d.jsonl"\n'
+    sft_cfg = _write(tmp_path / "sft.toml", f'name = "warm"\n{common}[adapters]\n[jax.sft]\ndata = "d.jsonl"\n'
                                             f'batch_size = 1\nepochs = 3\n')  # one row: 3 steps
     done = jaxrl("sft", sft_cfg)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -289,8 +289,10 @@ lora_rank = 4
     rl.setup()  # loads the model, the environments and the warm start; starts no engine
     try:
         saved, _ = ckpt.restore(4, rl.state)
-        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), saved.lora,
-                     rl.state.lora)
+        adapter = hf_lora.load_adapter(run_dir / "adapters" / "step_4", rl.mcfg)  # [adapters]: after the last step
+        assert sorted(p.name for p in (run_dir / "adapters").iterdir()) == ["step_3", "step_4"]
+        for lora in (rl.state.lora, adapter.lora):
+            jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), saved.lora, lora)
         assert int(rl.state.step) == 0 and rl.start_step == 0  # the LoRA only: step and optimizer start fresh
     finally:
         rl.ckpt.close()
