@@ -474,10 +474,10 @@ def test_a_run_writes_its_adapters_and_export_reads_its_checkpoint(tmp_path, tin
 
 
 def test_full_finetuning_run_resumes_and_exports_the_whole_model(tmp_path, tiny_model_dir):
-    """A real `jaxrl run` with `[jax] finetune = "full"` and a KL penalty: 2 steps, then resumed from its
-    checkpoint to 3; the checkpoint holds every weight (moved from the model's), no adapter is written,
-    `jaxrl export` writes a model that transformers loads with jaxrl's logits of those weights (and
-    refuses an adapter), and `jaxrl serve` serves those weights."""
+    """A real `jaxrl run` with `[jax] finetune = "full"` and a KL penalty: 2 steps (the engine given the new
+    weights after each), then resumed from its checkpoint to 3; the checkpoint holds every weight (moved from
+    the model's), no adapter is written, `jaxrl export` writes a model that transformers loads with jaxrl's
+    logits of those weights (and refuses an adapter), and `jaxrl serve` serves those weights."""
     from jaxrl.cli import serve
     from jaxrl.export import exporter
 
@@ -495,6 +495,9 @@ def test_full_finetuning_run_resumes_and_exports_the_whole_model(tmp_path, tiny_
     assert "resuming from checkpoint step 2" in log and "PEFT adapters" not in log
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[0]["policy/ref_kl"] == 0 < rows[-1]["policy/ref_kl"]
+    # the engine is given the full weights after each step: step 2's rollouts (synchronous) come from step 1's
+    # weights, so the engine/trainer mismatch is far below the drift from the start a stale engine would show
+    assert rows[1]["policy/kl"] < rows[1]["policy/ref_kl"] / 10, rows
     assert not (run_dir / "adapters").exists()
 
     source = exporter.find_source(str(run_dir))
