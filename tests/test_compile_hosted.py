@@ -1,0 +1,124 @@
+"""`jaxrl compile` on the Hosted Training models, at a Hosted batch, compiled for TPU slices by libtpu.
+
+Each case compiles the train step, the largest prefill bucket and the decode step at two reduced depths
+(2 and 3 layers) and extrapolates every per-chip byte count to the model's depth (`jaxrl.compile.report`);
+`test_memory_is_affine_in_depth` compiles a third depth and shows the extrapolation exact. Compiled
+reports are shared by the module's tests.
+
+Opt-in (`JAXRL_HOSTED_COMPILE=1`, README, Tests): XLA's TPU compiler takes minutes of CPU per program at
+these sizes (measured 2026-11-24 on this project's 2-core machine: a Qwen3-4B or Qwen3-30B-A3B case,
+six compiles, 520-560 s of CPU, 41-47 minutes of wall time at load 10-25), about an hour of CPU for
+the file, where the default suite's budget is 20 minutes in all. `tests/test_compile.py` compiles the
+same programs for the tiny model in every run.
+"""
+
+import json
+import math
+import os
+
+import pytest
+
+from jaxrl.compile import programs, report, slices
+from jaxrl.config.schema import RunConfig
+from jaxrl.model import catalog
+from jaxrl.model.qwen3 import ModelConfig, param_specs
+from jaxrl.parallel.sharding import bytes_per_device, make_mesh
+
+pytestmark = pytest.mark.skipif(os.environ.get("JAXRL_HOSTED_COMPILE") != "1",
+                                reason="JAXRL_HOSTED_COMPILE=1 compiles the Hosted models (about an hour of CPU)")
+
+DEPTHS = (2, 3)  # from 1 to 2 layers memory is not affine (a 1-step scan compiles differently)
+QWEN3_4B, QWEN3_30B, QWEN3_235B = ("Qwen/Qwen3-4B-Instruct-2507", "Qwen/Qwen3-30B-A3B-Instruct-2507",
+                                   "Qwen/Qwen3-235B-A22B-Instruct-2507")
+# case: (model, slice, mesh, decode_slots, [jax] engine_hosts); every case trains a Hosted batch, 256 rollouts of up to
+# 4096 tokens (2048 sampled), LoRA r16, bfloat16 weights, remat
+CASES = {
+    "4b-v6e-8": (QWEN3_4B, "v6e-8", {"fsdp": 2, "tensor": 4}, 128, 0),
+    "30b-v5p-8": (QWEN3_30B, "v5p-8", {"expert": 4}, 256, 0),
+    "30b-v5p-16": (QWEN3_30B, "v5p-16", {"fsdp": 2, "expert": 4}, 256, 0),
+    # the fit rule alone would give 2 hosts (weights and cache within 90% of 2 hosts' HBM), where the
+    # trainer's weights and state beside them overflow the chips: the report says so, 4 fit
+    "235b-v5p-64": (QWEN3_235B, "v5p-64", {"fsdp": 2, "tensor": 2, "expert": 8}, 128, 4),
+}
+
+
+def run_config(case: str) -> RunConfig:
+    model, _, mesh, slots, engine_hosts = CASES[case]
+    return RunConfig.model_validate({
+        "model": model, "batch_size": 256, "rollouts_per_example": 8, "lora_alpha": 32, "env": [{"id": "a/b"}],
+        "sampling": {"max_tokens": 2048},
+        "jax": {"mesh": mesh, "dtype": "bfloat16", "seq_len": 4096, "lora_rank": 16, "decode_slots": slots,
+                "remat": True, "engine_hosts": engine_hosts}})
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """case -> Report, each compiled once for the module on first use."""
+    cache = {}
+
+    def get(case: str) -> report.Report:
+        if case not in cache:
+            cache[case] = report.compile_run(run_config(case), CASES[case][1], DEPTHS)
+        return cache[case]
+
+    return get
+
+
+def check(r: report.Report, case: str) -> None:
+    """Fits, and the weights the compiler was given per chip are the declared shapes' arithmetic: the
+    report's weights are `bytes_per_device`'s (device-free) count, and each program's compiled argument
+    bytes exceed its declared arguments by under 1 MiB at each compiled depth (the per-request vectors
+    and scalars, and each layer's small weights, padded to the chip's tiles: measured 3-182 KB, growing
+    by 5.6 KB a layer for Qwen3-4B and 8.7 KB for Qwen3-30B-A3B)."""
+    print(r.text())  # the report, for `pytest -s`
+    assert r.fits, r.text()
+    mcfg = ModelConfig.from_hf(catalog.HOSTED_MODELS[CASES[case][0]])
+    assert r.terms["weights"] == bytes_per_device(param_specs(mcfg), mcfg.dims(), r.mesh, 2)
+    for name in ("train", "prefill", "decode"):
+        for d in DEPTHS:
+            p = r.programs[f"{name}@{d}"]
+            assert 0 <= p["argument"] - sum(p["declared"].values()) < 2**20, (name, d, p)
+    json.dumps(r.to_json())
+
+
+def test_qwen3_4b_fits_a_v6e_8(compiled):
+    """v6e-8 is one host of 8 chips: the engine reads the trainer's weights in place (no engine copy)."""
+    r = compiled("4b-v6e-8")
+    check(r, "4b-v6e-8")
+    assert (r.hosts, r.engine_hosts, r.terms["engine_weights"]) == (1, 1, 0)
+
+
+def test_memory_is_affine_in_depth(compiled):
+    """Every per-chip byte count of the three programs at depth 4 is exactly where the line through
+    depths 2 and 3 puts it: what lets `--depths 2,3` extrapolate to 36-94 layers."""
+    r = compiled("4b-v6e-8")
+    mesh = make_mesh(r.mesh, slices.topology_devices(r.slice))
+    emesh = programs.engine_mesh(mesh, r.engine_hosts)
+    at4 = r.shapes.at_depth(4)
+    for name, p4 in (("train", programs.compile_train(at4, mesh)), ("prefill", programs.compile_prefill(at4, emesh)),
+                     ("decode", programs.compile_decode(at4, emesh))):
+        p2, p3 = r.programs[f"{name}@2"], r.programs[f"{name}@3"]
+        for field in ("argument", "output", "alias", "temp"):
+            assert getattr(p4, field) - p3[field] == p3[field] - p2[field], (name, field, p2, p3, p4)
+
+
+def test_qwen3_30b_a3b_fits_one_v5p_host(compiled):
+    """One host: the engine reads the trainer's weights in place (no engine copy)."""
+    r = compiled("30b-v5p-8")
+    check(r, "30b-v5p-8")
+    assert (r.hosts, r.engine_hosts, r.terms["engine_weights"]) == (1, 1, 0)
+
+
+def test_qwen3_30b_a3b_fits_two_v5p_hosts(compiled):
+    """Two hosts: the trainer's mesh spans both, each host's engine holds the weights on its own 4 chips."""
+    r = compiled("30b-v5p-16")
+    check(r, "30b-v5p-16")
+    assert (r.hosts, r.engine_hosts) == (2, 1) and r.terms["engine_weights"] > r.terms["weights"]
+
+
+def test_qwen3_235b_a22b_fits_v5p_64_with_an_engine_over_hosts(compiled):
+    """Qwen3-235B-A22B fits no v5p host (438 GiB of bfloat16 weights, 4 x 95 GiB): its engine's programs
+    are compiled on a mesh over 4 of the 8 hosts."""
+    r = compiled("235b-v5p-64")
+    check(r, "235b-v5p-64")
+    assert (r.hosts, r.engine_hosts, math.prod(r.engine_mesh.values())) == (8, 4, 16)
