@@ -29,6 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxrl.model import modules  # noqa: E402
 from jaxrl.model import qwen3 as model  # noqa: E402
 from jaxrl.parallel.sharding import make_mesh, spec_shardings  # noqa: E402
 from jaxrl.rl.train import Trainer, make_batch, make_optimizer  # noqa: E402
@@ -61,9 +62,9 @@ def forward_flops_per_token(cfg: model.ModelConfig, t: int) -> float:
 
 def build(cfg: model.ModelConfig, dtype, rank: int):
     mesh = make_mesh({}, jax.devices()[:1])
-    base = jax.jit(lambda k: model.init_params(cfg, k, dtype),
-                   out_shardings=spec_shardings(model.param_specs(cfg), cfg.dims(), mesh))(jax.random.key(0))
-    lora = model.init_lora(cfg, rank, TARGETS, jax.random.key(1))
+    base = jax.jit(lambda k: modules.init_params(cfg, k, dtype),
+                   out_shardings=spec_shardings(modules.param_specs(cfg), cfg.dims(), mesh))(jax.random.key(0))
+    lora = modules.init_lora(cfg, rank, TARGETS, jax.random.key(1))
     return mesh, base, lora
 
 
@@ -105,8 +106,8 @@ def bench_train(cfg, mesh, base, lora, b: int, t: int, rank: int, reps: int, ful
 
 def compile_times(cfg: model.ModelConfig, b: int, t: int, rank: int) -> dict[str, float]:
     """Seconds to lower + compile the LoRA forward+backward with a scanned and an unrolled layer stack."""
-    base = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
-    lora = jax.eval_shape(lambda: model.init_lora(cfg, rank, TARGETS, jax.random.key(1)))
+    base = jax.eval_shape(lambda: modules.init_params(cfg, jax.random.key(0)))
+    lora = jax.eval_shape(lambda: modules.init_lora(cfg, rank, TARGETS, jax.random.key(1)))
     tokens = jax.ShapeDtypeStruct((b, t), jnp.int32)
     out = {}
     for scan in (True, False):

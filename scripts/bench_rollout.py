@@ -37,7 +37,7 @@ import numpy as np
 from jaxrl.inference.engine import Engine, pad_prompt
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
-from jaxrl.model import qwen3
+from jaxrl.model import modules
 from jaxrl.model.qwen3 import ModelConfig
 from jaxrl.parallel.sharding import make_mesh
 
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t = time.perf_counter()
     # unsafe_rbg: random weights in seconds rather than threefry's half minute; values do not matter here
-    params = jax.jit(lambda k: qwen3.init_params(cfg, k, dtype))(jax.random.key(0, impl="unsafe_rbg"))
+    params = jax.jit(lambda k: modules.init_params(cfg, k, dtype))(jax.random.key(0, impl="unsafe_rbg"))
     jax.block_until_ready(params)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     print(f"Qwen3-0.6B shape, random {args.dtype} weights: {n_params / 1e6:.0f}M params "

@@ -192,14 +192,14 @@ def tiny_trainer(cfg, mesh, tx=None, rank: int = 4, **trainer_kwargs):
     """(base weights, Trainer, TrainState) for model `cfg` on `mesh`: random base (key 0) and fresh LoRA (key 1)
     of `rank` on every target, placed by their specs; the optimizer `tx` (default: `make_optimizer(1e-2)`),
     lora_scale 2; `trainer_kwargs`: more `Trainer` fields."""
-    from jaxrl.model import qwen3
+    from jaxrl.model import modules, qwen3
     from jaxrl.parallel.sharding import spec_shardings
     from jaxrl.rl.train import Trainer, make_optimizer
 
     targets = tuple(qwen3.LORA_TARGETS)
-    base = qwen3.init_params(cfg, jax.random.key(0))
-    base = jax.device_put(base, spec_shardings(qwen3.param_specs(cfg), cfg.dims(), mesh))
-    lora = qwen3.init_lora(cfg, rank, targets, jax.random.key(1))
-    lora = jax.device_put(lora, spec_shardings(qwen3.lora_specs(cfg, rank, targets), {**cfg.dims(), "R": rank}, mesh))
+    base = modules.init_params(cfg, jax.random.key(0))
+    base = jax.device_put(base, spec_shardings(modules.param_specs(cfg), cfg.dims(), mesh))
+    lora = modules.init_lora(cfg, rank, targets, jax.random.key(1))
+    lora = jax.device_put(lora, spec_shardings(modules.lora_specs(cfg, rank, targets), {**cfg.dims(), "R": rank}, mesh))
     trainer = Trainer(cfg, mesh, tx or make_optimizer(1e-2), lora_scale=2.0, **trainer_kwargs)
     return base, trainer, trainer.init_state(base, lora)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.model import assets, hf, qwen3
+from jaxrl.model import assets, hf, modules, qwen3
 
 transformers = pytest.importorskip("transformers")
 
@@ -135,7 +135,7 @@ def test_tiny_model_loads_in_jaxrl_and_transformers(tiny):
 
 def test_tiny_model_is_reproducible(tiny, tmp_path):
     cfg = hf.load_config(tiny)
-    params = qwen3.init_params(cfg, jax.random.key(0))
+    params = modules.init_params(cfg, jax.random.key(0))
     _, loaded = hf.load_hf(tiny)
     np.testing.assert_array_equal(np.asarray(loaded["embed"]), np.asarray(params["embed"] * (0.25 / 0.02)))
     np.testing.assert_array_equal(np.asarray(loaded["layers"]["wq"]), np.asarray(params["layers"]["wq"]))

@@ -30,7 +30,7 @@ from jaxrl.envs import loader
 from jaxrl.inference import wire
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.model import hf
-from jaxrl.model.qwen3 import init_lora
+from jaxrl.model.modules import init_lora
 from jaxrl.rl.buffer import Buffer, BufferState
 from jaxrl.rl.producer import in_flight_groups
 from jaxrl.rl.rollouts import temperature_at

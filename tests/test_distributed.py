@@ -24,7 +24,7 @@ from jaxrl.inference.engine import Engine
 from jaxrl.inference.lockstep import GroupScheduler
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
-from jaxrl.model import qwen3
+from jaxrl.model import modules
 from jaxrl.model.qwen3 import LORA_TARGETS, ModelConfig
 from jaxrl.parallel import distributed
 from jaxrl.parallel.sharding import array_sharding, make_mesh, spec_shardings
@@ -55,10 +55,10 @@ def _train() -> dict:
     mesh = make_mesh(MESH)
     # Weights are born sharded (one jitted init) rather than put leaf by leaf from one device: across
     # processes each such transfer is a collective, and it took 20 s here.
-    base = jax.jit(lambda k: qwen3.init_params(CFG, k),
-                   out_shardings=spec_shardings(qwen3.param_specs(CFG), CFG.dims(), mesh))(jax.random.key(0))
-    lora_sh = spec_shardings(qwen3.lora_specs(CFG, 4, TARGETS), {**CFG.dims(), "R": 4}, mesh)
-    lora = jax.jit(lambda k: qwen3.init_lora(CFG, 4, TARGETS, k), out_shardings=lora_sh)(jax.random.key(1))
+    base = jax.jit(lambda k: modules.init_params(CFG, k),
+                   out_shardings=spec_shardings(modules.param_specs(CFG), CFG.dims(), mesh))(jax.random.key(0))
+    lora_sh = spec_shardings(modules.lora_specs(CFG, 4, TARGETS), {**CFG.dims(), "R": 4}, mesh)
+    lora = jax.jit(lambda k: modules.init_lora(CFG, 4, TARGETS, k), out_shardings=lora_sh)(jax.random.key(1))
     trainer = Trainer(CFG, mesh, make_optimizer(1e-2), lora_scale=2.0)
     out = {}
     for mode in ("replicated", "host_local"):
@@ -89,10 +89,10 @@ def _generate() -> dict:
     prompt per process, and a stop that process 0 asks for while process 1's request is still decoding.
     Prompt index -> (tokens, policy versions)."""
     mesh = make_mesh(MESH)
-    base = jax.jit(lambda k: qwen3.init_params(CFG, k),
-                   out_shardings=spec_shardings(qwen3.param_specs(CFG), CFG.dims(), mesh))(jax.random.key(0))
-    lora_sh = spec_shardings(qwen3.lora_specs(CFG, 4, TARGETS), {**CFG.dims(), "R": 4}, mesh)
-    lora = jax.jit(lambda k: jax.tree.map(lambda x: x + 0.05, qwen3.init_lora(CFG, 4, TARGETS, k)),
+    base = jax.jit(lambda k: modules.init_params(CFG, k),
+                   out_shardings=spec_shardings(modules.param_specs(CFG), CFG.dims(), mesh))(jax.random.key(0))
+    lora_sh = spec_shardings(modules.lora_specs(CFG, 4, TARGETS), {**CFG.dims(), "R": 4}, mesh)
+    lora = jax.jit(lambda k: jax.tree.map(lambda x: x + 0.05, modules.init_lora(CFG, 4, TARGETS, k)),
                    out_shardings=lora_sh)(jax.random.key(1))
     engine = Engine(CFG, mesh, max_concurrent_decodes=4, max_seq_len=32, lora_scale=2.0)
     params = {"base": base, "lora": None}

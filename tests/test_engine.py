@@ -8,7 +8,7 @@ import pytest
 from jaxrl.inference.engine import Engine, pad_prompt
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
-from jaxrl.model import decode, qwen3
+from jaxrl.model import decode, modules, qwen3
 from jaxrl.model.qwen3 import LORA_TARGETS, ModelConfig
 from jaxrl.parallel.sharding import make_mesh, spec_shardings
 
@@ -17,11 +17,11 @@ CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layer
 
 
 def _params(seed=0, lora_seed=None):
-    base = qwen3.init_params(CFG, jax.random.key(seed))
+    base = modules.init_params(CFG, jax.random.key(seed))
     base = jax.tree.map(lambda x: x * 20 if x.ndim > 1 else x, base)  # sharper logits than std 0.02
     lora = None
     if lora_seed is not None:
-        lora = qwen3.init_lora(CFG, 4, tuple(LORA_TARGETS), jax.random.key(lora_seed))
+        lora = modules.init_lora(CFG, 4, tuple(LORA_TARGETS), jax.random.key(lora_seed))
         lora = jax.tree.map(lambda x: x + 0.3, lora)
     return {"base": base, "lora": lora}
 
@@ -239,7 +239,7 @@ def test_sharded_engine_matches_single_device():
     outs = []
     for shape in ({}, {"data": 2, "fsdp": 2, "tensor": 2}):
         mesh = make_mesh(shape, jax.devices()[: 8 if shape else 1])
-        base = jax.device_put(params["base"], spec_shardings(qwen3.param_specs(CFG), CFG.dims(), mesh))
+        base = jax.device_put(params["base"], spec_shardings(modules.param_specs(CFG), CFG.dims(), mesh))
         p = {"base": base, "lora": params["lora"]}
         engine = Engine(CFG, mesh, max_concurrent_decodes=4, max_seq_len=32, lora_scale=0.5)
         state = engine.init_decode_state()

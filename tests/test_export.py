@@ -27,7 +27,8 @@ from typer.testing import CliRunner
 
 from jaxrl.cli.main import app
 from jaxrl.config.schema import load_config
-from jaxrl.model import hf, hf_lora, qwen3
+from jaxrl.model import hf, hf_lora, modules, qwen3
+from jaxrl.parallel.spec import is_spec
 from jaxrl.rl.train import TrainState, make_optimizer
 from jaxrl.run import layout
 from jaxrl.run.adapters import RunAdapters
@@ -88,8 +89,8 @@ def base(request, tmp_path_factory) -> Path:
 
 
 def _random_lora(cfg: qwen3.ModelConfig, targets=ALL, seed: int = 1) -> qwen3.Params:
-    specs = qwen3.lora_specs(cfg, RANK, targets)
-    leaves, treedef = jax.tree.flatten(specs, is_leaf=qwen3.is_spec)
+    specs = modules.lora_specs(cfg, RANK, targets)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
     rng = np.random.default_rng(seed)
     dims = {**cfg.dims(), "R": RANK}
     return jax.tree.unflatten(treedef, [jnp.asarray(0.1 * rng.standard_normal(s.shape(dims)), jnp.float32)

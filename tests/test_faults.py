@@ -27,7 +27,7 @@ from helpers import (
 
 from jaxrl.config.schema import ConfigError, load_config
 from jaxrl.model import hf
-from jaxrl.model.qwen3 import init_lora
+from jaxrl.model.modules import init_lora
 from jaxrl.parallel.sharding import make_mesh
 from jaxrl.rl.rollouts import failure_verdict
 from jaxrl.rl.train import Trainer, make_optimizer

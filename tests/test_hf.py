@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from jaxrl.model import hf, qwen3
+from jaxrl.model import hf, modules, qwen3
+from jaxrl.parallel.spec import is_spec
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -88,7 +89,7 @@ def test_load_matches_transformers(checkpoint):
     cfg, params = hf.load_hf(folder)
     assert cfg.rope_theta == 5000.0 and cfg.rms_norm_eps == 1e-5
     assert ("unembed" in params) == (not cfg.tie_word_embeddings)
-    want_shapes = jax.tree.map(lambda s: s.shape(cfg.dims()), qwen3.param_specs(cfg), is_leaf=qwen3.is_spec)
+    want_shapes = jax.tree.map(lambda s: s.shape(cfg.dims()), modules.param_specs(cfg), is_leaf=is_spec)
     assert jax.tree.map(lambda x: x.shape, params) == want_shapes
     assert _max_diff(_jax_logits(cfg, params), want) <= ATOL
     if (folder / hf.INDEX_FILE).exists():  # the sharded checkpoint really is split
@@ -161,7 +162,7 @@ def test_load_with_shardings(tmp_path):
     m.save_pretrained(tmp_path)
     cfg = hf.load_config(tmp_path)
     mesh = make_mesh({"fsdp": 2, "tensor": 2}, jax.devices()[:4])
-    shardings = spec_shardings(qwen3.param_specs(cfg), cfg.dims(), mesh)
+    shardings = spec_shardings(modules.param_specs(cfg), cfg.dims(), mesh)
     _, params = hf.load_hf(tmp_path, shardings=shardings)
     assert jax.tree.all(jax.tree.map(lambda x, s: x.sharding == s, params, shardings))
     assert params["layers"]["wq"].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
@@ -218,7 +219,7 @@ def _random_params(cfg: qwen3.ModelConfig, dtype=np.float32) -> qwen3.Params:
     """numpy weights of `param_specs(cfg)` (qwen3.init_params would spend seconds compiling its RNG)."""
     rng = np.random.default_rng(0)
     return jax.tree.map(lambda s: rng.normal(0.0, 0.02, s.shape(cfg.dims())).astype(dtype),
-                        qwen3.param_specs(cfg), is_leaf=qwen3.is_spec)
+                        modules.param_specs(cfg), is_leaf=is_spec)
 
 
 @pytest.fixture
@@ -335,5 +336,5 @@ def test_sharded_files_respect_the_limit(tmp_path):
     files = hf.save_hf(tmp_path, cfg, _random_params(cfg), max_shard_bytes=4096)
     index = json.loads((tmp_path / hf.INDEX_FILE).read_text())
     assert sorted(set(index["weight_map"].values())) == [f.name for f in files]
-    biggest = max(math.prod(s.shape(cfg.dims())[1:]) for s in qwen3.param_specs(cfg)["layers"].values()) * 4
+    biggest = max(math.prod(s.shape(cfg.dims())[1:]) for s in modules.param_specs(cfg)["layers"].values()) * 4
     assert biggest <= 4096 and all(f.stat().st_size <= 4096 + 2048 for f in files)  # header included

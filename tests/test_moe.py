@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.model import hf, moe, qwen3
+from jaxrl.model import hf, modules, moe, qwen3
 from jaxrl.parallel.sharding import make_mesh, spec_shardings
+from jaxrl.parallel.spec import is_spec
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -161,9 +162,9 @@ def test_same_logits_and_gradients_on_every_mesh(moe_model):
     """LoRA on every projection (experts included); expert parallelism where the mesh has an expert axis."""
     cfg = _tiny_cfg(moe_model)
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    params = qwen3.init_params(cfg, jax.random.key(0))
+    params = modules.init_params(cfg, jax.random.key(0))
     params = jax.tree.map(lambda x: x * 5 if x.ndim == 3 and x.shape[-1] == cfg.num_experts else x, params)
-    lora = qwen3.init_lora(cfg, 4, targets, jax.random.key(1))
+    lora = modules.init_lora(cfg, 4, targets, jax.random.key(1))
     lora = jax.tree.map(lambda x: x + 0.05, lora)  # b = 0 would hide a wrong LoRA path
     tokens = jax.random.randint(jax.random.key(2), (8, 12), 0, cfg.vocab_size)
     want = _loss_and_grads(cfg, params, lora, tokens, None)
@@ -171,8 +172,8 @@ def test_same_logits_and_gradients_on_every_mesh(moe_model):
         if "expert" in shape and not moe_model:
             continue
         mesh = make_mesh(shape)
-        p = jax.device_put(params, spec_shardings(qwen3.param_specs(cfg), cfg.dims(), mesh))
-        lr = jax.device_put(lora, spec_shardings(qwen3.lora_specs(cfg, 4, targets), {**cfg.dims(), "R": 4}, mesh))
+        p = jax.device_put(params, spec_shardings(modules.param_specs(cfg), cfg.dims(), mesh))
+        lr = jax.device_put(lora, spec_shardings(modules.lora_specs(cfg, 4, targets), {**cfg.dims(), "R": 4}, mesh))
         got = _loss_and_grads(cfg, p, lr, tokens, mesh)
         assert abs(got[0] - want[0]) <= 1e-5, shape
         np.testing.assert_allclose(got[1], want[1], atol=1e-5, rtol=0, err_msg=str(shape))
@@ -182,7 +183,7 @@ def test_same_logits_and_gradients_on_every_mesh(moe_model):
 
 def test_expert_parallel_needs_divisible_experts():
     cfg = _tiny_cfg(True)
-    params = qwen3.init_params(cfg, jax.random.key(0))
+    params = modules.init_params(cfg, jax.random.key(0))
     tokens = jnp.zeros((8, 4), jnp.int32)
     with pytest.raises(ValueError, match="4 experts cannot be split over an expert mesh axis of size 8"):
         qwen3.forward(cfg, params, tokens, _positions(tokens), mesh=make_mesh({"expert": 8}))
@@ -192,9 +193,9 @@ def test_lora_specs_cover_experts_and_dense_layers():
     cfg = qwen3.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
                             num_kv_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
                             moe_intermediate_size=16, mlp_only_layers=(1,))
-    specs = qwen3.lora_specs(cfg, 4, ("q_proj", "down_proj"))
+    specs = modules.lora_specs(cfg, 4, ("q_proj", "down_proj"))
     dims = {**cfg.dims(), "R": 4}
-    shapes = jax.tree.map(lambda s: s.shape(dims), specs, is_leaf=qwen3.is_spec)
+    shapes = jax.tree.map(lambda s: s.shape(dims), specs, is_leaf=is_spec)
     assert shapes == {
         "layers": {"wq": {"a": (3, 32, 4), "b": (3, 4, 4, 8)}},
         "mlp": {"w_down": {"a": (1, 48, 4), "b": (1, 4, 32)}},

@@ -14,7 +14,7 @@ from jaxrl.envs.loader import Rollout
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.protocol import Completion, SamplingParams
 from jaxrl.inference.scheduler import Scheduler
-from jaxrl.model import qwen3
+from jaxrl.model import modules
 from jaxrl.model.qwen3 import ModelConfig
 from jaxrl.parallel.sharding import make_mesh
 from jaxrl.rl.buffer import Buffer, BufferState
@@ -310,7 +310,7 @@ def test_a_stop_asked_on_one_process_ends_the_take_on_every_process_in_the_same_
 def test_version_log_records_expected_seeds_through_the_real_scheduler():
     cfg = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8)
-    params = {"base": qwen3.init_params(cfg, jax.random.key(0)), "lora": None}
+    params = {"base": modules.init_params(cfg, jax.random.key(0)), "lora": None}
     engine = Engine(cfg, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=2, max_seq_len=48)
     sched = Scheduler(engine, params, "tiny")
     log = VersionLog(sched)

@@ -21,7 +21,8 @@ from typer.testing import CliRunner
 
 from jaxrl.cli.main import app
 from jaxrl.config.schema import load_config
-from jaxrl.model import hf, qwen3
+from jaxrl.model import hf, modules, qwen3
+from jaxrl.parallel.spec import is_spec
 from jaxrl.rl.train import TrainState, make_optimizer
 from jaxrl.run import layout
 from jaxrl.run.checkpoint import Checkpointer
@@ -99,8 +100,8 @@ def run_dir(tmp_path_factory, tiny_model_dir):
     layout.write_run_config(run, cfg)
     mcfg, params = hf.load_hf(tiny_model_dir)
     targets = tuple(cfg.jax.lora_targets)
-    specs = qwen3.lora_specs(mcfg, RANK, targets)
-    leaves, treedef = jax.tree.flatten(specs, is_leaf=qwen3.is_spec)
+    specs = modules.lora_specs(mcfg, RANK, targets)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
     rng = np.random.default_rng(1)
     dims = {**mcfg.dims(), "R": RANK}
     lora = jax.tree.unflatten(treedef, [jnp.asarray(0.3 * rng.standard_normal(s.shape(dims)), jnp.float32)

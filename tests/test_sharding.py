@@ -6,7 +6,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxrl.model import qwen3
+from jaxrl.model import modules, qwen3
 from jaxrl.parallel.sharding import RULES, bytes_per_device, check_rules, logical_spec, make_mesh
 
 
@@ -45,8 +45,8 @@ def test_bytes_per_device_matches_placed_arrays():
     mesh = make_mesh(shape)
     from jaxrl.parallel.sharding import spec_shardings
 
-    params = jax.device_put(qwen3.init_params(cfg, jax.random.key(0)),
-                            spec_shardings(qwen3.param_specs(cfg), cfg.dims(), mesh))
+    params = jax.device_put(modules.init_params(cfg, jax.random.key(0)),
+                            spec_shardings(modules.param_specs(cfg), cfg.dims(), mesh))
     device0 = jax.devices()[0]
     placed = sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards if s.device == device0)
-    assert bytes_per_device(qwen3.param_specs(cfg), cfg.dims(), shape, 4) == placed
+    assert bytes_per_device(modules.param_specs(cfg), cfg.dims(), shape, 4) == placed

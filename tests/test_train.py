@@ -11,7 +11,7 @@ from jaxrl.config.algorithms import LossConfig
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
-from jaxrl.model import qwen3
+from jaxrl.model import modules, qwen3
 from jaxrl.model.qwen3 import LORA_TARGETS
 from jaxrl.parallel.sharding import make_mesh, spec_shardings
 from jaxrl.rl.train import Trainer, learning_rate, loss_width, make_batch, make_optimizer, sampled_logprobs
@@ -54,7 +54,7 @@ def test_base_weights_bit_identical_and_stateless_in_optimizer():
 
 @pytest.mark.numerics
 def test_sampled_logprobs_match_full_softmax_at_loss_positions_only():
-    base = qwen3.init_params(CFG, jax.random.key(0))
+    base = modules.init_params(CFG, jax.random.key(0))
     h = jax.random.normal(jax.random.key(2), (3, 100, 32))
     y = jax.random.randint(jax.random.key(3), (3, 100), 0, 128)
     temp = jnp.array([1.0, 0.5, 0.0])
@@ -219,7 +219,7 @@ def test_checkpoint_round_trip_and_retention(tmp_path):
         ckpt.save(step, state, {"step": step, "examples_drawn": [step]})
     ckpt.wait()
     assert ckpt.all_steps() == [2, 3]
-    fresh = trainer.init_state(base, qwen3.init_lora(CFG, 4, TARGETS, jax.random.key(9)))
+    fresh = trainer.init_state(base, modules.init_lora(CFG, 4, TARGETS, jax.random.key(9)))
     restored, meta = ckpt.restore(3, fresh)
     assert meta == {"step": 3, "examples_drawn": [3]} and int(restored.step) == 3
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), state.lora, restored.lora)
@@ -313,8 +313,8 @@ def test_engine_and_trainer_agree_at_step_one():
     trainer's fused head and loss-position gather against the engine's decode step and sampler), with
     each sample at its own temperature (`[sampling.temp_scheduler]` mixes them in a batch; 0 is greedy),
     which the batch carries per row: scored all at one temperature, they disagree."""
-    base = jax.tree.map(lambda x: x * 10 if x.ndim > 1 else x, qwen3.init_params(CFG, jax.random.key(0)))
-    lora = jax.tree.map(lambda x: x + 0.3, qwen3.init_lora(CFG, 4, TARGETS, jax.random.key(1)))
+    base = jax.tree.map(lambda x: x * 10 if x.ndim > 1 else x, modules.init_params(CFG, jax.random.key(0)))
+    lora = jax.tree.map(lambda x: x + 0.3, modules.init_lora(CFG, 4, TARGETS, jax.random.key(1)))
     mesh = make_mesh({}, jax.devices()[:1])
     engine = Engine(CFG, mesh, max_concurrent_decodes=4, max_seq_len=48, lora_scale=0.5)
     sched = Scheduler(engine, {"base": base, "lora": lora}, "tiny")
@@ -458,8 +458,8 @@ def test_make_optimizer_options_hand_computed():
 
 
 def _full_setup(mesh, **trainer_args):
-    base = qwen3.init_params(CFG, jax.random.key(0))
-    base = jax.device_put(base, spec_shardings(qwen3.param_specs(CFG), CFG.dims(), mesh))
+    base = modules.init_params(CFG, jax.random.key(0))
+    base = jax.device_put(base, spec_shardings(modules.param_specs(CFG), CFG.dims(), mesh))
     trainer = Trainer(CFG, mesh, make_optimizer(LR, full=True), lora_scale=0.0, full=True, **trainer_args)
     return base, trainer, trainer.init_state(base, None)
 
@@ -517,7 +517,7 @@ def test_full_finetuning_bfloat16_forward_keeps_float32_master_weights():
     """With `dtype` bfloat16 the forward runs in bfloat16 while the trained weights and Adam's moments stay
     float32, so an update far below bfloat16's resolution of a weight (lr 1e-6) is not rounded away."""
     mesh = make_mesh({}, jax.devices()[:1])
-    base = qwen3.init_params(CFG, jax.random.key(0))
+    base = modules.init_params(CFG, jax.random.key(0))
     trainer = Trainer(CFG, mesh, make_optimizer(1e-6, full=True), lora_scale=0.0, full=True, dtype=jnp.bfloat16)
     state = trainer.init_state(base, None)
     state, _ = trainer.step(state, None, random_batch(0))

@@ -173,8 +173,9 @@ def models(
     from rich.table import Table
 
     from jaxrl.config.model_path import hf_cache_dir
-    from jaxrl.model import catalog, qwen3
+    from jaxrl.model import catalog, modules, qwen3
     from jaxrl.parallel.sharding import bytes_per_device
+    from jaxrl.parallel.spec import is_spec
 
     shape = _parse_mesh(mesh)
     if config is not None:
@@ -192,12 +193,12 @@ def models(
     for name, hf_config in catalog.HOSTED_MODELS.items():
         mcfg = qwen3.ModelConfig.from_hf(hf_config)
         dims = mcfg.dims()
-        specs = qwen3.param_specs(mcfg)
-        total = sum(math.prod(s.shape(dims)) for s in jax.tree.leaves(specs, is_leaf=qwen3.is_spec))
+        specs = modules.param_specs(mcfg)
+        total = sum(math.prod(s.shape(dims)) for s in jax.tree.leaves(specs, is_leaf=is_spec))
         inactive = 3 * mcfg.hidden_size * mcfg.moe_intermediate_size * (mcfg.num_experts - mcfg.num_experts_per_tok)
         active = total - inactive * len(mcfg.moe_layers)
         targets = tuple(qwen3.LORA_TARGETS)
-        lora = bytes_per_device(qwen3.lora_specs(mcfg, lora_rank, targets), {**dims, "R": lora_rank}, shape, 4)
+        lora = bytes_per_device(modules.lora_specs(mcfg, lora_rank, targets), {**dims, "R": lora_rank}, shape, 4)
         weights = bytes_per_device(specs, dims, shape, itemsize)
         full = 3 * bytes_per_device(specs, dims, shape, 4) + (weights if itemsize != 4 else 0)
         table.add_row(name, f"{total / 1e9:.2f} B", f"{active / 1e9:.2f} B", f"{weights / 2**30:.2f} GiB",

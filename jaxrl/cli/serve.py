@@ -23,7 +23,7 @@ from jaxrl.inference.engine import Engine
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
 from jaxrl.model import hf
-from jaxrl.model.qwen3 import lora_specs, param_specs
+from jaxrl.model.modules import lora_specs, param_specs
 from jaxrl.parallel.sharding import make_mesh, spec_shardings
 
 

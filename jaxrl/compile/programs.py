@@ -23,7 +23,8 @@ from jaxrl.config.algorithms import LossConfig
 from jaxrl.inference.engine import DecodeState, Engine
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.sampling import SlotSampling
-from jaxrl.model.qwen3 import ModelConfig, lora_specs, param_specs
+from jaxrl.model.modules import lora_specs, param_specs
+from jaxrl.model.qwen3 import ModelConfig
 from jaxrl.parallel.sharding import MESH_AXES, array_sharding, spec_shardings
 from jaxrl.parallel.spec import is_spec
 from jaxrl.rl.train import Batch, Trainer, TrainState, loss_width, make_optimizer

@@ -17,7 +17,8 @@ from etils import epath
 from jaxrl.config.schema import ConfigError, RunConfig, load_config, resolve_model_path, resolve_tokenizer_path
 from jaxrl.model import hf
 from jaxrl.model.hf_lora import save_adapter, save_merged
-from jaxrl.model.qwen3 import ModelConfig, Params, init_lora, param_specs
+from jaxrl.model.modules import init_lora, param_specs
+from jaxrl.model.qwen3 import ModelConfig, Params
 from jaxrl.rl.train import TrainState, make_optimizer
 from jaxrl.run import gcs
 from jaxrl.run.checkpoint import Checkpointer, CheckpointError

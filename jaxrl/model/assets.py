@@ -18,7 +18,8 @@ from pathlib import Path
 import jax
 
 from jaxrl.model import hf
-from jaxrl.model.qwen3 import ModelConfig, init_params
+from jaxrl.model.modules import init_params
+from jaxrl.model.qwen3 import ModelConfig
 
 VOCAB_ROWS = 151_936  # Qwen3's embedding rows: 151,669 tokens padded up to a multiple of 128
 ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 151_643, 151_644, 151_645
@@ -183,7 +184,7 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, la
     `experts` > 0 a Qwen3-MoE whose every layer routes to `top_k` of `experts` SwiGLU experts of width
     `expert_mlp` (renormalised top-k probabilities, as Qwen3-30B-A3B).
 
-    The weights come from `jaxrl.model.qwen3.init_params` (normal std 0.02, norms 1) with `jax.random.key(seed)`,
+    The weights come from `jaxrl.model.modules.init_params` (normal std 0.02, norms 1) with `jax.random.key(seed)`,
     except the (tied) embedding, drawn with std `embed_std`: with HF's 0.02, a 64-wide model's logits have
     std about 0.16 and its next-token distribution is uniform over 151,936 tokens, beyond what a LoRA can
     reshape; with 0.25 the logits have std about 2, diverse yet learnable. Stored as fp32 by

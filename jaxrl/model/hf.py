@@ -3,7 +3,7 @@
 A checkpoint folder holds `config.json` and either one `model.safetensors` or shards listed by
 `model.safetensors.index.json`, with transformers' `Qwen3ForCausalLM` tensor names. HF stores each
 layer separately and each Linear weight as [out, in]; jaxrl stacks layers on a leading `L` axis and
-keeps each weight as [in..., out...] with heads split out (`jaxrl.model.qwen3.param_specs`):
+keeps each weight as [in..., out...] with heads split out (`jaxrl.model.modules.param_specs`):
 
     model.embed_tokens.weight                [V, D]    -> embed       [V, D]
     model.layers.{i}.self_attn.q_proj.weight [N*H, D]  -> wq          [L, D, N, H]
@@ -33,7 +33,8 @@ import ml_dtypes
 import numpy as np
 import safetensors.numpy
 
-from jaxrl.model.qwen3 import ModelConfig, Params, param_specs
+from jaxrl.model.modules import param_specs
+from jaxrl.model.qwen3 import ModelConfig, Params
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -26,7 +26,8 @@ import safetensors.numpy
 from etils import epath
 
 from jaxrl.model import hf
-from jaxrl.model.qwen3 import LORA_TARGETS, ModelConfig, Params, lora_specs, param_specs
+from jaxrl.model.modules import lora_specs, param_specs
+from jaxrl.model.qwen3 import LORA_TARGETS, ModelConfig, Params
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

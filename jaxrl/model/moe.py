@@ -31,7 +31,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxrl.parallel.sharding import RULES, logical_spec
 
 # Logical axes of each expert weight ([E, in, out], without the layer stack); declared here once and
-# used by `jaxrl.model.qwen3.param_specs` and by the expert-parallel block's shard_map specs.
+# used by `jaxrl.model.modules.MoE` and by the expert-parallel block's shard_map specs.
 EXPERT_AXES: dict[str, tuple[str | None, ...]] = {
     "w_gate": ("experts", "embed", "mlp"),
     "w_up": ("experts", "embed", "mlp"),

@@ -14,11 +14,12 @@ Letters used in names and einsums:
 
 The architecture follows transformers' `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` (RMSNorm before
 attention and MLP, RMSNorm on every query and key head before RoPE, grouped-query attention, a SwiGLU
-MLP or a top-k mixture of SwiGLU experts, `jaxrl.model.moe`). Each weight is declared once in `param_specs`;
-initialisation (`init_params`), shardings (`jaxrl.parallel.sharding`) and checkpoint restore targets are derived
-from that one declaration. The params have three stacks: `layers` (attention and norms, [L, ...]),
-`mlp` (dense MLPs, [Q, ...]) and `moe` (router and experts, [U, ...]). A model whose layers are all of
-one kind runs them with `jax.lax.scan` (compile time flat in depth); a mixed stack is unrolled.
+MLP or a top-k mixture of SwiGLU experts, `jaxrl.model.moe`). This module holds the math, as pure
+functions over the params pytree; the weights are declared once, as Flax NNX modules, in
+`jaxrl.model.modules` (`param_specs`, `init_params`, `Qwen3`, whose methods call these functions). The
+params have three stacks: `layers` (attention and norms, [L, ...]), `mlp` (dense MLPs, [Q, ...]) and
+`moe` (router and experts, [U, ...]). A model whose layers are all of one kind runs them with
+`jax.lax.scan` (compile time flat in depth); a mixed stack is unrolled.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxrl.model import moe
-from jaxrl.parallel.spec import ParamSpec, is_spec
 
 Params = dict[str, Any]
 KVCache = dict[str, jax.Array]  # {"k": [L,B,S,K,H], "v": [L,B,S,K,H]}
@@ -159,102 +159,13 @@ class ModelConfig:
         }
 
     def dims(self) -> dict[str, int]:
-        """Letter -> size, for the shapes in `param_specs`."""
+        """Letter -> size, for the shapes of the declared weights (`jaxrl.model.modules`)."""
         return {
             "V": self.vocab_size, "D": self.hidden_size, "F": self.intermediate_size, "L": self.num_layers,
             "N": self.num_heads, "K": self.num_kv_heads, "H": self.head_dim,
             "E": self.num_experts, "I": self.moe_intermediate_size,
             "Q": len(self.mlp_layers), "U": len(self.moe_layers),
         }
-
-
-def param_specs(cfg: ModelConfig) -> dict[str, Any]:
-    """The declaration of every base weight (a pytree of `ParamSpec` with the params' structure)."""
-    layers = {
-        "attn_norm": ParamSpec("LD", ("layers", "embed"), "ones"),
-        "wq": ParamSpec("LDNH", ("layers", "embed", "heads", "head_dim")),
-        "wk": ParamSpec("LDKH", ("layers", "embed", "kv_heads", "head_dim")),
-        "wv": ParamSpec("LDKH", ("layers", "embed", "kv_heads", "head_dim")),
-        "wo": ParamSpec("LNHD", ("layers", "heads", "head_dim", "embed")),
-        "q_norm": ParamSpec("LH", ("layers", "head_dim"), "ones"),
-        "k_norm": ParamSpec("LH", ("layers", "head_dim"), "ones"),
-        "mlp_norm": ParamSpec("LD", ("layers", "embed"), "ones"),
-    }
-    specs: dict[str, Any] = {
-        "embed": ParamSpec("VD", ("vocab", "embed")),
-        "layers": layers,
-        "final_norm": ParamSpec("D", ("embed",), "ones"),
-    }
-    if cfg.mlp_layers:
-        specs["mlp"] = {
-            "w_gate": ParamSpec("QDF", ("layers", "embed", "mlp")),
-            "w_up": ParamSpec("QDF", ("layers", "embed", "mlp")),
-            "w_down": ParamSpec("QFD", ("layers", "mlp", "embed")),
-        }
-    if cfg.moe_layers:
-        specs["moe"] = {
-            "router": ParamSpec("UDE", ("layers", "embed", None)),
-            "w_gate": ParamSpec("UEDI", ("layers", *moe.EXPERT_AXES["w_gate"])),
-            "w_up": ParamSpec("UEDI", ("layers", *moe.EXPERT_AXES["w_up"])),
-            "w_down": ParamSpec("UEID", ("layers", *moe.EXPERT_AXES["w_down"])),
-        }
-    if not cfg.tie_word_embeddings:
-        specs["unembed"] = ParamSpec("DV", ("embed", "vocab"))
-    return specs
-
-
-def lora_specs(cfg: ModelConfig, rank: int, targets: tuple[str, ...]) -> dict[str, Any]:
-    """Declarations of the LoRA factors, derived from the base weights they adapt.
-
-    For a target weight with stack letters `pre` (`L`, `Q`, or `U` plus `E` for experts, one adapter per
-    expert), input letters `x` and output letters `y`, `a` is [pre, x, R] and `b` is [pre, R, y], in the groups
-    (`layers`, `mlp`, `moe`) that hold the weight; `gate_proj`/`up_proj`/`down_proj` adapt both dense
-    MLPs and experts. `b` starts at zero so a fresh adapter leaves the model unchanged (LoRA, Hu et al.
-    2021, sec. 4.1); the axes of `a`/`b` are the base weight's, so they shard alike.
-    """
-    base = param_specs(cfg)
-    out: dict[str, Any] = {}
-    for t in targets:
-        name, n_in = LORA_TARGETS[t]
-        for group in ("layers", "mlp", "moe"):
-            if name not in base.get(group, {}):
-                continue
-            spec = base[group][name]
-            p = 2 if group == "moe" else 1
-            pre, x, y = spec.letters[:p], spec.letters[p:p + n_in], spec.letters[p + n_in:]
-            ax_pre, ax_x, ax_y = spec.axes[:p], spec.axes[p:p + n_in], spec.axes[p + n_in:]
-            out.setdefault(group, {})[name] = {
-                "a": ParamSpec(pre + x + "R", (*ax_pre, *ax_x, None), "normal"),
-                "b": ParamSpec(pre + "R" + y, (*ax_pre, None, *ax_y), "zeros"),
-            }
-    return out
-
-
-def init_from_specs(specs: Any, dims: dict[str, int], key: jax.Array, dtype: Any) -> Any:
-    """Random weights for a pytree of `ParamSpec` (normal std 0.02, or ones / zeros)."""
-    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
-    keys = jax.random.split(key, len(leaves))
-    out = []
-    for spec, k in zip(leaves, keys, strict=True):
-        shape = spec.shape(dims)
-        if spec.init == "ones":
-            out.append(jnp.ones(shape, dtype))
-        elif spec.init == "zeros":
-            out.append(jnp.zeros(shape, dtype))
-        else:
-            out.append((0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
-    return jax.tree.unflatten(treedef, out)
-
-
-def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32) -> Params:
-    """Random base weights with the structure of `param_specs(cfg)`."""
-    return init_from_specs(param_specs(cfg), cfg.dims(), key, dtype)
-
-
-def init_lora(cfg: ModelConfig, rank: int, targets: tuple[str, ...], key: jax.Array,
-              dtype: Any = jnp.float32) -> Params:
-    """Fresh LoRA factors (`b` = 0) for `targets` at `rank`."""
-    return init_from_specs(lora_specs(cfg, rank, targets), {**cfg.dims(), "R": rank}, key, dtype)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -471,7 +382,7 @@ def forward(
         tokens_BT: int32 token ids [B, T].
         positions_BT: int32 absolute positions [B, T]. A query attends to keys whose position is <= its
             own, so right padding (positions after the real tokens) is never attended to by real tokens.
-        lora: LoRA factors from `init_lora` (or None); their product is scaled by `lora_scale`
+        lora: LoRA factors from `jaxrl.model.modules.init_lora` (or None); their product is scaled by `lora_scale`
             (alpha / rank).
         cache: None to attend within `tokens_BT` (training, prefill); or a cache {"k","v"} of shape
             [L, B, S, K, H] where index s holds position s: the chunk is written at `positions_BT` and

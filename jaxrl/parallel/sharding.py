@@ -2,7 +2,7 @@
 
 Mesh axes: `data` (replicas of the model, batch split), `fsdp` (batch split, weights sharded on their
 `embed` axis), `tensor` (heads, MLP and vocabulary split), `expert` (reserved for MoE expert
-parallelism). Weights and activations carry logical axis names (see `jaxrl.model.qwen3.param_specs`); one
+parallelism). Weights and activations carry logical axis names (declared in `jaxrl.model.modules`); one
 rules table maps each logical name to mesh axes. A dimension that the mapped mesh axes do not divide
 is replicated instead, so tiny test models run on any mesh.
 """

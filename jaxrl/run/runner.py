@@ -54,7 +54,8 @@ from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
 from jaxrl.inference.server import start_server
 from jaxrl.model import hf
-from jaxrl.model.qwen3 import ModelConfig, init_lora, lora_specs, param_specs
+from jaxrl.model.modules import init_lora, lora_specs, param_specs
+from jaxrl.model.qwen3 import ModelConfig
 from jaxrl.parallel import distributed
 from jaxrl.parallel.sharding import make_mesh, spec_shardings
 from jaxrl.rl import rollouts

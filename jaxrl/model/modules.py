@@ -1,0 +1,263 @@
+"""Qwen3 and Qwen3-MoE as Flax NNX modules: the one declaration of every weight and LoRA factor.
+
+Each weight is an `nnx.Param` created once, in the `__init__` of the module that holds it, by `_weight`:
+its value (normal std 0.02 as HF's `initializer_range`, or ones for the norms), and as metadata its shape
+letters (`letters`, the letter table of `jaxrl.model.qwen3`), its logical axes (`out_sharding`, which
+`nnx.get_partition_spec` reads) and its initialiser (`init`). Everything else is derived from that:
+  * `init_params` / `init_lora`: the values of a module built with real random keys;
+  * `param_specs` / `lora_specs`: a `jaxrl.parallel.spec.ParamSpec` per variable, read from the metadata of
+    the module's abstract state (`nnx.eval_shape`, no arrays made); from them `jaxrl.parallel.sharding`
+    derives the NamedShardings (its rules table maps the logical axes to mesh axes), `jaxrl.model.hf`
+    the HF names and layouts, and the compile report and checkpoints their byte counts and restore targets;
+  * what trains: LoRA factors are `LoRAParam`, their own variable type, and `trained_filter` says which
+    variables a run trains (`LoRAParam`, or every `nnx.Param` in full fine-tuning); the optimizer's mask
+    and the differentiated state are `nnx.split` by that filter (`jaxrl.rl.train`).
+
+Design decisions:
+  * The state keeps the nested-dict layout that checkpoints, HF load/save and the engine already use:
+    `Qwen3.base` is `Weights` (`embed`, `layers` [L, ...], `mlp` [Q, ...], `moe` [U, ...], `final_norm`,
+    `unembed` when untied) and `Qwen3.lora` is `LoRA` (group -> weight -> `a` / `b`); their pure dicts
+    (`nnx.State.to_pure_dict`) are the `base` / `lora` pytrees that cross jit boundaries, are donated,
+    checkpointed by Orbax and swapped into the engine in flight.
+  * Layers stay stacked ([L, ...] arrays, not one module per layer) so `jax.lax.scan` runs them with a
+    compile time flat in depth, and so an expert-parallel MoE block shards one [U, E, ...] array.
+  * The forward math stays the pure functions of `jaxrl.model.qwen3` (training, prefill) and
+    `jaxrl.model.decode` (the decode step), which the methods of `Qwen3` call with the module's arrays:
+    the traced program, hence the logits and the speed, is the one those functions always produced.
+  * A jitted step takes the pure dicts and rebuilds the module with `bind` (`nnx.merge` of a cached
+    graphdef with the given states): no array is copied, so one set of base weights serves the trainer,
+    the engine and the reference policy (`Qwen3(..., lora=False)`: the same module with its LoRA off).
+
+Letters as in `jaxrl.model.qwen3`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxrl.model import decode, moe, qwen3
+from jaxrl.model.qwen3 import LORA_TARGETS, KVCache, ModelConfig, Params
+from jaxrl.parallel.spec import ParamSpec
+
+
+class LoRAParam(nnx.Param):
+    """A LoRA factor (`a` [stack..., in..., R] or `b` [stack..., R, out...]): the variables a LoRA run trains."""
+
+
+def trained_filter(full: bool) -> type[nnx.Param]:
+    """The nnx filter of the variables a run trains: every `nnx.Param` in full fine-tuning, else the
+    `LoRAParam`s only (the base is frozen)."""
+    return nnx.Param if full else LoRAParam
+
+
+def _weight(kind: type[nnx.Param], rngs: nnx.Rngs, dims: Mapping[str, int], dtype: Any, letters: str,
+            axes: tuple[str | None, ...], init: str = "normal") -> nnx.Param:
+    """One declared variable of `kind` with shape `letters` (sizes from `dims`), logical `axes` and `init`
+    ("normal": std 0.02, drawn in float32; "ones"; "zeros"), in `dtype`. Placement is left to the caller
+    (`eager_sharding=False`): the logical axes map to mesh axes through `jaxrl.parallel.sharding`."""
+    shape = tuple(dims[c] for c in letters)
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return kind(value, out_sharding=axes, letters=letters, init=init, eager_sharding=False)
+
+
+class Layers(nnx.Module):
+    """Attention and norms of every layer, stacked [L, ...]: RMSNorm weights, the q/k/v/o projections
+    ([in..., out...] with heads split out) and the per-head query and key norms."""
+
+    def __init__(self, dims: Mapping[str, int], dtype: Any, rngs: nnx.Rngs):
+        w = functools.partial(_weight, nnx.Param, rngs, dims, dtype)
+        self.attn_norm = w("LD", ("layers", "embed"), "ones")
+        self.wq = w("LDNH", ("layers", "embed", "heads", "head_dim"))
+        self.wk = w("LDKH", ("layers", "embed", "kv_heads", "head_dim"))
+        self.wv = w("LDKH", ("layers", "embed", "kv_heads", "head_dim"))
+        self.wo = w("LNHD", ("layers", "heads", "head_dim", "embed"))
+        self.q_norm = w("LH", ("layers", "head_dim"), "ones")
+        self.k_norm = w("LH", ("layers", "head_dim"), "ones")
+        self.mlp_norm = w("LD", ("layers", "embed"), "ones")
+
+
+class MLP(nnx.Module):
+    """The dense SwiGLU MLPs of the Q layers without an MoE block, stacked [Q, ...]."""
+
+    def __init__(self, dims: Mapping[str, int], dtype: Any, rngs: nnx.Rngs):
+        w = functools.partial(_weight, nnx.Param, rngs, dims, dtype)
+        self.w_gate = w("QDF", ("layers", "embed", "mlp"))
+        self.w_up = w("QDF", ("layers", "embed", "mlp"))
+        self.w_down = w("QFD", ("layers", "mlp", "embed"))
+
+
+class MoE(nnx.Module):
+    """The router and SwiGLU experts of the U layers with an MoE block, stacked [U, ...]; the experts'
+    axes are `jaxrl.model.moe.EXPERT_AXES` (what its expert-parallel block shards)."""
+
+    def __init__(self, dims: Mapping[str, int], dtype: Any, rngs: nnx.Rngs):
+        w = functools.partial(_weight, nnx.Param, rngs, dims, dtype)
+        self.router = w("UDE", ("layers", "embed", None))
+        self.w_gate = w("UEDI", ("layers", *moe.EXPERT_AXES["w_gate"]))
+        self.w_up = w("UEDI", ("layers", *moe.EXPERT_AXES["w_up"]))
+        self.w_down = w("UEID", ("layers", *moe.EXPERT_AXES["w_down"]))
+
+
+class Weights(nnx.Module):
+    """Every base weight of a Qwen3 (`mlp` / `moe` None when no layer is of that kind, `unembed` None
+    when the embedding is tied)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32):
+        dims = cfg.dims()
+        self.embed = _weight(nnx.Param, rngs, dims, dtype, "VD", ("vocab", "embed"))
+        self.layers = Layers(dims, dtype, rngs)
+        self.final_norm = _weight(nnx.Param, rngs, dims, dtype, "D", ("embed",), "ones")
+        self.mlp = MLP(dims, dtype, rngs) if cfg.mlp_layers else None
+        self.moe = MoE(dims, dtype, rngs) if cfg.moe_layers else None
+        tied = cfg.tie_word_embeddings
+        self.unembed = None if tied else _weight(nnx.Param, rngs, dims, dtype, "DV", ("embed", "vocab"))
+
+
+class LoRA(nnx.Module):
+    """LoRA factors (Hu et al. 2021) for `targets` (HF projection names, `qwen3.LORA_TARGETS`) at `rank`,
+    in the groups (`layers`, `mlp`, `moe`) that hold the adapted weight; `gate_proj` / `up_proj` /
+    `down_proj` adapt both the dense MLPs and the experts (one adapter per expert).
+
+    For a target with stack letters `pre` (`L`, `Q`, or `U` plus `E`), input letters `x` and output letters
+    `y`, `a` is [pre, x, R] (normal) and `b` is [pre, R, y] (zeros, so a fresh adapter leaves the model
+    unchanged, sec. 4.1); the axes of `a` / `b` are the base weight's, so they shard alike.
+    """
+
+    def __init__(self, cfg: ModelConfig, rank: int, targets: tuple[str, ...], *, rngs: nnx.Rngs,
+                 dtype: Any = jnp.float32):
+        dims = {**cfg.dims(), "R": rank}
+        base = param_specs(cfg)
+        groups: dict[str, dict[str, nnx.Dict]] = {}
+        for t in targets:
+            name, n_in = LORA_TARGETS[t]
+            for group in ("layers", "mlp", "moe"):
+                spec = base.get(group, {}).get(name)
+                if spec is None:
+                    continue
+                p = 2 if group == "moe" else 1
+                pre, x, y = spec.letters[:p], spec.letters[p:p + n_in], spec.letters[p + n_in:]
+                ax_pre, ax_x, ax_y = spec.axes[:p], spec.axes[p:p + n_in], spec.axes[p + n_in:]
+                w = functools.partial(_weight, LoRAParam, rngs, dims, dtype)
+                groups.setdefault(group, {})[name] = nnx.Dict(a=w(pre + x + "R", (*ax_pre, *ax_x, None), "normal"),
+                                                              b=w(pre + "R" + y, (*ax_pre, None, *ax_y), "zeros"))
+        for group in ("layers", "mlp", "moe"):
+            setattr(self, group, nnx.Dict(groups[group]) if group in groups else None)
+
+
+class Qwen3(nnx.Module):
+    """A Qwen3 / Qwen3-MoE: `base` weights, optional `lora` factors scaled by `lora_scale` (alpha / rank).
+
+    Methods run the pure functions of `jaxrl.model.qwen3` / `jaxrl.model.decode` over this module's arrays.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32, lora_rank: int = 0,
+                 lora_targets: tuple[str, ...] = (), lora_scale: float = 0.0):
+        self.cfg = cfg
+        self.lora_scale = lora_scale
+        self.base = Weights(cfg, rngs=rngs, dtype=dtype)
+        self.lora = LoRA(cfg, lora_rank, lora_targets, rngs=rngs, dtype=dtype) if lora_targets else None
+
+    def weights(self) -> tuple[Params, Params | None]:
+        """The base and LoRA pytrees (`nnx.State.to_pure_dict`): this module's arrays, not copies."""
+        lora = None if self.lora is None else nnx.state(self.lora).to_pure_dict()
+        return nnx.state(self.base).to_pure_dict(), lora
+
+    def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array, *, lora: bool = True,
+                 cache: KVCache | None = None, remat: bool = False, mesh: Mesh | None = None,
+                 scan_layers: bool = True, segment_ids: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """Final-norm hidden states [B, T, D] and the KV cache: `qwen3.forward` (arguments as there);
+        `lora=False` runs the base alone (the reference policy, from the same arrays)."""
+        base, factors = self.weights()
+        return qwen3.forward(self.cfg, base, tokens_BT, positions_BT, lora=factors if lora else None,
+                             lora_scale=self.lora_scale, cache=cache, remat=remat, mesh=mesh,
+                             scan_layers=scan_layers, segment_ids=segment_ids)
+
+    def decode(self, tokens_B: jax.Array, positions_B: jax.Array, cache: KVCache, *, mesh: Mesh | None = None,
+               layers: list[tuple] | None = None) -> tuple[jax.Array, KVCache]:
+        """One decode step for every row: `jaxrl.model.decode.decode_step` (arguments as there)."""
+        base, factors = self.weights()
+        return decode.decode_step(self.cfg, base, tokens_B, positions_B, cache, lora=factors,
+                                  lora_scale=self.lora_scale, mesh=mesh, layers=layers)
+
+    def unembed_matrix(self) -> jax.Array:
+        """The output projection [D, V] (`qwen3.unembed_matrix`)."""
+        return qwen3.unembed_matrix(self.weights()[0])
+
+
+def _variable_specs(state: Any) -> dict[str, Any]:
+    """A nested dict of `ParamSpec` read from the metadata of an (abstract) nnx state's variables."""
+    if isinstance(state, nnx.Variable):
+        return ParamSpec(state.letters, tuple(state.out_sharding), state.init)  # type: ignore[return-value]
+    return {k: _variable_specs(v) for k, v in state.items()}
+
+
+@functools.cache
+def _abstract_weights(cfg: ModelConfig) -> nnx.State:
+    return nnx.state(nnx.eval_shape(lambda: Weights(cfg, rngs=nnx.Rngs(0))))
+
+
+@functools.cache
+def _abstract_lora(cfg: ModelConfig, rank: int, targets: tuple[str, ...]) -> nnx.State:
+    return nnx.state(nnx.eval_shape(lambda: LoRA(cfg, rank, targets, rngs=nnx.Rngs(0))))
+
+
+def param_specs(cfg: ModelConfig) -> dict[str, Any]:
+    """Every base weight's `ParamSpec` (letters, logical axes, initialiser), with the params' structure,
+    read from the `Weights` declaration (no arrays are made)."""
+    return _variable_specs(_abstract_weights(cfg))
+
+
+def lora_specs(cfg: ModelConfig, rank: int, targets: tuple[str, ...]) -> dict[str, Any]:
+    """Every LoRA factor's `ParamSpec`, with the LoRA's structure, read from the `LoRA` declaration."""
+    return _variable_specs(_abstract_lora(cfg, rank, tuple(targets)))
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32) -> Params:
+    """Random base weights (the pure dict of a fresh `Weights`), the structure of `param_specs(cfg)`."""
+    return nnx.state(Weights(cfg, rngs=nnx.Rngs(params=key), dtype=dtype)).to_pure_dict()
+
+
+def init_lora(cfg: ModelConfig, rank: int, targets: tuple[str, ...], key: jax.Array,
+              dtype: Any = jnp.float32) -> Params:
+    """Fresh LoRA factors (`b` = 0) for `targets` at `rank`, the structure of `lora_specs`."""
+    return nnx.state(LoRA(cfg, rank, tuple(targets), rngs=nnx.Rngs(params=key), dtype=dtype)).to_pure_dict()
+
+
+def lora_signature(lora: Params | None) -> tuple[int, tuple[str, ...]]:
+    """(rank, targets) of a LoRA pytree with the structure of `lora_specs`; (0, ()) for none (None or {})."""
+    if not lora:
+        return 0, ()
+    names = {name for group in lora.values() for name in group}
+    rank = next(ab["a"].shape[-1] for group in lora.values() for ab in group.values())
+    return rank, tuple(t for t, (name, _) in LORA_TARGETS.items() if name in names)
+
+
+@functools.cache
+def _graphdef(cfg: ModelConfig, rank: int, targets: tuple[str, ...], lora_scale: float) -> nnx.GraphDef:
+    model = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), lora_rank=rank, lora_targets=targets,
+                                         lora_scale=lora_scale))
+    return nnx.graphdef(model)
+
+
+def bind(cfg: ModelConfig, base: Params, lora: Params | None = None, lora_scale: float = 0.0) -> Qwen3:
+    """The `Qwen3` module over existing weights: `nnx.merge` of its graphdef with the `base` and `lora`
+    pytrees as states. No array is copied; under jit this costs nothing at run time.
+
+    Raises:
+        ValueError: (from nnx) the pytrees do not have the structure of `param_specs` / `lora_specs`.
+    """
+    rank, targets = lora_signature(lora)
+    states = [nnx.State({"base": base})] + ([nnx.State({"lora": lora})] if targets else [])
+    return nnx.merge(_graphdef(cfg, rank, targets, float(lora_scale)), *states)
