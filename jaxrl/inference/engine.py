@@ -10,8 +10,10 @@ trainer recomputes the same quantity from the raw logits; with T = 0, greedy, T 
 logprob). The truncations cut the distribution that is sampled from but not the reported logprob, as in
 vLLM's default. `min_tokens` is counted per slot on device (`DecodeState.generated`): while a slot has
 sampled fewer, its stop tokens (`DecodeState.stop`) are banned, in the same compiled decode step for
-every request. Prefill runs `qwen3.forward`; a decode step runs `jaxrl.model.decode`, the same
-layers with a bandwidth-minded attention over the cache. The decode state is donated to `insert` and
+every request. Both jitted steps rebuild the model, `jaxrl.model.modules.Qwen3`, over the engine params'
+arrays (`modules.bind`: `nnx.merge`, no copies, so the engine reads the trainer's base weights in place):
+prefill calls it (`qwen3.forward`), a decode step calls `Qwen3.decode` (`jaxrl.model.decode`, the same
+layers with a bandwidth-minded attention over the cache). The decode state is donated to `insert` and
 `generate`, so the cache is updated in place.
 
 The method names and arguments follow `jetstream.engine.engine_api.Engine` (google-jetstream 0.2.2) so
@@ -32,8 +34,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.sampling import SlotSampling, mark_seen, sample, stop_ban
-from jaxrl.model import qwen3
-from jaxrl.model.decode import decode_step, unstack_layers
+from jaxrl.model import modules, qwen3
+from jaxrl.model.decode import unstack_layers
 from jaxrl.model.qwen3 import KVCache, ModelConfig, Params
 from jaxrl.parallel.sharding import array_sharding, bytes_per_device
 
@@ -243,8 +245,8 @@ class Engine:
     # jitted bodies --------------------------------------------------------------------------------
     def _prefill_impl(self, params, tokens_T, true_length, sampling, key, stop_V, *, truncate):
         t = tokens_T.shape[0]
-        hidden_BTD, kv = qwen3.forward(self.cfg, params["base"], tokens_T[None], jnp.arange(t, dtype=jnp.int32)[None],
-                                       lora=params.get("lora"), lora_scale=self.lora_scale, mesh=self.mesh)
+        model = modules.bind(self.cfg, params["base"], params.get("lora"), self.lora_scale)
+        hidden_BTD, kv = model(tokens_T[None], jnp.arange(t, dtype=jnp.int32)[None], mesh=self.mesh)
         last_BD = jax.lax.dynamic_index_in_dim(hidden_BTD[0], true_length - 1, keepdims=True)
         logits_BV = qwen3.logits(_unembedding(params), last_BD[None])[:, 0]
         prompt_T = jnp.where(jnp.arange(t) < true_length, tokens_T, self.cfg.vocab_size)  # padding: dropped
@@ -279,9 +281,9 @@ class Engine:
         )
 
     def _generate_impl(self, params, state: DecodeState, *, truncate, penalize):
-        hidden_BTD, cache = decode_step(self.cfg, params["base"], state.tokens, state.positions, state.cache,
-                                        lora=params.get("lora"), lora_scale=self.lora_scale, mesh=self.mesh,
-                                        layers=params.get("layers"))
+        model = modules.bind(self.cfg, params["base"], params.get("lora"), self.lora_scale)
+        hidden_BTD, cache = model.decode(state.tokens, state.positions, state.cache, mesh=self.mesh,
+                                         layers=params.get("layers"))
         logits_BV = qwen3.logits(_unembedding(params), hidden_BTD)[:, 0]
         split = jax.vmap(jax.random.split)(state.keys)
         tokens, logprobs = sample(logits_BV, state.sampling, split[:, 1], truncate=truncate,

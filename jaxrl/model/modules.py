@@ -244,6 +244,14 @@ def lora_signature(lora: Params | None) -> tuple[int, tuple[str, ...]]:
     return rank, tuple(t for t, (name, _) in LORA_TARGETS.items() if name in names)
 
 
+def variables(params: Params) -> nnx.State:
+    """A `{"base", "lora"}` pytree (`Qwen3.weights`) as the typed state of the `Qwen3` it belongs to: base
+    leaves as `nnx.Param`, LoRA leaves as `LoRAParam`, as `Weights` and `LoRA` declare them, so that an nnx
+    filter (`trained_filter`) selects among them (the optimizer's mask, `jaxrl.rl.train`). No copies."""
+    return nnx.State({"base": jax.tree.map(nnx.Param, params["base"]),
+                      "lora": jax.tree.map(LoRAParam, params["lora"])})
+
+
 @functools.cache
 def _graphdef(cfg: ModelConfig, rank: int, targets: tuple[str, ...], lora_scale: float) -> nnx.GraphDef:
     model = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), lora_rank=rank, lora_targets=targets,

@@ -1,9 +1,10 @@
 """The trainer: an optax optimizer over the trained weights, and the jitted RL train step.
 
-LoRA (`[jax] finetune = "lora"`): the trained tree is `{"base": params, "lora": lora}`.
-`optax.multi_transform` gives the `lora` leaves AdamW (with global-norm clipping) and the `base` leaves
-`optax.set_to_zero()`, which keeps no state; the step applies updates to the LoRA leaves only, so base
-weights stay bit-identical (and their gradients, never used, are removed by XLA).
+LoRA (`[jax] finetune = "lora"`): the trained tree is `{"base": params, "lora": lora}`, the state of a
+`jaxrl.model.modules.Qwen3`. What trains is the nnx filter `modules.trained_filter`: the `LoRAParam`
+variables. `optax.multi_transform` gives them AdamW (with global-norm clipping) and every other variable
+`optax.set_to_zero()`, which keeps no state (`trainable_labels`); the step splits the module by the same
+filter (`nnx.split`) and differentiates the LoRA state only, so base weights stay bit-identical.
 
 Full fine-tuning (`finetune = "full"`): the trained tree is the base params themselves, float32 master
 weights in `TrainState.base`, with AdamW (and its clipping) over every leaf; the optimizer moments are
@@ -28,12 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import struct
+from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.config.algorithms import LossConfig
 from jaxrl.config.schema import RunConfig
-from jaxrl.model import head, qwen3
+from jaxrl.model import head, modules, qwen3
 from jaxrl.model.qwen3 import ModelConfig, Params
 from jaxrl.parallel.sharding import array_sharding, batch_shards
 from jaxrl.rl import losses
@@ -51,9 +52,11 @@ def default_micro_batch(seq_len: int, batch_shards: int) -> int:
 
 
 def trainable_labels(params: Params) -> Params:
-    """"lora" for every leaf under `params["lora"]`, "frozen" for every base leaf."""
-    return {"base": jax.tree.map(lambda _: "frozen", params["base"]),
-            "lora": jax.tree.map(lambda _: "lora", params["lora"])}
+    """The optimizer's mask of a `{"base", "lora"}` tree: "lora" for the variables that
+    `modules.trained_filter` selects in a LoRA run (the `LoRAParam`s), "frozen" for every other one."""
+    trained = nnx.filterlib.to_predicate(modules.trained_filter(full=False))
+    return nnx.map_state(lambda path, v: "lora" if trained(path, v) else "frozen",
+                         modules.variables(params)).to_pure_dict()
 
 
 def make_optimizer(learning_rate: float, max_grad_norm: float = 1.0, weight_decay: float = 0.0,
@@ -103,7 +106,7 @@ class TrainState:
 
     With LoRA, `opt_state` is over {"base", "lora"} (the frozen base has none) and the base weights live
     outside the state, shared with the rollout engine; `base` is None. In full fine-tuning `lora` is {}
-    (no factors), `base` holds every weight (float32, the structure of `qwen3.param_specs`) and
+    (no factors), `base` holds every weight (float32, the structure of `modules.param_specs`) and
     `opt_state` is AdamW's over it."""
 
     lora: Params
@@ -324,17 +327,23 @@ class Trainer:
 
     def loss(self, params: Params, batch: dict[str, jax.Array],
              reference: Params | None = None) -> tuple[jax.Array, dict]:
-        """The objective of one (micro-)batch of `params` (`{"base", "lora"}`, lora None in full
-        fine-tuning) and its metrics: `[jax.loss]`'s policy loss, or with `objective = "sft"` the
-        token-mean negative log-likelihood of the loss tokens (`losses.sft_loss`). `reference`: the KL
-        reference's weights, run without LoRA; None: `params["base"]` (LoRA off)."""
+        """`model_loss` of the `Qwen3` module over `params` (`{"base", "lora"}`, lora None in full
+        fine-tuning; `modules.bind`, no copies) and of `reference` (the KL reference's weights, or None)."""
+        model = modules.bind(self.cfg, params["base"], params["lora"], self.lora_scale)
+        return self.model_loss(model, batch, None if reference is None else modules.bind(self.cfg, reference))
+
+    def model_loss(self, model: modules.Qwen3, batch: dict[str, jax.Array],
+                   reference: modules.Qwen3 | None = None) -> tuple[jax.Array, dict]:
+        """The objective of one (micro-)batch under `model` and its metrics: `[jax.loss]`'s policy loss,
+        or with `objective = "sft"` the token-mean negative log-likelihood of the loss tokens
+        (`losses.sft_loss`). `reference`: the KL reference, run without LoRA; None: `model` with its LoRA
+        off (the same base arrays)."""
         b, t = batch["inputs"].shape
         positions = batch.get("positions", jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
         segments = batch.get("segment_ids")  # None: one sample per row
-        hidden, _ = qwen3.forward(self.cfg, params["base"], batch["inputs"], positions, lora=params["lora"],
-                                  lora_scale=self.lora_scale, remat=self.remat, mesh=self.mesh, segment_ids=segments)
+        hidden, _ = model(batch["inputs"], positions, remat=self.remat, mesh=self.mesh, segment_ids=segments)
         sft = self.objective == "sft"
-        logp, entropy = sampled_logprobs(params["base"], hidden, batch["targets"], batch["loss_positions"],
+        logp, entropy = sampled_logprobs(model.weights()[0], hidden, batch["targets"], batch["loss_positions"],
                                          batch["temperature"], entropy_grad=not sft and self.loss_cfg.entropy_coef > 0,
                                          w_grad=self.full)
         if sft:
@@ -342,11 +351,10 @@ class Trainer:
         else:
             ref_logp = None
             if self.loss_cfg.kl_coef > 0:  # the reference policy: LoRA off, or the frozen starting weights
-                ref = params["base"] if reference is None else reference
-                ref_hidden, _ = qwen3.forward(self.cfg, ref, batch["inputs"], positions, mesh=self.mesh,
-                                              segment_ids=segments)
+                ref = model if reference is None else reference
+                ref_hidden, _ = ref(batch["inputs"], positions, lora=False, mesh=self.mesh, segment_ids=segments)
                 ref_logp = jax.lax.stop_gradient(sampled_logprobs(
-                    ref, ref_hidden, batch["targets"], batch["loss_positions"], batch["temperature"])[0])
+                    ref.weights()[0], ref_hidden, batch["targets"], batch["loss_positions"], batch["temperature"])[0])
             loss, metrics = losses.policy_loss(logp, batch["inference_logprobs"], batch["advantages"],
                                                batch["loss_mask"], self.loss_cfg, entropy_BT=entropy,
                                                ref_logp_BT=ref_logp)
@@ -367,19 +375,26 @@ class Trainer:
 
     def _step_impl(self, state: TrainState, base: Params | None, batch: dict[str, jax.Array],
                    micro_batches: int = 1):
-        if self.full:  # every weight, cast for the forward; `base` is the KL reference
-            def objective(weights, b):
-                cast = jax.tree.map(lambda w: w.astype(self.dtype), weights)
-                return self.loss({"base": cast, "lora": None}, b, reference=base)
-        else:  # the LoRA leaves only (see `_optimizer_update`)
-            def objective(lora, b):
-                return self.loss({"base": base, "lora": lora}, b)
+        # The module over the state's weights, split by `modules.trained_filter` into what is
+        # differentiated (the LoRA factors, or every weight in full fine-tuning) and the rest: only the
+        # trained state is differentiated (see `_optimizer_update`).
+        model = modules.bind(self.cfg, state.base if self.full else base, None if self.full else state.lora,
+                             self.lora_scale)
+        graphdef, trained, frozen = nnx.split(model, modules.trained_filter(self.full), ...)
+        reference = None if not self.full or base is None else modules.bind(self.cfg, base)
+
+        def objective(trained, b):
+            if self.full:  # float32 master weights, cast for the forward; `base` is the KL reference
+                trained = jax.tree.map(lambda w: w.astype(self.dtype), trained)
+            return self.model_loss(nnx.merge(graphdef, trained, frozen), b, reference)
+
         loss_and_grad = jax.value_and_grad(objective, has_aux=True)
         if micro_batches == 1:
-            (loss, metrics), grads = loss_and_grad(state.trained, batch)
+            (loss, metrics), grads = loss_and_grad(trained, batch)
         else:
-            (loss, metrics), grads = accumulate(loss_and_grad, self.loss_weight, state.trained,
+            (loss, metrics), grads = accumulate(loss_and_grad, self.loss_weight, trained,
                                                 split_micro_batches(batch, micro_batches, self.mesh))
+        grads = grads.to_pure_dict()["base" if self.full else "lora"]
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = self._optimizer_update(state, base, grads)
