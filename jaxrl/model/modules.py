@@ -17,7 +17,7 @@ Design decisions:
   * The state keeps the nested-dict layout that checkpoints, HF load/save and the engine already use:
     `Qwen3.base` is `Weights` (`embed`, `layers` [L, ...], `mlp` [Q, ...], `moe` [U, ...], `final_norm`,
     `unembed` when untied) and `Qwen3.lora` is `LoRA` (group -> weight -> `a` / `b`); their pure dicts
-    (`nnx.State.to_pure_dict`) are the `base` / `lora` pytrees that cross jit boundaries, are donated,
+    (`nnx.to_pure_dict`) are the `base` / `lora` pytrees that cross jit boundaries, are donated,
     checkpointed by Orbax and swapped into the engine in flight.
   * Layers stay stacked ([L, ...] arrays, not one module per layer) so `jax.lax.scan` runs them with a
     compile time flat in depth, and so an expert-parallel MoE block shards one [U, E, ...] array.
@@ -170,9 +170,9 @@ class Qwen3(nnx.Module):
         self.lora = LoRA(cfg, lora_rank, lora_targets, rngs=rngs, dtype=dtype) if lora_targets else None
 
     def weights(self) -> tuple[Params, Params | None]:
-        """The base and LoRA pytrees (`nnx.State.to_pure_dict`): this module's arrays, not copies."""
-        lora = None if self.lora is None else nnx.state(self.lora).to_pure_dict()
-        return nnx.state(self.base).to_pure_dict(), lora
+        """The base and LoRA pytrees (`nnx.to_pure_dict`): this module's arrays, not copies."""
+        lora = None if self.lora is None else nnx.to_pure_dict(nnx.state(self.lora))
+        return nnx.to_pure_dict(nnx.state(self.base)), lora
 
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array, *, lora: bool = True,
                  cache: KVCache | None = None, remat: bool = False, mesh: Mesh | None = None,
@@ -226,13 +226,14 @@ def lora_specs(cfg: ModelConfig, rank: int, targets: tuple[str, ...]) -> dict[st
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32) -> Params:
     """Random base weights (the pure dict of a fresh `Weights`), the structure of `param_specs(cfg)`."""
-    return nnx.state(Weights(cfg, rngs=nnx.Rngs(params=key), dtype=dtype)).to_pure_dict()
+    return nnx.to_pure_dict(nnx.state(Weights(cfg, rngs=nnx.Rngs(params=key), dtype=dtype)))
 
 
 def init_lora(cfg: ModelConfig, rank: int, targets: tuple[str, ...], key: jax.Array,
               dtype: Any = jnp.float32) -> Params:
     """Fresh LoRA factors (`b` = 0) for `targets` at `rank`, the structure of `lora_specs`."""
-    return nnx.state(LoRA(cfg, rank, tuple(targets), rngs=nnx.Rngs(params=key), dtype=dtype)).to_pure_dict()
+    state = nnx.state(LoRA(cfg, rank, tuple(targets), rngs=nnx.Rngs(params=key), dtype=dtype))
+    return nnx.to_pure_dict(state)
 
 
 def lora_signature(lora: Params | None) -> tuple[int, tuple[str, ...]]:

@@ -1,5 +1,6 @@
-"""`ParamSpec`: the one declaration of a weight (shape letters, logical axes, initialiser), from which
-initialisation, shardings and restore targets are derived."""
+"""`ParamSpec`: what a weight's declaration says (shape letters, logical axes, initialiser), read from the
+metadata of its `nnx.Param` (`jaxrl.model.modules.param_specs`); from it shardings, byte counts and
+restore targets are derived without JAX arrays or Flax."""
 
 from __future__ import annotations
 

@@ -55,8 +55,8 @@ def trainable_labels(params: Params) -> Params:
     """The optimizer's mask of a `{"base", "lora"}` tree: "lora" for the variables that
     `modules.trained_filter` selects in a LoRA run (the `LoRAParam`s), "frozen" for every other one."""
     trained = nnx.filterlib.to_predicate(modules.trained_filter(full=False))
-    return nnx.map_state(lambda path, v: "lora" if trained(path, v) else "frozen",
-                         modules.variables(params)).to_pure_dict()
+    return nnx.to_pure_dict(nnx.map_state(lambda path, v: "lora" if trained(path, v) else "frozen",
+                                         modules.variables(params)))
 
 
 def make_optimizer(learning_rate: float, max_grad_norm: float = 1.0, weight_decay: float = 0.0,
@@ -394,7 +394,7 @@ class Trainer:
         else:
             (loss, metrics), grads = accumulate(loss_and_grad, self.loss_weight, trained,
                                                 split_micro_batches(batch, micro_batches, self.mesh))
-        grads = grads.to_pure_dict()["base" if self.full else "lora"]
+        grads = nnx.to_pure_dict(grads)["base" if self.full else "lora"]
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = self._optimizer_update(state, base, grads)
