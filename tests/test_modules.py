@@ -21,7 +21,7 @@ RANK = 2
 
 
 def _abstract():
-    return nnx.state(nnx.eval_shape(lambda: modules.Qwen3(CFG, rngs=nnx.Rngs(0), lora_rank=RANK,
+    return nnx.state(nnx.eval_shape(lambda: modules.Qwen3(CFG, key=jax.random.key(0), lora_rank=RANK,
                                                           lora_targets=TARGETS)))
 
 

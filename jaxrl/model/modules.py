@@ -57,27 +57,34 @@ def trained_filter(full: bool) -> type[nnx.Param]:
     return nnx.Param if full else LoRAParam
 
 
-def _weight(kind: type[nnx.Param], rngs: nnx.Rngs, dims: Mapping[str, int], dtype: Any, letters: str,
+def _weight(kind: type[nnx.Param], dims: Mapping[str, int], dtype: Any, letters: str,
             axes: tuple[str | None, ...], init: str = "normal") -> nnx.Param:
     """One declared variable of `kind` with shape `letters` (sizes from `dims`), logical `axes` and `init`
-    ("normal": std 0.02, drawn in float32; "ones"; "zeros"), in `dtype`. Placement is left to the caller
-    (`eager_sharding=False`): the logical axes map to mesh axes through `jaxrl.parallel.sharding`."""
+    ("normal": std 0.02, drawn by `_draw` once the module has all its variables; "ones"; "zeros"), in
+    `dtype`. Placement is left to the caller (`eager_sharding=False`): the logical axes map to mesh axes
+    through `jaxrl.parallel.sharding`."""
     shape = tuple(dims[c] for c in letters)
-    if init == "ones":
-        value = jnp.ones(shape, dtype)
-    elif init == "zeros":
-        value = jnp.zeros(shape, dtype)
-    else:
-        value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    value = jnp.ones(shape, dtype) if init == "ones" else jnp.zeros(shape, dtype)
     return kind(value, out_sharding=axes, letters=letters, init=init, eager_sharding=False)
+
+
+def _draw(module: nnx.Module, key: jax.Array) -> None:
+    """Give every variable of `module` declared with init "normal" its random value: normal std 0.02 (as
+    HF's `initializer_range`), drawn in float32 and cast to the variable's dtype, with one key per
+    variable from `key` split over all of them in path order (`jax.tree.flatten`'s order of the pure dict),
+    so a seed gives the same weights as jaxrl's earlier pytree initialiser."""
+    flat = list(nnx.to_flat_state(nnx.state(module)))
+    for (_, var), k in zip(flat, jax.random.split(key, len(flat)), strict=True):
+        if var.init == "normal":
+            var.set_value((0.02 * jax.random.normal(k, var.shape, jnp.float32)).astype(var.dtype))
 
 
 class Layers(nnx.Module):
     """Attention and norms of every layer, stacked [L, ...]: RMSNorm weights, the q/k/v/o projections
     ([in..., out...] with heads split out) and the per-head query and key norms."""
 
-    def __init__(self, dims: Mapping[str, int], dtype: Any, rngs: nnx.Rngs):
-        w = functools.partial(_weight, nnx.Param, rngs, dims, dtype)
+    def __init__(self, dims: Mapping[str, int], dtype: Any):
+        w = functools.partial(_weight, nnx.Param, dims, dtype)
         self.attn_norm = w("LD", ("layers", "embed"), "ones")
         self.wq = w("LDNH", ("layers", "embed", "heads", "head_dim"))
         self.wk = w("LDKH", ("layers", "embed", "kv_heads", "head_dim"))
@@ -91,8 +98,8 @@ class Layers(nnx.Module):
 class MLP(nnx.Module):
     """The dense SwiGLU MLPs of the Q layers without an MoE block, stacked [Q, ...]."""
 
-    def __init__(self, dims: Mapping[str, int], dtype: Any, rngs: nnx.Rngs):
-        w = functools.partial(_weight, nnx.Param, rngs, dims, dtype)
+    def __init__(self, dims: Mapping[str, int], dtype: Any):
+        w = functools.partial(_weight, nnx.Param, dims, dtype)
         self.w_gate = w("QDF", ("layers", "embed", "mlp"))
         self.w_up = w("QDF", ("layers", "embed", "mlp"))
         self.w_down = w("QFD", ("layers", "mlp", "embed"))
@@ -102,8 +109,8 @@ class MoE(nnx.Module):
     """The router and SwiGLU experts of the U layers with an MoE block, stacked [U, ...]; the experts'
     axes are `jaxrl.model.moe.EXPERT_AXES` (what its expert-parallel block shards)."""
 
-    def __init__(self, dims: Mapping[str, int], dtype: Any, rngs: nnx.Rngs):
-        w = functools.partial(_weight, nnx.Param, rngs, dims, dtype)
+    def __init__(self, dims: Mapping[str, int], dtype: Any):
+        w = functools.partial(_weight, nnx.Param, dims, dtype)
         self.router = w("UDE", ("layers", "embed", None))
         self.w_gate = w("UEDI", ("layers", *moe.EXPERT_AXES["w_gate"]))
         self.w_up = w("UEDI", ("layers", *moe.EXPERT_AXES["w_up"]))
@@ -114,15 +121,16 @@ class Weights(nnx.Module):
     """Every base weight of a Qwen3 (`mlp` / `moe` None when no layer is of that kind, `unembed` None
     when the embedding is tied)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32):
+    def __init__(self, cfg: ModelConfig, *, key: jax.Array, dtype: Any = jnp.float32):
         dims = cfg.dims()
-        self.embed = _weight(nnx.Param, rngs, dims, dtype, "VD", ("vocab", "embed"))
-        self.layers = Layers(dims, dtype, rngs)
-        self.final_norm = _weight(nnx.Param, rngs, dims, dtype, "D", ("embed",), "ones")
-        self.mlp = MLP(dims, dtype, rngs) if cfg.mlp_layers else None
-        self.moe = MoE(dims, dtype, rngs) if cfg.moe_layers else None
+        self.embed = _weight(nnx.Param, dims, dtype, "VD", ("vocab", "embed"))
+        self.layers = Layers(dims, dtype)
+        self.final_norm = _weight(nnx.Param, dims, dtype, "D", ("embed",), "ones")
+        self.mlp = MLP(dims, dtype) if cfg.mlp_layers else None
+        self.moe = MoE(dims, dtype) if cfg.moe_layers else None
         tied = cfg.tie_word_embeddings
-        self.unembed = None if tied else _weight(nnx.Param, rngs, dims, dtype, "DV", ("embed", "vocab"))
+        self.unembed = None if tied else _weight(nnx.Param, dims, dtype, "DV", ("embed", "vocab"))
+        _draw(self, key)
 
 
 class LoRA(nnx.Module):
@@ -135,7 +143,7 @@ class LoRA(nnx.Module):
     unchanged, sec. 4.1); the axes of `a` / `b` are the base weight's, so they shard alike.
     """
 
-    def __init__(self, cfg: ModelConfig, rank: int, targets: tuple[str, ...], *, rngs: nnx.Rngs,
+    def __init__(self, cfg: ModelConfig, rank: int, targets: tuple[str, ...], *, key: jax.Array,
                  dtype: Any = jnp.float32):
         dims = {**cfg.dims(), "R": rank}
         base = param_specs(cfg)
@@ -149,11 +157,12 @@ class LoRA(nnx.Module):
                 p = 2 if group == "moe" else 1
                 pre, x, y = spec.letters[:p], spec.letters[p:p + n_in], spec.letters[p + n_in:]
                 ax_pre, ax_x, ax_y = spec.axes[:p], spec.axes[p:p + n_in], spec.axes[p + n_in:]
-                w = functools.partial(_weight, LoRAParam, rngs, dims, dtype)
+                w = functools.partial(_weight, LoRAParam, dims, dtype)
                 groups.setdefault(group, {})[name] = nnx.Dict(a=w(pre + x + "R", (*ax_pre, *ax_x, None), "normal"),
                                                               b=w(pre + "R" + y, (*ax_pre, None, *ax_y), "zeros"))
         for group in ("layers", "mlp", "moe"):
             setattr(self, group, nnx.Dict(groups[group]) if group in groups else None)
+        _draw(self, key)
 
 
 class Qwen3(nnx.Module):
@@ -162,12 +171,13 @@ class Qwen3(nnx.Module):
     Methods run the pure functions of `jaxrl.model.qwen3` / `jaxrl.model.decode` over this module's arrays.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32, lora_rank: int = 0,
-                 lora_targets: tuple[str, ...] = (), lora_scale: float = 0.0):
+    def __init__(self, cfg: ModelConfig, *, key: jax.Array, dtype: Any = jnp.float32, lora_rank: int = 0,
+                 lora_targets: tuple[str, ...] = (), lora_key: jax.Array | None = None, lora_scale: float = 0.0):
         self.cfg = cfg
         self.lora_scale = lora_scale
-        self.base = Weights(cfg, rngs=rngs, dtype=dtype)
-        self.lora = LoRA(cfg, lora_rank, lora_targets, rngs=rngs, dtype=dtype) if lora_targets else None
+        self.base = Weights(cfg, key=key, dtype=dtype)
+        lora_key = jax.random.fold_in(key, 1) if lora_key is None else lora_key
+        self.lora = LoRA(cfg, lora_rank, lora_targets, key=lora_key, dtype=dtype) if lora_targets else None
 
     def weights(self) -> tuple[Params, Params | None]:
         """The base and LoRA pytrees (`nnx.to_pure_dict`): this module's arrays, not copies."""
@@ -205,12 +215,12 @@ def _variable_specs(state: Any) -> dict[str, Any]:
 
 @functools.cache
 def _abstract_weights(cfg: ModelConfig) -> nnx.State:
-    return nnx.state(nnx.eval_shape(lambda: Weights(cfg, rngs=nnx.Rngs(0))))
+    return nnx.state(nnx.eval_shape(lambda: Weights(cfg, key=jax.random.key(0))))
 
 
 @functools.cache
 def _abstract_lora(cfg: ModelConfig, rank: int, targets: tuple[str, ...]) -> nnx.State:
-    return nnx.state(nnx.eval_shape(lambda: LoRA(cfg, rank, targets, rngs=nnx.Rngs(0))))
+    return nnx.state(nnx.eval_shape(lambda: LoRA(cfg, rank, targets, key=jax.random.key(0))))
 
 
 def param_specs(cfg: ModelConfig) -> dict[str, Any]:
@@ -226,14 +236,13 @@ def lora_specs(cfg: ModelConfig, rank: int, targets: tuple[str, ...]) -> dict[st
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32) -> Params:
     """Random base weights (the pure dict of a fresh `Weights`), the structure of `param_specs(cfg)`."""
-    return nnx.to_pure_dict(nnx.state(Weights(cfg, rngs=nnx.Rngs(params=key), dtype=dtype)))
+    return nnx.to_pure_dict(nnx.state(Weights(cfg, key=key, dtype=dtype)))
 
 
 def init_lora(cfg: ModelConfig, rank: int, targets: tuple[str, ...], key: jax.Array,
               dtype: Any = jnp.float32) -> Params:
     """Fresh LoRA factors (`b` = 0) for `targets` at `rank`, the structure of `lora_specs`."""
-    state = nnx.state(LoRA(cfg, rank, tuple(targets), rngs=nnx.Rngs(params=key), dtype=dtype))
-    return nnx.to_pure_dict(state)
+    return nnx.to_pure_dict(nnx.state(LoRA(cfg, rank, tuple(targets), key=key, dtype=dtype)))
 
 
 def lora_signature(lora: Params | None) -> tuple[int, tuple[str, ...]]:
@@ -255,7 +264,7 @@ def variables(params: Params) -> nnx.State:
 
 @functools.cache
 def _graphdef(cfg: ModelConfig, rank: int, targets: tuple[str, ...], lora_scale: float) -> nnx.GraphDef:
-    model = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), lora_rank=rank, lora_targets=targets,
+    model = nnx.eval_shape(lambda: Qwen3(cfg, key=jax.random.key(0), lora_rank=rank, lora_targets=targets,
                                          lora_scale=lora_scale))
     return nnx.graphdef(model)
 
