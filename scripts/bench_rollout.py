@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import statistics
@@ -148,17 +149,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=128, help="sampled tokens per request")
     ap.add_argument("--steps", type=int, default=12, help="timed decode steps")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and KV cache")
+    ap.add_argument("--layers", type=int, default=28, help="decoder layers of the 0.6B shape (fewer: less memory)")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args(argv)
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-    cfg = QWEN3_06B
+    cfg = dataclasses.replace(QWEN3_06B, num_layers=args.layers)
 
     t = time.perf_counter()
     # unsafe_rbg: random weights in seconds rather than threefry's half minute; values do not matter here
     params = jax.jit(lambda k: modules.init_params(cfg, k, dtype))(jax.random.key(0, impl="unsafe_rbg"))
     jax.block_until_ready(params)
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    print(f"Qwen3-0.6B shape, random {args.dtype} weights: {n_params / 1e6:.0f}M params "
+    print(f"Qwen3-0.6B shape, {cfg.num_layers} layers, random {args.dtype} weights: {n_params / 1e6:.0f}M params "
           f"({time.perf_counter() - t:.0f} s to build); {os.cpu_count()} CPUs, jax {jax.__version__}", flush=True)
 
     results = []
