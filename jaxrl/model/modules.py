@@ -1,10 +1,12 @@
 """Qwen3 and Qwen3-MoE as Flax NNX modules: the one declaration of every weight and LoRA factor.
 
 Each weight is an `nnx.Param` created once, in the `__init__` of the module that holds it, by `_weight`:
-its value (normal std 0.02 as HF's `initializer_range`, or ones for the norms), and as metadata its shape
+its value (ones for the norms, zeros for LoRA's `b`, else normal std 0.02 as HF's `initializer_range`,
+drawn by `_draw` once the module holds all its variables), and as metadata its shape
 letters (`letters`, the letter table of `jaxrl.model.qwen3`), its logical axes (`out_sharding`, which
 `nnx.get_partition_spec` reads) and its initialiser (`init`). Everything else is derived from that:
-  * `init_params` / `init_lora`: the values of a module built with real random keys;
+  * `init_params` / `init_lora`: the values of a module built with a random key (the same values a seed
+    gave before the modules existed: one key per weight, split in path order);
   * `param_specs` / `lora_specs`: a `jaxrl.parallel.spec.ParamSpec` per variable, read from the metadata of
     the module's abstract state (`nnx.eval_shape`, no arrays made); from them `jaxrl.parallel.sharding`
     derives the NamedShardings (its rules table maps the logical axes to mesh axes), `jaxrl.model.hf`
@@ -172,12 +174,12 @@ class Qwen3(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, key: jax.Array, dtype: Any = jnp.float32, lora_rank: int = 0,
-                 lora_targets: tuple[str, ...] = (), lora_key: jax.Array | None = None, lora_scale: float = 0.0):
+                 lora_targets: tuple[str, ...] = (), lora_scale: float = 0.0):
         self.cfg = cfg
         self.lora_scale = lora_scale
         self.base = Weights(cfg, key=key, dtype=dtype)
-        lora_key = jax.random.fold_in(key, 1) if lora_key is None else lora_key
-        self.lora = LoRA(cfg, lora_rank, lora_targets, key=lora_key, dtype=dtype) if lora_targets else None
+        self.lora = (LoRA(cfg, lora_rank, lora_targets, key=jax.random.fold_in(key, 1), dtype=dtype)
+                     if lora_targets else None)
 
     def weights(self) -> tuple[Params, Params | None]:
         """The base and LoRA pytrees (`nnx.to_pure_dict`): this module's arrays, not copies."""
