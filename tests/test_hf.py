@@ -216,7 +216,7 @@ def _tiny_cfg(tie: bool = False) -> qwen3.ModelConfig:
 
 
 def _random_params(cfg: qwen3.ModelConfig, dtype=np.float32) -> qwen3.Params:
-    """numpy weights of `param_specs(cfg)` (qwen3.init_params would spend seconds compiling its RNG)."""
+    """numpy weights of `param_specs(cfg)` (modules.init_params would spend seconds compiling its RNG)."""
     rng = np.random.default_rng(0)
     return jax.tree.map(lambda s: rng.normal(0.0, 0.02, s.shape(cfg.dims())).astype(dtype),
                         modules.param_specs(cfg), is_leaf=is_spec)

@@ -97,7 +97,7 @@ def engine_bytes(cfg: ModelConfig, decode_slots: int, seq_len: int, itemsize: in
     [L, decode_slots, seq_len, K, H]), both of `itemsize` bytes per element. What the engine group's fit
     rule weighs (`jaxrl.parallel.distributed.engine_hosts`)."""
     cache = 2 * cfg.num_layers * decode_slots * seq_len * cfg.num_kv_heads * cfg.head_dim * itemsize
-    return bytes_per_device(qwen3.param_specs(cfg), cfg.dims(), {}, itemsize) + cache
+    return bytes_per_device(modules.param_specs(cfg), cfg.dims(), {}, itemsize) + cache
 
 
 def prefill_buckets(max_prefill_length: int, smallest: int = 16) -> tuple[int, ...]:
