@@ -21,7 +21,8 @@ import pytest
 from jaxrl.compile import programs, report, slices
 from jaxrl.config.schema import RunConfig
 from jaxrl.model import catalog
-from jaxrl.model.qwen3 import ModelConfig, param_specs
+from jaxrl.model.modules import param_specs
+from jaxrl.model.qwen3 import ModelConfig
 from jaxrl.parallel.sharding import bytes_per_device, make_mesh
 
 pytestmark = pytest.mark.skipif(os.environ.get("JAXRL_HOSTED_COMPILE") != "1",
