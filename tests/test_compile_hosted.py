@@ -2,7 +2,7 @@
 
 Each case compiles the train step, the largest prefill bucket and the decode step at two reduced depths
 (2 and 3 layers) and extrapolates every per-chip byte count to the model's depth (`jaxrl.compile.report`);
-`test_memory_is_affine_in_depth` compiles a third depth and shows the extrapolation exact. Compiled
+`test_memory_is_affine_in_depth` compiles a third depth and bounds the extrapolation's error. Compiled
 reports are shared by the module's tests.
 
 Opt-in (`JAXRL_HOSTED_COMPILE=1`, README, Tests): XLA's TPU compiler takes minutes of CPU per program at
@@ -90,8 +90,12 @@ def test_qwen3_4b_fits_a_v6e_8(compiled):
 
 
 def test_memory_is_affine_in_depth(compiled):
-    """Every per-chip byte count of the three programs at depth 4 is exactly where the line through
-    depths 2 and 3 puts it: what lets `--depths 2,3` extrapolate to 36-94 layers."""
+    """At depth 4 each program's outputs and aliased bytes are exactly where the line through depths 2
+    and 3 puts them, its arguments within 64 KiB (the tile padding of each layer's small weights:
+    measured 11 KiB off for Qwen3-4B, 2026-11-24) and its temporaries within 1% (the compiler's
+    scheduling is not exactly affine: measured 0.95 MB above the line for the train step's 4.29 GB,
+    0.16 MB for decode, 0.82 MB for prefill). What lets `--depths 2,3` extrapolate to 36-94 layers,
+    temporaries to about that precision."""
     r = compiled("4b-v6e-8")
     mesh = make_mesh(r.mesh, slices.topology_devices(r.slice))
     emesh = programs.engine_mesh(mesh, r.engine_hosts)
@@ -99,8 +103,9 @@ def test_memory_is_affine_in_depth(compiled):
     for name, p4 in (("train", programs.compile_train(at4, mesh)), ("prefill", programs.compile_prefill(at4, emesh)),
                      ("decode", programs.compile_decode(at4, emesh))):
         p2, p3 = r.programs[f"{name}@2"], r.programs[f"{name}@3"]
-        for field in ("argument", "output", "alias", "temp"):
-            assert getattr(p4, field) - p3[field] == p3[field] - p2[field], (name, field, p2, p3, p4)
+        off = {f: getattr(p4, f) - (2 * p3[f] - p2[f]) for f in ("argument", "output", "alias", "temp")}
+        assert off["output"] == off["alias"] == 0, (name, off)
+        assert abs(off["argument"]) <= 2**16 and abs(off["temp"]) <= 0.01 * p4.temp, (name, off)
 
 
 def test_qwen3_30b_a3b_fits_one_v5p_host(compiled):

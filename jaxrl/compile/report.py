@@ -3,8 +3,9 @@ HBM, and a roofline estimate of step times.
 
 Memory comes from the compiler (`programs`). Full depth can be slow to compile on a small machine, so
 `depths=(d1, d2)` compiles the programs at two reduced depths and extrapolates every per-chip byte
-count linearly to the model's depth: the layers are one scanned stack, so memory is affine in depth
-(tests/test_compile.py checks it exactly on a third depth).
+count linearly to the model's depth: the layers are one scanned stack, so memory is affine in depth,
+exactly for outputs, to the tile padding for arguments and to under 1% for temporaries
+(tests/test_compile_hosted.py checks it on a third depth).
 
 The time estimate is a roofline from the model's arithmetic (FLOPs and bytes per step, below) and the
 chip's published peaks (`slices.CHIPS`). The compiler's `cost_analysis()` is not used for it: it counts
