@@ -256,12 +256,12 @@ def lora_signature(lora: Params | None) -> tuple[int, tuple[str, ...]]:
     return rank, tuple(t for t, (name, _) in LORA_TARGETS.items() if name in names)
 
 
-def variables(params: Params) -> nnx.State:
-    """A `{"base", "lora"}` pytree (`Qwen3.weights`) as the typed state of the `Qwen3` it belongs to: base
-    leaves as `nnx.Param`, LoRA leaves as `LoRAParam`, as `Weights` and `LoRA` declare them, so that an nnx
-    filter (`trained_filter`) selects among them (the optimizer's mask, `jaxrl.rl.train`). No copies."""
-    return nnx.State({"base": jax.tree.map(nnx.Param, params["base"]),
-                      "lora": jax.tree.map(LoRAParam, params["lora"])})
+def variables(params: Params) -> Params:
+    """A `{"base", "lora"}` pytree (`Qwen3.weights`) with each array as the variable of the `Qwen3` it
+    belongs to: base leaves as `nnx.Param`, LoRA leaves as `LoRAParam`, as `Weights` and `LoRA` declare
+    them, so that an nnx filter (`trained_filter`) selects among them (the optimizer's mask,
+    `jaxrl.rl.train`). The same dicts (empty ones too), no copies."""
+    return {"base": jax.tree.map(nnx.Param, params["base"]), "lora": jax.tree.map(LoRAParam, params["lora"])}
 
 
 @functools.cache

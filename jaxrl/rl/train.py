@@ -55,8 +55,8 @@ def trainable_labels(params: Params) -> Params:
     """The optimizer's mask of a `{"base", "lora"}` tree: "lora" for the variables that
     `modules.trained_filter` selects in a LoRA run (the `LoRAParam`s), "frozen" for every other one."""
     trained = nnx.filterlib.to_predicate(modules.trained_filter(full=False))
-    return nnx.to_pure_dict(nnx.map_state(lambda path, v: "lora" if trained(path, v) else "frozen",
-                                         modules.variables(params)))
+    return jax.tree.map(lambda v: "lora" if trained((), v) else "frozen", modules.variables(params),
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def make_optimizer(learning_rate: float, max_grad_norm: float = 1.0, weight_decay: float = 0.0,
