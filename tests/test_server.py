@@ -5,12 +5,14 @@ import asyncio
 import httpx
 import pytest
 from renderers import Qwen3RendererConfig
+from starlette.requests import Request
 from verifiers.v1 import SamplingConfig, TrainClientConfig
 from verifiers.v1.clients.train import TrainClient
 from verifiers.v1.dialects import ChatDialect
 
 from jaxrl.inference.protocol import BackendStopped, Completion, SamplingParams
-from jaxrl.inference.server import GENERATE_ROUTE, start_server
+from jaxrl.inference.server import GENERATE_ROUTE, ClientGone, read_json, start_server, unless_disconnected
+from jaxrl.inference.wire import BadRequest
 
 MODEL = "test-model"
 MAX_MODEL_LEN = 256
@@ -277,3 +279,28 @@ def test_verifiers_train_client_accepts_responses(server, backend, qwen3_tokeniz
     assert tokens.completion_logprobs == pytest.approx(expected_logprobs(4))
     assert response.finish_reason == "length"
     assert params == SamplingParams(temperature=0.5, top_k=3, max_tokens=4, stop_token_ids=STOP_IDS, seed=1)
+
+
+def _request_from_a_client_that_left() -> Request:
+    """A real starlette request whose connection is already closed (`receive` answers `http.disconnect`)."""
+    async def receive():
+        return {"type": "http.disconnect"}
+    return Request({"type": "http", "method": "POST", "path": GENERATE_ROUTE, "headers": []}, receive)
+
+
+def test_a_client_gone_before_the_backend_answers_is_client_gone_not_an_internal_error():
+    """The backend's work is cancelled and `ClientGone` raised (a 499), not `InvalidStateError` from reading a
+    result that a just-requested cancel has not yet set (seen in a SIGTERM'd run's console)."""
+    async def slow_backend():
+        await asyncio.sleep(60)
+
+    with pytest.raises(ClientGone):
+        asyncio.run(asyncio.wait_for(unless_disconnected(_request_from_a_client_that_left(), slow_backend()), 10))
+
+
+def test_a_client_gone_while_its_body_is_read_is_a_bad_request_not_a_traceback():
+    """starlette's `ClientDisconnect` from the body stream becomes `BadRequest` 499, which the routes answer
+    (uvicorn logged it as an unhandled exception, with a traceback, in a SIGTERM'd run's console)."""
+    with pytest.raises(BadRequest) as e:
+        asyncio.run(read_json(_request_from_a_client_that_left(), 1 << 20))
+    assert e.value.status == 499

@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -219,29 +219,35 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """`await work`, cancelled (and `ClientGone` raised) when the client disconnects first: a
     non-streaming request's backend work stops, and its decode slot is freed, as a stream's is."""
     task, watch = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(request))
+    finished = False
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finished = task.done()
     finally:
         watch.cancel()
         if not task.done():
-            task.cancel()
-    if task.cancelled():
+            task.cancel()  # only requested: the task is not `cancelled()` until it next runs
+    if not finished or task.cancelled():
         raise ClientGone
     return task.result()
 
 
 async def read_json(request: Request, max_bytes: int) -> Any:
     """The request's JSON body; raises `BadRequest` (413 beyond `max_bytes`, 400 for anything that is
-    not JSON, including nesting too deep for the parser)."""
+    not JSON, including nesting too deep for the parser, 499 when the client disconnects before its body
+    has arrived: a client stopped mid-request, as an environment is at a run's shutdown)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise BadRequest(f"request body of {declared} bytes exceeds the limit of {max_bytes}", 413)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise BadRequest(f"request body exceeds the limit of {max_bytes} bytes", 413)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise BadRequest(f"request body exceeds the limit of {max_bytes} bytes", 413)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise BadRequest("client disconnected before its request body arrived", 499) from None
     try:
         return json.loads(b"".join(chunks))
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
