@@ -248,13 +248,15 @@ def test_sft_step_packed_equals_one_sample_per_row_and_loss_falls():
 # -- a run, then an RL run from its checkpoint ------------------------------------------------------------
 
 
-def test_sft_run_checkpoints_and_an_rl_run_warm_starts_from_it(tmp_path):
+def _warm_start_files(tmp_path: Path, *, learning_rate: float, jax_extra: str) -> tuple[Path, str]:
+    """The tiny model's folder, and `tmp_path/d.jsonl` (4 prompt/completion pairs) written; returns the folder
+    and the TOML shared by a warm-start test's SFT and RL configs (lowercase env, checkpoints every 2 steps,
+    runs under `tmp_path/runs`, seq_len 128), its `[jax]` table ending with `jax_extra`."""
     model = assets.ensure_tiny_assets(REPO / "assets").resolve()
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"say {w}", "completion": f"{w} {w}"}) + "\n"
-                            for w in ("cat", "dog", "sun", "sea")))
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"prompt": f"say {w}", "completion": f"{w} {w}"}) + "\n"
+                                              for w in ("cat", "dog", "sun", "sea")))
     common = f"""model = "jaxrl/qwen3-tiny"
-learning_rate = 1e-2
+learning_rate = {learning_rate}
 [[env]]
 id = "jaxrl/lowercase"
 [checkpoints]
@@ -263,8 +265,12 @@ interval = 2
 model_path = "{model}"
 output_dir = "{tmp_path / 'runs'}"
 seq_len = 128
-lora_rank = 4
 """
+    return model, common + jax_extra
+
+
+def test_sft_run_checkpoints_and_an_rl_run_warm_starts_from_it(tmp_path):
+    _, common = _warm_start_files(tmp_path, learning_rate=1e-2, jax_extra="lora_rank = 4\n")
     sft_cfg = _write(tmp_path / "sft.toml", f'name = "warm"\n{common}[adapters]\n[jax.sft]\ndata = "d.jsonl"\n'
                                             f'batch_size = 1\nepochs = 3\n')  # one row: 3 steps
     done = jaxrl("sft", sft_cfg)
@@ -306,21 +312,7 @@ def test_full_sft_run_trains_every_weight_and_a_full_rl_run_warm_starts_from_it(
     its first rollouts sample the SFT'd policy), at step 0 with a fresh optimizer."""
     from jaxrl.model import hf
 
-    model = assets.ensure_tiny_assets(REPO / "assets").resolve()
-    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"prompt": f"say {w}", "completion": f"{w} {w}"}) + "\n"
-                                              for w in ("cat", "dog", "sun", "sea")))
-    common = f"""model = "jaxrl/qwen3-tiny"
-learning_rate = 1e-3
-[[env]]
-id = "jaxrl/lowercase"
-[checkpoints]
-interval = 2
-[jax]
-model_path = "{model}"
-output_dir = "{tmp_path / 'runs'}"
-seq_len = 128
-finetune = "full"
-"""
+    model, common = _warm_start_files(tmp_path, learning_rate=1e-3, jax_extra='finetune = "full"\n')
     sft_cfg = _write(tmp_path / "sft.toml", f'name = "full"\n{common}[jax.sft]\ndata = "d.jsonl"\nbatch_size = 1\n'
                                             f'epochs = 2\n')  # one packed row: 2 steps
     runner.run(load_config(sft_cfg), Console(quiet=True), run_class=SftRun)
