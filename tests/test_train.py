@@ -1,4 +1,5 @@
 import asyncio
+import math
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
 from jaxrl.model import modules, qwen3
 from jaxrl.model.qwen3 import LORA_TARGETS
-from jaxrl.parallel.sharding import make_mesh, spec_shardings
+from jaxrl.parallel.sharding import batch_shards, make_mesh, spec_shardings
 from jaxrl.rl.train import Trainer, learning_rate, loss_width, make_batch, make_optimizer, sampled_logprobs
 from jaxrl.run.checkpoint import Checkpointer
 
@@ -305,6 +306,18 @@ def test_default_micro_batch_rule():
     assert default_micro_batch(4096, 64) == 64  # one 4096-token sequence on each of 64 shards
     assert default_micro_batch(32_768, 8) == 8  # at least one sequence per shard
     assert default_micro_batch(256, 1) == 16
+
+
+@pytest.mark.parametrize(("shape", "rows", "micro", "k", "per"),
+                         [({}, 32, 25, 2, 16), ({}, 8, 3, 3, 3), ({}, 8, 8, 1, 8), ({"data": 2, "fsdp": 2}, 8, 4, 2, 4),
+                          ({"data": 2, "fsdp": 2}, 10, 8, 2, 8), ({"data": 4}, 12, 8, 2, 8)])
+def test_micro_batches_spread_the_rows(shape, rows, micro, k, per):
+    """A batch is cut into k = ceil(rows / micro_batch_size) micro-batches of equal size, a multiple of the batch
+    shards: 32 rows at most 25 per pass are 2 x 16 (2 x 25 trained 18 padding rows), 10 rows on 4 shards 2 x 8."""
+    mesh = make_mesh(shape, jax.devices()[:math.prod(shape.values())])
+    trainer = Trainer(CFG, mesh, make_optimizer(LR), lora_scale=2.0, micro_batch_size=micro)
+    assert (trainer.micro_batches(rows), trainer.micro_rows(rows)) == (k, per)
+    assert rows <= k * per < rows + k * batch_shards(mesh)
 
 
 @pytest.mark.numerics

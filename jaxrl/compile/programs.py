@@ -169,7 +169,7 @@ def compile_train(s: Shapes, mesh: Mesh) -> Program:
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
     state = TrainState({}, opt, step, base=base) if s.full else TrainState(lora, opt, step)
     k = trainer.micro_batches(s.batch_rows)
-    rows, t = (k * s.micro_batch_size if k > 1 else s.batch_rows), s.seq_len - 1
+    rows, t = (k * trainer.micro_rows(s.batch_rows) if k > 1 else s.batch_rows), s.seq_len - 1
     # every row a whole sequence of loss tokens: the widest batch `make_batch` can build
     fields = {"inputs": ((rows, t), jnp.int32), "targets": ((rows, t), jnp.int32), "loss_mask": ((rows, t), bool),
               "inference_logprobs": ((rows, t), jnp.float32), "advantages": ((rows,), jnp.float32),

@@ -11,8 +11,10 @@ weights in `TrainState.base`, with AdamW (and its clipping) over every leaf; the
 born with the weights' shardings. The forward runs in the trainer's `dtype`; the KL reference is a
 frozen copy of the starting weights, passed to the step where LoRA passes the base.
 
-Gradient accumulation: with `micro_batch_size` m, a batch of B sequences is padded (rows with no loss
-token) to k = ceil(B / m) micro-batches of m, and the step scans over them inside one jitted program
+Gradient accumulation: with `micro_batch_size` m, a batch of B sequences is trained in k = ceil(B / m)
+micro-batches of ceil(B / k) rows each, rounded up to a whole number of rows per batch shard (`micro_rows`;
+the batch is padded with rows that hold no loss token, fewer than one per micro-batch and shard), and
+the step scans over them inside one jitted program
 (`accumulate`), so only one micro-batch's activations are live at a time. The loss and its metrics are
 means over loss tokens, so micro-batch i is weighted by its share of the batch's loss tokens: the update
 and the metrics equal one pass over the whole batch (up to float rounding).
@@ -294,11 +296,19 @@ class Trainer:
         """How many micro-batches a batch of `rows` sequences is trained in (1 without `micro_batch_size`)."""
         return 1 if self.micro_batch_size is None else -(-rows // self.micro_batch_size)
 
+    def micro_rows(self, rows: int) -> int:
+        """Rows of each micro-batch of a batch of `rows` sequences: the batch spread evenly over its
+        `micro_batches` (at most `micro_batch_size` each), rounded up to a multiple of the batch shards.
+        Not `micro_batch_size` itself: 32 rows in micro-batches of at most 25 are two of 16, not two of 25
+        (a third of the computation on padding rows)."""
+        k, shards = self.micro_batches(rows), batch_shards(self.mesh)
+        return -(-rows // (k * shards)) * shards
+
     def shard_batch(self, batch: Batch) -> dict[str, jax.Array]:
         """Place a host batch on the mesh, batch axis over (data, fsdp), after padding it with rows that
         hold no loss token to a whole number of micro-batches."""
         rows, k = batch.inputs.shape[0], self.micro_batches(batch.inputs.shape[0])
-        pad = k * self.micro_batch_size - rows if k > 1 else 0
+        pad = k * self.micro_rows(rows) - rows if k > 1 else 0
         out = {}
         for name, arr in dataclasses.asdict(batch).items():
             if arr is None:  # positions / segment ids of unpacked rows: built in the step
