@@ -212,6 +212,11 @@ def test_engine_hosts_setting_or_fit_rule():
     assert distributed.engine_hosts(0, 500 * gib, None, 8) == 1  # CPU: no memory figure, an engine per host
     assert distributed.engine_hosts(0, 60 * gib, 4 * 95 * gib, 16) == 1  # fits one host
     assert distributed.engine_hosts(0, 438 * gib, 4 * 95 * gib, 16) == 2  # Qwen3-235B-A22B bf16 on v5p hosts
+    # and beside the trainer's 21 GiB a chip (weights, LoRA + Adam, activations), with 94 GiB of cache:
+    # 532 / 2 + 4 x 21 = 350 GiB a host on 2 hosts, over 90% of 380; 217 on 4
+    assert distributed.engine_hosts(0, 532 * gib, 4 * 95 * gib, 8) == 2
+    assert distributed.engine_hosts(0, 532 * gib, 4 * 95 * gib, 8, 4 * 21 * gib) == 4
+    assert distributed.engine_hosts(0, 60 * gib, 4 * 95 * gib, 8, 4 * 90 * gib) == 8  # no room anywhere: every host
     assert distributed.engine_hosts(0, 800 * gib, 4 * 95 * gib, 6) == 3  # 3 hosts, a divisor of 6
     assert distributed.engine_hosts(0, 5000 * gib, 4 * 95 * gib, 4) == 4  # fits nowhere: every host
 

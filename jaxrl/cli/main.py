@@ -218,7 +218,8 @@ def compile_(
                                              "(memory is affine in depth); default: the model's depth.")] = "",
     engine_hosts: Annotated[int | None, typer.Option(help="Hosts per rollout engine; default: [jax] engine_hosts, else "
                                                           "the run's fit rule (one host unless the engine's "
-                                                          "weights and KV cache exceed 90% of its HBM).")] = None,
+                                                          "weights and KV cache beside the trainer's state "
+                                                          "exceed 90% of its HBM).")] = None,
 ) -> None:
     """Compile the run's train step, prefill and decode programs for a TPU slice (on any machine: libtpu,
     no TPU) with abstract weights, and print per chip: weights, LoRA + optimizer, KV cache, temporaries,

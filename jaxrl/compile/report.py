@@ -26,6 +26,7 @@ from jaxrl.compile import programs, slices
 from jaxrl.compile.programs import Program, Shapes
 from jaxrl.config.schema import ConfigError, RunConfig, resolve_model_path
 from jaxrl.inference.engine import engine_bytes
+from jaxrl.launch import memory
 from jaxrl.model import catalog, hf
 from jaxrl.model.qwen3 import ModelConfig
 from jaxrl.parallel import distributed
@@ -138,12 +139,18 @@ def _extrapolate(a: Program, b: Program, da: int, db: int, depth: int) -> dict[s
 
 def engine_hosts_for(shapes: Shapes, mesh: Any, chip: slices.Chip) -> int:
     """Hosts per rollout engine by the run's own fit rule (`jaxrl.parallel.distributed.engine_hosts`, as
-    `jaxrl.run.runner` applies it): one unless the engine's base weights and KV cache (`engine_bytes`)
-    exceed 90% of one host's HBM (its chips' together), else the fewest hosts, a divisor of the slice's,
-    whose HBM holds them (all of them when none does)."""
+    `jaxrl.run.runner` applies it): the fewest hosts, a divisor of the slice's, on whose chips a host's
+    share of the engine's base weights and KV cache (`engine_bytes`) beside what the trainer keeps there
+    (`jaxrl.launch.memory.trainer_bytes`: its weights, LoRA or optimizer state, remat activations) is at
+    most 90% of the HBM; all of them when none does. Arithmetic: no program is compiled for it."""
     hosts = len({d.process_index for d in mesh.devices.flat})
-    need = engine_bytes(shapes.model, shapes.decode_slots, shapes.seq_len, jnp.dtype(shapes.dtype).itemsize)
-    return distributed.engine_hosts(0, need, mesh.devices.size // hosts * chip.hbm_bytes, hosts)
+    chips = mesh.devices.size // hosts
+    itemsize = jnp.dtype(shapes.dtype).itemsize
+    need = engine_bytes(shapes.model, shapes.decode_slots, shapes.seq_len, itemsize)
+    trainer = memory.trainer_bytes(shapes.model, dict(mesh.shape), lora_rank=shapes.lora_rank, seq_len=shapes.seq_len,
+                                   train_seqs=shapes.batch_rows, micro_seqs=shapes.micro_batch_size,
+                                   weight_bytes=itemsize, full=shapes.full)
+    return distributed.engine_hosts(0, need, chips * chip.hbm_bytes, hosts, trainer * chips)
 
 
 def roofline(m: ModelConfig, s: Shapes, chip: slices.Chip, chips: int, engine_chips: int,

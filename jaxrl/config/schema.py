@@ -230,8 +230,9 @@ class JaxConfig(_Table):
     """Processes (hosts) that share one rollout engine: its mesh spans their devices and they step it in
     lockstep (`jaxrl.inference.lockstep`); must divide the number of processes. Default 0, the fit rule
     (`jaxrl.parallel.distributed.engine_hosts`): 1, an engine per host (the fastest where the model fits),
-    unless the base weights and KV cache need more than 90% of one host's accelerator memory; then the
-    fewest hosts whose memory holds them."""
+    unless the base weights and KV cache, beside what the trainer keeps on the same chips (its share of
+    the weights, the LoRA or optimizer state, activations), need more than 90% of one host's accelerator
+    memory; then the fewest hosts on which a host's share of them fits so."""
     host: str = "127.0.0.1"
     """Address of the rollout server that environments call. Default "127.0.0.1"."""
     port: int = Field(0, ge=0, le=65535)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 GIB = 2**30
 
@@ -32,6 +33,16 @@ class Arch:
     top_k: int = 0  # num_experts_per_tok
     moe_mlp: int = 0  # moe_intermediate_size (I)
     tied: bool = False  # tie_word_embeddings
+
+    @classmethod
+    def of(cls, model: Any) -> Arch:
+        """The architecture of a `jaxrl.model.qwen3.ModelConfig`, read by its attribute names (this module
+        imports nothing but the standard library). Its MoE layers are taken to be all of them (as in the
+        Hosted models: no `mlp_only_layers`, `decoder_sparse_step` 1)."""
+        return cls("", model.num_layers, model.hidden_size, model.num_heads, model.num_kv_heads, model.head_dim,
+                   model.vocab_size, mlp=0 if model.num_experts else model.intermediate_size, experts=model.num_experts,
+                   top_k=model.num_experts_per_tok, moe_mlp=model.moe_intermediate_size,
+                   tied=model.tie_word_embeddings)
 
 
 QWEN3_4B = Arch("Qwen3-4B", 36, 2560, 32, 8, 128, 151936, mlp=9728, tied=True)
@@ -109,30 +120,54 @@ class Budget:
     def total(self) -> float:
         return self.weights + self.lora + self.kv_cache + self.activations
 
+    @property
+    def trainer(self) -> float:
+        """What the trainer keeps on the chip whether or not the rollout engine shares it: all but the
+        KV cache."""
+        return self.weights + self.lora + self.activations
+
 
 def per_chip(a: Arch, m: Mesh, *, lora_rank: int = 16, decode_slots: int = 256, seq_len: int = 4096,
-             train_seqs: int = 256, weight_bytes: int = 2) -> Budget:
+             train_seqs: int = 256, weight_bytes: int = 2, micro_seqs: int | None = None,
+             full: bool = False) -> Budget:
     """GiB per chip:
 
     weights     = base elements per chip x `weight_bytes` (2: bfloat16)
     lora        = LoRA elements per chip x 20 bytes: float32 factors (4), the previous version the rollout
-                  engine still reads while a step runs (4), gradients (4), Adam's two moments (8)
+                  engine still reads while a step runs (4), gradients (4), Adam's two moments (8);
+                  `full` (full fine-tuning): the weights are float32 master weights (4 bytes, whatever
+                  `weight_bytes`) and this term is 16 bytes per weight element (the previous version,
+                  gradients, Adam's moments) in their place
     kv_cache    = 2 (k, v) x L x decode_slots x seq_len x K x H x 2 bytes (bfloat16)
                   / (data x fsdp x expert: slots) / (tensor: kv heads, when it divides K)
     activations = L x (micro-batch sequences x seq_len / (data x fsdp x expert)) x D x 2 bytes: with
-                  `remat`, the residual stream saved at each layer boundary for one micro-batch (the
-                  default `[jax] micro_batch_size`: 4096 tokens per batch shard, as
-                  `jaxrl.rl.train.default_micro_batch`); a layer's recomputation, attention's float32
-                  scores and the logit chunks come on top: `jaxrl compile` measures them
+                  `remat`, the residual stream saved at each layer boundary for one micro-batch of
+                  `micro_seqs` sequences (None: the default `[jax] micro_batch_size`, 4096 tokens per batch
+                  shard, as `jaxrl.rl.train.default_micro_batch`); a layer's recomputation, attention's
+                  float32 scores and the logit chunks come on top: `jaxrl compile` measures them
     """
     _, w = _weights(a, None, m)
     _, lo = _weights(a, lora_rank, m)
     batch_split = m.data * m.fsdp * m.expert
     kv = 2 * a.layers * decode_slots * seq_len * a.kv_heads * a.head_dim * 2
     kv /= _split(decode_slots, batch_split) * _split(a.kv_heads, m.tensor)
-    micro_seqs = min(train_seqs, batch_split * max(1, 4096 // seq_len))
+    micro_seqs = min(train_seqs, micro_seqs or batch_split * max(1, 4096 // seq_len))
     act = a.layers * (micro_seqs * seq_len / batch_split) * a.d * 2
+    if full:
+        return Budget(w * 4 / GIB, w * 16 / GIB, kv / GIB, act / GIB)
     return Budget(w * weight_bytes / GIB, lo * 20 / GIB, kv / GIB, act / GIB)
+
+
+def trainer_bytes(model: Any, mesh: dict[str, int], *, lora_rank: int, seq_len: int, train_seqs: int,
+                  micro_seqs: int | None, weight_bytes: int, full: bool) -> int:
+    """Bytes per chip that the trainer keeps on a mesh of `mesh` (`data`, `fsdp`, `tensor`, `expert`
+    sizes; missing ones 1): `per_chip`'s weights, LoRA (or full fine-tuning's) state and activations for
+    `model`, a `jaxrl.model.qwen3.ModelConfig` (`Arch.of`). What the engine group's fit rule sets beside an
+    engine's share of its chips (`jaxrl.parallel.distributed.engine_hosts`). A floor: the programs'
+    scratch beyond the remat activations is `jaxrl compile`'s to measure."""
+    b = per_chip(Arch.of(model), Mesh(**mesh), lora_rank=lora_rank, seq_len=seq_len, train_seqs=train_seqs,
+                 weight_bytes=weight_bytes, micro_seqs=micro_seqs, full=full)
+    return int(b.trainer * GIB)
 
 
 # (model, slice, HBM GiB per chip, mesh, decode slots, sequences per train step)

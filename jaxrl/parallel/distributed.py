@@ -223,11 +223,14 @@ def group_mesh(mesh: Mesh, processes: Sequence[int]) -> Mesh:
     return Mesh(mesh.devices[box], mesh.axis_names)
 
 
-def engine_hosts(setting: int, engine_bytes: int, host_bytes: int | None, processes: int) -> int:
+def engine_hosts(setting: int, engine_bytes: int, host_bytes: int | None, processes: int,
+                 trainer_bytes: int = 0) -> int:
     """Processes per rollout engine (`[jax] engine_hosts`): `setting` when it is not 0, else the fit
-    rule: 1 unless `engine_bytes` (base weights + KV cache) exceed 90% of `host_bytes` (one host's
-    accelerator memory; None, as on CPU: 1); then the fewest hosts, a divisor of `processes`, whose
-    memory holds them (all of them when none does).
+    rule: the fewest hosts k, a divisor of `processes`, on whose accelerators each host's share of the
+    engine, `engine_bytes / k` (base weights + KV cache), beside `trainer_bytes` (what the trainer keeps
+    on each host's accelerators: its share of the weights, the LoRA or optimizer state, activations;
+    `jaxrl.launch.memory.trainer_bytes` times the chips per host) is at most 90% of `host_bytes` (one
+    host's accelerator memory); all of them when no k does. `host_bytes` None (as on CPU): 1.
 
     Raises:
         ValueError: `setting` does not divide `processes`.
@@ -238,8 +241,8 @@ def engine_hosts(setting: int, engine_bytes: int, host_bytes: int | None, proces
         return setting
     if host_bytes is None:
         return 1
-    return next(k for k in range(1, processes + 1)
-                if processes % k == 0 and (engine_bytes <= 0.9 * k * host_bytes or k == processes))
+    return next(k for k in range(1, processes + 1) if processes % k == 0 and (
+        engine_bytes / k + trainer_bytes <= 0.9 * host_bytes or k == processes))
 
 
 def host_memory() -> int | None:

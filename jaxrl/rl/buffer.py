@@ -72,6 +72,16 @@ class BufferState:
         return cls(tuple(int(x) for x in data["drawn"]), tuple(int(x) for x in data["chosen"]),
                    tuple({int(k): float(v) for k, v in m.items()} for m in data["mean_reward"]))
 
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> BufferState:
+        """The buffer state saved in a run's checkpoint metadata; a checkpoint from before `[buffer]`
+        sampling has only `examples_drawn`, under round robin, where each environment got one group per
+        example drawn."""
+        if "buffer" in meta:
+            return cls.from_json(meta["buffer"])
+        drawn = tuple(int(x) for x in meta["examples_drawn"])
+        return cls(drawn, drawn, tuple({} for _ in drawn))
+
 
 def has_signal(rewards: Sequence[float]) -> bool:
     """True when the rewards differ, so group advantages `r - mean(r)` are not all zero."""

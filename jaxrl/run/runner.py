@@ -53,6 +53,7 @@ from jaxrl.inference.lockstep import GroupScheduler
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
 from jaxrl.inference.server import start_server
+from jaxrl.launch import memory
 from jaxrl.model import hf
 from jaxrl.model.modules import init_lora, lora_specs, param_specs
 from jaxrl.model.qwen3 import ModelConfig
@@ -205,7 +206,7 @@ class Run:
         self.ckpt = Checkpointer(checkpoint_dir_of(cfg), keep=cfg.checkpoints.keep_cloud)
         self.buffer = Buffer(tuple(len(env.tasks) for env in self.envs), cfg.buffer)
         self.resume_or_warm_start()
-        self.buffer_state = _buffer_state(self.meta) if self.meta else BufferState.fresh(len(self.envs))
+        self.buffer_state = BufferState.from_meta(self.meta) if self.meta else BufferState.fresh(len(self.envs))
         self.done = self.saved = self.start_step  # last step run; last step checkpointed
         if self.primary and (dropped := trim_metrics(self.run_dir / METRICS, self.start_step)):
             self.console.print(f"dropped {dropped} metrics rows past step {self.start_step} "
@@ -256,7 +257,7 @@ class Run:
         t0 = time.perf_counter()
         try:
             self.mcfg = mcfg = hf.load_config(self.model_path)
-            self.engine_group = _engine_group(cfg, mcfg, self.dtype)
+            self.engine_group = _engine_group(cfg, mcfg, self.dtype, self.mesh)
             self.engine_mesh = distributed.group_mesh(self.mesh, self.engine_group)  # its rollout engine's devices
             self.base = hf.load_hf(self.model_path, trained_dtype,
                                    shardings=spec_shardings(param_specs(mcfg), mcfg.dims(), self.mesh))[1]
@@ -576,24 +577,20 @@ class Run:
 
 
 
-def _engine_group(cfg: RunConfig, mcfg: ModelConfig, dtype: Any) -> range:
+def _engine_group(cfg: RunConfig, mcfg: ModelConfig, dtype: Any, mesh: Mesh) -> range:
     """The processes whose devices this process's rollout engine spans: `[jax] engine_hosts` consecutive
-    ones, or as many as the fit rule needs for the base weights and the KV cache
-    (`jaxrl.parallel.distributed.engine_hosts`). Raises ConfigError (key `jax.engine_hosts`)."""
-    jcfg = cfg.jax
-    need = engine_bytes(mcfg, jcfg.decode_slots, jcfg.seq_len, jnp.dtype(dtype).itemsize)
+    ones, or as many as the fit rule needs for the base weights and the KV cache beside what the trainer
+    keeps on the same chips of `mesh` (`jaxrl.parallel.distributed.engine_hosts`,
+    `jaxrl.launch.memory.trainer_bytes`). Raises ConfigError (key `jax.engine_hosts`)."""
+    jcfg, itemsize = cfg.jax, jnp.dtype(dtype).itemsize
+    need = engine_bytes(mcfg, jcfg.decode_slots, jcfg.seq_len, itemsize)
+    trainer = memory.trainer_bytes(mcfg, dict(mesh.shape), lora_rank=jcfg.lora_rank, seq_len=jcfg.seq_len,
+                                   train_seqs=cfg.batch_size, micro_seqs=jcfg.micro_batch_size, weight_bytes=itemsize,
+                                   full=jcfg.finetune == "full")
     try:
-        hosts = distributed.engine_hosts(jcfg.engine_hosts, need, distributed.host_memory(), jax.process_count())
+        hosts = distributed.engine_hosts(jcfg.engine_hosts, need, distributed.host_memory(), jax.process_count(),
+                                         trainer * jax.local_device_count())
     except ValueError as exc:
         raise ConfigError(cfg.source, [("jax.engine_hosts", str(exc))]) from None
     first = jax.process_index() // hosts * hosts
     return range(first, first + hosts)
-
-
-def _buffer_state(meta: dict) -> BufferState:
-    """The buffer state saved in checkpoint metadata; a checkpoint from before `[buffer]` sampling has
-    only `examples_drawn`, under round robin, where each environment got one group per example drawn."""
-    if "buffer" in meta:
-        return BufferState.from_json(meta["buffer"])
-    drawn = tuple(int(x) for x in meta["examples_drawn"])
-    return BufferState(drawn, drawn, tuple({} for _ in drawn))
