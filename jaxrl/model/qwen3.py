@@ -191,13 +191,17 @@ def rope(x_BTZH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
 
 def lora_delta(x: jax.Array, ab: dict[str, jax.Array] | None, scale: float, out_shape: tuple[int, ...]):
     """`scale * x @ a @ b` for one adapted weight, its input axes (all of `x`'s after B, T) flattened and
-    its output reshaped to `out_shape`, in `x`'s dtype; 0.0 for no LoRA (`ab` None)."""
+    its output reshaped to `out_shape`, in `x`'s dtype; 0.0 for no LoRA (`ab` None).
+
+    The tokens are flattened too, [B * T, Y] @ [Y, R] @ [R, O]: the factors' gradients then contract one
+    token axis (a plain matmul), where with B and T apart XLA's CPU backend transposed each [B, T, O]
+    output gradient first; a SwiGLU MLP's LoRA forward + backward at 1024 x 1024 -> 3072 took 407 ms that
+    way against 232 ms flattened (Nov 2026, 2 cores)."""
     if ab is None:
         return 0.0
-    flat = x.reshape(*x.shape[:2], -1)
-    delta = jnp.einsum("BTY,YR,RO->BTO", flat, ab["a"].reshape(-1, ab["a"].shape[-1]),
-                       ab["b"].reshape(ab["b"].shape[0], -1))
-    return (scale * delta).reshape(*x.shape[:2], *out_shape).astype(x.dtype)
+    flat_MY = x.reshape(x.shape[0] * x.shape[1], -1)
+    delta_MO = (flat_MY @ ab["a"].reshape(-1, ab["a"].shape[-1])) @ ab["b"].reshape(ab["b"].shape[0], -1)
+    return (scale * delta_MO).reshape(*x.shape[:2], *out_shape).astype(x.dtype)
 
 
 def attention_inputs(cfg: ModelConfig, lora_scale: float, x_BTD: jax.Array, positions_BT: jax.Array, w: Params,
