@@ -70,8 +70,14 @@ def train_peer(args) -> dict:
     return {"tokens_per_s": grab(r"LoRA r16 B=4 T=256: ([\d.]+) tok/s", peer, "peer tokens/s")}
 
 
+def tree_env(tree: Path) -> dict:
+    """The environment that makes `tree`'s jaxrl the one imported (not the installed checkout's)."""
+    return os.environ | {"PYTHONPATH": str(tree)}
+
+
 def train_jaxrl(args, tree: Path) -> dict:
-    ours = run([sys.executable, str(tree / "scripts" / "bench_model.py"), "--train-only"], args.timeout)
+    ours = run([sys.executable, str(tree / "scripts" / "bench_model.py"), "--train-only"], args.timeout,
+               env=tree_env(tree))
     return {"tokens_per_s": grab(r"LoRA train step \(RL loss, AdamW\):\s+([\d.]+) tokens/s", ours, "tokens/s")}
 
 
@@ -82,7 +88,7 @@ def rollout_peer(args) -> dict:
 
 def rollout_jaxrl(args, tree: Path) -> dict:
     ours = run([sys.executable, str(tree / "scripts" / "bench_rollout.py"), "--concurrency", "8",
-                "--prompt", "64", "--tokens", "128"], args.timeout)
+                "--prompt", "64", "--tokens", "128"], args.timeout, env=tree_env(tree))
     return {"tokens_per_s": grab(r"end to end\s+([\d.]+) tok/s", ours, "end-to-end tokens/s"),
             "decode_tokens_per_s": grab(r"\| decode\s+([\d.]+) tok/s", ours, "decode tokens/s"),
             "decode_share_of_limit": grab(r"ratio (\d+)%", ours, "ratio to the limit") / 100}
@@ -113,8 +119,7 @@ def rl_peer(args) -> dict:
 def rl_jaxrl(args, tree: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_peers_") as tmp:
         work = Path(tmp)
-        run([sys.executable, "-m", "jaxrl", "run", str(rl_config(args, work))], args.timeout,
-            env=os.environ | {"PYTHONPATH": str(tree)})
+        run([sys.executable, "-m", "jaxrl", "run", str(rl_config(args, work))], args.timeout, env=tree_env(tree))
         rows = [json.loads(line) for line in (work / "runs" / "e2e-small" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r["step"] >= 2 and "time/step" in r]
     return {key.removeprefix("time/") + "_s": statistics.median(r[key] for r in rows)
