@@ -104,12 +104,12 @@ def bench(cfg: ModelConfig, params, dtype, slots: int, prompt_len: int, n_tokens
     prefix = prefill(0)
     for slot in range(slots):
         state = engine.insert(prefix, state, slot)
-    state, res = engine.generate(p, state, truncate=False, penalize=False)
+    state, res = engine.generate(p, state, truncate=False, penalize=False, ban=False)
     res.tokens.block_until_ready()
     times = []
     for _ in range(steps):
         t = time.perf_counter()
-        state, res = engine.generate(p, state, truncate=False, penalize=False)
+        state, res = engine.generate(p, state, truncate=False, penalize=False, ban=False)
         np.asarray(res.tokens)
         times.append(time.perf_counter() - t)
     step_s = statistics.median(times)

@@ -186,6 +186,37 @@ def test_scheduler_keeps_each_requests_settings_in_a_shared_batch():
 
 
 @pytest.mark.numerics
+def test_ban_only_while_a_slot_is_short_of_min_tokens():
+    """The scheduler asks for the `min_tokens` ban only in steps where some slot still needs it; the other
+    steps take the blocked sampler (`sample_unembedded`): greedy tokens and logprobs as the full forward."""
+    params = _params(lora_seed=1)
+    engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=2, max_seq_len=32, lora_scale=0.5)
+    prompt = [5, 7, 9, 11, 3]
+    greedy = _greedy_reference(params, prompt, 6)
+    bans, generate = [], engine.generate
+
+    def spy(*args, **kwargs):  # the real step, its `ban` flag recorded
+        bans.append(kwargs["ban"])
+        return generate(*args, **kwargs)
+
+    engine.generate = spy
+    sched = Scheduler(engine, params, "tiny")
+    held = SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=(greedy[0],), min_tokens=3)
+    try:
+        plain = _run(sched.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6)))
+        assert bans == [False] * 5
+        bans.clear()
+        got = _run(sched.generate(prompt, held))
+    finally:
+        sched.stop()
+    assert bans[:2] == [True, True] and not any(bans[2:])  # draws 2 and 3 of 3 banned (1: prefill)
+    _check_min_tokens(params, prompt, got, greedy[0], 3)
+    assert plain.token_ids == greedy
+    ref = _reference_logprobs(params, prompt + greedy)[len(prompt) - 1:-1]
+    np.testing.assert_allclose(plain.logprobs, ref[np.arange(6), greedy], atol=1e-5)
+
+
+@pytest.mark.numerics
 def test_scheduler_seed_reproducible_and_stop_tokens():
     params = _params()
     engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=2, max_seq_len=32)

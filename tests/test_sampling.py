@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxrl.inference.protocol import SamplingParams
-from jaxrl.inference.sampling import CHUNK, SlotSampling, draw, mark_seen, sample, stop_ban
+from jaxrl.inference.sampling import CHUNK, SlotSampling, draw, mark_seen, sample, sample_unembedded, stop_ban
 
 LOGITS = jnp.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 N = 40_000
@@ -202,3 +202,59 @@ def test_chi_square_with_every_truncation_at_once():
     assert counts[want == 0].sum() == 0 and len(nucleus) > 3
     assert chisquare(counts[nucleus], want[nucleus] * n).pvalue > 1e-3
     np.testing.assert_allclose(lps, np.log(p)[toks], rtol=1e-5)
+
+
+def _unembedded(hidden, unembed, n, seed=3, **kw):
+    """`n` draws of `sample_unembedded` at a toy chunk of 8 and block of 32 (V = 87: two whole blocks and a
+    tail of 23, padded to 24), every row the same hidden state."""
+    keys = jax.random.split(jax.random.key(seed), n)
+    fn = jax.jit(lambda h, e, k: sample_unembedded(h, e, _rows(n, **kw), k, block=32, chunk=8))
+    toks, lps = fn(jnp.broadcast_to(hidden, (n, hidden.shape[-1])), unembed, keys)
+    return np.asarray(toks), np.asarray(lps)
+
+
+@pytest.mark.numerics
+def test_blocked_sampler_chi_square_and_logprobs():
+    """The unembedding fused with the draw over vocabulary blocks: the draws pass Pearson's chi-square
+    test against softmax(h @ E / T) (fixed seed, p > 0.001; bins under 5 expected draws pooled),
+    the logprobs are its log_softmax to 1e-5, and the seed fixes the draws as `sample` does (the same
+    uniform per row: the same tokens as `sample` over the full logits, up to float rounding)."""
+    from scipy.stats import chisquare
+
+    v, n = 87, N
+    hidden = jax.random.normal(jax.random.key(1), (4,))
+    unembed = jax.random.normal(jax.random.key(2), (4, v))
+    toks, lps = _unembedded(hidden, unembed, n, temperature=0.8)
+    logits = np.asarray(hidden, np.float64) @ np.asarray(unembed, np.float64) / 0.8
+    want = _softmax(logits) * n
+    counts = np.bincount(toks, minlength=v)
+    assert toks.max() < v and len(set(toks.tolist())) > 40
+    big = want >= 5
+    obs, exp = counts[big], want[big]
+    if not big.all():
+        obs, exp = np.append(obs, counts[~big].sum()), np.append(exp, want[~big].sum())
+    assert chisquare(obs, exp).pvalue > 1e-3
+    log_p = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+    np.testing.assert_allclose(lps, log_p[toks], atol=1e-5)
+    keys = jax.random.split(jax.random.key(3), 512)
+    full, _ = sample(jnp.broadcast_to(hidden @ unembed, (512, v)), _rows(512, temperature=0.8), keys, truncate=False)
+    assert (np.asarray(full) == toks[:512]).mean() > 0.99
+
+
+@pytest.mark.numerics
+def test_blocked_sampler_greedy_is_the_first_argmax_with_the_t1_logprob():
+    # the maximum, tied, in the second block and in the tail: the first one wins, as jnp.argmax
+    logits = jnp.linspace(-2.0, 1.0, 87).at[40].set(3.0).at[80].set(3.0)
+    toks, lps = _unembedded(jnp.ones((1,)), logits[None], 16, temperature=0.0)
+    assert (toks == 40).all()
+    np.testing.assert_allclose(lps, np.log(_softmax(np.asarray(logits))[40]), atol=1e-5)
+
+
+def test_blocked_sampler_never_draws_padding_or_a_zero_probability_token():
+    """All the mass on the first and the last real token (the tail block's last, next to its padding);
+    every other weight underflows to zero. Uniforms near 0 and near 1 included."""
+    logits = jnp.full((87,), -1e4).at[0].set(0.0).at[86].set(0.0)
+    toks, lps = _unembedded(jnp.ones((1,)), logits[None], 4096, temperature=1.0)
+    assert set(toks.tolist()) == {0, 86}
+    np.testing.assert_allclose(lps, np.log(0.5), atol=1e-5)
+    assert abs((toks == 86).mean() - 0.5) < 0.05

@@ -33,7 +33,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.inference.protocol import SamplingParams
-from jaxrl.inference.sampling import SlotSampling, mark_seen, sample, stop_ban
+from jaxrl.inference.sampling import SlotSampling, mark_seen, sample, sample_unembedded, stop_ban
 from jaxrl.model import modules, qwen3
 from jaxrl.model.decode import unstack_layers
 from jaxrl.model.qwen3 import KVCache, ModelConfig, Params
@@ -141,7 +141,8 @@ class Engine:
         self.buckets = prefill_buckets(self.max_prefill_length)
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("truncate",))
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
-        self._generate = jax.jit(self._generate_impl, donate_argnums=(1,), static_argnames=("truncate", "penalize"))
+        self._generate = jax.jit(self._generate_impl, donate_argnums=(1,),
+                                 static_argnames=("truncate", "penalize", "ban"))
 
     def prepare(self, params: Params) -> Params:
         """Engine params for `prefill` / `generate` from `{"base", "lora"}`: adds the per-layer view
@@ -236,11 +237,14 @@ class Engine:
         return self._insert(prefix, decode_state, jnp.int32(slot))
 
     def generate(self, params: Params, decode_state: DecodeState, truncate: bool = True,
-                 penalize: bool = True) -> tuple[DecodeState, ResultTokens]:
+                 penalize: bool = True, ban: bool = True) -> tuple[DecodeState, ResultTokens]:
         """One decode step for every slot (the decode state's buffers are donated). `truncate=False`
-        skips min_p / top_k / top_p and `penalize=False` the repetition penalty and its bookkeeping:
-        faster, for when no active slot uses them. Each combination compiles once."""
-        return self._generate(params, decode_state, truncate=truncate, penalize=penalize)
+        skips min_p / top_k / top_p, `penalize=False` the repetition penalty and its bookkeeping, and
+        `ban=False` the `min_tokens` ban (`stop_ban`): faster, for when no active slot uses them (no
+        slot still short of its `min_tokens`, for `ban`). With all three off, the step samples with
+        `sample_unembedded`, over vocabulary blocks without the [B, V] logits. Each combination compiles
+        once."""
+        return self._generate(params, decode_state, truncate=truncate, penalize=penalize, ban=ban)
 
     # jitted bodies --------------------------------------------------------------------------------
     def _prefill_impl(self, params, tokens_T, true_length, sampling, key, stop_V, *, truncate):
@@ -280,15 +284,20 @@ class Engine:
             generated=put1(state.generated, jnp.ones((1,), jnp.int32)),
         )
 
-    def _generate_impl(self, params, state: DecodeState, *, truncate, penalize):
+    def _generate_impl(self, params, state: DecodeState, *, truncate, penalize, ban):
         model = modules.bind(self.cfg, params["base"], params.get("lora"), self.lora_scale)
         hidden_BTD, cache = model.decode(state.tokens, state.positions, state.cache, mesh=self.mesh,
                                          layers=params.get("layers"))
-        logits_BV = qwen3.logits(_unembedding(params), hidden_BTD)[:, 0]
         split = jax.vmap(jax.random.split)(state.keys)
-        tokens, logprobs = sample(logits_BV, state.sampling, split[:, 1], truncate=truncate,
-                                  seen_BV=state.seen if penalize else None,
-                                  ban_BV=stop_ban(state.stop, state.generated, state.sampling.min_tokens))
+        if truncate or penalize or ban:
+            logits_BV = qwen3.logits(_unembedding(params), hidden_BTD)[:, 0]
+            tokens, logprobs = sample(logits_BV, state.sampling, split[:, 1], truncate=truncate,
+                                      seen_BV=state.seen if penalize else None,
+                                      ban_BV=stop_ban(state.stop, state.generated, state.sampling.min_tokens)
+                                      if ban else None)
+        else:  # temperature only: blocked over the vocabulary, no [B, V] logits
+            unembed_DV = qwen3.unembed_matrix(_unembedding(params))
+            tokens, logprobs = sample_unembedded(hidden_BTD[:, 0], unembed_DV, state.sampling, split[:, 1])
         positions = jnp.minimum(state.positions + 1, self.max_seq_len - 1)
         seen = mark_seen(state.seen, tokens) if penalize else state.seen
         new = DecodeState(cache=cache, tokens=tokens, positions=positions, sampling=state.sampling,

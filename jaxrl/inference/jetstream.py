@@ -213,7 +213,8 @@ class JetStreamEngine(engine_api.Engine):
         return SlotState(self.engine.insert(prefix, decode_state.decode, slot), emitted, room)
 
     def generate(self, params: Params, decode_state: SlotState) -> tuple[SlotState, engine_api.ResultTokens]:
-        state, result = self.engine.generate(params, decode_state.decode, truncate=False, penalize=False)
+        state, result = self.engine.generate(params, decode_state.decode, truncate=False,
+                                             penalize=False, ban=False)  # greedy, no min_tokens
         data, emitted = self._pack(result.tokens, decode_state.emitted, decode_state.room)
         out = engine_api.ResultTokens(data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3),
                                       samples_per_slot=1)

@@ -164,15 +164,18 @@ class Scheduler:
         return await req.future
 
     async def warmup(self, params: SamplingParams) -> int:
-        """Compile every prefill bucket and the decode step for `params`'s kind of sampling (truncating
-        or not, penalizing or not) before real traffic, so that no request's latency, and no rollout's
-        timeout, includes XLA compilation. Runs one short request per bucket through the normal path.
+        """Compile every prefill bucket and the decode steps for `params`'s kind of sampling (truncating
+        or not, penalizing or not, and with `min_tokens` the steps with and without its ban) before real
+        traffic, so that no request's latency, and no rollout's timeout, includes XLA compilation. Runs
+        one short request per bucket through the normal path (and one with `min_tokens` after them).
 
         Returns:
             The number of prefill buckets compiled.
         """
-        probe = dataclasses.replace(params, max_tokens=2, stop_token_ids=(), seed=0)
+        probe = dataclasses.replace(params, max_tokens=2, stop_token_ids=(), seed=0, min_tokens=0)
         await asyncio.gather(*[self.generate([0] * n, probe) for n in self.engine.buckets])
+        if params.min_tokens:  # a step with a slot short of its min_tokens bans; the steps after it do not
+            await self.generate([0], dataclasses.replace(probe, min_tokens=2))
         return len(self.engine.buckets)
 
     # weights --------------------------------------------------------------------------------------
@@ -280,7 +283,8 @@ class Scheduler:
             return
         self._state, result = self.engine.generate(self._params, self._state,
                                                    truncate=any(r.params.truncates for r in active),
-                                                   penalize=any(r.params.penalizes for r in active))
+                                                   penalize=any(r.params.penalizes for r in active),
+                                                   ban=any(r.dispatched < r.params.min_tokens for r in active))
         self.decode_steps += 1
         self._unread.append(_Sampled(result.tokens, result.logprobs, rows, self.policy_version))
         for req in active:
