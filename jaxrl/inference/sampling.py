@@ -17,6 +17,11 @@ default. The ban and the penalty change the distribution itself, so the logprob 
 early token of a `min_tokens` request reports its probability renormalised over the tokens that were
 allowed); the trainer recomputes `log_softmax(logits / T)` with neither, so its importance ratio sees
 both as the difference between the sampling and the trained policy. T = 0, greedy, reports T = 1.
+
+When no row truncates, penalises or bans (the common RL case: temperature only), `sample_unembedded`
+draws from the same distribution with the same uniform without the [B, V] logits: the unembedding runs
+over vocabulary blocks whose logits stay in cache, each leaving its max and its chunk sums (the online
+softmax, Milakov & Gimelshein 2018), and only the chosen chunk's logits are computed again for the draw.
 """
 
 from __future__ import annotations
