@@ -225,6 +225,13 @@ def test_scheduler_seed_reproducible_and_stop_tokens():
         a = _run(sched.generate([1, 2, 3], SamplingParams(max_tokens=10, seed=7)))
         b = _run(sched.generate([1, 2, 3], SamplingParams(max_tokens=10, seed=7)))
         assert a.token_ids == b.token_ids
+
+        async def group():  # one prompt, admitted together: one forward pass, each its own first draw
+            return await asyncio.gather(*[sched.generate([1, 2, 3], SamplingParams(max_tokens=10, seed=s))
+                                          for s in (8, 7)])
+
+        other, shared = _run(group())
+        assert (shared.token_ids, shared.logprobs) == (a.token_ids, a.logprobs) and other.token_ids != a.token_ids
         stop_at = a.token_ids[3]
         first = a.token_ids.index(stop_at)
         c = _run(sched.generate([1, 2, 3], SamplingParams(max_tokens=10, seed=7, stop_token_ids=(stop_at,))))

@@ -139,7 +139,8 @@ class Engine:
         self._base_layers: tuple[Any, list] | None = None  # (the base it was made from, its per-layer view)
         self.max_prefill_length = self.max_seq_len - 1
         self.buckets = prefill_buckets(self.max_prefill_length)
-        self._prefill = jax.jit(self._prefill_impl, static_argnames=("truncate",))
+        self._prefill_forward = jax.jit(self._prefill_forward_impl)
+        self._prefill_sample = jax.jit(self._prefill_sample_impl, static_argnames=("truncate",))
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
         self._generate = jax.jit(self._generate_impl, donate_argnums=(1,),
                                  static_argnames=("truncate", "penalize", "ban"))
@@ -226,11 +227,24 @@ class Engine:
         if existing_prefix is not None:
             raise NotImplementedError("prefill on top of an existing prefix is not supported")
         key = jax.random.key(0) if key is None else key
-        sampling = sampling or SamplingParams()
-        stop_V = np.zeros((self.cfg.vocab_size,), np.bool_)
-        stop_V[[t for t in sampling.stop_token_ids if t < self.cfg.vocab_size]] = True  # others are never sampled
-        return self._prefill(params, jnp.asarray(padded_tokens, jnp.int32), jnp.int32(true_length),
-                             SlotSampling.of(sampling), key, stop_V, truncate=sampling.truncates)
+        return self.prefill_shared(params, padded_tokens, true_length, [sampling or SamplingParams()], [key])[0]
+
+    def prefill_shared(self, params: Params, padded_tokens: jax.Array, true_length: int,
+                       samplings: list[SamplingParams], keys: list[jax.Array]) -> list[Prefix]:
+        """One prefix per request for requests with the same prompt (`prefill`'s arguments): the prompt
+        runs through the model once, then each request samples its first token from those logits with its
+        own settings and key, in a program of batch 1 (the same numbers as a prefill of its own). The
+        prefixes share the cache arrays (`insert` copies them)."""
+        cache, logits_1V = self._prefill_forward(params, jnp.asarray(padded_tokens, jnp.int32), jnp.int32(true_length))
+        out = []
+        for params_i, key in zip(samplings, keys, strict=True):
+            stop_V = np.zeros((self.cfg.vocab_size,), np.bool_)
+            stop_V[[t for t in params_i.stop_token_ids if t < self.cfg.vocab_size]] = True  # others never sampled
+            sampling, length = SlotSampling.of(params_i), jnp.int32(true_length)
+            parts = self._prefill_sample(logits_1V, jnp.asarray(padded_tokens, jnp.int32), length, sampling, key,
+                                         stop_V, truncate=params_i.truncates)
+            out.append(Prefix(cache, *parts[:2], length, sampling, *parts[2:]))
+        return out
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
         """Copy `prefix` into decode slot `slot` (the decode state's buffers are donated)."""
@@ -247,21 +261,26 @@ class Engine:
         return self._generate(params, decode_state, truncate=truncate, penalize=penalize, ban=ban)
 
     # jitted bodies --------------------------------------------------------------------------------
-    def _prefill_impl(self, params, tokens_T, true_length, sampling, key, stop_V, *, truncate):
+    def _prefill_forward_impl(self, params, tokens_T, true_length):
+        """The prompt's cache {"k","v"} [L, 1, T, K, H] and the logits after its last token, [1, V]."""
         t = tokens_T.shape[0]
         model = modules.bind(self.cfg, params["base"], params.get("lora"), self.lora_scale)
         hidden_BTD, kv = model(tokens_T[None], jnp.arange(t, dtype=jnp.int32)[None], mesh=self.mesh)
         last_BD = jax.lax.dynamic_index_in_dim(hidden_BTD[0], true_length - 1, keepdims=True)
         logits_BV = qwen3.logits(_unembedding(params), last_BD[None])[:, 0]
+        return {k: v.astype(self.cache_dtype) for k, v in kv.items()}, logits_BV
+
+    def _prefill_sample_impl(self, logits_BV, tokens_T, true_length, sampling, key, stop_V, *, truncate):
+        """The first token and its logprob [1], the slot's next key, seen and stop tokens [1, V]."""
+        t = tokens_T.shape[0]
         prompt_T = jnp.where(jnp.arange(t) < true_length, tokens_T, self.cfg.vocab_size)  # padding: dropped
         seen_BV = jnp.zeros((1, self.cfg.vocab_size), jnp.bool_).at[0, prompt_T].set(True, mode="drop")
         key, sub = jax.random.split(key)
         stop_BV = stop_V[None]
         token, logprob = sample(logits_BV, sampling, sub[None], truncate=truncate, seen_BV=seen_BV,
                                 ban_BV=stop_ban(stop_BV, jnp.zeros((1,), jnp.int32), sampling.min_tokens))
-        kv = {k: v.astype(self.cache_dtype) for k, v in kv.items()}
         token, logprob = self._replicated(token), self._replicated(logprob)
-        return Prefix(kv, token, logprob, true_length, sampling, key, mark_seen(seen_BV, token), stop_BV)
+        return token, logprob, key, mark_seen(seen_BV, token), stop_BV
 
     def _insert_impl(self, prefix: Prefix, state: DecodeState, slot):
         def put(dst, src):

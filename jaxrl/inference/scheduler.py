@@ -17,7 +17,9 @@ up) is skipped before prefill or dropped from its slot at the next step.
 Prefills run one request at a time, not batched per bucket: a batch's matmuls round differently with
 its size (hidden states 4e-6 apart between a batch of 4 and of 1 on the Qwen3-0.6B shape), so a seeded
 request's tokens would depend on which requests happened to arrive beside it, and a resumed run would
-not reproduce the tokens of the run it resumes.
+not reproduce the tokens of the run it resumes. Requests with the same prompt admitted together (the
+rollouts of a group) share the prompt's forward pass (`Engine.prefill_shared`); each then samples its
+first token in a program of its own, so its numbers are those of a prefill of its own.
 """
 
 from __future__ import annotations
@@ -213,8 +215,7 @@ class Scheduler:
         try:
             self._state = self.engine.init_decode_state()
             while (admit := self._next()) is not None:
-                for req in admit:
-                    self._admit(req)
+                self._admit(admit)
                 ready = len(self._unread)  # the previous step and this iteration's prefills
                 self._step()
                 for _ in range(ready):
@@ -253,23 +254,33 @@ class Scheduler:
             return jax.random.key(req.params.seed)
         return jax.random.fold_in(self._base_key, self._n_requests)
 
-    def _admit(self, req: _Request) -> None:
-        """Dispatch `req`'s prefill and, unless that samples its last token, its insert into a free slot."""
-        if self._dropped(req):
-            return
-        try:
-            bucket = self.engine.bucket(len(req.prompt_ids))
-            prefix = self.engine.prefill(params=self._params, padded_tokens=pad_prompt(req.prompt_ids, bucket),
-                                         true_length=len(req.prompt_ids), sampling=req.params, key=self._key(req))
-        except Exception as exc:  # noqa: BLE001 - a bad request must not stop the loop
-            req.fail(exc)
-            return
-        req.dispatched = 1
-        self._unread.append(_Sampled(prefix.token, prefix.logprob, [req], self.policy_version))
-        if req.dispatched < req.max_tokens:
-            req.slot = self._slots.index(None)
-            self._state = self.engine.insert(prefix, self._state, req.slot)
-            self._slots[req.slot] = req
+    def _admit(self, admit: list[_Request]) -> None:
+        """Dispatch the prefills of `admit` (one per distinct prompt: `Engine.prefill_shared`) and, for
+        each request whose prefill does not sample its last token, its insert into a free slot, in order."""
+        live = [(req, self._key(req)) for req in admit if not self._dropped(req)]
+        groups: dict[tuple[int, ...], list[tuple[_Request, jax.Array]]] = {}
+        for req, key in live:
+            groups.setdefault(tuple(req.prompt_ids), []).append((req, key))
+        prefixes = {}
+        for prompt, group in groups.items():
+            try:
+                bucket = self.engine.bucket(len(prompt))
+                done = self.engine.prefill_shared(self._params, pad_prompt(list(prompt), bucket), len(prompt),
+                                                  [r.params for r, _ in group], [k for _, k in group])
+            except Exception as exc:  # noqa: BLE001 - a bad request must not stop the loop
+                for req, _ in group:
+                    req.fail(exc)
+                continue
+            prefixes.update({id(r): p for (r, _), p in zip(group, done, strict=True)})
+        for req, _ in live:
+            if (prefix := prefixes.get(id(req))) is None:
+                continue
+            req.dispatched = 1
+            self._unread.append(_Sampled(prefix.token, prefix.logprob, [req], self.policy_version))
+            if req.dispatched < req.max_tokens:
+                req.slot = self._slots.index(None)
+                self._state = self.engine.insert(prefix, self._state, req.slot)
+                self._slots[req.slot] = req
 
     def _step(self) -> None:
         """Dispatch one decode step over the occupied slots, if any."""
