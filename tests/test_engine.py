@@ -190,7 +190,8 @@ def test_ban_only_while_a_slot_is_short_of_min_tokens():
     """The scheduler asks for the `min_tokens` ban only in steps where some slot still needs it; the other
     steps take the blocked sampler (`sample_unembedded`): greedy tokens and logprobs as the full forward."""
     params = _params(lora_seed=1)
-    engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=2, max_seq_len=32, lora_scale=0.5)
+    engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=2, max_seq_len=32, lora_scale=0.5,
+                    blocked_sampling=True)
     prompt = [5, 7, 9, 11, 3]
     greedy = _greedy_reference(params, prompt, 6)
     bans, generate = [], engine.generate

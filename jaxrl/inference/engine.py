@@ -92,6 +92,16 @@ def copies_weights(platform: str) -> bool:
     return platform == "cpu"
 
 
+def blocked_sampling_pays(cfg: ModelConfig, decode_slots: int) -> bool:
+    """Whether a decode step with neither truncation, penalty nor ban samples with `sample_unembedded`
+    (the unembedding and the draw fused over vocabulary blocks) rather than the [B, V] logits and `sample`.
+    Measured on 2 CPU cores (issue 13, A/B in one process, vocabulary 151,936): at hidden 256 and 32 slots
+    the unembedding plus sampling took about 0.5x the time; at hidden 1024 (8 or 32 slots) 1.2-1.9x, and
+    at hidden 256 and 8 slots about 1x, where XLA's blocked [B, D] x [D, block] products run slower than
+    the whole matmul. So only for small hidden sizes and many slots."""
+    return cfg.hidden_size <= 256 and decode_slots >= 16
+
+
 def engine_bytes(cfg: ModelConfig, decode_slots: int, seq_len: int, itemsize: int) -> int:
     """Bytes one rollout engine holds over all its chips: the base weights and the KV cache (k and v,
     [L, decode_slots, seq_len, K, H]), both of `itemsize` bytes per element. What the engine group's fit
@@ -122,7 +132,8 @@ class Engine:
     and they were measured faster; never on TPU or GPU, where they would double the engine's HBM for
     weights. LoRA
     products are scaled by `lora_scale` (alpha / rank). `max_seq_len` (S) is the cache length: prompt
-    plus sampled tokens.
+    plus sampled tokens. `blocked_sampling` (None: `blocked_sampling_pays`) picks `sample_unembedded` for
+    decode steps that only apply a temperature.
     """
 
     cfg: ModelConfig
@@ -132,10 +143,13 @@ class Engine:
     lora_scale: float = 0.0
     cache_dtype: Any = jnp.float32
     unstack: bool | None = None
+    blocked_sampling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.unstack is None:
             self.unstack = copies_weights(self.mesh.devices.flat[0].platform)
+        if self.blocked_sampling is None:
+            self.blocked_sampling = blocked_sampling_pays(self.cfg, self.max_concurrent_decodes)
         self._base_layers: tuple[Any, list] | None = None  # (the base it was made from, its per-layer view)
         self.max_prefill_length = self.max_seq_len - 1
         self.buckets = prefill_buckets(self.max_prefill_length)
@@ -255,9 +269,9 @@ class Engine:
         """One decode step for every slot (the decode state's buffers are donated). `truncate=False`
         skips min_p / top_k / top_p, `penalize=False` the repetition penalty and its bookkeeping, and
         `ban=False` the `min_tokens` ban (`stop_ban`): faster, for when no active slot uses them (no
-        slot still short of its `min_tokens`, for `ban`). With all three off, the step samples with
-        `sample_unembedded`, over vocabulary blocks without the [B, V] logits. Each combination compiles
-        once."""
+        slot still short of its `min_tokens`, for `ban`). With all three off and `blocked_sampling`, the
+        step samples with `sample_unembedded`, over vocabulary blocks without the [B, V] logits. Each
+        combination compiles once."""
         return self._generate(params, decode_state, truncate=truncate, penalize=penalize, ban=ban)
 
     # jitted bodies --------------------------------------------------------------------------------
@@ -308,7 +322,7 @@ class Engine:
         hidden_BTD, cache = model.decode(state.tokens, state.positions, state.cache, mesh=self.mesh,
                                          layers=params.get("layers"))
         split = jax.vmap(jax.random.split)(state.keys)
-        if truncate or penalize or ban:
+        if truncate or penalize or ban or not self.blocked_sampling:
             logits_BV = qwen3.logits(_unembedding(params), hidden_BTD)[:, 0]
             tokens, logprobs = sample(logits_BV, state.sampling, split[:, 1], truncate=truncate,
                                       seen_BV=state.seen if penalize else None,
