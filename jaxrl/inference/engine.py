@@ -153,6 +153,7 @@ class Engine:
         self._base_layers: tuple[Any, list] | None = None  # (the base it was made from, its per-layer view)
         self.max_prefill_length = self.max_seq_len - 1
         self.buckets = prefill_buckets(self.max_prefill_length)
+        self._prefill = jax.jit(self._prefill_impl, static_argnames=("truncate",))  # forward and sample
         self._prefill_forward = jax.jit(self._prefill_forward_impl)
         self._prefill_sample = jax.jit(self._prefill_sample_impl, static_argnames=("truncate",))
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
@@ -241,7 +242,9 @@ class Engine:
         if existing_prefix is not None:
             raise NotImplementedError("prefill on top of an existing prefix is not supported")
         key = jax.random.key(0) if key is None else key
-        return self.prefill_shared(params, padded_tokens, true_length, [sampling or SamplingParams()], [key])[0]
+        sampling = sampling or SamplingParams()
+        return self._prefill(params, jnp.asarray(padded_tokens, jnp.int32), jnp.int32(true_length),
+                             SlotSampling.of(sampling), key, self._stop_tokens(sampling), truncate=sampling.truncates)
 
     def prefill_shared(self, params: Params, padded_tokens: jax.Array, true_length: int,
                        samplings: list[SamplingParams], keys: list[jax.Array]) -> list[Prefix]:
@@ -252,13 +255,17 @@ class Engine:
         cache, logits_1V = self._prefill_forward(params, jnp.asarray(padded_tokens, jnp.int32), jnp.int32(true_length))
         out = []
         for params_i, key in zip(samplings, keys, strict=True):
-            stop_V = np.zeros((self.cfg.vocab_size,), np.bool_)
-            stop_V[[t for t in params_i.stop_token_ids if t < self.cfg.vocab_size]] = True  # others never sampled
             sampling, length = SlotSampling.of(params_i), jnp.int32(true_length)
             parts = self._prefill_sample(logits_1V, jnp.asarray(padded_tokens, jnp.int32), length, sampling, key,
-                                         stop_V, truncate=params_i.truncates)
+                                         self._stop_tokens(params_i), truncate=params_i.truncates)
             out.append(Prefix(cache, *parts[:2], length, sampling, *parts[2:]))
         return out
+
+    def _stop_tokens(self, sampling: SamplingParams) -> np.ndarray:
+        """`sampling`'s stop tokens as bool [V] (ids past the vocabulary dropped: never sampled)."""
+        stop_V = np.zeros((self.cfg.vocab_size,), np.bool_)
+        stop_V[[t for t in sampling.stop_token_ids if t < self.cfg.vocab_size]] = True
+        return stop_V
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
         """Copy `prefix` into decode slot `slot` (the decode state's buffers are donated)."""
@@ -275,6 +282,11 @@ class Engine:
         return self._generate(params, decode_state, truncate=truncate, penalize=penalize, ban=ban)
 
     # jitted bodies --------------------------------------------------------------------------------
+    def _prefill_impl(self, params, tokens_T, true_length, sampling, key, stop_V, *, truncate):
+        kv, logits_BV = self._prefill_forward_impl(params, tokens_T, true_length)
+        parts = self._prefill_sample_impl(logits_BV, tokens_T, true_length, sampling, key, stop_V, truncate=truncate)
+        return Prefix(kv, *parts[:2], true_length, sampling, *parts[2:])
+
     def _prefill_forward_impl(self, params, tokens_T, true_length):
         """The prompt's cache {"k","v"} [L, 1, T, K, H] and the logits after its last token, [1, V]."""
         t = tokens_T.shape[0]
@@ -317,7 +329,7 @@ class Engine:
             generated=put1(state.generated, jnp.ones((1,), jnp.int32)),
         )
 
-    def _generate_impl(self, params, state: DecodeState, *, truncate, penalize, ban):
+    def _generate_impl(self, params, state: DecodeState, *, truncate, penalize, ban=True):
         model = modules.bind(self.cfg, params["base"], params.get("lora"), self.lora_scale)
         hidden_BTD, cache = model.decode(state.tokens, state.positions, state.cache, mesh=self.mesh,
                                          layers=params.get("layers"))
