@@ -118,3 +118,17 @@ def test_engine_group_is_the_runs_fit_rule():
     big = "Qwen/Qwen3-235B-A22B-Instruct-2507"
     assert hosts(big, "v5p-64", {"fsdp": 2, "tensor": 2, "expert": 8}, 128) == 4
     assert hosts(big, "v5p-64", {"fsdp": 2, "tensor": 2, "expert": 8}, 1024) == 8
+
+
+def test_train_head_blocks_the_vocabulary_on_cpu_only():
+    """The train head visits the vocabulary in cache-sized blocks on CPU only; a TPU mesh (where the vocabulary
+    axis may be sharded over `tensor`, and slicing it in a loop would gather it) gets one block, one matmul."""
+    import jax
+
+    from jaxrl.model import head
+    from jaxrl.parallel.sharding import make_mesh
+    from jaxrl.rl.train import head_block
+
+    tpu = make_mesh({"fsdp": 4}, slices.topology_devices(slices.parse_slice("v5litepod-4")))
+    assert head_block(make_mesh({}, jax.devices()[:1]), 151_936) == head.VOCAB_PER_BLOCK < 151_936
+    assert head_block(tpu, 151_936) == 151_936

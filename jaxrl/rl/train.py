@@ -197,8 +197,8 @@ def loss_positions(mask_BT: np.ndarray, most: int | None = None) -> np.ndarray:
 
 
 def sampled_logprobs(params: Params, hidden_BTD: jax.Array, targets_BT: jax.Array, positions_BP: jax.Array,
-                     temperature_B: jax.Array, *, entropy_grad: bool = False,
-                     w_grad: bool = False) -> tuple[jax.Array, jax.Array]:
+                     temperature_B: jax.Array, *, entropy_grad: bool = False, w_grad: bool = False,
+                     block: int = head.VOCAB_PER_BLOCK) -> tuple[jax.Array, jax.Array]:
     """Logprob of each target under `softmax(logits / T)` and the distribution's entropy at the positions
     the loss reads, computed there only (`jaxrl.model.head`: the projection and log-softmax fused, in
     chunks); float32 [B, T] each, 0 at every other position.
@@ -209,6 +209,7 @@ def sampled_logprobs(params: Params, hidden_BTD: jax.Array, targets_BT: jax.Arra
         temperature_B: float32; 0 (greedy) is scored at 1.
         entropy_grad: (static) whether the entropy is differentiable (a third vocabulary matmul per chunk).
         w_grad: (static) whether the output projection is differentiable (full fine-tuning).
+        block: (static) vocabulary entries per block of the head's online softmax (`head_block`).
     """
     b, t, d = hidden_BTD.shape
     k = positions_BP.shape[1]
@@ -216,13 +217,22 @@ def sampled_logprobs(params: Params, hidden_BTD: jax.Array, targets_BT: jax.Arra
     y_BP = jnp.take_along_axis(targets_BT, positions_BP, axis=1, mode="clip")
     inv_t_B = 1.0 / jnp.where(temperature_B > 0, temperature_B, 1.0)
     logp, entropy = head.token_logprobs(qwen3.unembed_matrix(params), h_BPD.reshape(b * k, d), y_BP.reshape(-1),
-                                        jnp.repeat(inv_t_B, k), entropy_grad=entropy_grad, w_grad=w_grad)
+                                        jnp.repeat(inv_t_B, k), entropy_grad=entropy_grad, w_grad=w_grad,
+                                        block=block)
     rows_B1 = jnp.arange(b)[:, None]
 
     def scatter(x):
         return jnp.zeros((b, t), jnp.float32).at[rows_B1, positions_BP].set(x.reshape(b, k), mode="drop")
 
     return scatter(logp), scatter(entropy)
+
+
+def head_block(mesh: Mesh, vocab_size: int) -> int:
+    """The train head's vocabulary block on `mesh`: `head.VOCAB_PER_BLOCK` on CPU, where blocks that stay in
+    cache were measured faster; the whole vocabulary (one block, one matmul per chunk as before blocking)
+    on accelerators, where the projection's vocabulary axis may be sharded over `tensor` and slicing it
+    in a loop would gather it."""
+    return head.VOCAB_PER_BLOCK if mesh.devices.flat[0].platform == "cpu" else vocab_size
 
 
 def loss_config(cfg: RunConfig) -> LossConfig:
@@ -355,7 +365,7 @@ class Trainer:
         sft = self.objective == "sft"
         logp, entropy = sampled_logprobs(model.weights()[0], hidden, batch["targets"], batch["loss_positions"],
                                          batch["temperature"], entropy_grad=not sft and self.loss_cfg.entropy_coef > 0,
-                                         w_grad=self.full)
+                                         w_grad=self.full, block=head_block(self.mesh, self.cfg.vocab_size))
         if sft:
             loss, metrics = losses.sft_loss(logp, batch["loss_mask"])
         else:
@@ -364,7 +374,8 @@ class Trainer:
                 ref = model if reference is None else reference
                 ref_hidden, _ = ref(batch["inputs"], positions, lora=False, mesh=self.mesh, segment_ids=segments)
                 ref_logp = jax.lax.stop_gradient(sampled_logprobs(
-                    ref.weights()[0], ref_hidden, batch["targets"], batch["loss_positions"], batch["temperature"])[0])
+                    ref.weights()[0], ref_hidden, batch["targets"], batch["loss_positions"], batch["temperature"],
+                    block=head_block(self.mesh, self.cfg.vocab_size))[0])
             loss, metrics = losses.policy_loss(logp, batch["inference_logprobs"], batch["advantages"],
                                                batch["loss_mask"], self.loss_cfg, entropy_BT=entropy,
                                                ref_logp_BT=ref_logp)
