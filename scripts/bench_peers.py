@@ -49,9 +49,9 @@ def load() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
 
-def run(cmd: list[str], timeout: float, env: dict | None = None) -> str:
-    """stdout + stderr of `cmd`; exits with its tail when it fails."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+def run(cmd: list[str], timeout: float, env: dict | None = None, cwd: Path | None = None) -> str:
+    """stdout + stderr of `cmd` (run in `cwd`); exits with its tail when it fails."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
     out = proc.stdout + proc.stderr
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-4000:]}")
@@ -119,7 +119,10 @@ def rl_peer(args) -> dict:
 def rl_jaxrl(args, tree: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_peers_") as tmp:
         work = Path(tmp)
-        run([sys.executable, "-m", "jaxrl", "run", str(rl_config(args, work))], args.timeout, env=tree_env(tree))
+        # from the run's own folder: `python -m` puts the working directory first on sys.path, before
+        # PYTHONPATH, so run from a checkout it would import that checkout's jaxrl whatever `tree` is
+        run([sys.executable, "-m", "jaxrl", "run", str(rl_config(args, work))], args.timeout, env=tree_env(tree),
+            cwd=work)
         rows = [json.loads(line) for line in (work / "runs" / "e2e-small" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r["step"] >= 2 and "time/step" in r]
     return {key.removeprefix("time/") + "_s": statistics.median(r[key] for r in rows)
