@@ -25,7 +25,7 @@ from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.sampling import SlotSampling
 from jaxrl.model.modules import lora_specs, param_specs
 from jaxrl.model.qwen3 import ModelConfig
-from jaxrl.parallel.sharding import MESH_AXES, array_sharding, spec_shardings
+from jaxrl.parallel.sharding import MESH_AXES, array_sharding, mesh_platform, spec_shardings
 from jaxrl.parallel.spec import is_spec
 from jaxrl.rl.train import Batch, Trainer, TrainState, loss_width, make_optimizer
 
@@ -237,7 +237,7 @@ def compile_decode(s: Shapes, mesh: Mesh) -> Program:
     `decode_slots` slots of `seq_len` tokens on `mesh`."""
     engine, params = _engine(s, mesh)
     if engine.unstack:
-        raise ValueError(f"decode is compiled for an accelerator mesh, not {mesh.devices.flat[0].platform}")
+        raise ValueError(f"decode is compiled for an accelerator mesh, not {mesh_platform(mesh)}")
     state = abstract_decode_state(engine)
     lowered = engine._generate.lower(params, state, truncate=True, penalize=True)
     declared = {"weights": shard_bytes(params["base"]), "lora": shard_bytes(params["lora"]),

@@ -37,7 +37,7 @@ from jaxrl.inference.sampling import SlotSampling, mark_seen, sample, sample_une
 from jaxrl.model import modules, qwen3
 from jaxrl.model.decode import unstack_layers
 from jaxrl.model.qwen3 import KVCache, ModelConfig, Params
-from jaxrl.parallel.sharding import array_sharding, bytes_per_device
+from jaxrl.parallel.sharding import array_sharding, bytes_per_device, mesh_platform
 
 
 @struct.dataclass
@@ -92,14 +92,15 @@ def copies_weights(platform: str) -> bool:
     return platform == "cpu"
 
 
-def blocked_sampling_pays(cfg: ModelConfig, decode_slots: int) -> bool:
+def blocked_sampling_pays(cfg: ModelConfig, decode_slots: int, platform: str) -> bool:
     """Whether a decode step with neither truncation, penalty nor ban samples with `sample_unembedded`
-    (the unembedding and the draw fused over vocabulary blocks) rather than the [B, V] logits and `sample`.
+    (the unembedding and the draw fused over vocabulary blocks) rather than the [B, V] logits and `sample`,
+    on devices of `platform` (`jaxrl.parallel.sharding.mesh_platform`).
     Measured on 2 CPU cores (issue 13, A/B in one process, vocabulary 151,936): at hidden 256 and 32 slots
     the unembedding plus sampling took about 0.5x the time; at hidden 1024 (8 or 32 slots) 1.2-1.9x, and
     at hidden 256 and 8 slots about 1x, where XLA's blocked [B, D] x [D, block] products run slower than
-    the whole matmul. So only for small hidden sizes and many slots."""
-    return cfg.hidden_size <= 256 and decode_slots >= 16
+    the whole matmul. So only on CPU (not measured elsewhere), for small hidden sizes and many slots."""
+    return platform == "cpu" and cfg.hidden_size <= 256 and decode_slots >= 16
 
 
 def engine_bytes(cfg: ModelConfig, decode_slots: int, seq_len: int, itemsize: int) -> int:
@@ -147,9 +148,10 @@ class Engine:
 
     def __post_init__(self) -> None:
         if self.unstack is None:
-            self.unstack = copies_weights(self.mesh.devices.flat[0].platform)
+            self.unstack = copies_weights(mesh_platform(self.mesh))
         if self.blocked_sampling is None:
-            self.blocked_sampling = blocked_sampling_pays(self.cfg, self.max_concurrent_decodes)
+            self.blocked_sampling = blocked_sampling_pays(self.cfg, self.max_concurrent_decodes,
+                                                          mesh_platform(self.mesh))
         self._base_layers: tuple[Any, list] | None = None  # (the base it was made from, its per-layer view)
         self.max_prefill_length = self.max_seq_len - 1
         self.buckets = prefill_buckets(self.max_prefill_length)

@@ -76,6 +76,14 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = N
     return Mesh(np.array(devices).reshape(sizes), MESH_AXES)
 
 
+def mesh_platform(mesh: Mesh) -> str:
+    """The platform of `mesh`'s devices ("cpu", "tpu", "gpu", ...: `jax.Device.platform`), which decides what
+    is done differently on a CPU (`jaxrl.inference.engine.copies_weights`, `blocked_sampling_pays`,
+    `jaxrl.rl.train.head_block`). The mesh's devices decide, not `jax.default_backend()`: `jaxrl compile`
+    traces its TPU programs on a CPU host, over a TPU topology's devices."""
+    return mesh.devices.flat[0].platform
+
+
 def logical_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
                  rules: Rules = RULES) -> PartitionSpec:
     """PartitionSpec for an array with logical `axes` and `shape` on `mesh`.

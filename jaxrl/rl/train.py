@@ -38,7 +38,7 @@ from jaxrl.config.algorithms import LossConfig
 from jaxrl.config.schema import RunConfig
 from jaxrl.model import head, modules, qwen3
 from jaxrl.model.qwen3 import ModelConfig, Params
-from jaxrl.parallel.sharding import array_sharding, batch_shards
+from jaxrl.parallel.sharding import array_sharding, batch_shards, mesh_platform
 from jaxrl.rl import losses
 
 TOKENS_PER_SHARD = 4096  # default micro-batch: tokens each batch shard trains per pass (`default_micro_batch`)
@@ -231,8 +231,8 @@ def head_block(mesh: Mesh, vocab_size: int) -> int:
     """The train head's vocabulary block on `mesh`: `head.VOCAB_PER_BLOCK` on CPU, where blocks that stay in
     cache were measured faster; the whole vocabulary (one block, one matmul per chunk as before blocking)
     on accelerators, where the projection's vocabulary axis may be sharded over `tensor` and slicing it
-    in a loop would gather it."""
-    return head.VOCAB_PER_BLOCK if mesh.devices.flat[0].platform == "cpu" else vocab_size
+    in a loop would gather it (`mesh_platform`)."""
+    return head.VOCAB_PER_BLOCK if mesh_platform(mesh) == "cpu" else vocab_size
 
 
 def loss_config(cfg: RunConfig) -> LossConfig:
