@@ -3,8 +3,8 @@ a prefill bucket and the decode step, each on its mesh; per-chip memory from the
 
 Every argument is a `jax.ShapeDtypeStruct` carrying the `NamedSharding` the run would give it (the
 logical-axis rules of `jaxrl.parallel.sharding`), so the compiled programs are the run's own:
-`Trainer._step` and `Engine._prefill` / `Engine._generate`, lowered with `.lower(...)` and compiled by
-the backend of the mesh's devices (libtpu for a TPU topology).
+`Trainer._step`, `Engine._prefill_forward` then `_prefill_sample`, and `Engine._generate`, lowered with
+`.lower(...)` and compiled by the backend of the mesh's devices (libtpu for a TPU topology).
 """
 
 from __future__ import annotations
@@ -120,6 +120,11 @@ def _measure(name: str, lowered: Any, declared: dict[str, int]) -> Program:
     Raises:
         ProgramTooLarge: the compiler ran out of HBM (its message says which buffers and how much).
     """
+    return _program(name, *_compile(name, lowered), declared)
+
+
+def _compile(name: str, lowered: Any) -> tuple[Any, float]:
+    """`lowered` compiled, and the seconds it took (`_measure`'s errors)."""
     t0 = time.perf_counter()
     try:
         compiled = lowered.compile()
@@ -127,9 +132,13 @@ def _measure(name: str, lowered: Any, declared: dict[str, int]) -> Program:
         if "RESOURCE_EXHAUSTED" not in str(exc):
             raise
         raise ProgramTooLarge(f"{name}: {str(exc).splitlines()[0]}") from None
+    return compiled, time.perf_counter() - t0
+
+
+def _program(name: str, compiled: Any, seconds: float, declared: dict[str, int]) -> Program:
     mem = compiled.memory_analysis()
     return Program(name, int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
-                   int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes), declared, time.perf_counter() - t0)
+                   int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes), declared, seconds)
 
 
 def _dict_keys(path: tuple) -> tuple[str, ...]:
@@ -194,18 +203,33 @@ def _engine(s: Shapes, mesh: Mesh) -> tuple[Engine, dict]:
 
 
 def compile_prefill(s: Shapes, mesh: Mesh, bucket: int | None = None) -> Program:
-    """`Engine._prefill` for one prompt bucket (default the largest, `seq_len - 1` tokens) on `mesh`."""
+    """What a run's prefill of one prompt bucket (default the largest, `seq_len - 1` tokens) runs on `mesh`
+    (`Engine.prefill_shared`): `Engine._prefill_forward`, the prompt through the model to its cache and
+    last logits [1, V] float32, then `Engine._prefill_sample` on those logits, placed as the first program
+    leaves them (truncating sampling: the larger variant). Compiled each and reported as one program, as
+    they run one after the other: their arguments, outputs and aliases add up (the logits are the first's
+    output and the second's argument, declared as `logits`), their temporaries do not (one program's
+    scratch at a time: the larger)."""
     engine, params = _engine(s, mesh)
     bucket = bucket or engine.buckets[-1]
     replicated = NamedSharding(mesh, PartitionSpec())
+    tokens = jax.ShapeDtypeStruct((bucket,), jnp.int32, sharding=replicated)
+    length = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    name = f"prefill {bucket}"
+    compiled, forward_s = _compile(name, engine._prefill_forward.lower(params, tokens, length))
+    forward = _program(name, compiled, forward_s, {})
+    logits = jax.eval_shape(engine._prefill_forward, params, tokens, length)[1]
+    logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=compiled.output_shardings[1])
     sampling, key = _placed(jax.eval_shape(lambda: (SlotSampling.of(SamplingParams()), jax.random.key(0))),
                             lambda x: replicated)
-    lowered = engine._prefill.lower(params, jax.ShapeDtypeStruct((bucket,), jnp.int32, sharding=replicated),
-                                    jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), sampling, key,
-                                    jax.ShapeDtypeStruct((s.model.vocab_size,), jnp.bool_, sharding=replicated),
-                                    truncate=True)
-    declared = {"weights": shard_bytes(params["base"]), "lora": shard_bytes(params["lora"])}
-    return _measure(f"prefill {bucket}", lowered, declared)
+    stop = jax.ShapeDtypeStruct((s.model.vocab_size,), jnp.bool_, sharding=replicated)
+    sample = _measure(name, engine._prefill_sample.lower(logits, tokens, length, sampling, key, stop, truncate=True),
+                      {})
+    declared = {"weights": shard_bytes(params["base"]), "lora": shard_bytes(params["lora"]),
+                "logits": shard_bytes(logits)}
+    return Program(name, forward.argument + sample.argument, forward.output + sample.output,
+                   forward.alias + sample.alias, max(forward.temp, sample.temp), declared,
+                   forward.compile_s + sample.compile_s)
 
 
 def abstract_decode_state(engine: Engine) -> DecodeState:

@@ -155,7 +155,6 @@ class Engine:
         self._base_layers: tuple[Any, list] | None = None  # (the base it was made from, its per-layer view)
         self.max_prefill_length = self.max_seq_len - 1
         self.buckets = prefill_buckets(self.max_prefill_length)
-        self._prefill = jax.jit(self._prefill_impl, static_argnames=("truncate",))  # forward and sample
         self._prefill_forward = jax.jit(self._prefill_forward_impl)
         self._prefill_sample = jax.jit(self._prefill_sample_impl, static_argnames=("truncate",))
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
@@ -244,16 +243,16 @@ class Engine:
         if existing_prefix is not None:
             raise NotImplementedError("prefill on top of an existing prefix is not supported")
         key = jax.random.key(0) if key is None else key
-        sampling = sampling or SamplingParams()
-        return self._prefill(params, jnp.asarray(padded_tokens, jnp.int32), jnp.int32(true_length),
-                             SlotSampling.of(sampling), key, self._stop_tokens(sampling), truncate=sampling.truncates)
+        return self.prefill_shared(params, padded_tokens, true_length, [sampling or SamplingParams()], [key])[0]
 
     def prefill_shared(self, params: Params, padded_tokens: jax.Array, true_length: int,
                        samplings: list[SamplingParams], keys: list[jax.Array]) -> list[Prefix]:
         """One prefix per request for requests with the same prompt (`prefill`'s arguments): the prompt
-        runs through the model once, then each request samples its first token from those logits with its
-        own settings and key, in a program of batch 1 (the same numbers as a prefill of its own). The
-        prefixes share the cache arrays (`insert` copies them)."""
+        runs through the model once (`_prefill_forward`), then each request samples its first token from
+        those logits with its own settings and key (`_prefill_sample`, a program of batch 1: the same
+        numbers as a prefill of its own). The prefixes share the cache arrays (`insert` copies them).
+        `prefill` is this with one request; `jaxrl.compile.programs.compile_prefill` compiles the same two
+        programs."""
         cache, logits_1V = self._prefill_forward(params, jnp.asarray(padded_tokens, jnp.int32), jnp.int32(true_length))
         out = []
         for params_i, key in zip(samplings, keys, strict=True):
@@ -284,11 +283,6 @@ class Engine:
         return self._generate(params, decode_state, truncate=truncate, penalize=penalize, ban=ban)
 
     # jitted bodies --------------------------------------------------------------------------------
-    def _prefill_impl(self, params, tokens_T, true_length, sampling, key, stop_V, *, truncate):
-        kv, logits_BV = self._prefill_forward_impl(params, tokens_T, true_length)
-        parts = self._prefill_sample_impl(logits_BV, tokens_T, true_length, sampling, key, stop_V, truncate=truncate)
-        return Prefix(kv, *parts[:2], true_length, sampling, *parts[2:])
-
     def _prefill_forward_impl(self, params, tokens_T, true_length):
         """The prompt's cache {"k","v"} [L, 1, T, K, H] and the logits after its last token, [1, V]."""
         t = tokens_T.shape[0]
