@@ -206,10 +206,11 @@ def test_chi_square_with_every_truncation_at_once():
 
 def _unembedded(hidden, unembed, n, seed=3, **kw):
     """`n` draws of `sample_unembedded` at a toy chunk of 8 and block of 32 (V = 87: two whole blocks and a
-    tail of 23, padded to 24), every row the same hidden state."""
+    tail of 23, padded to 24), every row the same hidden state. `unembed`: [D, V], given to the sampler as
+    its [V, D] rows."""
     keys = jax.random.split(jax.random.key(seed), n)
     fn = jax.jit(lambda h, e, k: sample_unembedded(h, e, _rows(n, **kw), k, block=32, chunk=8))
-    toks, lps = fn(jnp.broadcast_to(hidden, (n, hidden.shape[-1])), unembed, keys)
+    toks, lps = fn(jnp.broadcast_to(hidden, (n, hidden.shape[-1])), jnp.asarray(unembed).T, keys)
     return np.asarray(toks), np.asarray(lps)
 
 

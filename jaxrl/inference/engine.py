@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.sampling import SlotSampling, mark_seen, sample, sample_unembedded, stop_ban
 from jaxrl.model import modules, qwen3
-from jaxrl.model.decode import unstack_layers
+from jaxrl.model.decode import out_major, unstack_layers
 from jaxrl.model.qwen3 import KVCache, ModelConfig, Params
 from jaxrl.parallel.sharding import array_sharding, bytes_per_device, mesh_platform
 
@@ -85,10 +85,11 @@ class ResultTokens:
 
 def copies_weights(platform: str) -> bool:
     """Whether an engine on devices of `platform` ("cpu", "tpu", "gpu", "cuda", "rocm": `jax.Device.platform`)
-    keeps the per-layer weight copy and the [D, V] unembedding (`Engine.prepare`): only on CPU, where
-    they were measured to speed up decode (docs/benchmarks.md, issue 4: XLA's CPU dot reads a [V, D]
-    tied embedding at 17 GB/s against 27 GB/s as [D, V]). On an accelerator the engine reads the training
-    weights in place: the copies would cost a second base model's worth of HBM."""
+    keeps the per-layer copy of the layer weights, output-major (`Engine.prepare`): only on CPU, where it
+    was measured to speed up decode (docs/benchmarks.md, issues 4 and 13: a separate array per layer, and
+    the projections as `qwen3.OutMajor`, the orientation XLA's CPU dot reads fastest at a few rows). On an
+    accelerator the engine reads the training weights in place: the copy would cost a second base
+    model's worth of HBM."""
     return platform == "cpu"
 
 
@@ -125,9 +126,10 @@ class Engine:
     """JetStream-style engine over a Qwen3 params pytree.
 
     Engine params are `{"base": params, "lora": lora_or_None}`, plus, from `prepare`, `"layers"`: the
-    per-layer copy that decode steps read (`jaxrl.model.decode.unstack_layers`; about 2x faster decode on CPU
-    for a second copy of the layer weights, with the KV cache one buffer per layer likewise), and
-    `"unembed"`, the unembedding as a [D, V] array; `unstack=False` keeps one copy of the weights (the
+    per-layer copy that decode steps read (`jaxrl.model.decode.unstack_layers`, projections output-major by
+    `decode.out_major`; several times faster decode on CPU for a second copy of the layer weights, with the
+    KV cache one buffer per layer likewise), and `"unembed"`, the unembedding as a `qwen3.OutMajor` [V, D]
+    (a tied embedding read in place); `unstack=False` keeps one copy of the weights (the
     training weights, read in place), a stacked cache, and scans the stack. `unstack` None (the default)
     decides by the mesh's platform (`copies_weights`): the copies only on CPU, where memory is plentiful
     and they were measured faster; never on TPU or GPU, where they would double the engine's HBM for
@@ -162,18 +164,17 @@ class Engine:
                                  static_argnames=("truncate", "penalize", "ban"))
 
     def prepare(self, params: Params) -> Params:
-        """Engine params for `prefill` / `generate` from `{"base", "lora"}`: adds the per-layer view
-        and the unembedding as a [D, V] array, `"unembed"` (a transposed copy of a tied embedding), unless
-        `unstack` is off. The base's views are reused while the same base object comes back (an RL run
-        swaps only its LoRA)."""
+        """Engine params for `prefill` / `generate` from `{"base", "lora"}`: adds the per-layer view with
+        its projections output-major (`decode.out_major`) and the unembedding as a `qwen3.OutMajor` [V, D]
+        (`"unembed"`: a tied embedding as it is, an untied one transposed), unless `unstack` is off. The
+        base's views are reused while the same base object comes back (an RL run swaps only its LoRA)."""
         if not self.unstack:
             return {"base": params["base"], "lora": params.get("lora")}
         base = params["base"]
         if self._base_layers is None or self._base_layers[0] is not base:
-            # a tied embedding [V, D] read as the unembedding runs at about 2/3 of the speed of a [D, V]
-            # matrix in XLA's CPU matmul (17 vs 27 GB/s at 8 rows): keep a transposed copy
-            unembed = jnp.asarray(qwen3.unembed_matrix(base)) if "unembed" not in base else base["unembed"]
-            self._base_layers = (base, unstack_layers(self.cfg, base), unembed)
+            unembed = (qwen3.OutMajor(base["embed"], (self.cfg.vocab_size,)) if "unembed" not in base
+                       else qwen3.OutMajor.of(base["unembed"], 1))
+            self._base_layers = (base, out_major(self.cfg, unstack_layers(self.cfg, base)), unembed)
         _, base_layers, unembed = self._base_layers
         lora_layers = unstack_layers(self.cfg, params.get("lora"))
         layers = [(w, lw, mw, mlw) for (w, mw), (lw, mlw) in zip(base_layers, lora_layers, strict=True)]
@@ -337,8 +338,8 @@ class Engine:
                                       ban_BV=stop_ban(state.stop, state.generated, state.sampling.min_tokens)
                                       if ban else None)
         else:  # temperature only: blocked over the vocabulary, no [B, V] logits
-            unembed_DV = qwen3.unembed_matrix(_unembedding(params))
-            tokens, logprobs = sample_unembedded(hidden_BTD[:, 0], unembed_DV, state.sampling, split[:, 1])
+            tokens, logprobs = sample_unembedded(hidden_BTD[:, 0], _unembedding_rows(params), state.sampling,
+                                                 split[:, 1])
         positions = jnp.minimum(state.positions + 1, self.max_seq_len - 1)
         seen = mark_seen(state.seen, tokens) if penalize else state.seen
         new = DecodeState(cache=cache, tokens=tokens, positions=positions, sampling=state.sampling,
@@ -352,8 +353,17 @@ class Engine:
 
 
 def _unembedding(params: Params) -> Params:
-    """What `qwen3.logits` needs: the prepared [D, V] unembedding when `Engine.prepare` made one."""
+    """What `qwen3.logits` needs: the prepared `OutMajor` unembedding when `Engine.prepare` made one."""
     return {"unembed": params["unembed"]} if "unembed" in params else params["base"]
+
+
+def _unembedding_rows(params: Params) -> jax.Array:
+    """The unembedding as [V, D] rows, for `sample_unembedded`: the prepared one, else the base's (a tied
+    embedding as it is, an untied [D, V] transposed)."""
+    if "unembed" in params:
+        return params["unembed"].w_OI
+    base = params["base"]
+    return base["embed"] if "unembed" not in base else base["unembed"].T
 
 
 def pad_prompt(prompt_ids: list[int], bucket: int) -> jax.Array:

@@ -33,7 +33,7 @@ from flax import struct
 from jaxrl.inference.protocol import SamplingParams
 
 CHUNK = 256  # tokens per chunk of the two-level cumulative sum
-BLOCK = 4096  # vocabulary columns per step of `sample_unembedded`'s scan (a multiple of CHUNK)
+BLOCK = 8192  # vocabulary rows per step of `sample_unembedded`'s scan (a multiple of CHUNK)
 _ONE_BITS = 0x3F800000  # float32 1.0
 
 
@@ -99,20 +99,33 @@ def _last_positive(w_BZ: jax.Array) -> jax.Array:
     return x - 1 - jnp.argmax(w_BZ[:, ::-1] > 0, axis=-1)
 
 
+def pick_chunk(chunk_BJ: jax.Array, u_B: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The first level of the inverse CDF: of non-negative chunk weights [B, J] and u in (0, 1], the chunk
+    whose cumulative weight first reaches `u * total` (never a zero-weight chunk), int32 [B]; the weight
+    left to cover inside it, `u * total` minus the chunks before it, [B]; and the total [B]."""
+    cdf_BJ = jnp.cumsum(chunk_BJ, axis=-1)
+    target_B = u_B * cdf_BJ[:, -1]
+    c_B = jnp.minimum(jnp.sum(cdf_BJ < target_B[:, None], axis=-1), _last_positive(chunk_BJ))
+    rest_B = target_B - jnp.take_along_axis(cdf_BJ - chunk_BJ, c_B[:, None], axis=-1)[:, 0]
+    return c_B.astype(jnp.int32), rest_B, cdf_BJ[:, -1]
+
+
+def pick_within(w_BC: jax.Array, rest_B: jax.Array) -> jax.Array:
+    """The second level: the index in the chosen chunk's weights [B, C] where their cumulative sum first
+    reaches `rest_B` (`pick_chunk`'s), never a zero-weight token; int32 [B]."""
+    i_B = jnp.minimum(jnp.sum(jnp.cumsum(w_BC, axis=-1) < rest_B[:, None], axis=-1), _last_positive(w_BC))
+    return i_B.astype(jnp.int32)
+
+
 def draw(w_BV: jax.Array, u_B: jax.Array) -> jax.Array:
     """Index of the token whose cumulative weight first reaches `u * total`, for u in (0, 1]; never a
     zero-weight token. `w_BV`: non-negative weights, each row with one positive at least. int32 [B]."""
     b, v = w_BV.shape
     n = -(-v // CHUNK)
     w_BJC = jnp.pad(w_BV, ((0, 0), (0, n * CHUNK - v))).reshape(b, n, CHUNK)
-    chunk_BJ = jnp.sum(w_BJC, axis=-1)
-    cdf_BJ = jnp.cumsum(chunk_BJ, axis=-1)
-    target_B = u_B * cdf_BJ[:, -1]
-    c_B = jnp.minimum(jnp.sum(cdf_BJ < target_B[:, None], axis=-1), _last_positive(chunk_BJ))
-    rest_B = target_B - jnp.take_along_axis(cdf_BJ - chunk_BJ, c_B[:, None], axis=-1)[:, 0]
+    c_B, rest_B, _ = pick_chunk(jnp.sum(w_BJC, axis=-1), u_B)
     w_BC = jnp.take_along_axis(w_BJC, c_B[:, None, None], axis=1)[:, 0]
-    i_B = jnp.minimum(jnp.sum(jnp.cumsum(w_BC, axis=-1) < rest_B[:, None], axis=-1), _last_positive(w_BC))
-    return (c_B * CHUNK + i_B).astype(jnp.int32)
+    return c_B * CHUNK + pick_within(w_BC, rest_B)
 
 
 def sample(logits_BV: jax.Array, s: SlotSampling, keys_B: jax.Array, *, truncate: bool,
@@ -146,93 +159,90 @@ def sample(logits_BV: jax.Array, s: SlotSampling, keys_B: jax.Array, *, truncate
     return tokens_B, picked_B - top_B1[:, 0] - log_z_B
 
 
-def _block_stats(l_BX: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Of scaled logits [B, X] (X a multiple of `chunk`, padding at -inf): the row max [B], its first
-    index int32 [B], and per chunk the sum of exp(l - max), [B, X / chunk]."""
-    b, x = l_BX.shape
-    m_B = jnp.max(l_BX, axis=-1)
-    e_BK = jnp.sum(jnp.exp(l_BX - m_B[:, None]).reshape(b, x // chunk, chunk), axis=-1)
-    return m_B, jnp.argmax(l_BX, axis=-1).astype(jnp.int32), e_BK
+def _block_stats(l_XB: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Of scaled logits [X, B] (X a multiple of `chunk`, padding at -inf): the max of each row's column
+    [B], its first index int32 [B], and per chunk the sum of exp(l - max), [X / chunk, B]."""
+    x, b = l_XB.shape
+    m_B = jnp.max(l_XB, axis=0)
+    e_KB = jnp.sum(jnp.exp(l_XB - m_B[None]).reshape(x // chunk, chunk, b), axis=1)
+    return m_B, jnp.argmax(l_XB, axis=0).astype(jnp.int32), e_KB
 
 
-def _scan_blocks(hidden_BD, unembed_DV, t_B1, block: int, chunk: int):
-    """`_block_stats` of every vocabulary block of `hidden_BD @ unembed_DV / t`: maxima [B, J], their
-    vocabulary indices int32 [B, J] and the chunk sums [B, J, K] scaled by exp(block max - row max),
-    with the row max M [B]. The last block may be shorter (padded to whole chunks at -inf)."""
-    b = hidden_BD.shape[0]
-    v = unembed_DV.shape[1]
+def _scan_blocks(hidden_BD, unembed_VD, t_1B, block: int, chunk: int):
+    """`_block_stats` of every vocabulary block of `unembed_VD @ hidden_BD.T / t`: maxima [B, J], their
+    vocabulary indices int32 [B, J] and the chunk weights [B, N] (chunk sums scaled by exp(block max - row
+    max)), with the row max [B]. The last block may be shorter (padded to whole chunks at -inf)."""
+    v = unembed_VD.shape[0]
     full = v // block
 
-    def logits_of(cols_DX):
-        return (hidden_BD @ cols_DX).astype(jnp.float32) / t_B1
+    def logits_of(rows_XD):  # [X, B]: the unembedding's rows as the dot's left operand (`qwen3.OutMajor`)
+        return jax.lax.dot_general(rows_XD, hidden_BD, (((1,), (1,)), ((), ()))).astype(jnp.float32) / t_1B
 
     def body(_, j):
-        cols_DX = jax.lax.dynamic_slice_in_dim(unembed_DV, j * block, block, axis=1)
-        m_B, i_B, e_BK = _block_stats(logits_of(cols_DX), chunk)
-        return None, (m_B, i_B + j * block, e_BK)
+        m_B, i_B, e_KB = _block_stats(logits_of(jax.lax.dynamic_slice_in_dim(unembed_VD, j * block, block)), chunk)
+        return None, (m_B, i_B + j * block, e_KB)
 
-    _, (m_JB, i_JB, e_JBK) = jax.lax.scan(body, None, jnp.arange(full, dtype=jnp.int32))
-    m_BJ, i_BJ, e = m_JB.T, i_JB.T, [jnp.moveaxis(e_JBK, 0, 1).reshape(b, -1)]
+    _, (m_JB, i_JB, e_JKB) = jax.lax.scan(body, None, jnp.arange(full, dtype=jnp.int32))
+    m_JB, i_JB, e_NB = [m_JB], [i_JB], [e_JKB.reshape(-1, e_JKB.shape[-1])]
     if v > full * block:  # the tail block, padded to whole chunks
-        l_BX = logits_of(unembed_DV[:, full * block:])
-        l_BX = jnp.pad(l_BX, ((0, 0), (0, -l_BX.shape[1] % chunk)), constant_values=-jnp.inf)
-        m_B, i_B, e_BK = _block_stats(l_BX, chunk)
-        m_BJ = jnp.concatenate([m_BJ, m_B[:, None]], axis=1)
-        i_BJ = jnp.concatenate([i_BJ, i_B[:, None] + full * block], axis=1)
-        e.append(e_BK)
+        l_XB = logits_of(unembed_VD[full * block:])
+        l_XB = jnp.pad(l_XB, ((0, -l_XB.shape[0] % chunk), (0, 0)), constant_values=-jnp.inf)
+        m_B, i_B, e_KB = _block_stats(l_XB, chunk)
+        m_JB, i_JB, e_NB = [*m_JB, m_B[None]], [*i_JB, i_B[None] + full * block], [*e_NB, e_KB]
+    m_BJ, i_BJ = jnp.concatenate(m_JB).T, jnp.concatenate(i_JB).T
     top_B = jnp.max(m_BJ, axis=-1)
-    per_chunk = jnp.repeat(jnp.exp(m_BJ - top_B[:, None]), block // chunk, axis=1)
-    w_BN = jnp.concatenate(e, axis=1) * per_chunk[:, :sum(x.shape[1] for x in e)]
-    return m_BJ, i_BJ, w_BN, top_B
+    n = sum(e.shape[0] for e in e_NB)
+    per_chunk_BN = jnp.repeat(jnp.exp(m_BJ - top_B[:, None]), block // chunk, axis=1)[:, :n]
+    return m_BJ, i_BJ, jnp.concatenate(e_NB).T * per_chunk_BN, top_B
 
 
-def sample_unembedded(hidden_BD: jax.Array, unembed_DV: jax.Array, s: SlotSampling, keys_B: jax.Array, *,
+def sample_unembedded(hidden_BD: jax.Array, unembed_VD: jax.Array, s: SlotSampling, keys_B: jax.Array, *,
                       block: int = BLOCK, chunk: int = CHUNK) -> tuple[jax.Array, jax.Array]:
-    """`sample(hidden_BD @ unembed_DV, s, keys_B, truncate=False)` without the [B, V] logits: the same
+    """`sample(hidden_BD @ unembed_VD.T, s, keys_B, truncate=False)` without the [B, V] logits: the same
     distribution (temperature only: no truncation, penalty or ban) and the same uniform per row, so the
     same tokens up to float rounding near a chunk or token boundary. Returns (tokens int32 [B], logprobs
     float32 [B]).
 
-    The unembedding runs over vocabulary blocks of `block` columns (a multiple of `chunk`) in a scan, each
-    block's logits [B, block] staying in cache: per block the max and, per chunk of `chunk` tokens, the sum
+    The unembedding runs over vocabulary blocks of `block` rows (a multiple of `chunk`) in a scan, each
+    block's logits [block, B] staying in cache: per block the max and, per chunk of `chunk` tokens, the sum
     of exp(l - block max), as in the online softmax (Milakov & Gimelshein 2018, "Online normalizer
     calculation for softmax", arXiv:1805.02867): rescaled by exp(block max - row max) afterwards they give
     the chunk weights and the log normaliser `lse` over the whole vocabulary. The draw is `draw`'s inverse
-    CDF: the chunk from the chunk weights, then, within it, from that chunk's logits, recomputed
-    ([B, D] x [D, chunk] per row, cheaper than writing and reading back the [B, V] logits); its logprob is
-    l_token / T - lse. A row whose recomputed chunk underflows to zero everywhere (weights below the
-    float32 range) takes the chunk's largest logit. Greedy rows (T = 0) take the first maximum of the
-    logits, reported with T = 1. Vocabulary padding (columns past V) is at -inf and never drawn.
+    CDF (`pick_chunk`, `pick_within`): the chunk from the chunk weights, then, within it, from that
+    chunk's logits, recomputed ([C, D] x [D] per row, cheaper than writing and reading back the [B, V]
+    logits); its logprob is l_token / T - lse. A row whose recomputed chunk underflows to zero everywhere
+    (weights below the float32 range) takes the chunk's largest logit. Greedy rows (T = 0) take the first
+    maximum of the logits, reported with T = 1. Vocabulary padding (rows past V) is at -inf, never drawn.
 
     Args:
         hidden_BD: final hidden states, any float dtype (the product is cast to float32, as `qwen3.logits`).
-        unembed_DV: the unembedding [D, V].
+        unembed_VD: the unembedding as [V, D] rows: a tied embedding as it is, or `qwen3.OutMajor.w_OI`.
+            Its rows are the dot's left operand, XLA's CPU dot's fast orientation at a few rows (8192-row
+            blocks: 25-26 ms a step at 32 rows and hidden 256, against 34 ms for 4096-column blocks of a
+            [D, V] copy and 42 ms for the [B, V] logits and their sums; Nov 2026, 2 cores).
         keys_B: one PRNG key per row.
     """
-    v = unembed_DV.shape[1]
+    v = unembed_VD.shape[0]
     if v < chunk:  # a toy vocabulary: one chunk, one block
         chunk = block = v
     if block % chunk:
         raise ValueError(f"block {block} is not a multiple of chunk {chunk}")
     greedy_B = s.temperature <= 0.0
-    t_B1 = jnp.where(greedy_B, 1.0, s.temperature)[:, None].astype(jnp.float32)
-    m_BJ, i_BJ, w_BN, top_B = _scan_blocks(hidden_BD, unembed_DV, t_B1, block, chunk)
+    t_B = jnp.where(greedy_B, 1.0, s.temperature).astype(jnp.float32)
+    m_BJ, i_BJ, w_BN, top_B = _scan_blocks(hidden_BD, unembed_VD, t_B[None], block, chunk)
     best_B = jnp.take_along_axis(i_BJ, jnp.argmax(m_BJ, axis=-1)[:, None], axis=-1)[:, 0]
-    cdf_BN = jnp.cumsum(w_BN, axis=-1)
     u_B = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, ()))(keys_B)  # (0, 1], as `sample`
-    target_B = u_B * cdf_BN[:, -1]
-    drawn_B = jnp.minimum(jnp.sum(cdf_BN < target_B[:, None], axis=-1), _last_positive(w_BN))
+    drawn_B, rest_B, total_B = pick_chunk(w_BN, u_B)
     c_B = jnp.where(greedy_B, best_B // chunk, drawn_B)
     start_B = jnp.minimum(c_B * chunk, v - chunk)  # the last chunk may be short: its window ends at V
-    cols_BDC = jax.vmap(lambda i: jax.lax.dynamic_slice_in_dim(unembed_DV, i, chunk, axis=1))(start_B)
-    l_BC = jnp.einsum("BD,BDC->BC", hidden_BD, cols_BDC).astype(jnp.float32) / t_B1
+    rows_BCD = jax.vmap(lambda i: jax.lax.dynamic_slice_in_dim(unembed_VD, i, chunk))(start_B)
+    l_BC = jnp.einsum("BD,BCD->BC", hidden_BD, rows_BCD).astype(jnp.float32) / t_B[:, None]
     l_BC = jnp.where(start_B[:, None] + jnp.arange(chunk)[None] >= c_B[:, None] * chunk, l_BC, -jnp.inf)
     w_BC = jnp.exp(l_BC - top_B[:, None])
-    rest_B = target_B - jnp.take_along_axis(cdf_BN - w_BN, c_B[:, None], axis=-1)[:, 0]
-    i_B = jnp.minimum(jnp.sum(jnp.cumsum(w_BC, axis=-1) < rest_B[:, None], axis=-1), _last_positive(w_BC))
+    i_B = pick_within(w_BC, rest_B)
     i_B = jnp.where(jnp.any(w_BC > 0, axis=-1), i_B, jnp.argmax(l_BC, axis=-1))
     i_B = jnp.where(greedy_B, best_B - start_B, i_B)
-    lse_B = top_B + jnp.log(cdf_BN[:, -1])
+    lse_B = top_B + jnp.log(total_B)
     return (start_B + i_B).astype(jnp.int32), jnp.take_along_axis(l_BC, i_B[:, None], axis=-1)[:, 0] - lse_B
 
 

@@ -66,8 +66,9 @@ def _layer(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | None, x_
     attn_BTNH = attn_BKGH.reshape(b, 1, cfg.num_heads, hd).astype(x_BTD.dtype)
     # one contraction over N * H: with two contracting axes XLA's CPU backend transposed `wo` to [H, N, D]
     # (a copy of the weight, 3 ms of a 0.6B layer's 5) before every step's matmul
-    out_BD = attn_BTNH.reshape(b, -1) @ w["wo"].reshape(-1, cfg.hidden_size)
-    out_BTD = out_BD[:, None] + qwen3.lora_delta(attn_BTNH, lw.get("wo"), lora_scale, (cfg.hidden_size,))
+    wo = w["wo"] if isinstance(w["wo"], qwen3.OutMajor) else w["wo"].reshape(-1, cfg.hidden_size)
+    out_BTD = qwen3.project(attn_BTNH.reshape(b, 1, -1), wo, "BTY,YD->BTD")
+    out_BTD = out_BTD + qwen3.lora_delta(attn_BTNH, lw.get("wo"), lora_scale, (cfg.hidden_size,))
     return qwen3.feed_forward(cfg, kind, lora_scale, mesh, x_BTD + out_BTD, w, mw, mlw), k_BKH, v_BKH
 
 
@@ -124,6 +125,19 @@ def decode_step(cfg: ModelConfig, params: Params, tokens_B: jax.Array, positions
         cache = {"k": cache["k"].at[:, rows_B, positions_B].set(k_LBKH),
                  "v": cache["v"].at[:, rows_B, positions_B].set(v_LBKH)}
     return qwen3.rms_norm(x_BTD, params["final_norm"], cfg.rms_norm_eps), cache
+
+
+def out_major(cfg: ModelConfig, layers: list[tuple]) -> list[tuple]:
+    """Per-layer base weights `(layers slice, mlp or moe slice)` from `unstack_layers`, with each attention
+    and dense-MLP projection as a `qwen3.OutMajor` (a transposed copy, made outside jit, in place of the
+    slice); norms, routers and experts as they are. What the engine's decode reads on CPU (`Engine.prepare`)."""
+    n_in = dict(qwen3.LORA_TARGETS.values())
+
+    def convert(group: Params) -> Params:
+        return {k: qwen3.OutMajor.of(a, n_in[k]) if k in n_in else a for k, a in group.items()}
+
+    return [(convert(w), convert(mw) if kind == "mlp" else mw)
+            for (w, mw), kind in zip(layers, qwen3.layer_kinds(cfg), strict=True)]
 
 
 def split_cache(cache: KVCache) -> KVCache:

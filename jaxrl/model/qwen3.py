@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 from jax.sharding import Mesh
 
 from jaxrl.model import moe
@@ -189,6 +190,38 @@ def rope(x_BTZH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
     return out.astype(x_BTZH.dtype)
 
 
+@struct.dataclass
+class OutMajor:
+    """A projection's weight stored output-major: `w_OI` [O, Y], the weight's output axes (`out_shape`)
+    flattened first and its input axes after, where the model's weights are [Y..., O...]. What the rollout
+    engine's decode reads on CPU (`jaxrl.model.decode.out_major`, the unembedding as the [V, D] tied
+    embedding itself): XLA's CPU dot of a few rows by a large weight runs about 2.4x faster as `w_OI @ x.T`
+    than as `x @ w` over [Y, O] (a 28-layer chain of the Qwen3-0.6B projections at 8 rows: 223 vs 89 ms,
+    at 32 rows 600 vs 255 ms; the [151,936, 1024] unembedding at 8 rows 44-49 vs 25 ms; Nov 2026, 2 cores).
+    `project` computes with it."""
+
+    w_OI: jax.Array
+    out_shape: tuple[int, ...] = struct.field(pytree_node=False)
+
+    @classmethod
+    def of(cls, w: jax.Array, n_in: int) -> OutMajor:
+        """`w` [Y..., O...] with `n_in` input axes, as a new output-major array (a transposed copy)."""
+        out_shape = tuple(w.shape[n_in:])
+        return cls(jnp.asarray(w.reshape(math.prod(w.shape[:n_in]), -1).T), out_shape)
+
+
+def project(x: jax.Array, w: jax.Array | OutMajor, subscripts: str) -> jax.Array:
+    """`jnp.einsum(subscripts, x, w)` for a projection of `x` [B, T, Y...] by `w` [Y..., O...], which
+    contracts all of `x`'s axes after B and T; `w` may be an `OutMajor` (then the product is
+    `w_OI @ x.T`, transposed back to [B, T, O...] outside the dot: the optimization barrier keeps XLA's
+    algebraic simplifier from folding that transpose into the dot, which would undo the orientation)."""
+    if not isinstance(w, OutMajor):
+        return jnp.einsum(subscripts, x, w)
+    x_MY = x.reshape(x.shape[0] * x.shape[1], -1)
+    y_OM = jax.lax.dot_general(w.w_OI, x_MY, (((1,), (1,)), ((), ())))
+    return jax.lax.optimization_barrier(y_OM).T.reshape(*x.shape[:2], *w.out_shape)
+
+
 def lora_delta(x: jax.Array, ab: dict[str, jax.Array] | None, scale: float, out_shape: tuple[int, ...]):
     """`scale * x @ a @ b` for one adapted weight, its input axes (all of `x`'s after B, T) flattened and
     its output reshaped to `out_shape`, in `x`'s dtype; 0.0 for no LoRA (`ab` None).
@@ -213,10 +246,10 @@ def attention_inputs(cfg: ModelConfig, lora_scale: float, x_BTD: jax.Array, posi
     nk, hd = cfg.num_kv_heads, cfg.head_dim
     lw = lw or {}
     h_BTD = rms_norm(x_BTD, w["attn_norm"], cfg.rms_norm_eps)
-    q_BTNH = jnp.einsum("BTD,DNH->BTNH", h_BTD, w["wq"]) + lora_delta(h_BTD, lw.get("wq"), lora_scale,
+    q_BTNH = project(h_BTD, w["wq"], "BTD,DNH->BTNH") + lora_delta(h_BTD, lw.get("wq"), lora_scale,
                                                                         (cfg.num_heads, hd))
-    k_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, w["wk"]) + lora_delta(h_BTD, lw.get("wk"), lora_scale, (nk, hd))
-    v_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, w["wv"]) + lora_delta(h_BTD, lw.get("wv"), lora_scale, (nk, hd))
+    k_BTKH = project(h_BTD, w["wk"], "BTD,DKH->BTKH") + lora_delta(h_BTD, lw.get("wk"), lora_scale, (nk, hd))
+    v_BTKH = project(h_BTD, w["wv"], "BTD,DKH->BTKH") + lora_delta(h_BTD, lw.get("wv"), lora_scale, (nk, hd))
     q_BTNH = rope(rms_norm(q_BTNH, w["q_norm"], cfg.rms_norm_eps), positions_BT, cfg.rope_theta)
     k_BTKH = rope(rms_norm(k_BTKH, w["k_norm"], cfg.rms_norm_eps), positions_BT, cfg.rope_theta)
     return q_BTNH, k_BTKH, v_BTKH
@@ -255,7 +288,7 @@ def _attention(cfg: ModelConfig, lora_scale: float, x_BTD, positions_BT, w, lw, 
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(x_BTD.dtype)
     attn_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH.astype(x_BTD.dtype))
     attn_BTNH = attn_BTKGH.reshape(b, t, cfg.num_heads, hd)
-    out_BTD = jnp.einsum("BTNH,NHD->BTD", attn_BTNH, w["wo"]) + lora_delta(attn_BTNH, lw.get("wo"), lora_scale,
+    out_BTD = project(attn_BTNH, w["wo"], "BTNH,NHD->BTD") + lora_delta(attn_BTNH, lw.get("wo"), lora_scale,
                                                                              (cfg.hidden_size,))
     return x_BTD + out_BTD, k_BSKH, v_BSKH
 
@@ -264,10 +297,10 @@ def _mlp(cfg: ModelConfig, lora_scale: float, h_BTD, w, lw) -> jax.Array:
     """The dense SwiGLU MLP (no residual)."""
     lw = lw or {}
     f = (cfg.intermediate_size,)
-    gate_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, w["w_gate"]) + lora_delta(h_BTD, lw.get("w_gate"), lora_scale, f)
-    up_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, w["w_up"]) + lora_delta(h_BTD, lw.get("w_up"), lora_scale, f)
+    gate_BTF = project(h_BTD, w["w_gate"], "BTD,DF->BTF") + lora_delta(h_BTD, lw.get("w_gate"), lora_scale, f)
+    up_BTF = project(h_BTD, w["w_up"], "BTD,DF->BTF") + lora_delta(h_BTD, lw.get("w_up"), lora_scale, f)
     act_BTF = jax.nn.silu(gate_BTF) * up_BTF
-    return jnp.einsum("BTF,FD->BTD", act_BTF, w["w_down"]) + lora_delta(act_BTF, lw.get("w_down"), lora_scale,
+    return project(act_BTF, w["w_down"], "BTF,FD->BTD") + lora_delta(act_BTF, lw.get("w_down"), lora_scale,
                                                                          (cfg.hidden_size,))
 
 
@@ -414,11 +447,12 @@ def forward(
     return rms_norm(x_BTD, params["final_norm"], cfg.rms_norm_eps), cache
 
 
-def unembed_matrix(params: Params) -> jax.Array:
-    """The output projection [D, V]: `unembed`, or the transposed input embedding when tied."""
+def unembed_matrix(params: Params) -> jax.Array | OutMajor:
+    """The output projection [D, V]: `unembed`, or the transposed input embedding when tied (an `OutMajor`
+    [V, D] where the rollout engine prepared one)."""
     return params["unembed"] if "unembed" in params else params["embed"].T
 
 
 def logits(params: Params, hidden_BTD: jax.Array) -> jax.Array:
     """fp32 logits [B, T, V] from final hidden states [B, T, D]."""
-    return jnp.einsum("BTD,DV->BTV", hidden_BTD, unembed_matrix(params)).astype(jnp.float32)
+    return project(hidden_BTD, unembed_matrix(params), "BTD,DV->BTV").astype(jnp.float32)
