@@ -47,12 +47,18 @@ QWEN3_06B = ModelConfig(vocab_size=151936, hidden_size=1024, intermediate_size=3
 
 
 def memory_read_gbps(n_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Best read bandwidth of a numpy sum over `n_bytes` of float32 (GB/s)."""
-    x = np.ones(n_bytes // 4, np.float32)
+    """Best read bandwidth of a jitted XLA sum over `n_bytes` of float32, on all the host's cores (GB/s).
+
+    A one-thread numpy sum read at about half that here (15 vs 35 GB/s on this project's 2-core machine,
+    Nov 2026), below what the decode step's own unembedding read: a limit must use every core, as the
+    step does."""
+    x = jnp.ones(n_bytes // 4, jnp.float32)
+    f = jax.jit(jnp.sum)
+    f(x).block_until_ready()
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        x.sum()
+        f(x).block_until_ready()
         best = min(best, time.perf_counter() - t)
     return n_bytes / best / 1e9
 
