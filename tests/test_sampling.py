@@ -7,7 +7,16 @@ import numpy as np
 import pytest
 
 from jaxrl.inference.protocol import SamplingParams
-from jaxrl.inference.sampling import CHUNK, SlotSampling, draw, mark_seen, sample, sample_unembedded, stop_ban
+from jaxrl.inference.sampling import (
+    CHUNK,
+    SlotSampling,
+    draw,
+    mark_seen,
+    sample,
+    sample_unembedded,
+    stop_ban,
+    vocab_blocks,
+)
 
 LOGITS = jnp.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 N = 40_000
@@ -209,7 +218,7 @@ def _unembedded(hidden, unembed, n, seed=3, **kw):
     tail of 23, padded to 24), every row the same hidden state. `unembed`: [D, V], given to the sampler as
     its [V, D] rows."""
     keys = jax.random.split(jax.random.key(seed), n)
-    fn = jax.jit(lambda h, e, k: sample_unembedded(h, e, _rows(n, **kw), k, block=32, chunk=8))
+    fn = jax.jit(lambda h, e, k: sample_unembedded(h, e, _rows(n, **kw), k, blocks=vocab_blocks(e, 32), chunk=8))
     toks, lps = fn(jnp.broadcast_to(hidden, (n, hidden.shape[-1])), jnp.asarray(unembed).T, keys)
     return np.asarray(toks), np.asarray(lps)
 

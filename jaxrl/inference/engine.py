@@ -33,7 +33,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.inference.protocol import SamplingParams
-from jaxrl.inference.sampling import SlotSampling, mark_seen, sample, sample_unembedded, stop_ban
+from jaxrl.inference.sampling import SlotSampling, mark_seen, sample, sample_unembedded, stop_ban, vocab_blocks
 from jaxrl.model import modules, qwen3
 from jaxrl.model.decode import out_major, unstack_layers
 from jaxrl.model.qwen3 import KVCache, ModelConfig, Params
@@ -154,7 +154,7 @@ class Engine:
         if self.blocked_sampling is None:
             self.blocked_sampling = blocked_sampling_pays(self.cfg, self.max_concurrent_decodes,
                                                           mesh_platform(self.mesh))
-        self._base_layers: tuple[Any, list] | None = None  # (the base it was made from, its per-layer view)
+        self._base_layers: tuple | None = None  # (the base it was made from, layers, unembed, its blocks)
         self.max_prefill_length = self.max_seq_len - 1
         self.buckets = prefill_buckets(self.max_prefill_length)
         self._prefill_forward = jax.jit(self._prefill_forward_impl)
@@ -166,7 +166,8 @@ class Engine:
     def prepare(self, params: Params) -> Params:
         """Engine params for `prefill` / `generate` from `{"base", "lora"}`: adds the per-layer view with
         its projections output-major (`decode.out_major`) and the unembedding as a `qwen3.OutMajor` [V, D]
-        (`"unembed"`: a tied embedding as it is, an untied one transposed), unless `unstack` is off. The
+        (`"unembed"`: a tied embedding as it is, an untied one transposed), and with `blocked_sampling` its
+        rows in blocks (`"unembed_blocks"`: `sampling.vocab_blocks`, a copy), unless `unstack` is off. The
         base's views are reused while the same base object comes back (an RL run swaps only its LoRA)."""
         if not self.unstack:
             return {"base": params["base"], "lora": params.get("lora")}
@@ -174,11 +175,13 @@ class Engine:
         if self._base_layers is None or self._base_layers[0] is not base:
             unembed = (qwen3.OutMajor(base["embed"], (self.cfg.vocab_size,)) if "unembed" not in base
                        else qwen3.OutMajor.of(base["unembed"], 1))
-            self._base_layers = (base, out_major(self.cfg, unstack_layers(self.cfg, base)), unembed)
-        _, base_layers, unembed = self._base_layers
+            blocks = vocab_blocks(unembed.w_OI) if self.blocked_sampling else ()
+            self._base_layers = (base, out_major(self.cfg, unstack_layers(self.cfg, base)), unembed, blocks)
+        _, base_layers, unembed, _ = self._base_layers
         lora_layers = unstack_layers(self.cfg, params.get("lora"))
         layers = [(w, lw, mw, mlw) for (w, mw), (lw, mlw) in zip(base_layers, lora_layers, strict=True)]
-        return {"base": base, "lora": params.get("lora"), "layers": layers, "unembed": unembed}
+        return {"base": base, "lora": params.get("lora"), "layers": layers, "unembed": unembed,
+                **({"unembed_blocks": self._base_layers[3]} if self.blocked_sampling else {})}
 
     # JetStream Engine API -------------------------------------------------------------------------
     @property
@@ -339,7 +342,7 @@ class Engine:
                                       if ban else None)
         else:  # temperature only: blocked over the vocabulary, no [B, V] logits
             tokens, logprobs = sample_unembedded(hidden_BTD[:, 0], _unembedding_rows(params), state.sampling,
-                                                 split[:, 1])
+                                                 split[:, 1], blocks=params.get("unembed_blocks"))
         positions = jnp.minimum(state.positions + 1, self.max_seq_len - 1)
         seen = mark_seen(state.seen, tokens) if penalize else state.seen
         new = DecodeState(cache=cache, tokens=tokens, positions=positions, sampling=state.sampling,

@@ -159,6 +159,15 @@ def sample(logits_BV: jax.Array, s: SlotSampling, keys_B: jax.Array, *, truncate
     return tokens_B, picked_B - top_B1[:, 0] - log_z_B
 
 
+def vocab_blocks(unembed_VD: jax.Array, block: int = BLOCK) -> tuple[jax.Array, ...]:
+    """The unembedding's rows [V, D] as `sample_unembedded`'s blocks: `block` rows each, the last shorter.
+    Called outside jit (`Engine.prepare`) each block is a copy in its own array; XLA's CPU backend copies a
+    block out of a larger array (a dynamic or static slice) before every dot that reads it, which cost a
+    32-row, hidden-256 step 42 ms scanning 8192-row slices against 26 ms over separate arrays (the
+    [V, D] x [D, 32] product alone: 23 ms; Nov 2026, 2 loaded cores, one process)."""
+    return tuple(unembed_VD[i:i + block] for i in range(0, unembed_VD.shape[0], block))
+
+
 def _block_stats(l_XB: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Of scaled logits [X, B] (X a multiple of `chunk`, padding at -inf): the max of each row's column
     [B], its first index int32 [B], and per chunk the sum of exp(l - max), [X / chunk, B]."""
@@ -168,68 +177,64 @@ def _block_stats(l_XB: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array, jax
     return m_B, jnp.argmax(l_XB, axis=0).astype(jnp.int32), e_KB
 
 
-def _scan_blocks(hidden_BD, unembed_VD, t_1B, block: int, chunk: int):
-    """`_block_stats` of every vocabulary block of `unembed_VD @ hidden_BD.T / t`: maxima [B, J], their
-    vocabulary indices int32 [B, J] and the chunk weights [B, N] (chunk sums scaled by exp(block max - row
-    max)), with the row max [B]. The last block may be shorter (padded to whole chunks at -inf)."""
-    v = unembed_VD.shape[0]
-    full = v // block
-
-    def logits_of(rows_XD):  # [X, B]: the unembedding's rows as the dot's left operand (`qwen3.OutMajor`)
-        return jax.lax.dot_general(rows_XD, hidden_BD, (((1,), (1,)), ((), ()))).astype(jnp.float32) / t_1B
-
-    def body(_, j):
-        m_B, i_B, e_KB = _block_stats(logits_of(jax.lax.dynamic_slice_in_dim(unembed_VD, j * block, block)), chunk)
-        return None, (m_B, i_B + j * block, e_KB)
-
-    _, (m_JB, i_JB, e_JKB) = jax.lax.scan(body, None, jnp.arange(full, dtype=jnp.int32))
-    m_JB, i_JB, e_NB = [m_JB], [i_JB], [e_JKB.reshape(-1, e_JKB.shape[-1])]
-    if v > full * block:  # the tail block, padded to whole chunks
-        l_XB = logits_of(unembed_VD[full * block:])
+def _blocks_stats(hidden_BD, blocks_XD, t_1B, chunk: int):
+    """`_block_stats` of each vocabulary block's `rows_XD @ hidden_BD.T / t`, unrolled over the blocks
+    (each its own buffer): maxima [B, J], their vocabulary indices int32 [B, J], the chunk weights [B, N]
+    (chunk sums scaled by exp(block max - row max)) and the row max [B]. A block short of whole chunks
+    (the last) is padded at -inf."""
+    m_JB, i_JB, e_KB, start = [], [], [], 0
+    for rows_XD in blocks_XD:  # the rows as the dot's left operand, as `qwen3.OutMajor`
+        l_XB = jax.lax.dot_general(rows_XD, hidden_BD, (((1,), (1,)), ((), ()))).astype(jnp.float32) / t_1B
         l_XB = jnp.pad(l_XB, ((0, -l_XB.shape[0] % chunk), (0, 0)), constant_values=-jnp.inf)
-        m_B, i_B, e_KB = _block_stats(l_XB, chunk)
-        m_JB, i_JB, e_NB = [*m_JB, m_B[None]], [*i_JB, i_B[None] + full * block], [*e_NB, e_KB]
-    m_BJ, i_BJ = jnp.concatenate(m_JB).T, jnp.concatenate(i_JB).T
+        m_B, i_B, e = _block_stats(l_XB, chunk)
+        m_JB, i_JB, e_KB, start = [*m_JB, m_B], [*i_JB, i_B + start], [*e_KB, e], start + rows_XD.shape[0]
+    m_BJ, i_BJ = jnp.stack(m_JB, axis=1), jnp.stack(i_JB, axis=1)
     top_B = jnp.max(m_BJ, axis=-1)
-    n = sum(e.shape[0] for e in e_NB)
-    per_chunk_BN = jnp.repeat(jnp.exp(m_BJ - top_B[:, None]), block // chunk, axis=1)[:, :n]
-    return m_BJ, i_BJ, jnp.concatenate(e_NB).T * per_chunk_BN, top_B
+    scale_JB = jnp.exp(m_BJ - top_B[:, None]).T
+    w_BN = jnp.concatenate([e * scale_JB[j][None] for j, e in enumerate(e_KB)]).T
+    return m_BJ, i_BJ, w_BN, top_B
 
 
 def sample_unembedded(hidden_BD: jax.Array, unembed_VD: jax.Array, s: SlotSampling, keys_B: jax.Array, *,
-                      block: int = BLOCK, chunk: int = CHUNK) -> tuple[jax.Array, jax.Array]:
+                      blocks: tuple[jax.Array, ...] | None = None, chunk: int = CHUNK
+                      ) -> tuple[jax.Array, jax.Array]:
     """`sample(hidden_BD @ unembed_VD.T, s, keys_B, truncate=False)` without the [B, V] logits: the same
     distribution (temperature only: no truncation, penalty or ban) and the same uniform per row, so the
     same tokens up to float rounding near a chunk or token boundary. Returns (tokens int32 [B], logprobs
     float32 [B]).
 
-    The unembedding runs over vocabulary blocks of `block` rows (a multiple of `chunk`) in a scan, each
-    block's logits [block, B] staying in cache: per block the max and, per chunk of `chunk` tokens, the sum
-    of exp(l - block max), as in the online softmax (Milakov & Gimelshein 2018, "Online normalizer
-    calculation for softmax", arXiv:1805.02867): rescaled by exp(block max - row max) afterwards they give
-    the chunk weights and the log normaliser `lse` over the whole vocabulary. The draw is `draw`'s inverse
-    CDF (`pick_chunk`, `pick_within`): the chunk from the chunk weights, then, within it, from that
-    chunk's logits, recomputed ([C, D] x [D] per row, cheaper than writing and reading back the [B, V]
-    logits); its logprob is l_token / T - lse. A row whose recomputed chunk underflows to zero everywhere
-    (weights below the float32 range) takes the chunk's largest logit. Greedy rows (T = 0) take the first
-    maximum of the logits, reported with T = 1. Vocabulary padding (rows past V) is at -inf, never drawn.
+    The unembedding runs over vocabulary blocks (`vocab_blocks`), each block's logits [X, B] staying in
+    cache: per block the max and, per chunk of `chunk` tokens, the sum of exp(l - block max), as in the
+    online softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax",
+    arXiv:1805.02867): rescaled by exp(block max - row max) afterwards they give the chunk weights and the
+    log normaliser `lse` over the whole vocabulary. The draw is `draw`'s inverse CDF (`pick_chunk`,
+    `pick_within`): the chunk from the chunk weights, then, within it, from that chunk's logits, recomputed
+    ([C, D] x [D] per row, cheaper than writing and reading back the [B, V] logits); its logprob is
+    l_token / T - lse. A row whose recomputed chunk underflows to zero everywhere (weights below the
+    float32 range) takes the chunk's largest logit. Greedy rows (T = 0) take the first maximum of the
+    logits, reported with T = 1. Vocabulary padding (rows past V) is at -inf and never drawn.
 
     Args:
         hidden_BD: final hidden states, any float dtype (the product is cast to float32, as `qwen3.logits`).
-        unembed_VD: the unembedding as [V, D] rows: a tied embedding as it is, or `qwen3.OutMajor.w_OI`.
-            Its rows are the dot's left operand, XLA's CPU dot's fast orientation at a few rows (8192-row
-            blocks: 25-26 ms a step at 32 rows and hidden 256, against 34 ms for 4096-column blocks of a
-            [D, V] copy and 42 ms for the [B, V] logits and their sums; Nov 2026, 2 cores).
+        unembed_VD: the unembedding as [V, D] rows: a tied embedding as it is, or `qwen3.OutMajor.w_OI`
+            (the rows as the dot's left operand: XLA's CPU dot's fast orientation at a few rows).
         keys_B: one PRNG key per row.
+        blocks: `unembed_VD`'s rows in blocks, every one but the last a multiple of `chunk` rows
+            (`vocab_blocks`, made once outside jit); None: `vocab_blocks(unembed_VD)` here, slices copied
+            at every call.
+
+    Raises:
+        ValueError: a block other than the last is not a multiple of `chunk` rows.
     """
     v = unembed_VD.shape[0]
-    if v < chunk:  # a toy vocabulary: one chunk, one block
-        chunk = block = v
-    if block % chunk:
-        raise ValueError(f"block {block} is not a multiple of chunk {chunk}")
+    if v < chunk:  # a toy vocabulary: one chunk
+        chunk = v
+    blocks = vocab_blocks(unembed_VD) if blocks is None else blocks
+    if any(b.shape[0] % chunk for b in blocks[:-1]):
+        raise ValueError(f"vocabulary blocks of {[b.shape[0] for b in blocks]} rows: not all whole chunks of {chunk}")
     greedy_B = s.temperature <= 0.0
     t_B = jnp.where(greedy_B, 1.0, s.temperature).astype(jnp.float32)
-    m_BJ, i_BJ, w_BN, top_B = _scan_blocks(hidden_BD, unembed_VD, t_B[None], block, chunk)
+    m_BJ, i_BJ, w_BN, top_B = _blocks_stats(hidden_BD, blocks, t_B[None], chunk)
     best_B = jnp.take_along_axis(i_BJ, jnp.argmax(m_BJ, axis=-1)[:, None], axis=-1)[:, 0]
     u_B = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, ()))(keys_B)  # (0, 1], as `sample`
     drawn_B, rest_B, total_B = pick_chunk(w_BN, u_B)
