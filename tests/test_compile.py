@@ -122,22 +122,26 @@ def test_engine_group_is_the_runs_fit_rule():
 
 def test_cpu_only_choices_follow_the_mesh_not_the_host():
     """The mesh's devices decide what is done on CPU only, not the host compiling for them (a CPU here): the
-    train head visits the vocabulary in cache-sized blocks on CPU only, and a TPU mesh (where the vocabulary
-    axis may be sharded over `tensor`, and slicing it in a loop would gather it) gets one block, one matmul;
-    the engine's weight copies and blocked sampler (measured on CPU) are off on a TPU mesh."""
+    train head visits the vocabulary in cache-sized blocks (and chunks as many tokens as the hidden size) on
+    CPU only, and a TPU mesh (where the vocabulary axis may be sharded over `tensor`, and slicing it in a loop
+    would gather it) gets one block, one matmul; the engine's weight copies and blocked sampler (measured on
+    CPU) are off on a TPU mesh."""
     import jax
 
     from jaxrl.inference.engine import Engine
     from jaxrl.model import head
     from jaxrl.model.qwen3 import ModelConfig
     from jaxrl.parallel.sharding import make_mesh, mesh_platform
-    from jaxrl.rl.train import head_block
+    from jaxrl.rl.train import head_block, head_chunk
 
     tpu = make_mesh({"fsdp": 4}, slices.topology_devices(slices.parse_slice("v5litepod-4")))
     cpu = make_mesh({}, jax.devices()[:1])
     assert (mesh_platform(cpu), mesh_platform(tpu), jax.default_backend()) == ("cpu", "tpu", "cpu")
     assert head_block(cpu, 151_936) == head.VOCAB_PER_BLOCK < 151_936
     assert head_block(tpu, 151_936) == 151_936
+    # and in chunks of as many tokens as the hidden size on CPU, of the default elsewhere (a chunk's logits
+    # there span the whole vocabulary)
+    assert head_chunk(cpu, 1024) == 1024 and head_chunk(cpu, 64) == head.TOKENS_PER_CHUNK == head_chunk(tpu, 1024)
     small = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=16)
     on_cpu, on_tpu = Engine(small, cpu, 16, 64), Engine(small, tpu, 16, 64)
