@@ -28,11 +28,14 @@ def _setup(mesh, tx=None, **trainer_args):
 
 
 def test_make_batch_shifts_and_masks():
+    """Width `pad_to` (its alignment kept: one padding column past the n - 1 positions a full sample fills)."""
     b = make_batch([([1, 2, 3, 4], [False, False, True, True], [0, 0, -1.0, -2.0])], np.array([0.5]), 0.7, 6)
-    assert b.inputs.tolist() == [[1, 2, 3, 0, 0]]
-    assert b.targets.tolist() == [[2, 3, 4, 0, 0]]
-    assert b.loss_mask.tolist() == [[False, True, True, False, False]]
-    assert b.inference_logprobs.tolist() == [[0, -1.0, -2.0, 0, 0]]
+    assert b.inputs.tolist() == [[1, 2, 3, 0, 0, 0]]
+    assert b.targets.tolist() == [[2, 3, 4, 0, 0, 0]]
+    assert b.loss_mask.tolist() == [[False, True, True, False, False, False]]
+    assert b.inference_logprobs.tolist() == [[0, -1.0, -2.0, 0, 0, 0]]
+    full = make_batch([([5, 6, 7], [False, True, True], [0, -0.5, -0.25])], np.array([0.5]), 0.7, 3)
+    assert full.inputs.tolist() == [[5, 6, 0]] and full.loss_mask.tolist() == [[True, True, False]]
 
 
 def test_base_weights_bit_identical_and_stateless_in_optimizer():
@@ -77,15 +80,15 @@ def test_sampled_logprobs_match_full_softmax_at_loss_positions_only():
 def test_make_batch_lists_each_rows_loss_positions():
     b = make_batch([([1, 2, 3, 4, 5], [False, True, False, True, True], [0.0] * 5), ([1, 2], [False, False], [0, 0])],
                    np.zeros(2), 1.0, 8)
-    assert b.loss_mask[0].tolist() == [True, False, True, True, False, False, False]
-    assert b.loss_positions.shape == (2, 7)  # loss_width(3) = 16, capped at T = 7
-    assert b.loss_positions.tolist() == [[0, 2, 3, 7, 7, 7, 7], [7] * 7]
+    assert b.loss_mask[0].tolist() == [True, False, True, True, False, False, False, False]
+    assert b.loss_positions.shape == (2, 8)  # loss_width(3) = 16, capped at T = 8
+    assert b.loss_positions.tolist() == [[0, 2, 3, 8, 8, 8, 8, 8], [8] * 8]
     assert [loss_width(n) for n in (0, 16, 17, 25, 33, 49, 65, 97)] == [16, 16, 24, 32, 48, 64, 96, 128]
 
 
 # float32 unit roundoff (half the machine epsilon) and the accumulation lengths of the sharded-parity tests below.
 U32 = float(np.finfo(np.float32).eps) / 2
-PARITY_BATCH, PARITY_WIDTH = 8, 31  # random_batch(): 8 samples, pad_to 32 -> 31 positions
+PARITY_BATCH, PARITY_WIDTH = 8, 32  # random_batch(): 8 samples, pad_to 32 -> 32 positions
 ADAM_EPS = 1e-8  # optax.adamw's default, which make_optimizer keeps
 # Terms summed along the longest reduction path from the loss to a LoRA gradient: the loss and each weight
 # gradient over the batch's tokens (twice), the logsumexp over the vocabulary, and per layer the contractions over

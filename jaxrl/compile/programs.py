@@ -164,8 +164,8 @@ def _optimizer_state(trainer: Trainer, base: Any, lora: Any, replicated: NamedSh
 
 
 def compile_train(s: Shapes, mesh: Mesh) -> Program:
-    """`Trainer._step` at `s`'s shapes on `mesh`: a batch of `batch_rows` sequences of `seq_len - 1`
-    tokens (the widest a run trains), in micro-batches of `micro_batch_size`, with the run's `[jax.loss]`.
+    """`Trainer._step` at `s`'s shapes on `mesh`: a batch of `batch_rows` rows of `seq_len` positions (the
+    widest a run trains, `make_batch`), in micro-batches of `micro_batch_size`, with the run's `[jax.loss]`.
     In full fine-tuning the weights are the float32 master weights (declared as `weights`), and with
     `kl_coef > 0` the step also takes the KL reference, the starting weights in `dtype` on the trainer's
     mesh as the run keeps them (`Run.init_training`; declared as `reference`)."""
@@ -178,7 +178,7 @@ def compile_train(s: Shapes, mesh: Mesh) -> Program:
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
     state = TrainState({}, opt, step, base=base) if s.full else TrainState(lora, opt, step)
     k = trainer.micro_batches(s.batch_rows)
-    rows, t = (k * trainer.micro_rows(s.batch_rows) if k > 1 else s.batch_rows), s.seq_len - 1
+    rows, t = (k * trainer.micro_rows(s.batch_rows) if k > 1 else s.batch_rows), s.seq_len
     # every row a whole sequence of loss tokens: the widest batch `make_batch` can build
     fields = {"inputs": ((rows, t), jnp.int32), "targets": ((rows, t), jnp.int32), "loss_mask": ((rows, t), bool),
               "inference_logprobs": ((rows, t), jnp.float32), "advantages": ((rows,), jnp.float32),

@@ -167,7 +167,7 @@ def roofline(m: ModelConfig, s: Shapes, chip: slices.Chip, chips: int, engine_ch
     mlp = m.num_experts_per_tok * 3 * d * m.moe_intermediate_size + d * m.num_experts if m.is_moe \
         else 3 * d * m.intermediate_size
     matmul = m.num_layers * (2 * d * n_h + 2 * d * k_h + mlp) + m.vocab_size * d
-    t = s.seq_len - 1
+    t = s.seq_len  # the train batch's width (`make_batch`)
     passes = 4 if s.remat else 3
     train_flops = passes * s.batch_rows * t * (2 * matmul + 4 * m.num_layers * t * n_h) / chips
     train_bytes = (3 if s.remat else 2) * micro_batches * weights

@@ -161,12 +161,19 @@ def loss_width(n: int) -> int:
 def make_batch(samples: list[tuple[list[int], list[bool], list[float]]], advantages: np.ndarray,
                temperature: float | np.ndarray, pad_to: int) -> Batch:
     """Pack (token_ids, sampled_mask, logprobs) triples, each of one length, into a `Batch` of width
-    `pad_to - 1`. `temperature`: what each sample was sampled at, one for all or float [samples].
+    `pad_to`. `temperature`: what each sample was sampled at, one for all or float [samples].
+
+    A sample of n <= `pad_to` tokens fills n - 1 positions (inputs and their next tokens); the width is
+    `pad_to` all the same, one padding column more, so that it keeps `pad_to`'s alignment (a power of two
+    or `seq_len`: `jaxrl.run.runner.pad_length`). On a TPU a width of 2^k - 1 is not a whole number of
+    the chip's row tiles, and each [B, T] -> [B * T] flattening of the projections' tokens becomes a
+    relayout copy: Qwen3-4B's train step at T = 4095 compiled for v6e-8 to 1.27M bundles in 262 s of CPU,
+    at T = 4096 to 0.72M in 143 s (libtpu, 2026-11-24).
 
     Raises:
         ValueError: a sample is longer than `pad_to`.
     """
-    b, t = len(samples), pad_to - 1
+    b, t = len(samples), pad_to
     inputs = np.zeros((b, t), np.int32)
     targets = np.zeros((b, t), np.int32)
     mask = np.zeros((b, t), bool)
