@@ -92,7 +92,7 @@ def bench_train(cfg, mesh, base, lora, b: int, t: int, rank: int, reps: int, ful
         state = trainer.init_state(base, lora)
     rng = np.random.default_rng(0)
     samples = [(rng.integers(0, 150_000, t + 1).tolist(), [True] * (t + 1), [-1.0] * (t + 1)) for _ in range(b)]
-    batch = make_batch(samples, rng.standard_normal(b), 1.0, t + 1)
+    batch = make_batch(samples, rng.standard_normal(b), 1.0, t)  # t positions: t + 1 tokens a row
     state, metrics = trainer.step(state, base, batch)
     jax.block_until_ready(metrics)
     times = []

@@ -36,6 +36,10 @@ def test_make_batch_shifts_and_masks():
     assert b.inference_logprobs.tolist() == [[0, -1.0, -2.0, 0, 0, 0]]
     full = make_batch([([5, 6, 7], [False, True, True], [0, -0.5, -0.25])], np.array([0.5]), 0.7, 3)
     assert full.inputs.tolist() == [[5, 6, 0]] and full.loss_mask.tolist() == [[True, True, False]]
+    tight = make_batch([([5, 6, 7], [False, True, True], [0, -0.5, -0.25])], np.array([0.5]), 0.7, 2)
+    assert tight.inputs.tolist() == [[5, 6]] and tight.targets.tolist() == [[6, 7]]
+    with pytest.raises(ValueError, match="sample 0 has 3 tokens: more than 1 positions"):
+        make_batch([([5, 6, 7], [False, True, True], [0, -0.5, -0.25])], np.array([0.5]), 0.7, 1)
 
 
 def test_base_weights_bit_identical_and_stateless_in_optimizer():

@@ -163,15 +163,15 @@ def make_batch(samples: list[tuple[list[int], list[bool], list[float]]], advanta
     """Pack (token_ids, sampled_mask, logprobs) triples, each of one length, into a `Batch` of width
     `pad_to`. `temperature`: what each sample was sampled at, one for all or float [samples].
 
-    A sample of n <= `pad_to` tokens fills n - 1 positions (inputs and their next tokens); the width is
-    `pad_to` all the same, one padding column more, so that it keeps `pad_to`'s alignment (a power of two
-    or `seq_len`: `jaxrl.run.runner.pad_length`). On a TPU a width of 2^k - 1 is not a whole number of
-    the chip's row tiles, and each [B, T] -> [B * T] flattening of the projections' tokens becomes a
-    relayout copy: Qwen3-4B's train step at T = 4095 compiled for v6e-8 to 1.27M bundles in 262 s of CPU,
-    at T = 4096 to 0.72M in 143 s (libtpu, 2026-11-24).
+    A sample of n <= `pad_to` + 1 tokens fills n - 1 positions (inputs and their next tokens). The width
+    is `pad_to`, not the n - 1 of the longest sample a run pads to (`jaxrl.run.runner.pad_length`: a power
+    of two or `seq_len`, at least n), so that it keeps that alignment. On a TPU a width of 2^k - 1 is not
+    a whole number of the chip's row tiles, and each [B, T] -> [B * T] flattening of the projections'
+    tokens becomes a relayout copy: Qwen3-4B's train step at T = 4095 compiled for v6e-8 to 1.27M
+    bundles in 262 s of CPU, at T = 4096 to 0.72M in 143 s (libtpu, 2026-11-24).
 
     Raises:
-        ValueError: a sample is longer than `pad_to`.
+        ValueError: a sample has more than `pad_to` + 1 tokens.
     """
     b, t = len(samples), pad_to
     inputs = np.zeros((b, t), np.int32)
@@ -180,8 +180,8 @@ def make_batch(samples: list[tuple[list[int], list[bool], list[float]]], advanta
     logp = np.zeros((b, t), np.float32)
     for i, (ids, sampled, lps) in enumerate(samples):
         n = len(ids)
-        if n > pad_to:
-            raise ValueError(f"sample {i} has {n} tokens, more than the sequence length {pad_to}")
+        if n > pad_to + 1:
+            raise ValueError(f"sample {i} has {n} tokens: more than {pad_to} positions")
         inputs[i, : n - 1] = ids[:-1]
         targets[i, : n - 1] = ids[1:]
         mask[i, : n - 1] = sampled[1:]
