@@ -177,11 +177,11 @@ class Engine:
                        else qwen3.OutMajor.of(base["unembed"], 1))
             blocks = vocab_blocks(unembed.w_OI) if self.blocked_sampling else ()
             self._base_layers = (base, out_major(self.cfg, unstack_layers(self.cfg, base)), unembed, blocks)
-        _, base_layers, unembed, _ = self._base_layers
+        _, base_layers, unembed, blocks = self._base_layers
         lora_layers = unstack_layers(self.cfg, params.get("lora"))
         layers = [(w, lw, mw, mlw) for (w, mw), (lw, mlw) in zip(base_layers, lora_layers, strict=True)]
         return {"base": base, "lora": params.get("lora"), "layers": layers, "unembed": unembed,
-                **({"unembed_blocks": self._base_layers[3]} if self.blocked_sampling else {})}
+                **({"unembed_blocks": blocks} if self.blocked_sampling else {})}
 
     # JetStream Engine API -------------------------------------------------------------------------
     @property
