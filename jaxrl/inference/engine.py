@@ -36,7 +36,7 @@ from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.sampling import SlotSampling, mark_seen, sample, sample_unembedded, stop_ban, vocab_blocks
 from jaxrl.model import modules, qwen3
 from jaxrl.model.decode import out_major, unstack_layers
-from jaxrl.model.qwen3 import KVCache, ModelConfig, Params
+from jaxrl.model.qwen3 import KVCache, ModelConfig, OutMajor, Params
 from jaxrl.parallel.sharding import array_sharding, bytes_per_device, mesh_platform
 
 
@@ -361,12 +361,10 @@ def _unembedding(params: Params) -> Params:
 
 
 def _unembedding_rows(params: Params) -> jax.Array:
-    """The unembedding as [V, D] rows, for `sample_unembedded`: the prepared one, else the base's (a tied
-    embedding as it is, an untied [D, V] transposed)."""
-    if "unembed" in params:
-        return params["unembed"].w_OI
-    base = params["base"]
-    return base["embed"] if "unembed" not in base else base["unembed"].T
+    """The unembedding as [V, D] rows, for `sample_unembedded`: the prepared `OutMajor`'s, else the base's
+    [D, V] `qwen3.unembed_matrix` transposed (for a tied embedding, XLA cancels the two transposes)."""
+    w = qwen3.unembed_matrix(_unembedding(params))
+    return w.w_OI if isinstance(w, OutMajor) else w.T
 
 
 def pad_prompt(prompt_ids: list[int], bucket: int) -> jax.Array:

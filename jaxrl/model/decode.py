@@ -67,7 +67,7 @@ def _layer(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | None, x_
     # one contraction over N * H: with two contracting axes XLA's CPU backend transposed `wo` to [H, N, D]
     # (a copy of the weight, 3 ms of a 0.6B layer's 5) before every step's matmul
     wo = w["wo"] if isinstance(w["wo"], qwen3.OutMajor) else w["wo"].reshape(-1, cfg.hidden_size)
-    out_BTD = qwen3.project(attn_BTNH.reshape(b, 1, -1), wo, "BTY,YD->BTD")
+    out_BTD = qwen3.project(attn_BTNH.reshape(b, 1, -1), wo)
     out_BTD = out_BTD + qwen3.lora_delta(attn_BTNH, lw.get("wo"), lora_scale, (cfg.hidden_size,))
     return qwen3.feed_forward(cfg, kind, lora_scale, mesh, x_BTD + out_BTD, w, mw, mlw), k_BKH, v_BKH
 

@@ -210,16 +210,16 @@ class OutMajor:
         return cls(jnp.asarray(w.reshape(math.prod(w.shape[:n_in]), -1).T), out_shape)
 
 
-def project(x: jax.Array, w: jax.Array | OutMajor, subscripts: str) -> jax.Array:
-    """`jnp.einsum(subscripts, x, w)` for a projection of `x` [B, T, Y...] by `w` [Y..., O...], which
-    contracts all of `x`'s axes after B and T; `w` may be an `OutMajor` (then the product is
+def project(x: jax.Array, w: jax.Array | OutMajor) -> jax.Array:
+    """The projection [B, T, O...] of `x` [B, T, Y...] by `w` [Y..., O...], contracting all of `x`'s axes
+    after B and T; `w` may be an `OutMajor` (then the product is
     `w_OI @ x.T`, transposed back to [B, T, O...] outside the dot: the optimization barrier keeps XLA's
     algebraic simplifier from folding that transpose into the dot, which would undo the orientation).
     Otherwise the product is one [B * T, Y] @ [Y, O] matmul, tokens and the weight's input and output axes
     flattened (free reshapes of row-major arrays): the gradient with respect to `x` is then a plain
     `dy @ w.T`, where for a weight of several input or output axes (wq, wk, wv, wo) XLA's CPU backend
     transposed the weight into a copy each backward pass (about 25 ms a layer of a 0.66 s LoRA train step
-    at the Qwen3-0.6B shape, 4 x 256 tokens; Nov 2026, 2 cores). `subscripts` names the axes (B, T first)."""
+    at the Qwen3-0.6B shape, 4 x 256 tokens; Nov 2026, 2 cores)."""
     x_MY = x.reshape(x.shape[0] * x.shape[1], -1)
     if not isinstance(w, OutMajor):
         out_shape = w.shape[x.ndim - 2:]
@@ -252,10 +252,10 @@ def attention_inputs(cfg: ModelConfig, lora_scale: float, x_BTD: jax.Array, posi
     nk, hd = cfg.num_kv_heads, cfg.head_dim
     lw = lw or {}
     h_BTD = rms_norm(x_BTD, w["attn_norm"], cfg.rms_norm_eps)
-    q_BTNH = project(h_BTD, w["wq"], "BTD,DNH->BTNH") + lora_delta(h_BTD, lw.get("wq"), lora_scale,
+    q_BTNH = project(h_BTD, w["wq"]) + lora_delta(h_BTD, lw.get("wq"), lora_scale,
                                                                         (cfg.num_heads, hd))
-    k_BTKH = project(h_BTD, w["wk"], "BTD,DKH->BTKH") + lora_delta(h_BTD, lw.get("wk"), lora_scale, (nk, hd))
-    v_BTKH = project(h_BTD, w["wv"], "BTD,DKH->BTKH") + lora_delta(h_BTD, lw.get("wv"), lora_scale, (nk, hd))
+    k_BTKH = project(h_BTD, w["wk"]) + lora_delta(h_BTD, lw.get("wk"), lora_scale, (nk, hd))
+    v_BTKH = project(h_BTD, w["wv"]) + lora_delta(h_BTD, lw.get("wv"), lora_scale, (nk, hd))
     q_BTNH = rope(rms_norm(q_BTNH, w["q_norm"], cfg.rms_norm_eps), positions_BT, cfg.rope_theta)
     k_BTKH = rope(rms_norm(k_BTKH, w["k_norm"], cfg.rms_norm_eps), positions_BT, cfg.rope_theta)
     return q_BTNH, k_BTKH, v_BTKH
@@ -294,7 +294,7 @@ def _attention(cfg: ModelConfig, lora_scale: float, x_BTD, positions_BT, w, lw, 
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(x_BTD.dtype)
     attn_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH.astype(x_BTD.dtype))
     attn_BTNH = attn_BTKGH.reshape(b, t, cfg.num_heads, hd)
-    out_BTD = project(attn_BTNH, w["wo"], "BTNH,NHD->BTD") + lora_delta(attn_BTNH, lw.get("wo"), lora_scale,
+    out_BTD = project(attn_BTNH, w["wo"]) + lora_delta(attn_BTNH, lw.get("wo"), lora_scale,
                                                                              (cfg.hidden_size,))
     return x_BTD + out_BTD, k_BSKH, v_BSKH
 
@@ -303,10 +303,10 @@ def _mlp(cfg: ModelConfig, lora_scale: float, h_BTD, w, lw) -> jax.Array:
     """The dense SwiGLU MLP (no residual)."""
     lw = lw or {}
     f = (cfg.intermediate_size,)
-    gate_BTF = project(h_BTD, w["w_gate"], "BTD,DF->BTF") + lora_delta(h_BTD, lw.get("w_gate"), lora_scale, f)
-    up_BTF = project(h_BTD, w["w_up"], "BTD,DF->BTF") + lora_delta(h_BTD, lw.get("w_up"), lora_scale, f)
+    gate_BTF = project(h_BTD, w["w_gate"]) + lora_delta(h_BTD, lw.get("w_gate"), lora_scale, f)
+    up_BTF = project(h_BTD, w["w_up"]) + lora_delta(h_BTD, lw.get("w_up"), lora_scale, f)
     act_BTF = jax.nn.silu(gate_BTF) * up_BTF
-    return project(act_BTF, w["w_down"], "BTF,FD->BTD") + lora_delta(act_BTF, lw.get("w_down"), lora_scale,
+    return project(act_BTF, w["w_down"]) + lora_delta(act_BTF, lw.get("w_down"), lora_scale,
                                                                          (cfg.hidden_size,))
 
 
@@ -461,4 +461,4 @@ def unembed_matrix(params: Params) -> jax.Array | OutMajor:
 
 def logits(params: Params, hidden_BTD: jax.Array) -> jax.Array:
     """fp32 logits [B, T, V] from final hidden states [B, T, D]."""
-    return project(hidden_BTD, unembed_matrix(params), "BTD,DV->BTV").astype(jnp.float32)
+    return project(hidden_BTD, unembed_matrix(params)).astype(jnp.float32)
