@@ -20,7 +20,7 @@ both as the difference between the sampling and the trained policy. T = 0, greed
 
 When no row truncates, penalises or bans (the common RL case: temperature only), `sample_unembedded`
 draws from the same distribution with the same uniform without the [B, V] logits: the unembedding runs
-over vocabulary blocks whose logits stay in cache, each leaving its max and its chunk sums (the online
+over vocabulary blocks whose logits stay in cache, each leaving its chunk maxima and chunk sums (the online
 softmax, Milakov & Gimelshein 2018), and only the chosen chunk's logits are computed again for the draw.
 """
 
