@@ -114,6 +114,16 @@ def start(cfg: Path, log: Path, devices: int = 1, **env: str) -> subprocess.Pope
     return spawn("run", cfg, log=log, devices=devices, cwd=cfg.parent, **env)
 
 
+def start_pair(cfg: Path, log_dir: Path, name: str) -> list[subprocess.Popen]:
+    """`jaxrl run cfg` as processes 0 and 1 of a 2 x 4-device run joined on 127.0.0.1 through the JAX_*
+    variables (see `start`); their logs are `<log_dir>/<name>-<pid>.log`."""
+    from gcs_fixtures import free_port
+
+    port = free_port()
+    return [start(cfg, log_dir / f"{name}-{pid}.log", devices=4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                  JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid)) for pid in range(2)]
+
+
 def wait_for(proc: subprocess.Popen, log: Path, text: str, timeout: float = 600) -> None:
     """Until `text` is in `log`; fails if the process exits first or `timeout` seconds pass."""
     deadline = time.monotonic() + timeout

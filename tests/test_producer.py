@@ -342,7 +342,7 @@ def test_every_seed_example_runs_its_async_settings_on_two_processes(path):
     `max_async_level = 2` and `oversampling_factor = 2`, or full.toml's level 4), on two producers that
     agree over a gather as a 2-process run's do (`Run.start`): each step both take the same `batch_size /
     rollouts_per_example` groups, each group played by one process, none dropped while the engine keeps
-    up, and both would checkpoint the same state. tests/test_distributed_run.py runs level 2 with
+    up, and both would checkpoint the same state. tests/test_distributed_async.py runs level 2 with
     oversampling 2 on two real processes; nothing else in the config or run path depends on the process
     count (the engine group's rule: one engine per process on CPU)."""
     cfg = load_config(path)
