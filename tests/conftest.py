@@ -6,6 +6,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 from gcs_fixtures import configure_clients, free_port
 
@@ -30,6 +31,25 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+
+# The files that take minutes, longest first (a 2-core machine, 2026-11-24). `--dist loadfile` hands whole files
+# to the two workers in the order collected (pyproject.toml sets `--no-loadscope-reorder`; pytest-xdist's own
+# order, most tests first, started these last, and the other worker then waited idle for the last of them).
+LONGEST_FIRST = ("test_distributed_run.py", "test_distributed_async.py", "test_quickstart.py", "test_run.py",
+                 "test_distributed.py", "test_train_parity.py", "test_engine.py", "test_train.py", "test_moe.py",
+                 "test_classic.py", "test_resume.py", "test_faults.py", "test_export.py", "test_runs.py",
+                 "test_multiturn.py", "test_metrics.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """LONGEST_FIRST's files first, in its order; the others after them, in the order collected. A name in it
+    that is not a file here fails the session (a renamed file would silently lose its place)."""
+    here = Path(__file__).parent
+    missing = [name for name in LONGEST_FIRST if not (here / name).is_file()]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py: LONGEST_FIRST: no such test file: {', '.join(missing)}")
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
 
 # CI's 2 cores are sometimes shared: a property test's draws are not timed (no deadline, no too_slow
 # health check); what they prove does not depend on how fast they come.
