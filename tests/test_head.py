@@ -52,28 +52,6 @@ def test_gradient_through_logprobs_and_entropy_with_entropy_grad():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("entropy_grad", [False, True])
-def test_separate_blocks_give_what_slices_give(entropy_grad):
-    """The projection's rows as separate arrays (`qwen3.vocab_blocks`: three blocks of 16 and one of 2)
-    read in place of slices: the same logprobs, entropies and gradient (the same operations in the same
-    order: equal to float32 rounding)."""
-    from jaxrl.model.qwen3 import vocab_blocks
-
-    blocks = vocab_blocks(W.T, 16)
-    assert [b.shape for b in blocks] == [(16, D)] * 3 + [(2, D)]
-
-    def loss(h, blocks):
-        lp, ent = head.token_logprobs(W, h, Y, S, entropy_grad=entropy_grad, chunk=8, block=16, blocks=blocks)
-        return jnp.sum(lp * G_LOGP + (ent * G_ENT if entropy_grad else 0.0)), (lp, ent)
-
-    (_, sliced), g_sliced = jax.jit(jax.value_and_grad(loss, has_aux=True))(H, None)
-    (_, separate), g_separate = jax.jit(jax.value_and_grad(loss, has_aux=True))(H, blocks)
-    for want, got in zip((*sliced, g_sliced), (*separate, g_separate), strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
-    doubled = tuple(2.0 * b for b in blocks)  # they are what is read: other rows, other logprobs
-    assert not np.allclose(jax.jit(loss)(H, doubled)[1][0], sliced[0], atol=1e-3)
-
-
 def test_large_logits_whose_max_moves_between_blocks():
     """Logits in the hundreds, the largest in the last block for some tokens and the first for others: the
     online rescaling (exp of the old max minus the new) neither overflows nor loses the earlier blocks."""

@@ -15,8 +15,8 @@ from jaxrl.inference.sampling import (
     sample,
     sample_unembedded,
     stop_ban,
+    vocab_blocks,
 )
-from jaxrl.model.qwen3 import vocab_blocks
 
 LOGITS = jnp.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 N = 40_000

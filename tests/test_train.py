@@ -393,23 +393,3 @@ def test_full_finetuning_bfloat16_forward_keeps_float32_master_weights():
     assert {x.dtype for x in jax.tree.leaves(state.base)} == {jnp.dtype(jnp.float32)}
     moved = jax.tree.map(lambda a, b: not np.array_equal(np.asarray(a), np.asarray(b)), base, state.base)
     assert all(jax.tree.leaves(moved))
-
-
-def test_lora_step_on_cpu_reads_the_unembedding_as_separate_blocks():
-    """With LoRA on CPU and a vocabulary over one head block (5000 > 2048), the step reads the frozen
-    unembedding as separate arrays made once per base (`Trainer.head_blocks`) and gives the update that
-    slices of it give; full fine-tuning (which differentiates the projection) and a one-block
-    vocabulary have none."""
-    cfg = qwen3.ModelConfig(vocab_size=5000, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
-                            num_kv_heads=1, head_dim=8, tie_word_embeddings=True)
-    mesh = make_mesh({}, jax.devices()[:1])
-    base, trainer, state = tiny_trainer(cfg, mesh)
-    blocks = trainer.head_blocks(base)
-    assert [b.shape for b in blocks] == [(2048, 16), (2048, 16), (904, 16)] and trainer.head_blocks(base) is blocks
-    np.testing.assert_array_equal(np.concatenate(blocks), base["embed"])
-    sharded = trainer.shard_batch(random_batch(vocab=5000))
-    outs = [trainer._step(state, base, sharded, blocks=b) for b in (None, blocks)]
-    for want, got in zip(*(jax.tree.leaves(o) for o in outs), strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
-    assert Trainer(cfg, mesh, make_optimizer(LR), lora_scale=2.0, full=True).head_blocks(base) is None
-    assert _setup(mesh)[1].head_blocks(_setup(mesh)[0]) is None

@@ -33,7 +33,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.inference.protocol import SamplingParams
-from jaxrl.inference.sampling import BLOCK, SlotSampling, mark_seen, sample, sample_unembedded, stop_ban
+from jaxrl.inference.sampling import SlotSampling, mark_seen, sample, sample_unembedded, stop_ban, vocab_blocks
 from jaxrl.model import modules, qwen3
 from jaxrl.model.decode import out_major, unstack_layers
 from jaxrl.model.qwen3 import KVCache, ModelConfig, OutMajor, Params
@@ -167,7 +167,7 @@ class Engine:
         """Engine params for `prefill` / `generate` from `{"base", "lora"}`: adds the per-layer view with
         its projections output-major (`decode.out_major`) and the unembedding as a `qwen3.OutMajor` [V, D]
         (`"unembed"`: a tied embedding as it is, an untied one transposed), and with `blocked_sampling` its
-        rows in blocks (`"unembed_blocks"`: `qwen3.vocab_blocks`, a copy), unless `unstack` is off. The
+        rows in blocks (`"unembed_blocks"`: `sampling.vocab_blocks`, a copy), unless `unstack` is off. The
         base's views are reused while the same base object comes back (an RL run swaps only its LoRA)."""
         if not self.unstack:
             return {"base": params["base"], "lora": params.get("lora")}
@@ -175,7 +175,7 @@ class Engine:
         if self._base_layers is None or self._base_layers[0] is not base:
             unembed = (qwen3.OutMajor(base["embed"], (self.cfg.vocab_size,)) if "unembed" not in base
                        else qwen3.OutMajor.of(base["unembed"], 1))
-            blocks = qwen3.vocab_blocks(unembed.w_OI, BLOCK) if self.blocked_sampling else ()
+            blocks = vocab_blocks(unembed.w_OI) if self.blocked_sampling else ()
             self._base_layers = (base, out_major(self.cfg, unstack_layers(self.cfg, base)), unembed, blocks)
         _, base_layers, unembed, blocks = self._base_layers
         lora_layers = unstack_layers(self.cfg, params.get("lora"))

@@ -60,8 +60,7 @@ VOCAB_PER_BLOCK = 2048
 
 def token_logprobs(w_DV: jax.Array, h_MD: jax.Array, targets_M: jax.Array, scale_M: jax.Array, *,
                    entropy_grad: bool = False, w_grad: bool = False,
-                   chunk: int = TOKENS_PER_CHUNK, block: int = VOCAB_PER_BLOCK,
-                   blocks: tuple[jax.Array, ...] | None = None) -> tuple[jax.Array, jax.Array]:
+                   chunk: int = TOKENS_PER_CHUNK, block: int = VOCAB_PER_BLOCK) -> tuple[jax.Array, jax.Array]:
     """Logprob of each target under `softmax(scale * (h @ w))` and that distribution's entropy, without
     materialising more than `chunk` x `block` logits at a time (`chunk` x V with `w_grad`).
 
@@ -78,11 +77,6 @@ def token_logprobs(w_DV: jax.Array, h_MD: jax.Array, targets_M: jax.Array, scale
         chunk: (static) tokens per chunk.
         block: (static) vocabulary entries per block of the online softmax (the last block takes the
             remainder of V).
-        blocks: `w_DV`'s rows [V, D] in blocks of `block` rows, each its own array (`qwen3.vocab_blocks`),
-            read in place of slices of `w_DV` (on CPU, where XLA copies a slice out before each dot
-            that reads it: the head's value and gradient at the small e2e shape, 2048 tokens, hidden
-            256, took about 16% less time, in-process A/B on 2 loaded cores, Nov 2026); None: slices.
-            Not read with `w_grad`.
 
     Returns:
         (logp_M, entropy_M), both float32 [M].
@@ -101,7 +95,7 @@ def token_logprobs(w_DV: jax.Array, h_MD: jax.Array, targets_M: jax.Array, scale
         s_JC = jax.lax.stop_gradient(s_JC)
         logp_JC, entropy_JC = jax.lax.map(jax.checkpoint(partial(_plain_chunk, w_DV)), (h_JCD, y_JC, s_JC))
     else:
-        logp_JC, entropy_JC = _fused(entropy_grad, block, w_DV, h_JCD, y_JC, s_JC, blocks)
+        logp_JC, entropy_JC = _fused(entropy_grad, block, w_DV, h_JCD, y_JC, s_JC)
     return logp_JC.reshape(-1)[:n], entropy_JC.reshape(-1)[:n]
 
 
@@ -115,14 +109,13 @@ def _plain_chunk(w_DV, xs):
     return logp_C, lse_C - jnp.sum(p_CV * logits_CV, axis=-1)
 
 
-def _chunk_forward(w_VD, block: int, grads: int, blocks, xs):
+def _chunk_forward(w_VD, block: int, grads: int, xs):
     """One chunk of C tokens, the vocabulary visited `block` entries at a time with an online softmax.
 
     Args:
         w_VD: the projection as [V, D] rows (each block a contiguous slice).
         block: (static) vocabulary entries per block; the last block holds the remainder of V.
         grads: (static) 0: values only; 1: also dlogp/dh; 2: also dentropy/dh.
-        blocks: the rows of `w_VD` in blocks of `block`, separate arrays, or None (slices of `w_VD`).
         xs: (h_CD in w's dtype, y_C int32, s_C float32).
 
     Returns:
@@ -135,16 +128,12 @@ def _chunk_forward(w_VD, block: int, grads: int, blocks, xs):
     # the running max starts at the target's logit: finite and never above the max, so no -inf - -inf
     carry = (ly_C, jnp.zeros_like(ly_C), jnp.zeros_like(ly_C), jnp.zeros((c * max(grads, 1), d), jnp.float32))
     step = partial(_block_step, h_CD, s_C, grads)
-    if blocks is not None:  # unrolled over separate arrays: no copies
-        for w_BD in blocks:
-            carry = step(carry, w_BD)
-    else:
-        block = min(block, len(w_VD))
-        n_full, rest = divmod(len(w_VD), block)
-        carry = jax.lax.fori_loop(
-            0, n_full, lambda i, cr: step(cr, jax.lax.dynamic_slice_in_dim(w_VD, i * block, block)), carry)
-        if rest:
-            carry = step(carry, w_VD[n_full * block:])
+    block = min(block, len(w_VD))
+    n_full, rest = divmod(len(w_VD), block)
+    carry = jax.lax.fori_loop(
+        0, n_full, lambda i, cr: step(cr, jax.lax.dynamic_slice_in_dim(w_VD, i * block, block)), carry)
+    if rest:
+        carry = step(carry, w_VD[n_full * block:])
     m_C, sum_C, tilt_C, acc_WD = carry
     lse_C = m_C + jnp.log(sum_C)
     mean_C = tilt_C / sum_C  # sum_v p_v (l_v - m)
@@ -187,18 +176,17 @@ def _block_step(h_CD, s_C, grads: int, carry, w_BD):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _fused(entropy_grad: bool, block: int, w_DV, h_JCD, y_JC, s_JC, blocks):
-    logp, entropy, _, _ = jax.lax.map(partial(_chunk_forward, w_DV.T, block, 0, blocks), (h_JCD, y_JC, s_JC))
+def _fused(entropy_grad: bool, block: int, w_DV, h_JCD, y_JC, s_JC):
+    logp, entropy, _, _ = jax.lax.map(partial(_chunk_forward, w_DV.T, block, 0), (h_JCD, y_JC, s_JC))
     return logp, entropy
 
 
-def _fused_fwd(entropy_grad: bool, block: int, w_DV, h_JCD, y_JC, s_JC, blocks):
-    blocks = None if blocks is None else tuple(b.value for b in blocks)
+def _fused_fwd(entropy_grad: bool, block: int, w_DV, h_JCD, y_JC, s_JC):
     for name, arg in (("the output projection", w_DV), ("the inverse temperature", s_JC)):
         if arg.perturbed:
             raise ValueError(f"head.token_logprobs: {name} is not differentiable")
-    logp, entropy, dlogp, dentropy = jax.lax.map(
-        partial(_chunk_forward, w_DV.value.T, block, 1 + entropy_grad, blocks), (h_JCD.value, y_JC.value, s_JC.value))
+    logp, entropy, dlogp, dentropy = jax.lax.map(partial(_chunk_forward, w_DV.value.T, block, 1 + entropy_grad),
+                                                 (h_JCD.value, y_JC.value, s_JC.value))
     dtype = h_JCD.value.dtype  # the residuals in h's dtype: its cotangent's, and half the bytes in bf16
     return (logp, entropy), (dlogp.astype(dtype), None if dentropy is None else dentropy.astype(dtype))
 
@@ -213,7 +201,7 @@ def _fused_bwd(entropy_grad: bool, block: int, res, cotangents):
         if not entropy_grad:
             raise ValueError("head.token_logprobs: a gradient through the entropy needs entropy_grad=True")
         dh = dh + g_entropy[..., None] * dentropy_JCD.astype(jnp.float32)
-    return None, dh.astype(dlogp_JCD.dtype), None, None, None
+    return None, dh.astype(dlogp_JCD.dtype), None, None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)

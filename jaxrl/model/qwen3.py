@@ -453,19 +453,6 @@ def forward(
     return rms_norm(x_BTD, params["final_norm"], cfg.rms_norm_eps), cache
 
 
-def vocab_blocks(rows_VD: jax.Array, block: int) -> tuple[jax.Array, ...]:
-    """The rows [V, D] of an unembedding in blocks of `block` rows, the last shorter, each its own array
-    (made outside jit, or as a jitted program's outputs): XLA's CPU backend copies a block out of a larger
-    array (a dynamic or static slice) before every dot that reads it. What the rollout engine's blocked
-    sampler (`jaxrl.inference.sampling.sample_unembedded`) and the LoRA train head (`jaxrl.model.head`,
-    `jaxrl.rl.train.Trainer.head_blocks`) read on CPU in place of slices of the unembedding. Measured on
-    2 loaded cores, Nov 2026, vocabulary 151,936, hidden 256: a 32-row decode step's unembedding and
-    sampling 42 ms over 8192-row slices, 26 ms over separate arrays; the small e2e model's LoRA train step
-    (32 x 128 tokens, 2048 in the loss) 5.15 -> 4.45 s over 2048-row blocks (in-process A/B, medians of 6).
-    The price is a copy of the unembedding."""
-    return tuple(rows_VD[i:i + block] for i in range(0, rows_VD.shape[0], block))
-
-
 def unembed_matrix(params: Params) -> jax.Array | OutMajor:
     """The output projection [D, V]: `unembed`, or the transposed input embedding when tied (an `OutMajor`
     [V, D] where the rollout engine prepared one)."""

@@ -205,8 +205,8 @@ def loss_positions(mask_BT: np.ndarray, most: int | None = None) -> np.ndarray:
 
 def sampled_logprobs(params: Params, hidden_BTD: jax.Array, targets_BT: jax.Array, positions_BP: jax.Array,
                      temperature_B: jax.Array, *, entropy_grad: bool = False, w_grad: bool = False,
-                     chunk: int = head.TOKENS_PER_CHUNK, block: int = head.VOCAB_PER_BLOCK,
-                     blocks: tuple[jax.Array, ...] | None = None) -> tuple[jax.Array, jax.Array]:
+                     chunk: int = head.TOKENS_PER_CHUNK,
+                     block: int = head.VOCAB_PER_BLOCK) -> tuple[jax.Array, jax.Array]:
     """Logprob of each target under `softmax(logits / T)` and the distribution's entropy at the positions
     the loss reads, computed there only (`jaxrl.model.head`: the projection and log-softmax fused, in
     chunks); float32 [B, T] each, 0 at every other position.
@@ -219,8 +219,6 @@ def sampled_logprobs(params: Params, hidden_BTD: jax.Array, targets_BT: jax.Arra
         w_grad: (static) whether the output projection is differentiable (full fine-tuning).
         chunk: (static) tokens per chunk of the head (`head_chunk`).
         block: (static) vocabulary entries per block of the head's online softmax (`head_block`).
-        blocks: `params`' unembedding rows in blocks of `block` (`qwen3.vocab_blocks`, separate arrays),
-            or None (`head.token_logprobs`).
     """
     b, t, d = hidden_BTD.shape
     k = positions_BP.shape[1]
@@ -229,7 +227,7 @@ def sampled_logprobs(params: Params, hidden_BTD: jax.Array, targets_BT: jax.Arra
     inv_t_B = 1.0 / jnp.where(temperature_B > 0, temperature_B, 1.0)
     logp, entropy = head.token_logprobs(qwen3.unembed_matrix(params), h_BPD.reshape(b * k, d), y_BP.reshape(-1),
                                         jnp.repeat(inv_t_B, k), entropy_grad=entropy_grad, w_grad=w_grad,
-                                        chunk=chunk, block=block, blocks=blocks)
+                                        chunk=chunk, block=block)
     rows_B1 = jnp.arange(b)[:, None]
 
     def scatter(x):
@@ -306,7 +304,6 @@ class Trainer:
     def __post_init__(self) -> None:
         # Nothing is donated: the rollout engine may still hold the previous LoRA while this step runs.
         self._step = jax.jit(self._step_impl, static_argnames=("micro_batches",))
-        self._blocks: tuple | None = None  # (the base they were made from, its vocabulary blocks)
 
     def init_state(self, base: Params, lora: Params | None) -> TrainState:
         """A state at step 0 (arrays placed as they are; the optimizer moments take the weights'
@@ -363,20 +360,7 @@ class Trainer:
         if self.full and base is None and self.loss_cfg.kl_coef > 0 and self.objective == "rl":
             raise ValueError("full fine-tuning with a KL penalty needs the reference weights as `base`")
         return self._step(state, base, self.shard_batch(batch),
-                          micro_batches=self.micro_batches(batch.inputs.shape[0]), blocks=self.head_blocks(base))
-
-    def head_blocks(self, base: Params | None) -> tuple[jax.Array, ...] | None:
-        """The frozen base's unembedding rows in the head's vocabulary blocks, separate arrays
-        (`qwen3.vocab_blocks`, a copy of the unembedding), for the train head to read in place of slices
-        (`head.token_logprobs`' `blocks`): with LoRA on CPU, where the head runs over blocks
-        (`head_block`); None otherwise (full fine-tuning differentiates the projection; on accelerators
-        one block spans the vocabulary). Made once per base object."""
-        block = head_block(self.mesh, self.cfg.vocab_size)
-        if self.full or base is None or block >= self.cfg.vocab_size:
-            return None
-        if self._blocks is None or self._blocks[0] is not base:
-            self._blocks = (base, jax.jit(lambda p: qwen3.vocab_blocks(qwen3.unembed_matrix(p).T, block))(base))
-        return self._blocks[1]
+                          micro_batches=self.micro_batches(batch.inputs.shape[0]))
 
     def loss(self, params: Params, batch: dict[str, jax.Array],
              reference: Params | None = None) -> tuple[jax.Array, dict]:
@@ -386,13 +370,11 @@ class Trainer:
         return self.model_loss(model, batch, None if reference is None else modules.bind(self.cfg, reference))
 
     def model_loss(self, model: modules.Qwen3, batch: dict[str, jax.Array],
-                   reference: modules.Qwen3 | None = None,
-                   blocks: tuple[jax.Array, ...] | None = None) -> tuple[jax.Array, dict]:
+                   reference: modules.Qwen3 | None = None) -> tuple[jax.Array, dict]:
         """The objective of one (micro-)batch under `model` and its metrics: `[jax.loss]`'s policy loss,
         or with `objective = "sft"` the token-mean negative log-likelihood of the loss tokens
         (`losses.sft_loss`). `reference`: the KL reference, run without LoRA; None: `model` with its LoRA
-        off (the same base arrays). `blocks`: the head's vocabulary blocks of the base's unembedding
-        (`head_blocks`), for `model` and a LoRA run's reference alike."""
+        off (the same base arrays)."""
         b, t = batch["inputs"].shape
         positions = batch.get("positions", jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
         segments = batch.get("segment_ids")  # None: one sample per row
@@ -400,7 +382,7 @@ class Trainer:
         sft = self.objective == "sft"
         logp, entropy = sampled_logprobs(model.weights()[0], hidden, batch["targets"], batch["loss_positions"],
                                          batch["temperature"], entropy_grad=not sft and self.loss_cfg.entropy_coef > 0,
-                                         w_grad=self.full, blocks=blocks, **self._head_sizes())
+                                         w_grad=self.full, **self._head_sizes())
         if sft:
             loss, metrics = losses.sft_loss(logp, batch["loss_mask"])
         else:
@@ -410,7 +392,7 @@ class Trainer:
                 ref_hidden, _ = ref(batch["inputs"], positions, lora=False, mesh=self.mesh, segment_ids=segments)
                 ref_logp = jax.lax.stop_gradient(sampled_logprobs(
                     ref.weights()[0], ref_hidden, batch["targets"], batch["loss_positions"], batch["temperature"],
-                    blocks=blocks if reference is None else None, **self._head_sizes())[0])
+                    **self._head_sizes())[0])
             loss, metrics = losses.policy_loss(logp, batch["inference_logprobs"], batch["advantages"],
                                                batch["loss_mask"], self.loss_cfg, entropy_BT=entropy,
                                                ref_logp_BT=ref_logp)
@@ -435,7 +417,7 @@ class Trainer:
         return (mask.sum(axis=1) > 0).astype(jnp.float32).sum()
 
     def _step_impl(self, state: TrainState, base: Params | None, batch: dict[str, jax.Array],
-                   micro_batches: int = 1, blocks: tuple[jax.Array, ...] | None = None):
+                   micro_batches: int = 1):
         # The module over the state's weights, split by `modules.trained_filter` into what is
         # differentiated (the LoRA factors, or every weight in full fine-tuning) and the rest: only the
         # trained state is differentiated (see `_optimizer_update`).
@@ -447,7 +429,7 @@ class Trainer:
         def objective(trained, b):
             if self.full:  # float32 master weights, cast for the forward; `base` is the KL reference
                 trained = jax.tree.map(lambda w: w.astype(self.dtype), trained)
-            return self.model_loss(nnx.merge(graphdef, trained, frozen), b, reference, blocks)
+            return self.model_loss(nnx.merge(graphdef, trained, frozen), b, reference)
 
         loss_and_grad = jax.value_and_grad(objective, has_aux=True)
         if micro_batches == 1:
