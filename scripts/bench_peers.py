@@ -8,6 +8,7 @@ each compared with the peer run before them).
 
     python scripts/bench_peers.py train              # LoRA r16 train step, Qwen3-0.6B shape, 4 x 256, fp32
     python scripts/bench_peers.py rollout            # 8 requests x (64 prompt + 128 sampled), 0.6B shape, fp32
+    python scripts/bench_peers.py rollout --cpu-devices 2   # ... the engine tensor-parallel over 2 CPU devices
     python scripts/bench_peers.py rl                 # one GRPO step end to end, the small Qwen3, synchronous
     python scripts/bench_peers.py rl --async-level 2 --oversampling 2   # ... at the seeds' defaults
     python scripts/bench_peers.py train --pairs 3 --json out.json
@@ -88,7 +89,9 @@ def rollout_peer(args) -> dict:
 
 def rollout_jaxrl(args, tree: Path) -> dict:
     ours = run([sys.executable, str(tree / "scripts" / "bench_rollout.py"), "--concurrency", "8",
-                "--prompt", "64", "--tokens", "128"], args.timeout, env=tree_env(tree))
+                "--prompt", "64", "--tokens", "128",
+                *(["--cpu-devices", str(args.cpu_devices)] if args.cpu_devices > 1 else [])],
+               args.timeout, env=tree_env(tree))
     return {"tokens_per_s": grab(r"end to end\s+([\d.]+) tok/s", ours, "end-to-end tokens/s"),
             "decode_tokens_per_s": grab(r"\| decode\s+([\d.]+) tok/s", ours, "decode tokens/s"),
             "decode_share_of_limit": grab(r"ratio (\d+)%", ours, "ratio to the limit") / 100}
@@ -150,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=7, help="rl: RL steps per run on both sides (median of 2..)")
     ap.add_argument("--async-level", type=int, default=0, help="rl: jaxrl's max_async_level")
     ap.add_argument("--oversampling", type=float, default=1.0, help="rl: jaxrl's oversampling_factor")
+    ap.add_argument("--cpu-devices", type=int, default=1, help="rollout: bench_rollout.py's --cpu-devices")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     ap.add_argument("--json", help="also write every figure to this file")
     args = ap.parse_args(argv)

@@ -18,6 +18,12 @@ scheduler. Reports:
 
     python scripts/bench_rollout.py                 # 8 and 32 concurrent requests, float32
     python scripts/bench_rollout.py --concurrency 8 --dtype bfloat16 --json out.json
+    python scripts/bench_rollout.py --concurrency 8 --cpu-devices 2   # the engine tensor-parallel over 2 CPU devices
+
+`--cpu-devices N` splits the host into N XLA CPU devices (`jax_num_cpu_devices`) and runs the engine on a
+mesh of `tensor` N over them: each device's program streams its share of every weight on its own thread.
+On one device XLA's CPU runtime runs a decode step's dots one after another, each at most 12.6 MB at
+this shape and read by one thread at a time (docs/benchmarks.md, 2026-11-24 evening).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
 from jaxrl.model import modules
 from jaxrl.model.qwen3 import ModelConfig
-from jaxrl.parallel.sharding import make_mesh
+from jaxrl.parallel.sharding import make_mesh, spec_shardings
 
 QWEN3_06B = ModelConfig(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
                         num_kv_heads=8, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)
@@ -84,8 +90,10 @@ def step_bytes(cfg: ModelConfig, params, slots: int, seq: int, cache_dtype) -> i
     return weights + cache
 
 
-def bench(cfg: ModelConfig, params, dtype, slots: int, prompt_len: int, n_tokens: int, steps: int) -> dict:
-    mesh = make_mesh({}, jax.devices()[:1])
+def bench(cfg: ModelConfig, params, dtype, slots: int, prompt_len: int, n_tokens: int, steps: int,
+          devices: int = 1) -> dict:
+    mesh = make_mesh({"tensor": devices} if devices > 1 else {}, jax.devices()[:devices])
+    params = jax.device_put(params, spec_shardings(modules.param_specs(cfg), cfg.dims(), mesh))
     seq = prompt_len + n_tokens
     engine = Engine(cfg, mesh, max_concurrent_decodes=slots, max_seq_len=seq, cache_dtype=dtype)
     p = engine.prepare({"base": params, "lora": None})
@@ -156,8 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=12, help="timed decode steps")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and KV cache")
     ap.add_argument("--layers", type=int, default=28, help="decoder layers of the 0.6B shape (fewer: less memory)")
+    ap.add_argument("--cpu-devices", type=int, default=1,
+                    help="split the host into this many XLA CPU devices; the engine runs tensor-parallel over them")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args(argv)
+    if args.cpu_devices > 1:
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # before the CPU backend starts
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     cfg = dataclasses.replace(QWEN3_06B, num_layers=args.layers)
 
@@ -167,11 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     jax.block_until_ready(params)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     print(f"Qwen3-0.6B shape, {cfg.num_layers} layers, random {args.dtype} weights: {n_params / 1e6:.0f}M params "
-          f"({time.perf_counter() - t:.0f} s to build); {os.cpu_count()} CPUs, jax {jax.__version__}", flush=True)
+          f"({time.perf_counter() - t:.0f} s to build); {os.cpu_count()} CPUs, jax {jax.__version__}, "
+          f"engine on {args.cpu_devices} device(s)", flush=True)
 
     results = []
     for c in args.concurrency:
-        r = bench(cfg, params, dtype, c, args.prompt, args.tokens, args.steps)
+        r = bench(cfg, params, dtype, c, args.prompt, args.tokens, args.steps, args.cpu_devices)
         bw = memory_read_gbps()  # measured right after, under the same load
         flops = matmul_gflops()
         limit_mem = c / (r["step_bytes"] / (bw * 1e9))
