@@ -27,18 +27,29 @@ def _params(seed=0, lora_seed=None):
 
 
 @jax.jit
-def _full_logits(params, ids_T):
-    """The logits [T, V] float32 after each of the tokens `ids_T` [T] int32, from one full forward pass of the
-    whole sequence. Jitted: compiled once per length, where an eager call compiles each of the forward's
-    operations at each new length (the greedy references of one test took 2.6 x the CPU time eagerly)."""
+def _padded_logits(params, ids_T, temperature):
     h, _ = qwen3.forward(CFG, params["base"], ids_T[None], jnp.arange(ids_T.shape[0])[None], lora=params["lora"],
                          lora_scale=0.5)
-    return qwen3.logits(params["base"], h)[0]
+    logits_TV = qwen3.logits(params["base"], h)[0]
+    return logits_TV, jax.nn.log_softmax(logits_TV / temperature, axis=-1)
+
+
+def _full_logits(params, ids: list[int], temperature: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """(logits, log_softmax(logits / temperature)), each [T, V] float32, after each of the T tokens `ids`, from
+    one full forward pass of the whole sequence, padded with token 0 to the next power of two >= 16 (attention
+    is causal: the positions after the sequence cannot change the logits before them). Jitted, so a few widths
+    compile once each for the whole file, where an eager forward compiles each of its operations at each new
+    length (the greedy references of one test took 2.6 x the CPU time eagerly, jitted at their exact lengths)."""
+    t = 16
+    while t < len(ids):
+        t *= 2
+    padded = jnp.asarray(list(ids) + [0] * (t - len(ids)), jnp.int32)
+    return tuple(np.asarray(x)[:len(ids)] for x in _padded_logits(params, padded, temperature))
 
 
 def _reference_logprobs(params, ids, temperature=1.0):
     """log_softmax(logits / T) of every next token, from one full forward pass."""
-    return np.asarray(jax.nn.log_softmax(_full_logits(params, jnp.asarray(ids)) / temperature, axis=-1))
+    return _full_logits(params, ids, temperature)[1]
 
 
 @pytest.mark.numerics
@@ -145,7 +156,7 @@ def _greedy_reference(params, prompt, n, penalty=1.0):
     """`n` greedy tokens from full forward passes, with a repetition penalty over prompt and output."""
     ids = list(prompt)
     for _ in range(n):
-        lg = np.asarray(_full_logits(params, jnp.asarray(ids))[-1])
+        lg = _full_logits(params, ids)[0][-1]
         seen = np.isin(np.arange(CFG.vocab_size), ids)
         lg = np.where(seen, np.where(lg > 0, lg / penalty, lg * penalty), lg)
         ids.append(int(np.argmax(lg)))
@@ -341,7 +352,7 @@ def _check_min_tokens(params, prompt, got, stop, m):
     ends at `stop` or at its length (one teacher-forced forward pass checks all)."""
     toks = got.token_ids
     assert len(toks) > m and stop not in toks[:-1] and (toks[-1] == stop) == (got.finish_reason == "stop")
-    lg = np.asarray(_full_logits(params, jnp.asarray(prompt + toks))[len(prompt) - 1:-1], np.float64)
+    lg = _full_logits(params, prompt + toks)[0][len(prompt) - 1:-1].astype(np.float64)
     lg[:m, stop] = -np.inf
     assert lg.argmax(axis=-1).tolist() == toks
     lp = lg - lg.max(axis=-1, keepdims=True)
