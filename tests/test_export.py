@@ -1,7 +1,8 @@
 """Export to Hugging Face, checked against the real consumers: a merged checkpoint loaded by transformers'
 Qwen3ForCausalLM / Qwen3MoeForCausalLM and a PEFT adapter loaded by `peft.PeftModel` onto the
 transformers base must give jaxrl's logits with the LoRA on, at 1e-4 in fp32; the adapter reads back
-into the same LoRA; `jaxrl export` on a run folder and on a checkpoint folder; `[adapters]` exports.
+into the same LoRA; `jaxrl export` on a run folder and on a checkpoint folder; `[adapters]` exports (a real
+run's adapters against `jaxrl export --adapter`: tests/test_run.py, in the resume run).
 
 The LoRA is random in both factors (std 0.1, scale 2), not a fresh one (`b` = 0), so a transposed or
 misplaced factor moves the logits far beyond the tolerance (each test also checks that it moves them).
@@ -20,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import safetensors.numpy
 from etils import epath
 from helpers import finish, read_metrics, start, write_run_config
 from typer.testing import CliRunner
@@ -451,27 +451,6 @@ def test_run_adapters_for_a_lora_peft_cannot_hold(tmp_path):
     quiet = RunAdapters(_run_config(tmp_path, folder, ""), mcfg, tmp_path / "a", console)
     assert not quiet.enabled and quiet.after_step(7, _random_lora(mcfg)) is None
     assert "no PEFT adapters for this run" in console.export_text() and not (tmp_path / "a").exists()
-
-
-def test_a_run_writes_its_adapters_and_export_reads_its_checkpoint(tmp_path, tiny_model_dir):
-    """A real 2-step `jaxrl run` with `[adapters] interval = 1, keep_last = 1`: only `adapters/step_2` is
-    left, and it holds the LoRA of checkpoint 2, as `jaxrl export --adapter` writes it from there."""
-
-    cfg = write_run_config(tmp_path / "rl.toml", tiny_model_dir, name="adp", max_steps=2,
-                           tables="[adapters]\ninterval = 1\nkeep_last = 1\n\n[buffer]\nskip_verification = true\n")
-    code, log = finish(start(cfg, tmp_path / "run.log"), tmp_path / "run.log")
-    run_dir = tmp_path / "runs" / "adp"
-    assert code == 0, log
-    assert f"PEFT adapters in {run_dir / 'adapters'}" in log
-    assert sorted(p.name for p in (run_dir / "adapters").iterdir()) == ["step_2"]
-    result = _export(run_dir, "--out", tmp_path / "exported", "--adapter")
-    assert result.exit_code == 0, result.output
-    written = safetensors.numpy.load_file(run_dir / "adapters" / "step_2" / hf_lora.ADAPTER_WEIGHTS)
-    exported = safetensors.numpy.load_file(tmp_path / "exported" / hf_lora.ADAPTER_WEIGHTS)
-    assert written.keys() == exported.keys() and len(written) == 2 * 7 * hf.load_config(tiny_model_dir).num_layers
-    for k, v in written.items():
-        np.testing.assert_array_equal(v, exported[k])
-    assert any(np.any(v != 0) for k, v in written.items() if "lora_B" in k)  # trained, not the fresh LoRA
 
 
 def test_full_finetuning_run_resumes_and_exports_the_whole_model(tmp_path, tiny_model_dir):

@@ -1,23 +1,33 @@
 """The main job end to end, through the real CLI in a subprocess: tiny Qwen3, a shipped verifiers
-environment, the in-process rollout server, LoRA training, checkpoints and resume. (That the quickstart
-learns: tests/test_quickstart.py, a file of its own so that its long run can go to the other worker.)"""
+environment, the in-process rollout server, LoRA training, checkpoints and resume, the PEFT adapters a run
+writes. (That the quickstart learns: tests/test_quickstart.py, a file of its own so that its long run can go to
+the other worker.)"""
 
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
+import safetensors.numpy
 from helpers import REPO, jaxrl, read_metrics, write_run_config
 
-from jaxrl.model import assets
+from jaxrl.model import assets, hf, hf_lora
 
 
-def _config(tmp_path: Path, model: Path, *, max_steps: int, jax_extra: str = "", sampling: str = "") -> Path:
+def _config(tmp_path: Path, model: Path, *, max_steps: int, jax_extra: str = "", sampling: str = "",
+            tables: str = "") -> Path:
     return write_run_config(tmp_path / "rl.toml", model, max_steps=max_steps, checkpoint_interval=2,
-                            jax_extra=jax_extra, sampling=sampling)
+                            jax_extra=jax_extra, sampling=sampling, tables=tables)
+
+
+ADAPTERS = "[adapters]\ninterval = 1\nkeep_last = 1\n"
 
 
 def test_run_trains_checkpoints_and_resumes(tmp_path, tiny_model_dir):
-    cfg = _config(tmp_path, tiny_model_dir, max_steps=3)
+    """3 steps on 2 devices with checkpoints every 2 steps and `[adapters] interval = 1, keep_last = 1`; run
+    again (already complete); then resumed to 5 steps. After the first run only `adapters/step_3` is left,
+    and it holds the LoRA of checkpoint 3, as `jaxrl export --adapter` writes it from there."""
+    cfg = _config(tmp_path, tiny_model_dir, max_steps=3, tables=ADAPTERS)
     first = jaxrl("run", str(cfg), devices=2)  # all-1 mesh -> fsdp=2: the restore is sharded
     assert first.returncode == 0, first.stdout + first.stderr
     run_dir = tmp_path / "runs" / "e2e"
@@ -28,15 +38,36 @@ def test_run_trains_checkpoints_and_resumes(tmp_path, tiny_model_dir):
         assert r["seq_len"] > 8 and r["tokens_per_s"] > 0 and abs(r["policy/kl"]) < 1e-3
         assert r["async/staleness_max"] == 0 and r["async/in_flight"] == 0  # synchronous: nothing ahead
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == [2, 3]
+    _check_adapters(first.stdout, run_dir, tmp_path / "exported", tiny_model_dir)
 
     again = jaxrl("run", str(cfg), devices=2)  # same run, already complete
     assert again.returncode == 0 and "already complete" in again.stdout
 
-    cfg = _config(tmp_path, tiny_model_dir, max_steps=5)
+    cfg = _config(tmp_path, tiny_model_dir, max_steps=5, tables=ADAPTERS)
     resumed = jaxrl("run", str(cfg), devices=2)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resuming from checkpoint step 3" in resumed.stdout
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4, 5]
+
+
+def _check_adapters(log: str, run_dir: Path, out: Path, model: Path) -> None:
+    """The run wrote its PEFT adapter each step and kept the last only (`adapters/step_3`), and that adapter
+    is bit for bit what `jaxrl export --adapter` writes from the run's last checkpoint (3), trained (some
+    lora_B non-zero), with an A and a B for each of the 7 targets of each layer."""
+    from typer.testing import CliRunner
+
+    from jaxrl.cli.main import app
+
+    assert f"PEFT adapters in {run_dir / 'adapters'}" in log
+    assert sorted(p.name for p in (run_dir / "adapters").iterdir()) == ["step_3"]
+    result = CliRunner().invoke(app, ["export", str(run_dir), "--out", str(out), "--adapter"])
+    assert result.exit_code == 0, result.output
+    written = safetensors.numpy.load_file(run_dir / "adapters" / "step_3" / hf_lora.ADAPTER_WEIGHTS)
+    exported = safetensors.numpy.load_file(out / hf_lora.ADAPTER_WEIGHTS)
+    assert written.keys() == exported.keys() and len(written) == 2 * 7 * hf.load_config(model).num_layers
+    for k, v in written.items():
+        np.testing.assert_array_equal(v, exported[k])
+    assert any(np.any(v != 0) for k, v in written.items() if "lora_B" in k)  # trained, not the fresh LoRA
 
 
 def test_run_refuses_a_missing_model_without_traceback(tmp_path):
