@@ -1,5 +1,6 @@
 """`jaxrl compile`: the run's programs compiled for TPU slices by libtpu's compiler (no TPU attached)."""
 
+import dataclasses
 import json
 import tomllib
 
@@ -93,6 +94,25 @@ def _check_kl_reference(runner, app, config, tmp_path, lora: dict, full: dict):
     mesh = make_mesh({"fsdp": 4}, slices.topology_devices(slices.parse_slice("v5litepod-4")))
     program = programs.compile_train(report.shapes_of(lora_kl, report.model_of(lora_kl), 4), mesh)
     assert program.declared["reference"] == 0 and program.argument == lora["programs"][train]["argument"]
+
+
+def test_overflow_advice_leaves_out_what_the_run_already_does():
+    """Temporaries over HBM: the advice names `remat = true` only when remat is off, and a smaller
+    micro-batch only while it holds more than one sequence per batch shard (data x fsdp x expert chips);
+    the 2026-11-24 compile of Qwen3-235B-A22B on v5p-64 (remat on, 16-sequence micro-batches over 16
+    shards) had been told to try both. No compiling."""
+    from jaxrl.compile import report
+    from jaxrl.config.schema import RunConfig
+
+    cfg = RunConfig.model_validate({"model": "Qwen/Qwen3-4B-Instruct-2507", "batch_size": 64,
+                                    "rollouts_per_example": 8, "env": [{"id": "a/b"}],
+                                    "jax": {"remat": True, "micro_batch_size": 16}})
+    on = report.shapes_of(cfg, report.model_of(cfg), 1)
+    off = dataclasses.replace(on, remat=False)
+    assert report.advice("temporaries", off, {"fsdp": 4}) == report.ADVICE["temporaries"]
+    assert report.advice("temporaries", on, {"fsdp": 4}).startswith("a smaller [jax] micro_batch_size, fewer")
+    assert report.advice("temporaries", on, {"fsdp": 2, "expert": 8}) == "fewer decode_slots, or a larger slice"
+    assert report.advice("kv_cache", on, {}) == report.ADVICE["kv_cache"]
 
 
 def test_engine_group_is_the_runs_fit_rule():

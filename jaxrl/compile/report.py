@@ -44,7 +44,7 @@ ADVICE = {
                     "no copy), or more fsdp / expert chips",
     "engine_weights": "an engine over more hosts (--engine-hosts), or a larger slice",
     "kv_cache": "fewer [jax] decode_slots or a shorter seq_len",
-    "temporaries": "[jax] remat = true, a smaller [jax] micro_batch_size, or fewer decode_slots",
+    "temporaries": "[jax] remat = true, a smaller [jax] micro_batch_size, fewer decode_slots, or a larger slice",
     "other": "a smaller batch_size or decode_slots",
 }
 
@@ -118,12 +118,24 @@ class Report:
                  "per chip, GiB:"]
         lines += [f"  {name:<15}{self.terms[name] / g:8.2f}" for name in TERMS]
         verdict = "fits" if self.fits else \
-            f"does NOT fit: {self.overflow} is the largest term; try {ADVICE[self.overflow]}"
+            f"does NOT fit: {self.overflow} is the largest term; try {advice(self.overflow, s, self.mesh)}"
         lines.append(f"  {'total':<15}{self.total / g:8.2f}  of {self.hbm / g:.0f} GiB HBM ({FIT_SHARE:.0%} usable): "
                      f"{verdict}")
         lines.append(f"roofline: train step {self.train_step_s:.2f} s, decode step {self.decode_step_s * 1e3:.1f} ms "
                      f"= {self.decode_tokens_per_s:.0f} tok/s per engine ({self.slice.chip.source})")
         return "\n".join(lines)
+
+
+def advice(term: str, shapes: Shapes, mesh: dict[str, int]) -> str:
+    """What to change when `term` overflows (`ADVICE`), less what the run already does: for temporaries,
+    `remat = true` when remat is on, and a smaller micro-batch when it is one sequence per batch shard
+    (data x fsdp x expert chips)."""
+    if term != "temporaries":
+        return ADVICE[term]
+    shards = math.prod(mesh.get(a, 1) for a in ("data", "fsdp", "expert"))
+    fixes = ([] if shapes.remat else ["[jax] remat = true"]) + \
+        ([] if shapes.micro_batch_size <= shards else ["a smaller [jax] micro_batch_size"])
+    return ", ".join(fixes + ["fewer decode_slots", "or a larger slice"])
 
 
 def _extrapolate(a: Program, b: Program, da: int, db: int, depth: int) -> dict[str, int]:
