@@ -21,9 +21,8 @@ scheduler. Reports:
     python scripts/bench_rollout.py --concurrency 8 --cpu-devices 2   # the engine tensor-parallel over 2 CPU devices
 
 `--cpu-devices N` splits the host into N XLA CPU devices (`jax_num_cpu_devices`) and runs the engine on a
-mesh of `tensor` N over them: each device's program streams its share of every weight on its own thread.
-On one device XLA's CPU runtime runs a decode step's dots one after another, each at most 12.6 MB at
-this shape and read by one thread at a time (docs/benchmarks.md, 2026-11-24 evening).
+mesh of `tensor` N over them: each device's program streams its share of every weight on its own thread
+(a lead at the 0.6B shape, not a product setting: docs/benchmarks.md, 2026-11-24 night).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from jaxrl.launch import memory
 from jaxrl.model import catalog, hf
 from jaxrl.model.qwen3 import ModelConfig
 from jaxrl.parallel import distributed
-from jaxrl.parallel.sharding import MESH_AXES, make_mesh
+from jaxrl.parallel.sharding import MESH_AXES, RULES, make_mesh
 from jaxrl.rl.train import default_micro_batch, loss_config
 
 FIT_SHARE = 0.9  # a run fits when its total is at most this share of HBM (the rest: runtime, fragmentation)
@@ -129,10 +129,10 @@ class Report:
 def advice(term: str, shapes: Shapes, mesh: dict[str, int]) -> str:
     """What to change when `term` overflows (`ADVICE`), less what the run already does: for temporaries,
     `remat = true` when remat is on, and a smaller micro-batch when it is one sequence per batch shard
-    (data x fsdp x expert chips)."""
+    (the mesh axes the batch is split over, `RULES["batch"]`)."""
     if term != "temporaries":
         return ADVICE[term]
-    shards = math.prod(mesh.get(a, 1) for a in ("data", "fsdp", "expert"))
+    shards = math.prod(mesh.get(a, 1) for a in RULES["batch"])
     fixes = ([] if shapes.remat else ["[jax] remat = true"]) + \
         ([] if shapes.micro_batch_size <= shards else ["a smaller [jax] micro_batch_size"])
     return ", ".join(fixes + ["fewer decode_slots", "or a larger slice"])
