@@ -156,6 +156,8 @@ rollouts_per_example = 1
     rows = read_metrics(tmp_path / "runs" / "evals")
     assert [r["step"] for r in rows] == [0, 1, 2]
     base, first, second = rows
+    errors = "\n".join(line for line in proc.stdout.splitlines() if "first error" in line)
+    assert not errors, errors  # a failed rollout: the run's own line says why
     assert "reward/mean" not in base and not any(k.startswith("val/") for k in base)  # eval only, no training
     assert not any(k.startswith("eval/") for k in first) and "reward/mean" in first  # eval interval 2
     for row in (base, second):

@@ -46,7 +46,8 @@ class Checkpointer:
             and before every save (see `jaxrl.run.gcs.probe`).
 
     Raises:
-        CheckpointError: a `gs://` directory that is unreachable or not writable.
+        CheckpointError: a `gs://` directory that is unreachable or not writable, or leftover temporary
+            checkpoints (of a process killed mid-write) that could not be removed.
     """
 
     def __init__(self, directory: str, keep: int = 5, *, read_only: bool = False, attempts: int = 4,
@@ -63,6 +64,18 @@ class Checkpointer:
         self._mngr = ocp.CheckpointManager(directory, options=options)
         self._pending: int | None = None
         self._last_complete = self._mngr.latest_step()
+        if not read_only:
+            self._await_cleanup()
+
+    def _await_cleanup(self) -> None:
+        # Orbax removes leftover temporary checkpoints in a thread its constructor starts, and waits for it
+        # only in its first `save`. On gs:// that thread's look at the folder raced the probe object our first
+        # save writes and deletes: it saw the object, then listed nothing (FileNotFoundError), failing the
+        # save. So the cleanup is over when a Checkpointer has opened its folder. (No public call waits for it.)
+        try:
+            self._mngr._maybe_await_cleanup_tmp_directory()  # noqa: SLF001
+        except Exception as exc:  # noqa: BLE001 - any failure of the storage stack
+            raise self._error("cannot remove leftover temporary checkpoints in", exc) from exc
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, None when there is none."""
