@@ -241,7 +241,11 @@ def test_reference_kl_is_the_base_with_lora_off():
     with_kl, m = trainer.loss(params, sharded)
     np.testing.assert_allclose(m["policy/ref_kl"], k3, rtol=1e-3)
     without = Trainer(CFG, mesh, make_optimizer(1e-2), lora_scale=2.0).loss(params, sharded)[0]
-    np.testing.assert_allclose(with_kl - without, 0.5 * k3, rtol=1e-3)
+    np.testing.assert_allclose(with_kl - without, 0.5 * k3, rtol=2e-2)
+    # The two losses are about 0.41 each: their difference is known to a few dozen float32 steps (5e-7 of
+    # the 8.5e-5 penalty on an AVX-512 host). A 100x larger coefficient checks the factor to 1e-3.
+    heavy = Trainer(CFG, mesh, make_optimizer(1e-2), lora_scale=2.0, loss_cfg=LossConfig(kl_coef=50.0))
+    np.testing.assert_allclose(heavy.loss(params, sharded)[0] - without, 50.0 * k3, rtol=1e-3)
 
 
 @pytest.mark.parametrize("cfg", [  # "is", the default, trains in every other test; "gspo" in the next one
