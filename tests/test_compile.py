@@ -140,6 +140,39 @@ def test_engine_group_is_the_runs_fit_rule():
     assert hosts(big, "v5p-64", {"fsdp": 2, "tensor": 2, "expert": 8}, 1024) == 8
 
 
+def test_compile_picks_the_fewest_engine_hosts_that_fit_beside_the_compiled_train_step():
+    """Without --engine-hosts, `jaxrl compile` sets the compiled train step's bytes a chip (scratch included)
+    beside the engine's declared shards on each candidate engine mesh (replication included): Qwen3-235B-A22B
+    on v5p-128 with a trainer of 51.1 GiB a chip (its compiled train step: 8.48 weights, 3.32 LoRA + Adam,
+    39.3 temporaries) needs the engine on 8 hosts (20.76 GiB a chip: 17.82 weights, 2.94 cache, as the
+    compiled decode step declared them), where the run's arithmetic rule says 2 (it compiled to 127.79 GiB
+    a chip); 4 hosts would do beside a 40 GiB trainer; all 16 when nothing fits. On v5p-64 an engine on all
+    8 hosts reads the trainer's weights: only its cache is added. No compiling."""
+    from jaxrl.compile import programs, report
+    from jaxrl.config.schema import RunConfig
+    from jaxrl.parallel.sharding import make_mesh
+
+    gib = 2**30
+
+    def setup(slice_name: str, mesh: dict):
+        cfg = RunConfig.model_validate({"model": "Qwen/Qwen3-235B-A22B-Instruct-2507", "batch_size": 256,
+                                        "rollouts_per_example": 8, "env": [{"id": "a/b"}],
+                                        "jax": {"mesh": mesh, "dtype": "bfloat16", "decode_slots": 128}})
+        s = slices.parse_slice(slice_name)
+        return report.shapes_of(cfg, report.model_of(cfg), 32), make_mesh(mesh, slices.topology_devices(s)), s.chip
+
+    shapes, mesh, chip = setup("v5p-128", {"fsdp": 4, "tensor": 2, "expert": 8})
+    assert programs.engine_declared_bytes(shapes, programs.engine_mesh(mesh, 8), True) / gib == \
+        pytest.approx(17.82 + 2.94, abs=0.01)
+    assert report.engine_hosts_for(shapes, mesh, chip) == 2
+    assert report.compiled_engine_hosts(shapes, mesh, chip, int(51.1 * gib)) == 8
+    assert report.compiled_engine_hosts(shapes, mesh, chip, 40 * gib) == 4
+    assert report.compiled_engine_hosts(shapes, mesh, chip, 90 * gib) == 16
+    shapes, mesh, chip = setup("v5p-64", {"fsdp": 2, "tensor": 2, "expert": 8})
+    assert programs.engine_declared_bytes(shapes, mesh, False) / gib == pytest.approx(2.94, abs=0.01)
+    assert report.compiled_engine_hosts(shapes, mesh, chip, 63 * gib) == 8
+
+
 def test_cpu_only_choices_follow_the_mesh_not_the_host():
     """The mesh's devices decide what is done on CPU only, not the host compiling for them (a CPU here): the
     train head visits the vocabulary in cache-sized blocks (and chunks as many tokens as the hidden size) on

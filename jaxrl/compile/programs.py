@@ -269,6 +269,16 @@ def compile_decode(s: Shapes, mesh: Mesh) -> Program:
     return _measure("decode", lowered, declared)
 
 
+def engine_declared_bytes(s: Shapes, mesh: Mesh, own_weights: bool) -> int:
+    """Per chip, what a rollout engine on `mesh` holds by its declared shapes and shardings (nothing is
+    compiled): its KV cache, and with `own_weights` its copy of the base weights and LoRA (an engine on
+    fewer hosts than the trainer; one on all of them reads the trainer's). The decode step's scratch is
+    not in it."""
+    engine, params = _engine(s, mesh)
+    weights = shard_bytes(params["base"]) + shard_bytes(params["lora"]) if own_weights else 0
+    return weights + shard_bytes(abstract_decode_state(engine).cache)
+
+
 def engine_mesh(mesh: Mesh, hosts: int) -> Mesh:
     """The mesh of an engine on the first `hosts` hosts of `mesh` (the whole mesh when `hosts` is all of
     them): their devices, with the mesh's leading axes (data, then fsdp, expert, tensor) shrunk by

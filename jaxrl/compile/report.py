@@ -66,6 +66,7 @@ class Report:
     train_step_s: float
     decode_step_s: float
     compile_s: float
+    engine_hosts_from: str = "set"  # "set" (--engine-hosts, [jax] engine_hosts) or the rule's description
 
     @property
     def total(self) -> int:
@@ -92,7 +93,8 @@ class Report:
     def to_json(self) -> dict[str, Any]:
         return {
             "slice": self.slice.name, "topology": self.slice.topology, "chips": self.slice.chips,
-            "hosts": self.hosts, "mesh": self.mesh, "engine_hosts": self.engine_hosts, "engine_mesh": self.engine_mesh,
+            "hosts": self.hosts, "mesh": self.mesh, "engine_hosts": self.engine_hosts,
+            "engine_hosts_from": self.engine_hosts_from, "engine_mesh": self.engine_mesh,
             "model_layers": self.shapes.model.num_layers, "compiled_depths": list(self.depths),
             "batch_rows": self.shapes.batch_rows, "seq_len": self.shapes.seq_len,
             "micro_batch_size": self.shapes.micro_batch_size, "decode_slots": self.shapes.decode_slots,
@@ -107,7 +109,8 @@ class Report:
         g = 2**30
         s = self.shapes
         lines = [f"{self.slice.name} ({self.slice.topology}): {self.slice.chips} chips on {self.hosts} hosts, "
-                 f"mesh {self.mesh}; engine on {self.engine_hosts} host(s), mesh {self.engine_mesh}",
+                 f"mesh {self.mesh}; engine on {self.engine_hosts} host(s) ({self.engine_hosts_from}), "
+                 f"mesh {self.engine_mesh}",
                  f"model: {s.model.num_layers} layers; train {s.batch_rows} x {s.seq_len} tokens in micro-batches "
                  f"of {s.micro_batch_size}; {s.decode_slots} decode slots x {s.seq_len}; trains "
                  + ("every weight (finetune = \"full\": lora_optimizer is the weights' AdamW state and update)"
@@ -154,7 +157,7 @@ def engine_hosts_for(shapes: Shapes, mesh: Any, chip: slices.Chip) -> int:
     `jaxrl.run.runner` applies it): the fewest hosts, a divisor of the slice's, on whose chips a host's
     share of the engine's base weights and KV cache (`engine_bytes`) beside what the trainer keeps there
     (`jaxrl.launch.memory.trainer_bytes`: its weights, LoRA or optimizer state, remat activations) is at
-    most 90% of the HBM; all of them when none does. Arithmetic: no program is compiled for it."""
+    most 90% of the HBM; all of them when none does. Arithmetic: no scratch, no replication."""
     hosts = len({d.process_index for d in mesh.devices.flat})
     chips = mesh.devices.size // hosts
     itemsize = jnp.dtype(shapes.dtype).itemsize
@@ -163,6 +166,44 @@ def engine_hosts_for(shapes: Shapes, mesh: Any, chip: slices.Chip) -> int:
                                    train_seqs=shapes.batch_rows, micro_seqs=shapes.micro_batch_size,
                                    weight_bytes=itemsize, full=shapes.full)
     return distributed.engine_hosts(0, need, chips * chip.hbm_bytes, hosts, trainer * chips)
+
+
+def compiled_engine_hosts(shapes: Shapes, mesh: Any, chip: slices.Chip, trainer: int) -> int:
+    """The fewest hosts per rollout engine, a divisor of the slice's that `programs.engine_mesh` can lay
+    the engine on, at which `trainer` (the compiled train step's bytes per chip, scratch included:
+    `_trainer_bytes`) plus the engine's declared bytes per chip on its mesh (`programs.engine_declared_bytes`:
+    its weights' shards as placed there, replication included, and its KV cache) is at most `FIT_SHARE` of
+    the HBM; all the hosts when none is. What `jaxrl compile` picks without `--engine-hosts`: the run's own
+    rule (`engine_hosts_for`) counts neither the scratch nor the replication, and on Qwen3-235B-A22B at
+    v5p-128 picks 2 hosts where 8 are needed (docs/tpu.md, section 7). The engine's own scratch is left to
+    the compiled report."""
+    hosts = len({d.process_index for d in mesh.devices.flat})
+    for k in (k for k in range(1, hosts + 1) if hosts % k == 0):
+        try:
+            emesh = programs.engine_mesh(mesh, k)
+        except ValueError:
+            continue
+        own = k < hosts or (shapes.full and shapes.dtype != jnp.float32)
+        if trainer + programs.engine_declared_bytes(shapes, emesh, own) <= FIT_SHARE * chip.hbm_bytes:
+            return k
+    return hosts
+
+
+def _trainer_bytes(train: dict[str, int]) -> int:
+    """Per chip, what the compiled train step keeps whether or not the engine shares its chips: the
+    report's weights, lora_optimizer, kl_reference and batch terms, and the step's temporaries."""
+    return (train["declared_weights"] + train["declared_lora"] + train["declared_optimizer"] + train["output"]
+            + train["declared_reference"] + train["declared_batch"] + train["temp"])
+
+
+def _at_depth(by_depth: dict[int, Program], depths: tuple[int, ...], layers: int) -> dict[str, int]:
+    """A program's byte counts at `layers`: compiled there (one depth) or extrapolated from two."""
+    if len(depths) == 1:
+        p = by_depth[depths[0]]
+        return {**{f: getattr(p, f) for f in ("argument", "output", "alias", "temp")},
+                **{f"declared_{k}": v for k, v in p.declared.items()}}
+    da, db = depths[:2]
+    return _extrapolate(by_depth[da], by_depth[db], da, db, layers)
 
 
 def roofline(m: ModelConfig, s: Shapes, chip: slices.Chip, chips: int, engine_chips: int,
@@ -196,7 +237,8 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
     Args:
         shapes: the run's sizes; its model is replaced by `model` at each compiled depth.
         depths: two reduced depths to compile and extrapolate from; None compiles at full depth.
-        engine_hosts: hosts per rollout engine; None: `engine_hosts_for`.
+        engine_hosts: hosts per rollout engine; None: `compiled_engine_hosts`, beside the train step (which
+            is compiled first).
     Raises:
         ProgramTooLarge: the compiler refused a program (it needs more than a chip's HBM).
         ValueError: the mesh does not use every chip of the slice, or the engine's hosts do not divide
@@ -207,28 +249,28 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
     mesh = make_mesh(mesh_shape, devices)
     hosts = len({d.process_index for d in devices})
     shapes = dataclasses.replace(shapes, model=model)
-    g = engine_hosts or engine_hosts_for(shapes, mesh, slice_.chip)
-    emesh = programs.engine_mesh(mesh, g)
     depths = tuple(depths or (model.num_layers,))
     t0 = time.perf_counter()
-    compiled = {}
-    for depth in depths:
-        sd = shapes.at_depth(depth)
+    compiled: dict[str, dict[int, Program]] = {"train": {}, "prefill": {}, "decode": {}}
+
+    def run(name: str, depth: int, compile_one: Any) -> None:
         try:
-            compiled[depth] = {"train": programs.compile_train(sd, mesh),
-                               "prefill": programs.compile_prefill(sd, emesh),
-                               "decode": programs.compile_decode(sd, emesh)}
+            compiled[name][depth] = compile_one()
         except programs.ProgramTooLarge as exc:
             raise programs.ProgramTooLarge(f"does NOT fit at {depth} layers, the {exc}; try "
                                            f"{ADVICE['temporaries']}, or tensor > 1 (attention scores are split "
                                            f"by heads)") from None
-    if len(depths) == 1:
-        at = {n: {**{f: getattr(p, f) for f in ("argument", "output", "alias", "temp")},
-                  **{f"declared_{k}": v for k, v in p.declared.items()}} for n, p in compiled[depths[0]].items()}
-    else:
-        da, db = depths[:2]
-        at = {n: _extrapolate(compiled[da][n], compiled[db][n], da, db, model.num_layers) for n in compiled[da]}
-    train, prefill, decode = at["train"], at["prefill"], at["decode"]
+
+    # The train step first: the engine group rule sets its compiled bytes, scratch included, beside the engine.
+    for depth in depths:
+        run("train", depth, lambda d=depth: programs.compile_train(shapes.at_depth(d), mesh))
+    train = _at_depth(compiled["train"], depths, model.num_layers)
+    g = engine_hosts or compiled_engine_hosts(shapes, mesh, slice_.chip, _trainer_bytes(train))
+    emesh = programs.engine_mesh(mesh, g)
+    for depth in depths:
+        run("prefill", depth, lambda d=depth: programs.compile_prefill(shapes.at_depth(d), emesh))
+        run("decode", depth, lambda d=depth: programs.compile_decode(shapes.at_depth(d), emesh))
+    prefill, decode = (_at_depth(compiled[n], depths, model.num_layers) for n in ("prefill", "decode"))
     # the engine reads the trainer's weights unless it has its own mesh, or full fine-tuning casts them
     shared = emesh.devices.size == mesh.devices.size and not (shapes.full and shapes.dtype != jnp.float32)
     terms = {
@@ -246,11 +288,12 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
     k = -(-shapes.batch_rows // shapes.micro_batch_size)
     train_s, decode_s = roofline(model, shapes, slice_.chip, mesh.devices.size, emesh.devices.size,
                                  terms["weights"], decode["declared_weights"], terms["kv_cache"], k)
-    raw = {f"{n}@{d}": dataclasses.asdict(p) for d, ps in compiled.items() for n, p in ps.items()}
+    raw = {f"{n}@{d}": dataclasses.asdict(p) for n, ps in compiled.items() for d, p in sorted(ps.items())}
+    full = {"train": train, "prefill": prefill, "decode": decode}
     return Report(slice_, hosts, dict(mesh.shape), g, dict(emesh.shape), shapes, depths, terms,
-                  {**raw, **({f"{n}@{model.num_layers}": v for n, v in at.items()} if len(depths) > 1 else {})},
-                  train_s, decode_s,
-                  time.perf_counter() - t0)
+                  {**raw, **({f"{n}@{model.num_layers}": v for n, v in full.items()} if len(depths) > 1 else {})},
+                  train_s, decode_s, time.perf_counter() - t0,
+                  "set" if engine_hosts else "the fewest that fit beside the compiled train step")
 
 
 def model_of(cfg: RunConfig) -> ModelConfig:
