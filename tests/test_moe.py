@@ -136,6 +136,39 @@ def test_dense_and_grouped_dispatch_agree_with_lora_and_gradients():
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
+def test_chunk_count():
+    """The fewest power-of-two chunks that divide the tokens and leave at most the asked assignments each."""
+    assert moe.chunk_count(24, 3, 72) == 1 and moe.chunk_count(24, 3, 71) == 2
+    assert moe.chunk_count(24, 3, 8) == 8  # 9 assignments a chunk: 16 chunks would not divide 24 tokens
+    assert moe.chunk_count(8 * 4096, 8, moe.ASSIGNMENTS_PER_CHUNK) == 16  # Qwen3-235B-A22B's expert group
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("mesh_shape", [None, {"data": 2, "expert": 4}], ids=["one-device", "expert-parallel"])
+def test_chunked_dispatch_gives_the_same_outputs_and_gradients(mesh_shape):
+    """The grouped dispatch in 8 chunks of tokens (`experts_chunked`) against one chunk: the same outputs and
+    LoRA and input gradients, on one device and expert parallel (the expert group's gathered tokens chunked)."""
+    we, lwe, router = _random_experts()
+    h_BTD = jax.random.normal(jax.random.key(3), (4, 6, 16))
+    mesh = make_mesh(mesh_shape) if mesh_shape else None
+
+    def loss(h, lwe, per_chunk):
+        out = moe.moe_block(h, router, we, lwe, top_k=3, norm_topk_prob=True, lora_scale=0.5, mesh=mesh,
+                            dispatch="grouped", assignments_per_chunk=per_chunk)
+        return jnp.sum(out ** 2), out
+
+    # one device: all 24 tokens; expert parallel: an expert group gathers its 4 devices' 3 tokens each
+    tokens = 24 if mesh_shape is None else 24 // 8 * 4
+    assert moe.chunk_count(tokens, 3, 9) == (8 if mesh_shape is None else 4)
+    results = [jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)(h_BTD, lwe, n)
+               for n in (10**6, 9)]
+    (_, one), grads_one = results[0]
+    (_, chunked), grads_chunked = results[1]
+    np.testing.assert_allclose(chunked, one, atol=1e-5, rtol=0)
+    for a, b in zip(jax.tree.leaves(grads_chunked), jax.tree.leaves(grads_one), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
 def _tiny_cfg(moe_model: bool) -> qwen3.ModelConfig:
     extra = {} if not moe_model else dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                           norm_topk_prob=True)

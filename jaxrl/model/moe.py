@@ -10,10 +10,11 @@ The block's output is `sum_k p_k * expert_k(h)` with SwiGLU experts `down(silu(g
 - `experts_dense` runs every expert on every token and weights the results (E / k times the useful
   FLOPs): simple and fast for the handful of experts of test models.
 - `experts_grouped` sorts the assignments by expert and runs each expert on its own rows with
-  `jax.lax.ragged_dot`: only the useful FLOPs, for real expert counts.
+  `jax.lax.ragged_dot`: only the useful FLOPs, for real expert counts. `experts_chunked` runs it on
+  chunks of tokens one after another, so that only one chunk's rows and activations are held at a time.
 - `moe_block` with an `expert` mesh axis larger than 1 is expert parallel (`shard_map`): every device
   holds E / ep experts; the tokens of the ep devices of an expert group are all-gathered, each device
-  runs its experts on the rows routed to them (`experts_grouped`), and a reduce-scatter returns each
+  runs its experts on the rows routed to them (`experts_chunked`), and a reduce-scatter returns each
   token's summed output to the device that owns it (the all-gather dispatcher of Megatron-LM's MoE).
   Nothing has a capacity, so no token is ever dropped; the price is that the all-gather moves every
   token to each of the ep devices rather than only to its k experts. Expert weights sharded over
@@ -38,6 +39,7 @@ EXPERT_AXES: dict[str, tuple[str | None, ...]] = {
     "w_down": ("experts", "mlp", "embed"),
 }
 DENSE_DISPATCH_MAX_EXPERTS = 8  # up to this many experts, one device runs `experts_dense`
+ASSIGNMENTS_PER_CHUNK = 16384  # `experts_chunked`: at most about this many assignments' rows at a time
 
 
 def route(h_MD: jax.Array, router_DE: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
@@ -107,6 +109,40 @@ def experts_grouped(h_MD: jax.Array, idx_MX: jax.Array, w_MX: jax.Array, we: dic
     return jnp.zeros_like(h_MD).at[token_A].add((out_AD * weight_A[:, None]).astype(h_MD.dtype))
 
 
+def chunk_count(tokens: int, top_k: int, assignments_per_chunk: int) -> int:
+    """Chunks `experts_chunked` splits `tokens` tokens into: the fewest, a power of two dividing `tokens`,
+    that leave at most `assignments_per_chunk` assignments (tokens x `top_k`) a chunk, or the most that
+    divide it."""
+    c = 1
+    while tokens * top_k > c * assignments_per_chunk and tokens % (2 * c) == 0:
+        c *= 2
+    return c
+
+
+def experts_chunked(h_MD: jax.Array, idx_MX: jax.Array, w_MX: jax.Array, we: dict[str, jax.Array],
+                    lwe: dict[str, Any] | None, lora_scale: float, first_expert: jax.Array | int = 0,
+                    assignments_per_chunk: int = ASSIGNMENTS_PER_CHUNK) -> jax.Array:
+    """`experts_grouped` on contiguous chunks of the M tokens, one chunk after another (`jax.lax.map`), each
+    chunk's scratch recomputed in the backward pass (`jax.checkpoint`) rather than kept. Without chunks, the
+    grouped dispatch holds every assignment's row, [M * X, D], and the experts' activations, [M * X, I],
+    at once, forward and backward: under expert parallelism M is the whole expert group's tokens (for
+    Qwen3-235B-A22B on 8 expert shards of one 4096-token sequence each, 262,144 rows of 4096, 2 GiB in
+    bfloat16). With chunks, about `assignments_per_chunk` rows at a time (`chunk_count`). The same values:
+    a token's output depends on its own assignments only. Returns [M, D] in h's dtype."""
+    m, x = idx_MX.shape
+    chunks = chunk_count(m, x, assignments_per_chunk)
+    if chunks == 1:
+        return experts_grouped(h_MD, idx_MX, w_MX, we, lwe, lora_scale, first_expert)
+
+    @jax.checkpoint
+    def chunk(args: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+        return experts_grouped(*args, we, lwe, lora_scale, first_expert)
+
+    split = (h_MD.reshape(chunks, m // chunks, -1), idx_MX.reshape(chunks, m // chunks, x),
+             w_MX.reshape(chunks, m // chunks, x))
+    return jax.lax.map(chunk, split).reshape(h_MD.shape)
+
+
 def _gather_non_expert(x: jax.Array, spec: PartitionSpec) -> jax.Array:
     """All-gather every sharded dimension of a local block except its `expert` sharding."""
     for dim, axes in enumerate(spec):
@@ -119,7 +155,7 @@ def _gather_non_expert(x: jax.Array, spec: PartitionSpec) -> jax.Array:
 
 def moe_block(h_BTD: jax.Array, router_DE: jax.Array, we: dict[str, jax.Array], lwe: dict[str, Any] | None,
               *, top_k: int, norm_topk_prob: bool, lora_scale: float, mesh: Mesh | None = None,
-              dispatch: str = "auto") -> jax.Array:
+              dispatch: str = "auto", assignments_per_chunk: int = ASSIGNMENTS_PER_CHUNK) -> jax.Array:
     """The sparse MLP block on [B, T, D] hidden states; returns [B, T, D] in their dtype.
 
     Args:
@@ -128,6 +164,8 @@ def moe_block(h_BTD: jax.Array, router_DE: jax.Array, we: dict[str, jax.Array], 
         mesh: the device mesh; with an `expert` axis of size > 1 the block is expert parallel.
         dispatch: on one expert shard, "dense", "grouped", or "auto" (dense up to
             `DENSE_DISPATCH_MAX_EXPERTS` experts).
+        assignments_per_chunk: the grouped dispatch runs in chunks of about this many token-expert
+            assignments (`experts_chunked`).
 
     Raises:
         ValueError: the expert count is not a multiple of the `expert` mesh axis.
@@ -138,8 +176,10 @@ def moe_block(h_BTD: jax.Array, router_DE: jax.Array, we: dict[str, jax.Array], 
     ep = 1 if mesh is None else mesh.shape["expert"]
     if ep == 1:
         dense = dispatch == "dense" or (dispatch == "auto" and e <= DENSE_DISPATCH_MAX_EXPERTS)
-        run = experts_dense if dense else experts_grouped
-        return run(h_BTD.reshape(b * t, d), idx_MX, w_MX, we, lwe, lora_scale).reshape(b, t, d)
+        if dense:
+            return experts_dense(h_BTD.reshape(b * t, d), idx_MX, w_MX, we, lwe, lora_scale).reshape(b, t, d)
+        return experts_chunked(h_BTD.reshape(b * t, d), idx_MX, w_MX, we, lwe, lora_scale,
+                               assignments_per_chunk=assignments_per_chunk).reshape(b, t, d)
     if e % ep:
         raise ValueError(f"{e} experts cannot be split over an expert mesh axis of size {ep}")
 
@@ -157,7 +197,7 @@ def moe_block(h_BTD: jax.Array, router_DE: jax.Array, we: dict[str, jax.Array], 
         we = {k: _gather_non_expert(v, w_specs[k]) for k, v in we.items()}
         lwe = {k: {f: _gather_non_expert(v, lw_specs[k][f]) for f, v in ab.items()} for k, ab in lwe.items()}
         first = jax.lax.axis_index("expert") * we["w_gate"].shape[0]
-        out_MD = experts_grouped(h_MD, idx_MX, w_MX, we, lwe, lora_scale, first)
+        out_MD = experts_chunked(h_MD, idx_MX, w_MX, we, lwe, lora_scale, first, assignments_per_chunk)
         if split:  # sum over the experts and hand each token back to its owner
             return jax.lax.psum_scatter(out_MD, "expert", scatter_dimension=0, tiled=True)
         return jax.lax.psum(out_MD, "expert")
