@@ -27,7 +27,7 @@ from jaxrl.compile.programs import Program, Shapes
 from jaxrl.config.schema import ConfigError, RunConfig, resolve_model_path
 from jaxrl.inference.engine import engine_bytes
 from jaxrl.launch import memory
-from jaxrl.model import catalog, hf
+from jaxrl.model import catalog, hf, moe
 from jaxrl.model.qwen3 import ModelConfig
 from jaxrl.parallel import distributed
 from jaxrl.parallel.sharding import MESH_AXES, RULES, make_mesh
@@ -148,6 +148,9 @@ def _extrapolate(a: Program, b: Program, da: int, db: int, depth: int) -> dict[s
         return x + (y - x) * (depth - da) // (db - da)
 
     out = {f: line(getattr(a, f), getattr(b, f)) for f in ("argument", "output", "alias", "temp")}
+    # a program whose scratch is flat in depth can come out a few MB smaller at the deeper one (the
+    # compiler's scheduling): its line then falls below zero at 94 layers. Never below what was compiled.
+    out["temp"] = max(out["temp"], min(a.temp, b.temp))
     out.update({f"declared_{k}": line(a.declared[k], b.declared[k]) for k in a.declared})
     return out
 
@@ -207,14 +210,17 @@ def _at_depth(by_depth: dict[int, Program], depths: tuple[int, ...], layers: int
 
 
 def roofline(m: ModelConfig, s: Shapes, chip: slices.Chip, chips: int, engine_chips: int,
-             weights: int, engine_weights: int, kv_cache: int, micro_batches: int) -> tuple[float, float]:
+             weights: int, engine_weights: int, kv_cache: int, micro_batches: int,
+             expert_chunks: bool = False) -> tuple[float, float]:
     """(train step seconds, decode step seconds): max(FLOPs / peak, bytes / bandwidth) per chip.
 
     FLOPs per token: 2 per weight of a matmul the token goes through (attention, its MLP or top-k experts,
     the unembedding), plus 4·L·T·N·H for attention over T positions (scores and values, mask included).
-    Training multiplies them by 3 (forward, backward) and 4 with remat (the forward again). Bytes: a train
-    step reads the chip's weights 2x (3x with remat) per micro-batch; a decode step reads the engine's
-    weights and the whole KV cache once.
+    Training multiplies them by 3 (forward, backward) and 4 with remat (the forward again), and the top-k
+    experts' by one more when the train step's expert dispatch runs in chunks (`expert_chunks`:
+    `jaxrl.model.moe.experts_chunked` recomputes each chunk in the backward). Bytes: a train step reads
+    the chip's weights 2x (3x with remat) per micro-batch; a decode step reads the engine's weights and the
+    whole KV cache once.
     """
     d, n_h, k_h = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     mlp = m.num_experts_per_tok * 3 * d * m.moe_intermediate_size + d * m.num_experts if m.is_moe \
@@ -223,6 +229,9 @@ def roofline(m: ModelConfig, s: Shapes, chip: slices.Chip, chips: int, engine_ch
     t = s.seq_len  # the train batch's width (`make_batch`)
     passes = 4 if s.remat else 3
     train_flops = passes * s.batch_rows * t * (2 * matmul + 4 * m.num_layers * t * n_h) / chips
+    if expert_chunks:
+        experts = m.num_layers * m.num_experts_per_tok * 3 * d * m.moe_intermediate_size
+        train_flops += s.batch_rows * t * 2 * experts / chips
     train_bytes = (3 if s.remat else 2) * micro_batches * weights
     train = max(train_flops / chip.flops, train_bytes / chip.hbm_bandwidth)
     decode_flops = s.decode_slots * (2 * matmul + 4 * m.num_layers * s.seq_len * n_h) / engine_chips
@@ -286,8 +295,12 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
         "other": train["declared_batch"] + decode["declared_slots"] + prefill["output"],
     }
     k = -(-shapes.batch_rows // shapes.micro_batch_size)
+    # the tokens an expert group dispatches per micro-batch: a batch shard's, times the expert axis
+    shards = math.prod(mesh.shape[a] for a in RULES["batch"])
+    group = shapes.micro_batch_size * shapes.seq_len // shards * mesh.shape["expert"]
+    chunked = model.is_moe and moe.chunk_count(group, model.num_experts_per_tok, moe.ASSIGNMENTS_PER_CHUNK) > 1
     train_s, decode_s = roofline(model, shapes, slice_.chip, mesh.devices.size, emesh.devices.size,
-                                 terms["weights"], decode["declared_weights"], terms["kv_cache"], k)
+                                 terms["weights"], decode["declared_weights"], terms["kv_cache"], k, chunked)
     raw = {f"{n}@{d}": dataclasses.asdict(p) for n, ps in compiled.items() for d, p in sorted(ps.items())}
     full = {"train": train, "prefill": prefill, "decode": decode}
     return Report(slice_, hosts, dict(mesh.shape), g, dict(emesh.shape), shapes, depths, terms,
