@@ -232,7 +232,9 @@ class JaxConfig(_Table):
     (`jaxrl.parallel.distributed.engine_hosts`): 1, an engine per host (the fastest where the model fits),
     unless the base weights and KV cache, beside what the trainer keeps on the same chips (its share of
     the weights, the LoRA or optimizer state, activations), need more than 90% of one host's accelerator
-    memory; then the fewest hosts on which a host's share of them fits so."""
+    memory; then the fewest hosts on which a host's share of them fits so. The rule is arithmetic and leaves
+    out the train step's scratch: on a multi-host slice set this to the engine hosts `jaxrl compile` prints
+    (it picks them beside the compiled train step; docs/tpu.md, section 7)."""
     host: str = "127.0.0.1"
     """Address of the rollout server that environments call. Default "127.0.0.1"."""
     port: int = Field(0, ge=0, le=65535)
