@@ -161,7 +161,7 @@ def engine_hosts_for(shapes: Shapes, mesh: Any, chip: slices.Chip) -> int:
     share of the engine's base weights and KV cache (`engine_bytes`) beside what the trainer keeps there
     (`jaxrl.launch.memory.trainer_bytes`: its weights, LoRA or optimizer state, remat activations) is at
     most 90% of the HBM; all of them when none does. Arithmetic: no scratch, no replication."""
-    hosts = len({d.process_index for d in mesh.devices.flat})
+    hosts = _hosts(mesh)
     chips = mesh.devices.size // hosts
     itemsize = jnp.dtype(shapes.dtype).itemsize
     need = engine_bytes(shapes.model, shapes.decode_slots, shapes.seq_len, itemsize)
@@ -169,6 +169,17 @@ def engine_hosts_for(shapes: Shapes, mesh: Any, chip: slices.Chip) -> int:
                                    train_seqs=shapes.batch_rows, micro_seqs=shapes.micro_batch_size,
                                    weight_bytes=itemsize, full=shapes.full)
     return distributed.engine_hosts(0, need, chips * chip.hbm_bytes, hosts, trainer * chips)
+
+
+def _hosts(mesh: Any) -> int:
+    return len({d.process_index for d in mesh.devices.flat})
+
+
+def _engine_owns_weights(shapes: Shapes, emesh: Any, mesh: Any) -> bool:
+    """Whether an engine on `emesh` holds its own copy of the weights: it runs on fewer devices than the
+    trainer's `mesh`, or full fine-tuning casts the float32 master weights to another `dtype`. Otherwise it
+    reads the trainer's in place."""
+    return emesh.devices.size < mesh.devices.size or (shapes.full and shapes.dtype != jnp.float32)
 
 
 def compiled_engine_hosts(shapes: Shapes, mesh: Any, chip: slices.Chip, trainer: int) -> int:
@@ -180,13 +191,13 @@ def compiled_engine_hosts(shapes: Shapes, mesh: Any, chip: slices.Chip, trainer:
     rule (`engine_hosts_for`) counts neither the scratch nor the replication, and on Qwen3-235B-A22B at
     v5p-128 picks 2 hosts where 8 are needed (docs/tpu.md, section 7). The engine's own scratch is left to
     the compiled report."""
-    hosts = len({d.process_index for d in mesh.devices.flat})
+    hosts = _hosts(mesh)
     for k in (k for k in range(1, hosts + 1) if hosts % k == 0):
         try:
             emesh = programs.engine_mesh(mesh, k)
         except ValueError:
             continue
-        own = k < hosts or (shapes.full and shapes.dtype != jnp.float32)
+        own = _engine_owns_weights(shapes, emesh, mesh)
         if trainer + programs.engine_declared_bytes(shapes, emesh, own) <= FIT_SHARE * chip.hbm_bytes:
             return k
     return hosts
@@ -256,7 +267,7 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
     """
     devices = slices.topology_devices(slice_)
     mesh = make_mesh(mesh_shape, devices)
-    hosts = len({d.process_index for d in devices})
+    hosts = _hosts(mesh)
     shapes = dataclasses.replace(shapes, model=model)
     depths = tuple(depths or (model.num_layers,))
     t0 = time.perf_counter()
@@ -280,15 +291,14 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
         run("prefill", depth, lambda d=depth: programs.compile_prefill(shapes.at_depth(d), emesh))
         run("decode", depth, lambda d=depth: programs.compile_decode(shapes.at_depth(d), emesh))
     prefill, decode = (_at_depth(compiled[n], depths, model.num_layers) for n in ("prefill", "decode"))
-    # the engine reads the trainer's weights unless it has its own mesh, or full fine-tuning casts them
-    shared = emesh.devices.size == mesh.devices.size and not (shapes.full and shapes.dtype != jnp.float32)
     terms = {
         "weights": train["declared_weights"],  # full fine-tuning: the float32 master weights
         # the state in and out of the step (nothing is donated: the engine still reads the old LoRA or weights)
         "lora_optimizer": train["declared_lora"] + train["declared_optimizer"] + train["output"],
         # full fine-tuning with kl_coef > 0: the frozen starting weights (in `dtype`) the KL reference runs
         "kl_reference": train["declared_reference"],
-        "engine_weights": 0 if shared else decode["declared_weights"] + decode["declared_lora"],
+        "engine_weights": decode["declared_weights"] + decode["declared_lora"]
+        if _engine_owns_weights(shapes, emesh, mesh) else 0,
         "kv_cache": decode["declared_kv_cache"],
         # the train step runs in a thread while the engine decodes: both programs' scratch at once
         "temporaries": train["temp"] + max(prefill["temp"], decode["temp"]),
