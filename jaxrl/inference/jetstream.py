@@ -357,14 +357,22 @@ class InProcess:
 
         async def watched() -> list[list[int]]:
             work = asyncio.ensure_future(asyncio.gather(*(one(p) for p in prompts)))
-            while not work.done():
-                # 0.2.2 has no public list of its threads
-                failed = [t for t in self.driver._all_threads if getattr(t, "error", None) is not None]
-                if failed:
+            try:
+                while not work.done():
+                    # 0.2.2 has no public list of its threads
+                    failed = [t for t in self.driver._all_threads if getattr(t, "error", None) is not None]
+                    if failed:
+                        raise JetStreamError(f"JetStream thread {failed[0].name} failed: {failed[0].error!r}")
+                    await asyncio.wait({work}, timeout=0.05)
+                return work.result()
+            finally:
+                if not work.done():
                     work.cancel()
-                    raise JetStreamError(f"JetStream thread {failed[0].name} failed: {failed[0].error!r}")
-                await asyncio.wait({work}, timeout=0.05)
-            return work.result()
+                    await asyncio.wait({work})
+                if not work.cancelled():
+                    # A cancelled gather holds its children's CancelledError as its exception; unread,
+                    # asyncio logs it with its traceback whenever the future happens to be collected.
+                    work.exception()
 
         future = asyncio.run_coroutine_threadsafe(watched(), self.loop)
         try:
