@@ -115,29 +115,45 @@ def test_overflow_advice_leaves_out_what_the_run_already_does():
     assert report.advice("kv_cache", on, {}) == report.ADVICE["kv_cache"]
 
 
-def test_engine_group_is_the_runs_fit_rule():
-    """The report's engine hosts are the ones a run would take (`distributed.engine_hosts`): an engine per
-    host while the model's bfloat16 weights and KV cache, beside what the trainer keeps on the same chips
-    (`memory.trainer_bytes`), fit 90% of a host's HBM (Qwen3-30B-A3B on v5p, 4 x 95 GiB), else the fewest
-    hosts on which they do (Qwen3-235B-A22B: 438 GiB of weights and 94 GiB of cache, 2 of v5p-64's 8 hosts
-    for them alone, but 4 beside the trainer's 21 GiB a chip (a 1-sequence micro-batch); all 8 once 1024
-    slots of 4096 tokens make the cache 752 GiB). No compiling."""
-    from jaxrl.compile import report
+def test_the_runs_engine_group_is_chosen_beside_its_compiled_train_step(tiny_model_dir):
+    """A run with `[jax] engine_hosts = 0` over several processes with accelerators
+    (`distributed.engine_hosts`) compiles its train step for its own mesh and takes the fewest hosts whose
+    engine fits beside it (`report.run_engine_hosts`), as `jaxrl compile` does. The tiny Qwen3 on v5p-16
+    (2 hosts, fsdp 8): with a chip just large enough for the compiled train step (scratch included) plus an
+    engine on one host (its own copy of the weights), one host; a byte less, both hosts (the engine reads
+    the trainer's weights in place). One process, or no accelerator memory (CPU): one host, nothing
+    compiled."""
+    import math
+
+    from jaxrl.compile import programs, report
     from jaxrl.config.schema import RunConfig
+    from jaxrl.model import hf
+    from jaxrl.parallel import distributed
     from jaxrl.parallel.sharding import make_mesh
 
-    def hosts(model: str, slice_name: str, mesh: dict, slots: int) -> int:
-        cfg = RunConfig.model_validate({"model": model, "batch_size": 256, "rollouts_per_example": 8,
-                                        "env": [{"id": "a/b"}], "jax": {"mesh": mesh, "dtype": "bfloat16",
-                                                                        "decode_slots": slots}})
-        s = slices.parse_slice(slice_name)
-        mesh = make_mesh(mesh, slices.topology_devices(s))
-        return report.engine_hosts_for(report.shapes_of(cfg, report.model_of(cfg), 1), mesh, s.chip)
+    cfg = RunConfig.model_validate({"model": "tiny", "batch_size": 16, "rollouts_per_example": 4,
+                                    "env": [{"id": "a/b"}], "jax": {"model_path": str(tiny_model_dir), "seq_len": 128,
+                                                                    "decode_slots": 8, "mesh": {"fsdp": 8}}})
+    mcfg = hf.load_config(str(tiny_model_dir))
+    mesh = make_mesh({"fsdp": 8}, slices.topology_devices(slices.parse_slice("v5p-16")))
+    shapes = report.shapes_of(cfg, mcfg, 8)
+    train = programs.compile_train(shapes, mesh)
+    assert train.temp > 0
+    trainer = sum(train.declared.values()) + train.output + train.temp
+    one = trainer + programs.engine_declared_bytes(shapes, programs.engine_mesh(mesh, 1), True)
+    both = trainer + programs.engine_declared_bytes(shapes, mesh, False)
+    assert both < one
+    hbm = math.ceil(one / report.FIT_SHARE)
 
-    assert hosts("Qwen/Qwen3-30B-A3B-Instruct-2507", "v5p-16", {"fsdp": 2, "expert": 4}, 256) == 1
-    big = "Qwen/Qwen3-235B-A22B-Instruct-2507"
-    assert hosts(big, "v5p-64", {"fsdp": 2, "tensor": 2, "expert": 8}, 128) == 4
-    assert hosts(big, "v5p-64", {"fsdp": 2, "tensor": 2, "expert": 8}, 1024) == 8
+    def fit(chip_bytes: int) -> int:
+        return report.run_engine_hosts(cfg, mcfg, mesh, chip_bytes)
+
+    assert distributed.engine_hosts(0, 2, hbm, fit) == 1
+    assert distributed.engine_hosts(0, 2, hbm - 1, fit) == 2
+    assert distributed.engine_hosts(0, 2, None, fit) == distributed.engine_hosts(0, 1, hbm - 1, fit) == 1
+    assert distributed.engine_hosts(2, 2, None, fit) == 2
+    with pytest.raises(ValueError, match="engine_hosts = 3 does not divide the 2 processes"):
+        distributed.engine_hosts(3, 2, None, fit)
 
 
 def test_compile_picks_the_fewest_engine_hosts_that_fit_beside_the_compiled_train_step():
@@ -145,8 +161,8 @@ def test_compile_picks_the_fewest_engine_hosts_that_fit_beside_the_compiled_trai
     beside the engine's declared shards on each candidate engine mesh (replication included): Qwen3-235B-A22B
     on v5p-128 with a trainer of 51.1 GiB a chip (its compiled train step: 8.48 weights, 3.32 LoRA + Adam,
     39.3 temporaries) needs the engine on 8 hosts (20.76 GiB a chip: 17.82 weights, 2.94 cache, as the
-    compiled decode step declared them), where the run's arithmetic rule says 2 (it compiled to 127.79 GiB
-    a chip); 4 hosts would do beside a 40 GiB trainer; all 16 when nothing fits. On v5p-64 an engine on all
+    compiled decode step declared them), where arithmetic on the weights and cache alone said 2 (it compiled to
+    127.79 GiB a chip); 4 hosts would do beside a 40 GiB trainer; all 16 when nothing fits. On v5p-64 an engine on all
     8 hosts reads the trainer's weights: only its cache is added. No compiling."""
     from jaxrl.compile import programs, report
     from jaxrl.config.schema import RunConfig
@@ -164,13 +180,12 @@ def test_compile_picks_the_fewest_engine_hosts_that_fit_beside_the_compiled_trai
     shapes, mesh, chip = setup("v5p-128", {"fsdp": 4, "tensor": 2, "expert": 8})
     assert programs.engine_declared_bytes(shapes, programs.engine_mesh(mesh, 8), True) / gib == \
         pytest.approx(17.82 + 2.94, abs=0.01)
-    assert report.engine_hosts_for(shapes, mesh, chip) == 2
-    assert report.compiled_engine_hosts(shapes, mesh, chip, int(51.1 * gib)) == 8
-    assert report.compiled_engine_hosts(shapes, mesh, chip, 40 * gib) == 4
-    assert report.compiled_engine_hosts(shapes, mesh, chip, 90 * gib) == 16
+    assert report.compiled_engine_hosts(shapes, mesh, chip.hbm_bytes, int(51.1 * gib)) == 8
+    assert report.compiled_engine_hosts(shapes, mesh, chip.hbm_bytes, 40 * gib) == 4
+    assert report.compiled_engine_hosts(shapes, mesh, chip.hbm_bytes, 90 * gib) == 16
     shapes, mesh, chip = setup("v5p-64", {"fsdp": 2, "tensor": 2, "expert": 8})
     assert programs.engine_declared_bytes(shapes, mesh, False) / gib == pytest.approx(2.94, abs=0.01)
-    assert report.compiled_engine_hosts(shapes, mesh, chip, 63 * gib) == 8
+    assert report.compiled_engine_hosts(shapes, mesh, chip.hbm_bytes, 63 * gib) == 8
 
 
 def test_cpu_only_choices_follow_the_mesh_not_the_host():

@@ -348,7 +348,7 @@ def test_every_seed_example_runs_its_async_settings_on_two_processes(path):
     cfg = load_config(path)
     per_step = cfg.batch_size // cfg.rollouts_per_example
     in_flight = in_flight_groups(cfg.batch_size, cfg.rollouts_per_example, cfg.oversampling_factor)
-    assert distributed.engine_hosts(cfg.jax.engine_hosts, 0, distributed.host_memory(), 2) == 1
+    assert distributed.engine_hosts(cfg.jax.engine_hosts, 2, distributed.chip_memory(), fit=lambda _: 2) == 1
     posts = Posts(2)
     runs = [Run(per_step=per_step, in_flight=in_flight, level=cfg.max_async_level, last_step=cfg.max_steps,
                 processes=2, index=i, gather=posts.gather(i)) for i in range(2)]

@@ -25,12 +25,9 @@ import jax.numpy as jnp
 from jaxrl.compile import programs, slices
 from jaxrl.compile.programs import Program, Shapes
 from jaxrl.config.schema import ConfigError, RunConfig, resolve_model_path
-from jaxrl.inference.engine import engine_bytes
-from jaxrl.launch import memory
 from jaxrl.model import catalog, hf, moe
 from jaxrl.model.qwen3 import ModelConfig
-from jaxrl.parallel import distributed
-from jaxrl.parallel.sharding import MESH_AXES, RULES, make_mesh
+from jaxrl.parallel.sharding import MESH_AXES, RULES, batch_shards, make_mesh
 from jaxrl.rl.train import default_micro_batch, loss_config
 
 FIT_SHARE = 0.9  # a run fits when its total is at most this share of HBM (the rest: runtime, fragmentation)
@@ -155,22 +152,6 @@ def _extrapolate(a: Program, b: Program, da: int, db: int, depth: int) -> dict[s
     return out
 
 
-def engine_hosts_for(shapes: Shapes, mesh: Any, chip: slices.Chip) -> int:
-    """Hosts per rollout engine by the run's own fit rule (`jaxrl.parallel.distributed.engine_hosts`, as
-    `jaxrl.run.runner` applies it): the fewest hosts, a divisor of the slice's, on whose chips a host's
-    share of the engine's base weights and KV cache (`engine_bytes`) beside what the trainer keeps there
-    (`jaxrl.launch.memory.trainer_bytes`: its weights, LoRA or optimizer state, remat activations) is at
-    most 90% of the HBM; all of them when none does. Arithmetic: no scratch, no replication."""
-    hosts = _hosts(mesh)
-    chips = mesh.devices.size // hosts
-    itemsize = jnp.dtype(shapes.dtype).itemsize
-    need = engine_bytes(shapes.model, shapes.decode_slots, shapes.seq_len, itemsize)
-    trainer = memory.trainer_bytes(shapes.model, dict(mesh.shape), lora_rank=shapes.lora_rank, seq_len=shapes.seq_len,
-                                   train_seqs=shapes.batch_rows, micro_seqs=shapes.micro_batch_size,
-                                   weight_bytes=itemsize, full=shapes.full)
-    return distributed.engine_hosts(0, need, chips * chip.hbm_bytes, hosts, trainer * chips)
-
-
 def _hosts(mesh: Any) -> int:
     return len({d.process_index for d in mesh.devices.flat})
 
@@ -182,15 +163,14 @@ def _engine_owns_weights(shapes: Shapes, emesh: Any, mesh: Any) -> bool:
     return emesh.devices.size < mesh.devices.size or (shapes.full and shapes.dtype != jnp.float32)
 
 
-def compiled_engine_hosts(shapes: Shapes, mesh: Any, chip: slices.Chip, trainer: int) -> int:
+def compiled_engine_hosts(shapes: Shapes, mesh: Any, hbm_bytes: int, trainer: int) -> int:
     """The fewest hosts per rollout engine, a divisor of the slice's that `programs.engine_mesh` can lay
     the engine on, at which `trainer` (the compiled train step's bytes per chip, scratch included:
     `_trainer_bytes`) plus the engine's declared bytes per chip on its mesh (`programs.engine_declared_bytes`:
     its weights' shards as placed there, replication included, and its KV cache) is at most `FIT_SHARE` of
-    the HBM; all the hosts when none is. What `jaxrl compile` picks without `--engine-hosts`: the run's own
-    rule (`engine_hosts_for`) counts neither the scratch nor the replication, and on Qwen3-235B-A22B at
-    v5p-128 picks 2 hosts where 8 are needed (docs/tpu.md, section 7). The engine's own scratch is left to
-    the compiled report."""
+    `hbm_bytes` (one chip's); all the hosts when none is. The engine's own scratch is left to the compiled
+    report. On Qwen3-235B-A22B at v5p-128 it picks 8 hosts where arithmetic on the weights and cache alone
+    (no scratch, no replication) had picked 2 (docs/tpu.md, section 7)."""
     hosts = _hosts(mesh)
     for k in (k for k in range(1, hosts + 1) if hosts % k == 0):
         try:
@@ -198,9 +178,26 @@ def compiled_engine_hosts(shapes: Shapes, mesh: Any, chip: slices.Chip, trainer:
         except ValueError:
             continue
         own = _engine_owns_weights(shapes, emesh, mesh)
-        if trainer + programs.engine_declared_bytes(shapes, emesh, own) <= FIT_SHARE * chip.hbm_bytes:
+        if trainer + programs.engine_declared_bytes(shapes, emesh, own) <= FIT_SHARE * hbm_bytes:
             return k
     return hosts
+
+
+def run_engine_hosts(cfg: RunConfig, model: ModelConfig, mesh: Any, hbm_bytes: int) -> int:
+    """Hosts per rollout engine for a run of `cfg` whose trainer's mesh is `mesh` (the run's own devices)
+    and whose chips have `hbm_bytes` each, when `[jax] engine_hosts` is 0 on accelerators over several
+    processes (`jaxrl.parallel.distributed.engine_hosts`): the train step compiled for `mesh` at full depth
+    at the run's widest batch (`shapes_of`), then `compiled_engine_hosts` beside it. The same choice as
+    `jaxrl compile` for that slice, so a seed TOML with `engine_hosts = 0` gets an engine group that fits.
+    Costs one compile of the train step (the run compiles its own, at the batch's real width, later).
+
+    Raises:
+        programs.ProgramTooLarge: the compiler refused the train step (it needs more than a chip's HBM).
+    """
+    shapes = shapes_of(cfg, model, batch_shards(mesh))
+    train = programs.compile_train(shapes, mesh)
+    layers = model.num_layers
+    return compiled_engine_hosts(shapes, mesh, hbm_bytes, _trainer_bytes(_at_depth({layers: train}, (layers,), layers)))
 
 
 def _trainer_bytes(train: dict[str, int]) -> int:
@@ -285,7 +282,7 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
     for depth in depths:
         run("train", depth, lambda d=depth: programs.compile_train(shapes.at_depth(d), mesh))
     train = _at_depth(compiled["train"], depths, model.num_layers)
-    g = engine_hosts or compiled_engine_hosts(shapes, mesh, slice_.chip, _trainer_bytes(train))
+    g = engine_hosts or compiled_engine_hosts(shapes, mesh, slice_.chip.hbm_bytes, _trainer_bytes(train))
     emesh = programs.engine_mesh(mesh, g)
     for depth in depths:
         run("prefill", depth, lambda d=depth: programs.compile_prefill(shapes.at_depth(d), emesh))
@@ -372,6 +369,6 @@ def compile_run(cfg: RunConfig, slice_name: str, depths: tuple[int, ...] | None 
         raise ConfigError(cfg.source, [("jax.mesh", f"{shape} has {math.prod(sizes)} devices; {slice_.name} has "
                                                     f"{slice_.chips} chips")])
     shards = math.prod(shape.get(a, 1) for a in ("data", "fsdp", "expert"))
-    # --engine-hosts, else the run's own `[jax] engine_hosts` (0: decided by `engine_hosts_for`)
+    # --engine-hosts, else the run's own `[jax] engine_hosts` (0: `compiled_engine_hosts`, as a run decides)
     return compile_report(model, shape, slice_, shapes_of(cfg, model, shards), depths,
                           engine_hosts or cfg.jax.engine_hosts or None)

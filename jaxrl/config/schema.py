@@ -229,12 +229,12 @@ class JaxConfig(_Table):
     engine_hosts: int = Field(0, ge=0)
     """Processes (hosts) that share one rollout engine: its mesh spans their devices and they step it in
     lockstep (`jaxrl.inference.lockstep`); must divide the number of processes. Default 0, the fit rule
-    (`jaxrl.parallel.distributed.engine_hosts`): 1, an engine per host (the fastest where the model fits),
-    unless the base weights and KV cache, beside what the trainer keeps on the same chips (its share of
-    the weights, the LoRA or optimizer state, activations), need more than 90% of one host's accelerator
-    memory; then the fewest hosts on which a host's share of them fits so. The rule is arithmetic and leaves
-    out the train step's scratch: on a multi-host slice set this to the engine hosts `jaxrl compile` prints
-    (it picks them beside the compiled train step; docs/tpu.md, section 7)."""
+    (`jaxrl.parallel.distributed.engine_hosts`): 1, an engine per host, on CPU or with one process; on
+    accelerators over several processes the run first compiles its train step and takes the fewest hosts
+    whose engine (its weights as its mesh shards them, unless it spans every host and reads the trainer's,
+    and its KV cache) fits beside that step's compiled bytes, scratch included, in 90% of a chip's memory:
+    1 where the model fits a host (the fastest), more where it does not. The value `jaxrl compile` prints
+    for the slice; setting it skips that compile (docs/tpu.md, section 7)."""
     host: str = "127.0.0.1"
     """Address of the rollout server that environments call. Default "127.0.0.1"."""
     port: int = Field(0, ge=0, le=65535)

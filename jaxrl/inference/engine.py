@@ -37,7 +37,7 @@ from jaxrl.inference.sampling import SlotSampling, mark_seen, sample, sample_une
 from jaxrl.model import modules, qwen3
 from jaxrl.model.decode import out_major, unstack_layers
 from jaxrl.model.qwen3 import KVCache, ModelConfig, OutMajor, Params
-from jaxrl.parallel.sharding import array_sharding, bytes_per_device, mesh_platform
+from jaxrl.parallel.sharding import array_sharding, mesh_platform
 
 
 @struct.dataclass
@@ -102,14 +102,6 @@ def blocked_sampling_pays(cfg: ModelConfig, decode_slots: int, platform: str) ->
     at hidden 256 and 8 slots about 1x, where XLA's blocked [B, D] x [D, block] products run slower than
     the whole matmul. So only on CPU (not measured elsewhere), for small hidden sizes and many slots."""
     return platform == "cpu" and cfg.hidden_size <= 256 and decode_slots >= 16
-
-
-def engine_bytes(cfg: ModelConfig, decode_slots: int, seq_len: int, itemsize: int) -> int:
-    """Bytes one rollout engine holds over all its chips: the base weights and the KV cache (k and v,
-    [L, decode_slots, seq_len, K, H]), both of `itemsize` bytes per element. What the engine group's fit
-    rule weighs (`jaxrl.parallel.distributed.engine_hosts`)."""
-    cache = 2 * cfg.num_layers * decode_slots * seq_len * cfg.num_kv_heads * cfg.head_dim * itemsize
-    return bytes_per_device(modules.param_specs(cfg), cfg.dims(), {}, itemsize) + cache
 
 
 def prefill_buckets(max_prefill_length: int, smallest: int = 16) -> tuple[int, ...]:

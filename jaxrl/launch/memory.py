@@ -158,18 +158,6 @@ def per_chip(a: Arch, m: Mesh, *, lora_rank: int = 16, decode_slots: int = 256, 
     return Budget(w * weight_bytes / GIB, lo * 20 / GIB, kv / GIB, act / GIB)
 
 
-def trainer_bytes(model: Any, mesh: dict[str, int], *, lora_rank: int, seq_len: int, train_seqs: int,
-                  micro_seqs: int | None, weight_bytes: int, full: bool) -> int:
-    """Bytes per chip that the trainer keeps on a mesh of `mesh` (`data`, `fsdp`, `tensor`, `expert`
-    sizes; missing ones 1): `per_chip`'s weights, LoRA (or full fine-tuning's) state and activations for
-    `model`, a `jaxrl.model.qwen3.ModelConfig` (`Arch.of`). What the engine group's fit rule sets beside an
-    engine's share of its chips (`jaxrl.parallel.distributed.engine_hosts`). A floor: the programs'
-    scratch beyond the remat activations is `jaxrl compile`'s to measure."""
-    b = per_chip(Arch.of(model), Mesh(**mesh), lora_rank=lora_rank, seq_len=seq_len, train_seqs=train_seqs,
-                 weight_bytes=weight_bytes, micro_seqs=micro_seqs, full=full)
-    return int(b.trainer * GIB)
-
-
 # (model, slice, HBM GiB per chip, mesh, decode slots, sequences per train step)
 LAYOUTS = [
     (QWEN3_4B, "v5litepod-8", 16, Mesh(fsdp=8), 64, 64),

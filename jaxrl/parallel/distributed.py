@@ -223,14 +223,11 @@ def group_mesh(mesh: Mesh, processes: Sequence[int]) -> Mesh:
     return Mesh(mesh.devices[box], mesh.axis_names)
 
 
-def engine_hosts(setting: int, engine_bytes: int, host_bytes: int | None, processes: int,
-                 trainer_bytes: int = 0) -> int:
-    """Processes per rollout engine (`[jax] engine_hosts`): `setting` when it is not 0, else the fit
-    rule: the fewest hosts k, a divisor of `processes`, on whose accelerators each host's share of the
-    engine, `engine_bytes / k` (base weights + KV cache), beside `trainer_bytes` (what the trainer keeps
-    on each host's accelerators: its share of the weights, the LoRA or optimizer state, activations;
-    `jaxrl.launch.memory.trainer_bytes` times the chips per host) is at most 90% of `host_bytes` (one
-    host's accelerator memory); all of them when no k does. `host_bytes` None (as on CPU): 1.
+def engine_hosts(setting: int, processes: int, chip_bytes: int | None, fit: Callable[[int], int]) -> int:
+    """Processes per rollout engine (`[jax] engine_hosts`): `setting` when it is not 0; else 1 with one
+    process or where the runtime reports no accelerator memory (`chip_bytes` None, as on CPU: an engine per
+    host); else `fit(chip_bytes)`, the fewest hosts whose engine fits beside the compiled train step
+    (`jaxrl.compile.report.run_engine_hosts`, the rule `jaxrl compile` applies).
 
     Raises:
         ValueError: `setting` does not divide `processes`.
@@ -239,17 +236,16 @@ def engine_hosts(setting: int, engine_bytes: int, host_bytes: int | None, proces
         if processes % setting:
             raise ValueError(f"engine_hosts = {setting} does not divide the {processes} processes")
         return setting
-    if host_bytes is None:
+    if processes == 1 or chip_bytes is None:
         return 1
-    return next(k for k in range(1, processes + 1) if processes % k == 0 and (
-        engine_bytes / k + trainer_bytes <= 0.9 * host_bytes or k == processes))
+    return fit(chip_bytes)
 
 
-def host_memory() -> int | None:
-    """Bytes of accelerator memory on this process's devices together (None where the runtime does not
-    report it, as on CPU)."""
+def chip_memory() -> int | None:
+    """Bytes of accelerator memory of one of this process's devices, the smallest (None where the runtime
+    does not report it, as on CPU)."""
     limits = [(d.memory_stats() or {}).get("bytes_limit") for d in jax.local_devices()]
-    return None if None in limits else int(sum(limits))
+    return None if None in limits else int(min(limits))
 
 
 def share(n: int) -> range:

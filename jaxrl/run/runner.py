@@ -45,15 +45,16 @@ from jax.sharding import Mesh
 from rich.console import Console
 from rich.markup import escape
 
+from jaxrl.compile import report
+from jaxrl.compile.programs import ProgramTooLarge
 from jaxrl.config.env_file import load_env_file
 from jaxrl.config.schema import ConfigError, RunConfig, resolve_model_path, resolve_tokenizer_path
 from jaxrl.envs import loader
-from jaxrl.inference.engine import Engine, engine_bytes
+from jaxrl.inference.engine import Engine
 from jaxrl.inference.lockstep import GroupScheduler
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
 from jaxrl.inference.server import start_server
-from jaxrl.launch import memory
 from jaxrl.model import hf
 from jaxrl.model.modules import init_lora, lora_specs, param_specs
 from jaxrl.model.qwen3 import ModelConfig
@@ -257,7 +258,7 @@ class Run:
         t0 = time.perf_counter()
         try:
             self.mcfg = mcfg = hf.load_config(self.model_path)
-            self.engine_group = _engine_group(cfg, mcfg, self.dtype, self.mesh)
+            self.engine_group = _engine_group(cfg, mcfg, self.mesh, self.console)
             self.engine_mesh = distributed.group_mesh(self.mesh, self.engine_group)  # its rollout engine's devices
             self.base = hf.load_hf(self.model_path, trained_dtype,
                                    shardings=spec_shardings(param_specs(mcfg), mcfg.dims(), self.mesh))[1]
@@ -577,19 +578,22 @@ class Run:
 
 
 
-def _engine_group(cfg: RunConfig, mcfg: ModelConfig, dtype: Any, mesh: Mesh) -> range:
+def _engine_group(cfg: RunConfig, mcfg: ModelConfig, mesh: Mesh, console: Any) -> range:
     """The processes whose devices this process's rollout engine spans: `[jax] engine_hosts` consecutive
-    ones, or as many as the fit rule needs for the base weights and the KV cache beside what the trainer
-    keeps on the same chips of `mesh` (`jaxrl.parallel.distributed.engine_hosts`,
-    `jaxrl.launch.memory.trainer_bytes`). Raises ConfigError (key `jax.engine_hosts`)."""
-    jcfg, itemsize = cfg.jax, jnp.dtype(dtype).itemsize
-    need = engine_bytes(mcfg, jcfg.decode_slots, jcfg.seq_len, itemsize)
-    trainer = memory.trainer_bytes(mcfg, dict(mesh.shape), lora_rank=jcfg.lora_rank, seq_len=jcfg.seq_len,
-                                   train_seqs=cfg.batch_size, micro_seqs=jcfg.micro_batch_size, weight_bytes=itemsize,
-                                   full=jcfg.finetune == "full")
+    ones, or by the fit rule (`jaxrl.parallel.distributed.engine_hosts`): one on CPU or with one process,
+    else the fewest whose engine fits beside the train step compiled for `mesh`
+    (`jaxrl.compile.report.run_engine_hosts`). Raises ConfigError (key `jax.engine_hosts`)."""
+    def fit(chip_bytes: int) -> int:
+        console.print("engine_hosts = 0: compiling the train step to choose the rollout engine's hosts "
+                      "(set [jax] engine_hosts to skip this; jaxrl compile prints the value)")
+        try:
+            return report.run_engine_hosts(cfg, mcfg, mesh, chip_bytes)
+        except ProgramTooLarge as exc:
+            raise ConfigError(cfg.source, [("jax.mesh", f"the train step does not fit: {exc}; "
+                                                        f"`jaxrl compile` names the term to shrink")]) from None
+
     try:
-        hosts = distributed.engine_hosts(jcfg.engine_hosts, need, distributed.host_memory(), jax.process_count(),
-                                         trainer * jax.local_device_count())
+        hosts = distributed.engine_hosts(cfg.jax.engine_hosts, jax.process_count(), distributed.chip_memory(), fit)
     except ValueError as exc:
         raise ConfigError(cfg.source, [("jax.engine_hosts", str(exc))]) from None
     first = jax.process_index() // hosts * hosts
