@@ -215,3 +215,40 @@ def test_cpu_only_choices_follow_the_mesh_not_the_host():
     on_cpu, on_tpu = Engine(small, cpu, 16, 64), Engine(small, tpu, 16, 64)
     assert (on_cpu.unstack, on_cpu.blocked_sampling) == (True, True)
     assert (on_tpu.unstack, on_tpu.blocked_sampling) == (False, False)
+
+
+def test_a_run_on_accelerator_hosts_compiles_to_choose_its_engine_group(tiny_model_dir, monkeypatch):
+    """The runner's side of the rule (`runner._engine_group`): with `engine_hosts = 0`, two processes and a
+    chip memory figure (a TPU slice's, stood in for here: this machine has one process and no accelerator)
+    it says it compiles, and the group is the compiled rule's (`report.run_engine_hosts`); a train step
+    the compiler refuses is a config error naming `jax.mesh`."""
+    import io
+
+    import jax
+    from rich.console import Console
+
+    from jaxrl.compile import programs, report
+    from jaxrl.config.schema import ConfigError, RunConfig
+    from jaxrl.model import hf
+    from jaxrl.parallel import distributed
+    from jaxrl.parallel.sharding import make_mesh
+    from jaxrl.run import runner
+
+    cfg = RunConfig.model_validate({"model": "tiny", "batch_size": 16, "rollouts_per_example": 4,
+                                    "env": [{"id": "a/b"}], "jax": {"model_path": str(tiny_model_dir), "seq_len": 128,
+                                                                    "decode_slots": 8, "mesh": {"fsdp": 8}}})
+    mcfg = hf.load_config(str(tiny_model_dir))
+    mesh = make_mesh({"fsdp": 8}, slices.topology_devices(slices.parse_slice("v5p-16")))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(distributed, "chip_memory", lambda: 1 << 20)  # 1 MiB a chip: nothing fits one host
+    out = io.StringIO()
+    assert runner._engine_group(cfg, mcfg, mesh, Console(file=out)) == range(0, 2)
+    assert "engine_hosts = 0: compiling the train step" in out.getvalue()
+    assert report.run_engine_hosts(cfg, mcfg, mesh, 1 << 20) == 2
+
+    def refused(*args):
+        raise programs.ProgramTooLarge("train step: 9 GiB of 1 MiB")
+
+    monkeypatch.setattr(report, "run_engine_hosts", refused)
+    with pytest.raises(ConfigError, match="jax.mesh.*the train step does not fit: train step: 9 GiB"):
+        runner._engine_group(cfg, mcfg, mesh, Console(file=io.StringIO()))

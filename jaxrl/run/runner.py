@@ -591,6 +591,10 @@ def _engine_group(cfg: RunConfig, mcfg: ModelConfig, mesh: Mesh, console: Any) -
         except ProgramTooLarge as exc:
             raise ConfigError(cfg.source, [("jax.mesh", f"the train step does not fit: {exc}; "
                                                         f"`jaxrl compile` names the term to shrink")]) from None
+        except Exception as exc:  # noqa: BLE001 - not the checkpoint's fault: say which step failed
+            raise ConfigError(cfg.source, [("jax.engine_hosts", f"compiling the train step to choose the engine "
+                                                                f"hosts failed ({type(exc).__name__}: {exc}); "
+                                                                f"set engine_hosts to skip it")]) from None
 
     try:
         hosts = distributed.engine_hosts(cfg.jax.engine_hosts, jax.process_count(), distributed.chip_memory(), fit)
