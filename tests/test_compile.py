@@ -200,6 +200,7 @@ def test_cpu_only_choices_follow_the_mesh_not_the_host():
     from jaxrl.model import head
     from jaxrl.model.qwen3 import ModelConfig
     from jaxrl.parallel.sharding import make_mesh, mesh_platform
+    from jaxrl.rl import train
     from jaxrl.rl.train import head_block, head_chunk
 
     tpu = make_mesh({"fsdp": 4}, slices.topology_devices(slices.parse_slice("v5litepod-4")))
@@ -207,9 +208,13 @@ def test_cpu_only_choices_follow_the_mesh_not_the_host():
     assert (mesh_platform(cpu), mesh_platform(tpu), jax.default_backend()) == ("cpu", "tpu", "cpu")
     assert head_block(cpu, 151_936) == head.VOCAB_PER_BLOCK < 151_936
     assert head_block(tpu, 151_936) == 151_936
-    # and in chunks of as many tokens as the hidden size on CPU, of the default elsewhere (a chunk's logits
-    # there span the whole vocabulary)
-    assert head_chunk(cpu, 1024) == 1024 and head_chunk(cpu, 64) == head.TOKENS_PER_CHUNK == head_chunk(tpu, 1024)
+    # and in chunks of at least as many tokens as the hidden size and 256 a MiB of L2 (256 to 1024) on CPU,
+    # of the default elsewhere (a chunk's logits there span the whole vocabulary)
+    mib = 2**20
+    assert head_chunk(cpu, 1024, mib) == 1024 and head_chunk(cpu, 64, mib) == head.TOKENS_PER_CHUNK == 256
+    assert [head_chunk(cpu, 256, n * mib) for n in (2, 4, 32)] == [512, 1024, 1024]
+    assert head_chunk(cpu, 64, 0) == head_chunk(tpu, 1024) == head_chunk(tpu, 1024, 2 * mib) == 256
+    assert train.cpu_l2_bytes() is None or train.cpu_l2_bytes() >= 256 * 2**10  # this machine's, from sysfs
     small = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=16)
     on_cpu, on_tpu = Engine(small, cpu, 16, 64), Engine(small, tpu, 16, 64)
