@@ -115,6 +115,19 @@ def test_overflow_advice_leaves_out_what_the_run_already_does():
     assert report.advice("kv_cache", on, {}) == report.ADVICE["kv_cache"]
 
 
+def _tiny_on_v5p_16(tiny_model_dir):
+    """(run config, ModelConfig, trainer mesh) of the tiny Qwen3 on v5p-16's 8 chips over 2 hosts, fsdp 8."""
+    from jaxrl.config.schema import RunConfig
+    from jaxrl.model import hf
+    from jaxrl.parallel.sharding import make_mesh
+
+    cfg = RunConfig.model_validate({"model": "tiny", "batch_size": 16, "rollouts_per_example": 4,
+                                    "env": [{"id": "a/b"}], "jax": {"model_path": str(tiny_model_dir), "seq_len": 128,
+                                                                    "decode_slots": 8, "mesh": {"fsdp": 8}}})
+    mesh = make_mesh({"fsdp": 8}, slices.topology_devices(slices.parse_slice("v5p-16")))
+    return cfg, hf.load_config(str(tiny_model_dir)), mesh
+
+
 def test_the_runs_engine_group_is_chosen_beside_its_compiled_train_step(tiny_model_dir):
     """A run with `[jax] engine_hosts = 0` over several processes with accelerators
     (`distributed.engine_hosts`) compiles its train step for its own mesh and takes the fewest hosts whose
@@ -126,16 +139,9 @@ def test_the_runs_engine_group_is_chosen_beside_its_compiled_train_step(tiny_mod
     import math
 
     from jaxrl.compile import programs, report
-    from jaxrl.config.schema import RunConfig
-    from jaxrl.model import hf
     from jaxrl.parallel import distributed
-    from jaxrl.parallel.sharding import make_mesh
 
-    cfg = RunConfig.model_validate({"model": "tiny", "batch_size": 16, "rollouts_per_example": 4,
-                                    "env": [{"id": "a/b"}], "jax": {"model_path": str(tiny_model_dir), "seq_len": 128,
-                                                                    "decode_slots": 8, "mesh": {"fsdp": 8}}})
-    mcfg = hf.load_config(str(tiny_model_dir))
-    mesh = make_mesh({"fsdp": 8}, slices.topology_devices(slices.parse_slice("v5p-16")))
+    cfg, mcfg, mesh = _tiny_on_v5p_16(tiny_model_dir)
     shapes = report.shapes_of(cfg, mcfg, 8)
     train = programs.compile_train(shapes, mesh)
     assert train.temp > 0
@@ -233,17 +239,11 @@ def test_a_run_on_accelerator_hosts_compiles_to_choose_its_engine_group(tiny_mod
     from rich.console import Console
 
     from jaxrl.compile import programs, report
-    from jaxrl.config.schema import ConfigError, RunConfig
-    from jaxrl.model import hf
+    from jaxrl.config.schema import ConfigError
     from jaxrl.parallel import distributed
-    from jaxrl.parallel.sharding import make_mesh
     from jaxrl.run import runner
 
-    cfg = RunConfig.model_validate({"model": "tiny", "batch_size": 16, "rollouts_per_example": 4,
-                                    "env": [{"id": "a/b"}], "jax": {"model_path": str(tiny_model_dir), "seq_len": 128,
-                                                                    "decode_slots": 8, "mesh": {"fsdp": 8}}})
-    mcfg = hf.load_config(str(tiny_model_dir))
-    mesh = make_mesh({"fsdp": 8}, slices.topology_devices(slices.parse_slice("v5p-16")))
+    cfg, mcfg, mesh = _tiny_on_v5p_16(tiny_model_dir)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(distributed, "chip_memory", lambda: 1 << 20)  # 1 MiB a chip: nothing fits one host
     out = io.StringIO()

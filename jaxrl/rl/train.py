@@ -253,9 +253,10 @@ def head_chunk(mesh: Mesh, hidden_size: int, l2_bytes: int | None = None) -> int
     return max(by_cache, hidden_size)
 
 
+@functools.cache
 def cpu_l2_bytes() -> int | None:
-    """Bytes of CPU 0's level-2 cache (one core's on the x86 machines measured), from Linux's sysfs; None
-    where it is not there."""
+    """Bytes of CPU 0's level-2 cache (one core's on the x86 machines measured), from Linux's sysfs, read
+    once; None where it is not there."""
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
             if (index / "level").read_text().strip() == "2":
