@@ -38,8 +38,10 @@ class Engine1:
     version: int = 0
     model_name: str = "m"
     max_model_len: int = 64
+    seeds: list[int] = dataclasses.field(default_factory=list)  # of the requests that reached it, in order
 
     async def generate(self, prompt_ids, params, on_token=None):
+        self.seeds.append(params.seed)
         return Completion([5], [0.0], "stop", [self.version])
 
 
@@ -119,10 +121,15 @@ def test_level_0_plays_each_steps_groups_at_its_version_after_its_update():
         assert [g.t for g in taken.groups] == [2 * step, 2 * step + 1]
         assert [g.job for g in taken.groups] == expected_jobs[2 * step:2 * step + 2]
         assert all(v == step for g in taken.groups for v in g.versions) and len(taken.groups[0].versions) == N
-        assert run.in_flight() == []  # nothing launched while the step trains
-        assert taken.metrics(step, N, len(run.producer.groups))["async/staleness_max"] == 0
-        run.update(step + 1)
+        assert taken.metrics(step, N, run.producer.playing)["async/staleness_max"] == 0
+        # the next step's groups are launched while the step trains (their env work overlaps it), but none of
+        # their requests reaches the engine before its update to the next version
         assert run.in_flight() == [2 * step + 2, 2 * step + 3]
+        reached = len(run.engine.seeds)
+        run.loop.run_until_complete(asyncio.sleep(0.05))
+        assert len(run.engine.seeds) == reached
+        assert [g.version for g in run.producer.groups] == [step + 1] * 2 and run.producer.playing == 0
+        run.update(step + 1)
 
 
 def test_oversampling_keeps_batch_times_factor_in_flight_and_takes_the_first_to_finish():
@@ -134,7 +141,7 @@ def test_oversampling_keeps_batch_times_factor_in_flight_and_takes_the_first_to_
     taken = run.take(0)
     assert [g.t for g in taken.groups] == [1, 3]  # finished first; 0 and 2 wait on their gates
     assert run.in_flight() == [0, 2, 4, 5]  # refilled during the step, at version 0
-    assert taken.metrics(0, N, len(run.producer.groups))["async/in_flight"] == 8  # batch_size 4 x 2.0
+    assert taken.metrics(0, N, run.producer.playing)["async/in_flight"] == 8  # batch_size 4 x 2.0
     run.update(1)
     run.gate(0).set()
     taken = run.take(1)
@@ -199,7 +206,7 @@ def test_a_group_older_than_max_async_level_is_dropped_and_counted():
     run.gate(0).set()
     taken = run.take(2)  # group 0 (oldest token 0 < 2 - 1) finishes first and is dropped
     assert [g.t for g in taken.stale] == [0] and [g.t for g in taken.groups] == [3]
-    metrics = taken.metrics(2, N, len(run.producer.groups))
+    metrics = taken.metrics(2, N, run.producer.playing)
     assert metrics["async/stale_dropped"] == N and metrics["async/staleness_max"] == 1
     assert 0 not in run.in_flight()
 
@@ -215,15 +222,18 @@ def test_a_finished_group_left_for_a_later_step_is_checked_again_at_that_step():
     assert [g.t for g in taken.stale] == [2] and [g.t for g in taken.groups] == [3]
 
 
-def test_level_1_does_not_launch_what_the_step_after_next_could_not_train():
+def test_level_1_holds_what_the_step_after_next_could_not_train_until_the_update():
     run = Run(per_step=1, in_flight=1, level=1)
     run.producer.refill()
     run.take(0)
     assert run.in_flight() == [1]  # version 0 >= step 1 - 1
     run.take(1)  # the trainer took step 1 before step 0's update reached the engine
-    assert run.in_flight() == []  # version 0 < step 2 - 1: it would be stale
+    assert run.in_flight() == [2]  # launched, but at version 0 < step 2 - 1 it would be stale: held
+    reached = list(run.engine.seeds)
+    run.loop.run_until_complete(asyncio.sleep(0.05))
+    assert run.engine.seeds == reached and 1000 + 2 * N not in reached
     run.update(1)
-    assert run.in_flight() == [2]
+    assert run.take(2).groups[0].versions == [1] * N
 
 
 def test_a_checkpoint_lists_the_groups_in_flight_and_a_resume_plays_them_again_first():
@@ -333,6 +343,44 @@ def test_version_log_records_expected_seeds_through_the_real_scheduler():
     assert len(first.token_ids) == 4 and len(second.token_ids) == 5 and len(other.token_ids) == 3
     assert log.pop([7, 8]) == [0] * 4 + [3] * 5  # seed 8 was never expected
     assert log.pop([7]) == [] and np.all(np.array(other.policy_versions) == 3)
+
+
+def test_version_log_holds_a_request_until_another_thread_serves_its_version():
+    """The synchronous loop's overlap: a group launched while the trainer trains renders and sends its
+    requests, and the log holds them until the runner's thread has updated the engine and said so
+    (`serve`), so every token is of the new policy (the real scheduler, its own thread)."""
+    cfg = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8)
+    params = {"base": modules.init_params(cfg, jax.random.key(0)), "lora": None}
+    engine = Engine(cfg, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=2, max_seq_len=48)
+    sched = Scheduler(engine, params, "tiny")
+    log = VersionLog(sched)
+    log.expect([7], version=1)
+    log.expect([8])  # not held: no version asked
+
+    def publish():  # the runner, after its train step
+        sched.update_params(params, version=1)
+        log.serve(1)
+
+    async def requests():
+        free = await log.generate([1, 2], SamplingParams(max_tokens=3, seed=8))
+        held = asyncio.ensure_future(log.generate([1, 2, 3], SamplingParams(max_tokens=4, seed=7)))
+        await asyncio.sleep(0.3)
+        waited = not held.done()
+        thread = threading.Thread(target=publish)
+        thread.start()
+        thread.join()
+        log.expect([9], version=1)  # already served: not held
+        late = await asyncio.wait_for(log.generate([1], SamplingParams(max_tokens=1, seed=9)), 60)
+        return free, waited, await asyncio.wait_for(held, 60), late
+
+    try:
+        free, waited, held, late = asyncio.run(requests())
+    finally:
+        sched.stop()
+    assert waited and free.policy_versions == [0] * 3 and held.policy_versions == [1] * 4
+    assert log.pop([7, 8]) == [1] * 4 + [0] * 3
+    assert late.policy_versions == [1]
 
 
 @pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "configs" / "examples").glob("*.toml")),

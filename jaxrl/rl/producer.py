@@ -7,9 +7,11 @@ temperature of the step the producer is filling when it launches the group (`tem
 `[sampling.temp_scheduler]`), which the group keeps for the trainer. It launches
 groups while fewer than `in_flight` are launched and not yet trained on (`ceil(batch_size x
 oversampling_factor / rollouts_per_example)` groups, prime-rl's in-flight rollouts = batch_size x
-oversampling_factor), and only while the engine's policy is recent enough for the next step to train
-them: engine version v >= next step - `max_async_level` (prime-rl's orchestrator waits, before it
-generates step n's batch, for policy n - async_level).
+oversampling_factor). A group's requests reach the engine only once its policy is recent enough for the
+next step to train them: engine version v >= next step - `max_async_level` (prime-rl's orchestrator
+waits, before it generates step n's batch, for policy n - async_level). A group launched before that
+plays its environment (renders its prompts, sends its requests) and `VersionLog` holds its requests
+until `set_version` says the engine serves that version.
 
 The engine swaps weights between decode steps with requests in flight (`Scheduler.update_params`), so
 one rollout's tokens may come from several policy versions. `VersionLog` sits in front of the engine
@@ -18,8 +20,12 @@ rollout's requests, over all its turns, carry its seed). Step s, run by the trai
 takes the first groups to finish whose OLDEST token is of version >= s - `max_async_level`, the first
 `per_step` of them in finishing order, trained in launch order; a finished group with an older token is
 dropped whole (its advantages are relative to the group) and counted. With `max_async_level = 0` the
-producer launches only after the step's weight update, so step s's groups are exactly the next
-`per_step` groups drawn, all of version s: the synchronous loop.
+producer launches step s's groups once step s - 1's are taken, while step s - 1 trains, and their
+requests wait for step s - 1's weight update, so step s's groups are exactly the next `per_step` groups
+drawn, all of version s: the synchronous loop. Launching them early lets the environments' own work
+(rendering, HTTP) overlap the train step, and the engine then admits the whole step's requests at once:
+on the small Qwen3 of shared/peers (32 rollouts), the requests had reached the engine over 0.06-0.19 s
+of the rollout half, each late one delaying its group's last token (docs/benchmarks.md, 2026-11-25).
 
 Several processes (`gather` set, one producer per process) keep one producer state between them: every
 process draws the same groups at the same points and numbers them alike, and each group is played by one
@@ -61,13 +67,18 @@ def in_flight_groups(batch_size: int, rollouts_per_example: int, oversampling_fa
 
 class VersionLog:
     """A `GenerateBackend` in front of `backend` that records, for the seeds `expect` was given, the
-    policy version of each token sampled for a request with that seed. Requests with other seeds (or
-    none) pass through unrecorded. Thread-safe: the server awaits `generate` on its own thread."""
+    policy version of each token sampled for a request with that seed, and holds such a request until
+    the engine serves the policy version `expect` asked for (`serve`). Requests with other seeds (or
+    none) pass through unrecorded. Thread-safe: the server awaits `generate` on its own thread, the
+    runner calls `serve` from its own."""
 
     def __init__(self, backend: GenerateBackend) -> None:
         self._backend = backend
         self._lock = threading.Lock()
         self._versions: dict[int, list[int]] = {}
+        self._serving = 0  # the engine's policy version, as `serve` last said
+        self._needs: dict[int, int] = {}  # seed -> the policy version its requests wait for
+        self._waiting: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future]] = []
 
     @property
     def model_name(self) -> str:
@@ -77,19 +88,45 @@ class VersionLog:
     def max_model_len(self) -> int:
         return self._backend.max_model_len
 
-    def expect(self, seeds: Sequence[int]) -> None:
-        """Record the tokens of requests with these seeds from now on."""
+    def expect(self, seeds: Sequence[int], version: int = 0) -> None:
+        """Record the tokens of requests with these seeds from now on; their requests wait until the
+        engine serves policy `version` (`serve`)."""
         with self._lock:
             for s in seeds:
                 self._versions.setdefault(s, [])
+                if version > self._serving:
+                    self._needs[s] = version
 
     def pop(self, seeds: Sequence[int]) -> list[int]:
         """The versions recorded for `seeds` (in order of seed, then of completion) and stop recording them."""
         with self._lock:
+            for s in seeds:
+                self._needs.pop(s, None)
             return [v for s in seeds for v in self._versions.pop(s, [])]
+
+    def serve(self, version: int) -> None:
+        """The engine serves policy `version` from now on (call after `Scheduler.update_params`): requests
+        that wait for it go on to the engine."""
+        with self._lock:
+            self._serving = version
+            ready = [w for w in self._waiting if w[0] <= version]
+            self._waiting = [w for w in self._waiting if w[0] > version]
+        for _, loop, future in ready:
+            loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
+
+    async def _wait_for_version(self, seed: int) -> None:
+        with self._lock:
+            need = self._needs.get(seed, 0)
+            if need <= self._serving:
+                return
+            future = asyncio.get_running_loop().create_future()
+            self._waiting.append((need, asyncio.get_running_loop(), future))
+        await future
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        on_token: Callable[[int, float], None] | None = None) -> Completion:
+        if params.seed is not None:
+            await self._wait_for_version(params.seed)
         completion = await self._backend.generate(prompt_ids, params, on_token=on_token)
         if params.seed is not None:
             with self._lock:
@@ -100,7 +137,8 @@ class VersionLog:
 
 @dataclasses.dataclass(eq=False)
 class Group:
-    """One example group. `version`: the engine's policy version at launch, a lower bound of its tokens'.
+    """One example group. `version`: a lower bound of its tokens' policy versions (the engine's at launch,
+    or the one its requests wait for).
     `temperature`: what its rollouts sample at. `owner`: the process that plays it; `task`: plays it (None:
     another process does). `versions` (every token's policy version) and `finished` (rank in finishing
     order over the run, -1 until then): set when it finished; `rollouts`: set then on its owner only."""
@@ -132,7 +170,8 @@ class Taken:
     def metrics(self, step: int, rollouts_per_example: int, in_flight: int) -> dict[str, float]:
         """`async/staleness_mean` and `async/staleness_max` (policy versions the step's played tokens lag
         version `step`), `async/stale_dropped` (rollouts dropped, in whole groups), `async/in_flight`
-        (rollouts launched and not yet trained on once the step's batch was taken) and
+        (rollouts launched and not yet trained on once the step's batch was taken, `in_flight` groups:
+        `Producer.playing`) and
         `sampling/temperature` (the mean of the step's groups' sampling temperatures)."""
         lag = np.array([step - v for g in self.groups for v in g.versions], np.float64)
         temperatures = [g.temperature for g in self.groups]
@@ -182,6 +221,7 @@ class Producer:
         self._play, self._seed_of, self._temperature_of, self._n = play, seed_of, temperature_of, rollouts_per_example
         self.per_step, self.in_flight, self.max_async_level = per_step, max(in_flight, per_step), max_async_level
         self.version = self.next_step = step
+        log.serve(step)
         self.next_t = next_t
         self.last_step = last_step
         self.processes, self.index, self._gather, self.poll_s = processes, index, gather, poll_s
@@ -192,6 +232,12 @@ class Producer:
         self._finished = 0
         self.exhausted: BufferExhausted | None = None
 
+    @property
+    def playing(self) -> int:
+        """Groups launched and not trained on whose requests may reach the engine now: not held for a policy
+        newer than the engine's (`refill`), so 0 between two synchronous steps."""
+        return sum(g.version <= self.version for g in self.groups)
+
     def seeds(self, t: int) -> range:
         return range(self._seed_of(t), self._seed_of(t) + self._n)
 
@@ -199,15 +245,17 @@ class Producer:
     def set_version(self, version: int) -> None:
         """The engine serves policy `version` from now on (call right after `Scheduler.update_params`)."""
         self.version = version
+        self.log.serve(version)
         self.refill()
 
     def refill(self) -> None:
-        """Launch groups up to `in_flight` while the engine's policy is recent enough for the next step.
+        """Launch groups up to `in_flight`; the requests of each wait in the `VersionLog` until the engine's
+        policy is recent enough for the next step (`set_version`).
         A `BufferExhausted` from the draw is kept in `exhausted` (until a later draw succeeds: groups in
         flight may still bring an example back into sampling, and may still serve a step)."""
-        if self.version < self.next_step - self.max_async_level or (
-                self.last_step is not None and self.next_step >= self.last_step):
+        if self.last_step is not None and self.next_step >= self.last_step:
             return
+        need = self.next_step - self.max_async_level  # the oldest policy the next step may train on
         want = self.in_flight - len(self.groups)
         if want <= 0:
             return
@@ -230,9 +278,9 @@ class Producer:
             load[owner] += 1
             task = None
             if owner == self.index:
-                self.log.expect(self.seeds(t))
+                self.log.expect(self.seeds(t), need)
                 task = self._loop.create_task(self._play(job, self._seed_of(t), temperature))
-            self.groups.append(Group(t, job, self.version, temperature, task, owner))
+            self.groups.append(Group(t, job, max(self.version, need), temperature, task, owner))
 
     # taking ---------------------------------------------------------------------------------------
     async def take(self, step: int, stopping: Callable[[], bool] | None = None) -> Taken | None:

@@ -457,7 +457,7 @@ class Run:
             return None
         played = {t: group for share in shares for t, group in share}
         groups = [[loader.Rollout(**r) for r in played[g.t]] for g in taken.groups]
-        metrics = taken.metrics(step, self.rollouts_per_example, len(self.producer.groups))
+        metrics = taken.metrics(step, self.rollouts_per_example, self.producer.playing)
         # the wait: rollouts in flight overlap the previous step
         metrics["time/rollout"] = time.perf_counter() - t_start
         return Step(step, t_start, [g.job for g in taken.groups], groups, [g.temperature for g in taken.groups],
