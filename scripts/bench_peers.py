@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.pairs < 2:
         ap.error("--pairs: at least 2 (a ratio that was seen once is not a measurement)")
     peer_fn, jaxrl_fn, key, higher_is_better = PAIRS[args.pair]
-    trees = args.jaxrl or [REPO]
+    trees = [t.resolve() for t in args.jaxrl] if args.jaxrl else [REPO]  # PYTHONPATH is read from a temp dir
     print(f"{args.pair}: {args.pairs} pairs, {time.strftime('%Y-%m-%d %H:%M %Z')}, {os.cpu_count()} CPUs; jaxrl "
           f"trees: {', '.join(map(str, trees))}", flush=True)
     pairs = []
