@@ -237,6 +237,21 @@ def sampled_logprobs(params: Params, hidden_BTD: jax.Array, targets_BT: jax.Arra
     return scatter(logp), scatter(entropy)
 
 
+UNROLLED_LAYERS_CPU = 8  # the deepest stack a train step on CPU unrolls (`scan_layers`)
+
+
+def scan_layers(mesh: Mesh, num_layers: int) -> bool:
+    """Whether the train step runs its layer stack with `lax.scan` (`qwen3.decoder_stack`): on accelerators
+    and for stacks deeper than `UNROLLED_LAYERS_CPU`; a shallower stack on CPU is unrolled. XLA's CPU
+    backend fills a scan's stacked per-layer outputs (the activations the backward pass reads, float32
+    [L, B, T, ...]) with zeros before the loop: at the small Qwen3 of shared/peers (4 layers, 32 x 128
+    tokens, LoRA r16) about 0.1 s of a 2.2 s step (its profile's `wrapped_broadcast` fusions); unrolled,
+    the step took 0.95x the time (2.09 against 2.21 s, in-process A/B on a 2-core Xeon, 2026-11-25) and
+    compiled in the same 5.8 s. At 28 layers unrolling compiled 8.7x slower (18.3 against 2.1 s,
+    docs/benchmarks.md, 2026-11-23), so deep stacks stay scanned."""
+    return mesh_platform(mesh) != "cpu" or num_layers > UNROLLED_LAYERS_CPU
+
+
 def head_chunk(mesh: Mesh, hidden_size: int, l2_bytes: int | None = None) -> int:
     """The train head's tokens per chunk on `mesh`: `head.TOKENS_PER_CHUNK` on accelerators, where a chunk's
     logits span the whole vocabulary (`head_block`). On CPU at least `hidden_size`, and 256 tokens per MiB of
@@ -327,6 +342,7 @@ class Trainer:
     def __post_init__(self) -> None:
         # Nothing is donated: the rollout engine may still hold the previous LoRA while this step runs.
         self._step = jax.jit(self._step_impl, static_argnames=("micro_batches",))
+        self._scan_layers = scan_layers(self.mesh, self.cfg.num_layers)
 
     def init_state(self, base: Params, lora: Params | None) -> TrainState:
         """A state at step 0 (arrays placed as they are; the optimizer moments take the weights'
@@ -401,7 +417,8 @@ class Trainer:
         b, t = batch["inputs"].shape
         positions = batch.get("positions", jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
         segments = batch.get("segment_ids")  # None: one sample per row
-        hidden, _ = model(batch["inputs"], positions, remat=self.remat, mesh=self.mesh, segment_ids=segments)
+        hidden, _ = model(batch["inputs"], positions, remat=self.remat, mesh=self.mesh, segment_ids=segments,
+                          scan_layers=self._scan_layers)
         sft = self.objective == "sft"
         logp, entropy = sampled_logprobs(model.weights()[0], hidden, batch["targets"], batch["loss_positions"],
                                          batch["temperature"], entropy_grad=not sft and self.loss_cfg.entropy_coef > 0,
@@ -412,7 +429,8 @@ class Trainer:
             ref_logp = None
             if self.loss_cfg.kl_coef > 0:  # the reference policy: LoRA off, or the frozen starting weights
                 ref = model if reference is None else reference
-                ref_hidden, _ = ref(batch["inputs"], positions, lora=False, mesh=self.mesh, segment_ids=segments)
+                ref_hidden, _ = ref(batch["inputs"], positions, lora=False, mesh=self.mesh, segment_ids=segments,
+                                    scan_layers=self._scan_layers)
                 ref_logp = jax.lax.stop_gradient(sampled_logprobs(
                     ref.weights()[0], ref_hidden, batch["targets"], batch["loss_positions"], batch["temperature"],
                     **self._head_sizes())[0])
