@@ -247,8 +247,9 @@ def scan_layers(mesh: Mesh, num_layers: int) -> bool:
     [L, B, T, ...]) with zeros before the loop: at the small Qwen3 of shared/peers (4 layers, 32 x 128
     tokens, LoRA r16) about 0.1 s of a 2.2 s step (its profile's `wrapped_broadcast` fusions); unrolled,
     the step took 0.95x the time (2.09 against 2.21 s, in-process A/B on a 2-core Xeon, 2026-11-25) and
-    compiled in the same 5.8 s. At 28 layers unrolling compiled 8.7x slower (18.3 against 2.1 s,
-    docs/benchmarks.md, 2026-11-23), so deep stacks stay scanned."""
+    compiled in the same 5.8 s. At the Qwen3-0.6B shape (28 layers, 4 x 256 tokens) unrolled was slower:
+    the step 17.0-18.0 s against 14.8-15.0 s, its compile and first step 38 s against 21 s (same A/B), so
+    deep stacks stay scanned; 8 lies between the two depths measured."""
     return mesh_platform(mesh) != "cpu" or num_layers > UNROLLED_LAYERS_CPU
 
 
