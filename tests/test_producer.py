@@ -320,12 +320,17 @@ def test_a_stop_asked_on_one_process_ends_the_take_on_every_process_in_the_same_
     assert saved[0] == saved[1] and [t for t, _, _ in saved[0]["in_flight"]] == [0, 1]
 
 
-def test_version_log_records_expected_seeds_through_the_real_scheduler():
+def _tiny_scheduler():
+    """The real scheduler (its own thread) over a tiny random Qwen3 with 2 slots, and its params."""
     cfg = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8)
     params = {"base": modules.init_params(cfg, jax.random.key(0)), "lora": None}
     engine = Engine(cfg, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=2, max_seq_len=48)
-    sched = Scheduler(engine, params, "tiny")
+    return Scheduler(engine, params, "tiny"), params
+
+
+def test_version_log_records_expected_seeds_through_the_real_scheduler():
+    sched, params = _tiny_scheduler()
     log = VersionLog(sched)
     log.expect([7])
 
@@ -349,11 +354,7 @@ def test_version_log_holds_a_request_until_another_thread_serves_its_version():
     """The synchronous loop's overlap: a group launched while the trainer trains renders and sends its
     requests, and the log holds them until the runner's thread has updated the engine and said so
     (`serve`), so every token is of the new policy (the real scheduler, its own thread)."""
-    cfg = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=8)
-    params = {"base": modules.init_params(cfg, jax.random.key(0)), "lora": None}
-    engine = Engine(cfg, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=2, max_seq_len=48)
-    sched = Scheduler(engine, params, "tiny")
+    sched, params = _tiny_scheduler()
     log = VersionLog(sched)
     log.expect([7], version=1)
     log.expect([8])  # not held: no version asked

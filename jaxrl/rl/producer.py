@@ -78,7 +78,7 @@ class VersionLog:
         self._versions: dict[int, list[int]] = {}
         self._serving = 0  # the engine's policy version, as `serve` last said
         self._needs: dict[int, int] = {}  # seed -> the policy version its requests wait for
-        self._waiting: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._waiting: list[tuple[int, asyncio.Future]] = []  # (version, the held request's future)
 
     @property
     def model_name(self) -> str:
@@ -94,8 +94,7 @@ class VersionLog:
         with self._lock:
             for s in seeds:
                 self._versions.setdefault(s, [])
-                if version > self._serving:
-                    self._needs[s] = version
+                self._needs[s] = version
 
     def pop(self, seeds: Sequence[int]) -> list[int]:
         """The versions recorded for `seeds` (in order of seed, then of completion) and stop recording them."""
@@ -111,8 +110,8 @@ class VersionLog:
             self._serving = version
             ready = [w for w in self._waiting if w[0] <= version]
             self._waiting = [w for w in self._waiting if w[0] > version]
-        for _, loop, future in ready:
-            loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
+        for _, future in ready:
+            future.get_loop().call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
 
     async def _wait_for_version(self, seed: int) -> None:
         with self._lock:
@@ -120,7 +119,7 @@ class VersionLog:
             if need <= self._serving:
                 return
             future = asyncio.get_running_loop().create_future()
-            self._waiting.append((need, asyncio.get_running_loop(), future))
+            self._waiting.append((need, future))
         await future
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,

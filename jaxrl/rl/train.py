@@ -343,7 +343,6 @@ class Trainer:
     def __post_init__(self) -> None:
         # Nothing is donated: the rollout engine may still hold the previous LoRA while this step runs.
         self._step = jax.jit(self._step_impl, static_argnames=("micro_batches",))
-        self._scan_layers = scan_layers(self.mesh, self.cfg.num_layers)
 
     def init_state(self, base: Params, lora: Params | None) -> TrainState:
         """A state at step 0 (arrays placed as they are; the optimizer moments take the weights'
@@ -418,8 +417,9 @@ class Trainer:
         b, t = batch["inputs"].shape
         positions = batch.get("positions", jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
         segments = batch.get("segment_ids")  # None: one sample per row
+        scan = scan_layers(self.mesh, self.cfg.num_layers)
         hidden, _ = model(batch["inputs"], positions, remat=self.remat, mesh=self.mesh, segment_ids=segments,
-                          scan_layers=self._scan_layers)
+                          scan_layers=scan)
         sft = self.objective == "sft"
         logp, entropy = sampled_logprobs(model.weights()[0], hidden, batch["targets"], batch["loss_positions"],
                                          batch["temperature"], entropy_grad=not sft and self.loss_cfg.entropy_coef > 0,
@@ -431,7 +431,7 @@ class Trainer:
             if self.loss_cfg.kl_coef > 0:  # the reference policy: LoRA off, or the frozen starting weights
                 ref = model if reference is None else reference
                 ref_hidden, _ = ref(batch["inputs"], positions, lora=False, mesh=self.mesh, segment_ids=segments,
-                                    scan_layers=self._scan_layers)
+                                    scan_layers=scan)
                 ref_logp = jax.lax.stop_gradient(sampled_logprobs(
                     ref.weights()[0], ref_hidden, batch["targets"], batch["loss_positions"], batch["temperature"],
                     **self._head_sizes())[0])
