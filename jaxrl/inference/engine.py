@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.sampling import SlotSampling, mark_seen, sample, sample_unembedded, stop_ban, vocab_blocks
 from jaxrl.model import modules, qwen3
-from jaxrl.model.decode import out_major, unstack_layers
+from jaxrl.model.decode import out_major, split_cache, unstack_layers
 from jaxrl.model.qwen3 import KVCache, ModelConfig, OutMajor, Params
 from jaxrl.parallel.sharding import array_sharding, mesh_platform
 
@@ -59,7 +59,8 @@ class Prefix:
 
 @struct.dataclass
 class DecodeState:
-    """All decode slots: cache [L, B, S, K, H] (with `Engine.unstack`, lists of L arrays [B, S, K, H]);
+    """All decode slots: cache [L, B, S, K, H] (with `Engine.unstack`, one head-major buffer per layer:
+    keys L arrays [B, K, H, S], values L arrays [B, K, S, H], `jaxrl.model.decode.split_cache`);
     the next input token [B] and its position [B]; sampling settings; one PRNG key per slot [B]; tokens
     seen per slot, bool [B, V] (kept up to date only while some slot has a repetition penalty: a slot's
     settings are fixed at insert); each slot's stop tokens, bool [B, V], and the tokens it has sampled,
@@ -195,17 +196,20 @@ class Engine:
         """Empty slots: zero cache, token 0 at position 0, greedy sampling."""
         c = self.cfg
         b, s = self.max_concurrent_decodes, self.max_seq_len
-        shape = (c.num_layers, b, s, c.num_kv_heads, c.head_dim)
-        axes = (None, "batch", None, "kv_heads", None)
-        if self.unstack:  # one buffer per layer (`jaxrl.model.decode.split_cache`)
-            shape, axes = shape[1:], axes[1:]
-        cache_sh = array_sharding(axes, shape, self.mesh)
         vec_sh = array_sharding(("batch",), (b,), self.mesh)
-        zeros = jax.jit(lambda: jnp.zeros(shape, self.cache_dtype), out_shardings=cache_sh)
-        if self.unstack:
-            cache = {name: [zeros() for _ in range(c.num_layers)] for name in ("k", "v")}
+
+        def zeros(shape, axes):
+            return jax.jit(lambda: jnp.zeros(shape, self.cache_dtype),
+                           out_shardings=array_sharding(axes, shape, self.mesh))()
+
+        if self.unstack:  # one head-major buffer per layer (`jaxrl.model.decode.split_cache`)
+            axes = ("batch", "kv_heads", None, None)
+            cache = {"k": [zeros((b, c.num_kv_heads, c.head_dim, s), axes) for _ in range(c.num_layers)],
+                     "v": [zeros((b, c.num_kv_heads, s, c.head_dim), axes) for _ in range(c.num_layers)]}
         else:
-            cache = {"k": zeros(), "v": zeros()}
+            shape = (c.num_layers, b, s, c.num_kv_heads, c.head_dim)
+            axes = (None, "batch", None, "kv_heads", None)
+            cache = {"k": zeros(shape, axes), "v": zeros(shape, axes)}
         return DecodeState(
             cache=cache,
             tokens=jax.device_put(jnp.zeros((b,), jnp.int32), vec_sh),
@@ -304,14 +308,17 @@ class Engine:
         def put(dst, src):
             return jax.lax.dynamic_update_slice(dst, src, (0, slot, 0, 0, 0))
 
-        def put_layers(dst, src):  # a per-layer cache: L arrays [B, S, K, H] from src [L, 1, T, K, H]
-            return [jax.lax.dynamic_update_slice(d, s, (slot, 0, 0, 0)) for d, s in zip(dst, src, strict=True)]
-
         def put1(dst, src):
             return jax.lax.dynamic_update_slice(dst, src, (slot,))
 
+        if self.unstack:  # the head-major per-layer cache (`split_cache`) from the prefix's [L, 1, T, K, H]
+            src = split_cache(prefix.cache)
+            cache = {n: [jax.lax.dynamic_update_slice(d, x, (slot, 0, 0, 0))
+                         for d, x in zip(state.cache[n], src[n], strict=True)] for n in ("k", "v")}
+        else:
+            cache = {n: put(state.cache[n], prefix.cache[n]) for n in ("k", "v")}
         return DecodeState(
-            cache={n: (put_layers if self.unstack else put)(state.cache[n], prefix.cache[n]) for n in ("k", "v")},
+            cache=cache,
             tokens=put1(state.tokens, prefix.token),
             positions=put1(state.positions, prefix.length[None]),
             sampling=jax.tree.map(put1, state.sampling, prefix.sampling),
