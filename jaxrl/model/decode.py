@@ -46,37 +46,20 @@ from jaxrl.model import qwen3
 from jaxrl.model.qwen3 import KVCache, ModelConfig, Params, unstack_layers
 
 
-def _attend_stacked(q_BKGH, k_BKH, v_BKH, k_BSKH, v_BSKH, positions_B):
-    """Attention of one new query per row over a cache [B, S, K, H] (the stacked layout) plus this step's
-    key/value: [B, K, G, H] in float32. A multiply-and-reduce over the cache as it is."""
-    scores_BSKG = jnp.sum(q_BKGH[:, None] * k_BSKH[:, :, :, None, :].astype(jnp.float32), axis=-1)
-    before_BS11 = (jnp.arange(k_BSKH.shape[1])[None] < positions_B[:, None])[:, :, None, None]
-    scores_BSKG = jnp.where(before_BS11, scores_BSKG, -1e30)
-    here_BKG = jnp.sum(q_BKGH * k_BKH[:, :, None, :].astype(jnp.float32), axis=-1)
-    top_BKG = jnp.maximum(jnp.max(scores_BSKG, axis=1), here_BKG)
-    probs_BSKG = jnp.exp(scores_BSKG - top_BKG[:, None])
-    here_BKG = jnp.exp(here_BKG - top_BKG)
-    total_BKG = jnp.sum(probs_BSKG, axis=1) + here_BKG
-    attn_BKGH = jnp.sum(probs_BSKG[..., None] * v_BSKH[:, :, :, None, :].astype(jnp.float32), axis=1)
-    return (attn_BKGH + here_BKG[..., None] * v_BKH[:, :, None, :].astype(jnp.float32)) / total_BKG[..., None]
-
-
-def _attend_head_major(q_BKGH, k_BKH, v_BKH, k_BKHS, v_BKSH, positions_B):
-    """As `_attend_stacked` over one layer's head-major cache (`split_cache`: keys [B, K, H, S], values
-    [B, K, S, H]): both products are batched matmuls over (B, K) whose operands are contiguous, [G, H] x
-    [H, S] and [G, S] x [S, H], where the stacked layout needs a reduction over H, the innermost axis."""
+def _attend(q_BKGH, k_BKH, v_BKH, positions_B, scores_BKGS, weigh_values):
+    """Attention of one new query per row, [B, K, G, H] in float32: the cache's `scores_BKGS` (float32
+    [B, K, G, S], masked here to the positions before each row's own) and this step's key/value as one
+    more term of the softmax; `weigh_values(probs_BKGS)` is the cache's value sum [B, K, G, H]."""
     f32 = jnp.float32
-    batch = ((0, 1), (0, 1))
-    scores_BKGS = jax.lax.dot_general(q_BKGH, k_BKHS.astype(f32), (((3,), (2,)), batch))
-    before_B11S = (jnp.arange(k_BKHS.shape[3])[None] < positions_B[:, None])[:, None, None, :]
+    before_B11S = (jnp.arange(scores_BKGS.shape[-1])[None] < positions_B[:, None])[:, None, None, :]
     scores_BKGS = jnp.where(before_B11S, scores_BKGS, -1e30)
     here_BKG = jnp.sum(q_BKGH * k_BKH[:, :, None, :].astype(f32), axis=-1)
     top_BKG = jnp.maximum(jnp.max(scores_BKGS, axis=-1), here_BKG)
     probs_BKGS = jnp.exp(scores_BKGS - top_BKG[..., None])
     here_BKG = jnp.exp(here_BKG - top_BKG)
     total_BKG = jnp.sum(probs_BKGS, axis=-1) + here_BKG
-    attn_BKGH = jax.lax.dot_general(probs_BKGS, v_BKSH.astype(f32), (((3,), (2,)), batch))
-    return (attn_BKGH + here_BKG[..., None] * v_BKH[:, :, None, :].astype(f32)) / total_BKG[..., None]
+    attn_BKGH = weigh_values(probs_BKGS) + here_BKG[..., None] * v_BKH[:, :, None, :].astype(f32)
+    return attn_BKGH / total_BKG[..., None]
 
 
 def _layer(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | None, x_BTD, positions_B, xs,
@@ -94,8 +77,21 @@ def _layer(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | None, x_
     # The cache is read as it is (a copy with this step's key substituted would be written and read
     # again: 3x the cache traffic); positions before this one come from it, this one from k_BKH/v_BKH.
     q_BKGH = q_BTNH[:, 0].reshape(b, nk, g, hd).astype(jnp.float32) / math.sqrt(hd)
-    attend = _attend_head_major if head_major else _attend_stacked
-    attn_BKGH = attend(q_BKGH, k_BKH, v_BKH, k_cache, v_cache, positions_B)
+    f32 = jnp.float32
+    if head_major:  # keys [B, K, H, S], values [B, K, S, H]: batched matmuls over (B, K) of contiguous
+        # [G, H] x [H, S] and [G, S] x [S, H] operands (reductions over the stacked layout's innermost H)
+        batch = ((0, 1), (0, 1))
+        scores_BKGS = jax.lax.dot_general(q_BKGH, k_cache.astype(f32), (((3,), (2,)), batch))
+
+        def weigh_values(probs_BKGS):
+            return jax.lax.dot_general(probs_BKGS, v_cache.astype(f32), (((3,), (2,)), batch))
+    else:  # slices [B, S, K, H] of the stacked cache: a multiply-and-reduce over the cache as it is
+        scores_BKGS = jnp.sum(q_BKGH[:, None] * k_cache[:, :, :, None, :].astype(f32), axis=-1).transpose(0, 2, 3, 1)
+
+        def weigh_values(probs_BKGS):
+            probs_BSKG = probs_BKGS.transpose(0, 3, 1, 2)
+            return jnp.sum(probs_BSKG[..., None] * v_cache[:, :, :, None, :].astype(f32), axis=1)
+    attn_BKGH = _attend(q_BKGH, k_BKH, v_BKH, positions_B, scores_BKGS, weigh_values)
     attn_BTNH = attn_BKGH.reshape(b, 1, cfg.num_heads, hd).astype(x_BTD.dtype)
     # one contraction over N * H: with two contracting axes XLA's CPU backend transposed `wo` to [H, N, D]
     # (a copy of the weight, 3 ms of a 0.6B layer's 5) before every step's matmul
@@ -179,7 +175,7 @@ def out_major(cfg: ModelConfig, layers: list[tuple]) -> list[tuple]:
 def split_cache(cache: KVCache) -> KVCache:
     """A stacked cache {"k","v"} [L, B, S, K, H] (or a prefix's [L, 1, T, K, H]) as one buffer per layer,
     head-major: {"k": L arrays [B, K, H, S], "v": L arrays [B, K, S, H]} (transposed copies). What the
-    engine's per-layer decode reads (`_attend_head_major`)."""
+    engine's per-layer decode reads (`_layer` with `head_major`)."""
     return {"k": [c.transpose(0, 2, 3, 1) for c in cache["k"]], "v": [c.transpose(0, 2, 1, 3) for c in cache["v"]]}
 
 
