@@ -347,6 +347,36 @@ def test_weight_copies_only_on_cpu_and_the_same_tokens_without_them():
 
 
 
+MOE_CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
+                      head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                      mlp_only_layers=(1,))
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("cfg", [CFG, MOE_CFG], ids=["dense", "mixed-moe"])
+def test_prefill_through_the_per_layer_copy_matches_the_stacks(cfg):
+    """On CPU a prefill runs the layers of `Engine.prepare`'s per-layer copy unrolled (`qwen3.forward`'s
+    `layers`) where XLA would copy each layer's weights out of the stack: the same cache and logits as the
+    stacked weights (`unstack` False), LoRA included, for a dense and a mixed dense/MoE stack."""
+    base = jax.tree.map(lambda x: x * 20 if x.ndim > 1 else x, modules.init_params(cfg, jax.random.key(0)))
+    lora = jax.tree.map(lambda x: x + 0.3, modules.init_lora(cfg, 4, tuple(LORA_TARGETS), jax.random.key(1)))
+    mesh = make_mesh({}, jax.devices()[:1])
+    tokens = pad_prompt([5, 7, 9, 11, 3, 2, 8], 16)
+    outs = []
+    for unstack in (None, False):
+        engine = Engine(cfg, mesh, max_concurrent_decodes=2, max_seq_len=32, lora_scale=0.5, unstack=unstack)
+        prepared = engine.prepare({"base": base, "lora": lora})
+        assert ("layers" in prepared) == (unstack is None)
+        outs.append(engine._prefill_forward(prepared, tokens, jnp.int32(7)))
+        if unstack is None:  # the copy is what it reads: its layers in reverse order give other logits
+            swapped = engine._prefill_forward({**prepared, "layers": prepared["layers"][::-1]}, tokens, jnp.int32(7))
+            assert np.abs(np.asarray(swapped[1]) - np.asarray(outs[0][1])).max() > 1e-2
+    (cache, logits), (want_cache, want_logits) = outs
+    np.testing.assert_allclose(logits, want_logits, rtol=1e-4, atol=1e-4)
+    for name in ("k", "v"):
+        np.testing.assert_allclose(cache[name], want_cache[name], rtol=1e-4, atol=1e-4)
+
+
 def _check_min_tokens(params, prompt, got, stop, m):
     """`got` is greedy decoding with `stop` banned from its first `m` draws: each token the argmax of the
     logits with `stop` at -inf for the first m, its logprob that of that masked distribution, and it

@@ -12,9 +12,9 @@ vLLM's default. `min_tokens` is counted per slot on device (`DecodeState.generat
 sampled fewer, its stop tokens (`DecodeState.stop`) are banned, in the same compiled decode step for
 every request. Both jitted steps rebuild the model, `jaxrl.model.modules.Qwen3`, over the engine params'
 arrays (`modules.bind`: `nnx.merge`, no copies, so the engine reads the trainer's base weights in place):
-prefill calls it (`qwen3.forward`), a decode step calls `Qwen3.decode` (`jaxrl.model.decode`, the same
-layers with a bandwidth-minded attention over the cache). The decode state is donated to `insert` and
-`generate`, so the cache is updated in place.
+prefill calls it (`qwen3.forward`, over the per-layer copy where `prepare` made one), a decode step calls
+`Qwen3.decode` (`jaxrl.model.decode`, the same layers with a bandwidth-minded attention over the cache).
+The decode state is donated to `insert` and `generate`, so the cache is updated in place.
 
 The method names and arguments follow `jetstream.engine.engine_api.Engine` (google-jetstream 0.2.2) so
 that JetStream's orchestrator can drive this engine; `prefill` and `insert` take extra keyword
@@ -119,7 +119,7 @@ class Engine:
     """JetStream-style engine over a Qwen3 params pytree.
 
     Engine params are `{"base": params, "lora": lora_or_None}`, plus, from `prepare`, `"layers"`: the
-    per-layer copy that decode steps read (`jaxrl.model.decode.unstack_layers`, projections output-major by
+    per-layer copy that prefills and decode steps read (`jaxrl.model.decode.unstack_layers`, projections output-major by
     `decode.out_major`; several times faster decode on CPU for a second copy of the layer weights, with the
     KV cache one buffer per layer likewise), and `"unembed"`, the unembedding as a `qwen3.OutMajor` [V, D]
     (a tied embedding read in place); `unstack=False` keeps one copy of the weights (the
@@ -284,10 +284,12 @@ class Engine:
 
     # jitted bodies --------------------------------------------------------------------------------
     def _prefill_forward_impl(self, params, tokens_T, true_length):
-        """The prompt's cache {"k","v"} [L, 1, T, K, H] and the logits after its last token, [1, V]."""
+        """The prompt's cache {"k","v"} [L, 1, T, K, H] and the logits after its last token, [1, V]
+        (through the per-layer copy where `prepare` made one, as decode steps)."""
         t = tokens_T.shape[0]
         model = modules.bind(self.cfg, params["base"], params.get("lora"), self.lora_scale)
-        hidden_BTD, kv = model(tokens_T[None], jnp.arange(t, dtype=jnp.int32)[None], mesh=self.mesh)
+        hidden_BTD, kv = model(tokens_T[None], jnp.arange(t, dtype=jnp.int32)[None], mesh=self.mesh,
+                               layers=params.get("layers"))
         last_BD = jax.lax.dynamic_index_in_dim(hidden_BTD[0], true_length - 1, keepdims=True)
         logits_BV = qwen3.logits(_unembedding(params), last_BD[None])[:, 0]
         return {k: v.astype(self.cache_dtype) for k, v in kv.items()}, logits_BV

@@ -366,6 +366,7 @@ def decoder_stack(
     mesh: Mesh | None = None,
     scan_layers: bool = True,
     segment_ids: jax.Array | None = None,
+    layers: list[tuple] | None = None,
 ) -> tuple[jax.Array, KVCache, jax.Array]:
     """`forward` before the final norm, plus every layer's output: returns (residual stream [B, T, D],
     cache, layer outputs [L, B, T, D]). Arguments as in `forward`."""
@@ -388,7 +389,7 @@ def decoder_stack(
             return x, (k, v, x)
         return jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable) if remat else body
 
-    if scan_layers and len(set(kinds)) == 1:
+    if layers is None and scan_layers and len(set(kinds)) == 1:
         kind = kinds[0]
         xs = (params["layers"], lora.get("layers"), params[kind], lora.get(kind), kc, vc)
         x_BTD, (k_L, v_L, h_L) = jax.lax.scan(body_of(kind), x_BTD, xs)
@@ -396,8 +397,10 @@ def decoder_stack(
 
     bodies = {kind: body_of(kind) for kind in set(kinds)}
     outs = []
-    layers = zip(unstack_layers(cfg, params), unstack_layers(cfg, lora), strict=True)
-    for i, ((w, mw), (lw, mlw)) in enumerate(layers):
+    if layers is None:
+        layers = [(w, lw, mw, mlw) for (w, mw), (lw, mlw) in zip(unstack_layers(cfg, params),
+                                                                 unstack_layers(cfg, lora), strict=True)]
+    for i, (w, lw, mw, mlw) in enumerate(layers):
         kc_i, vc_i = (None, None) if kc is None else (kc[i], vc[i])
         x_BTD, out = bodies[kinds[i]](x_BTD, (w, lw, mw, mlw, kc_i, vc_i))
         outs.append(out)
@@ -418,6 +421,7 @@ def forward(
     mesh: Mesh | None = None,
     scan_layers: bool = True,
     segment_ids: jax.Array | None = None,
+    layers: list[tuple] | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Run the decoder stack; return final-norm hidden states and the key/value cache.
 
@@ -438,6 +442,11 @@ def forward(
         segment_ids: int32 [B, T] (no cache only): a query attends only to keys of its own segment, so
             several samples packed into one row (each with positions from 0) stay independent (SFT's
             packing, `jaxrl.rl.sft`). None: one segment per row.
+        layers: per layer `(weights, lora, ffn weights, ffn lora)` as separate arrays (the rollout engine's
+            copy on CPU, `Engine.prepare`), run unrolled in place of `params`' and `lora`'s stacks: inside
+            jit, a scanned or unrolled stack copies each layer's weights out of it before reading them
+            (XLA's CPU backend; a prefill of 64 tokens at the Qwen3-0.6B shape spent about 40% of its time
+            in those copies). The same numbers. None: the stacks.
 
     Returns:
         hidden_BTD in the params' dtype, and {"k","v"}: [L, B, T, K, H] (no cache given) or the
@@ -449,7 +458,7 @@ def forward(
     """
     x_BTD, cache, _ = decoder_stack(cfg, params, tokens_BT, positions_BT, lora=lora, lora_scale=lora_scale,
                                     cache=cache, remat=remat, mesh=mesh, scan_layers=scan_layers,
-                                    segment_ids=segment_ids)
+                                    segment_ids=segment_ids, layers=layers)
     return rms_norm(x_BTD, params["final_norm"], cfg.rms_norm_eps), cache
 
 
