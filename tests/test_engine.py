@@ -79,8 +79,9 @@ def test_prefill_insert_generate_match_full_forward():
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize(("unstacked", "split"), [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize(("unstacked", "split"), [(False, False), (True, False), (True, 24), (True, 8)])
 def test_decode_step_matches_model_forward_with_cache(unstacked, split):
+    """`split`: the per-layer head-major cache in chunks of that many positions (of the 24)."""
     params = _params(lora_seed=1)
     layers = None
     if unstacked:
@@ -96,12 +97,39 @@ def test_decode_step_matches_model_forward_with_cache(unstacked, split):
                                        lora_scale=0.5, cache=cache)
     step = jax.jit(lambda p, c, ly: decode.decode_step(CFG, p["base"], tokens, positions, c, lora=p["lora"],
                                                        lora_scale=0.5, layers=ly))
-    got_h, got_cache = step(params, decode.split_cache(cache) if split else cache, layers)
+    got_h, got_cache = step(params, decode.split_cache(cache, split) if split else cache, layers)
     np.testing.assert_allclose(got_h, want_h, rtol=1e-4, atol=1e-4)
-    assert isinstance(got_cache["k"], list) == split
+    assert isinstance(got_cache["k"], list) == bool(split)
+    if split:
+        assert [len(layer) for layer in got_cache["k"]] == [24 // split] * CFG.num_layers
     got_cache = decode.join_cache(got_cache) if split else got_cache
     for name in ("k", "v"):
         np.testing.assert_allclose(got_cache[name], want_cache[name], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.numerics
+def test_decode_step_over_the_first_chunks_is_the_same_bit_for_bit():
+    """A step given only the first chunks of each layer's cache (`Engine.generate`'s `chunks`) computes the
+    rows whose positions they hold exactly as over every chunk (`decode._attend_chunks` merges the softmax
+    chunk by chunk), writes their keys/values in them, and leaves the other chunks to the caller."""
+    params = _params(lora_seed=1)
+    pairs = zip(decode.unstack_layers(CFG, params["base"]), decode.unstack_layers(CFG, params["lora"]), strict=True)
+    layers = [(w, lw, mw, mlw) for (w, mw), (lw, mlw) in pairs]
+    ks = jax.random.split(jax.random.key(6), 2)
+    shape = (CFG.num_layers, 3, 32, CFG.num_kv_heads, CFG.head_dim)
+    cache = decode.split_cache({"k": jax.random.normal(ks[0], shape), "v": jax.random.normal(ks[1], shape)}, 8)
+    tokens, positions = jnp.array([3, 50, 7], jnp.int32), jnp.array([0, 9, 15], jnp.int32)
+    step = jax.jit(lambda c: decode.decode_step(CFG, params["base"], tokens, positions, c, lora=params["lora"],
+                                                lora_scale=0.5, layers=layers))
+    all_h, all_cache = step(cache)
+    first = {n: [layer[:2] for layer in cache[n]] for n in ("k", "v")}  # positions 0..15 of 32
+    some_h, some_cache = step(first)
+    assert [len(layer) for layer in some_cache["k"]] == [2] * CFG.num_layers
+    np.testing.assert_array_equal(np.asarray(some_h), np.asarray(all_h))
+    for name in ("k", "v"):
+        for got, want in zip(some_cache[name], all_cache[name], strict=True):
+            for g, w in zip(got, want[:2], strict=True):
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 def _run(coro):
@@ -259,6 +287,40 @@ def test_scheduler_seed_reproducible_and_stop_tokens():
             _run(sched.generate([1] * 32, SamplingParams()))
     finally:
         sched.stop()
+
+
+@pytest.mark.numerics
+def test_scheduler_steps_read_the_cache_chunks_in_use():
+    """With a cache of three 128-position chunks, a decode step reads the chunks that hold its busy slots'
+    positions (`Engine.cache_chunks`): a short seeded request samples the same tokens and logprobs alone
+    (one chunk) and beside a long prompt (two), and requests that cross a chunk boundary mid-generation
+    match the full forward pass."""
+    params = _params(lora_seed=1)
+    engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=2, max_seq_len=300, lora_scale=0.5)
+    assert (engine.chunk, engine.num_chunks) == (128, 3)
+    assert [engine.cache_chunks(n) for n in (1, 128, 129, 256, 257, 300)] == [1, 1, 2, 2, 3, 3]
+    rng = np.random.default_rng(3)
+    short = ([5, 7, 9, 11, 3], SamplingParams(temperature=1.0, max_tokens=12, seed=4))
+    crossing = (rng.integers(0, CFG.vocab_size, 120).tolist(), SamplingParams(temperature=1.0, max_tokens=20, seed=5))
+    long = (rng.integers(0, CFG.vocab_size, 200).tolist(), SamplingParams(temperature=1.0, max_tokens=70, seed=6))
+    sched = Scheduler(engine, params, "tiny")
+
+    async def together(*reqs):
+        return await asyncio.gather(*[sched.generate(*r) for r in reqs])
+
+    try:
+        (alone,) = _run(together(short))
+        steps = sched.decode_steps
+        beside, far = _run(together(short, long))
+        (cross,) = _run(together(crossing))
+    finally:
+        sched.stop()
+    assert sched.decode_steps - steps >= 69  # the long request's steps ran over two or three chunks
+    assert (beside.token_ids, beside.logprobs) == (alone.token_ids, alone.logprobs)
+    for (prompt, _), c in ((long, far), (crossing, cross)):  # up to 270 positions of x20 weights: rounding
+        ref = _reference_logprobs(params, prompt + c.token_ids)  # of 1e-4 (9e-5 unchunked, 2e-4 chunked)
+        np.testing.assert_allclose(c.logprobs, [ref[len(prompt) - 1 + i, t] for i, t in enumerate(c.token_ids)],
+                                   atol=5e-4)
 
 
 @pytest.mark.numerics

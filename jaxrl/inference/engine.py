@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.sampling import SlotSampling, mark_seen, sample, sample_unembedded, stop_ban, vocab_blocks
 from jaxrl.model import modules, qwen3
-from jaxrl.model.decode import out_major, split_cache, unstack_layers
+from jaxrl.model.decode import chunk_length, out_major, split_cache, unstack_layers
 from jaxrl.model.qwen3 import KVCache, ModelConfig, OutMajor, Params
 from jaxrl.parallel.sharding import array_sharding, mesh_platform
 
@@ -59,8 +59,9 @@ class Prefix:
 
 @struct.dataclass
 class DecodeState:
-    """All decode slots: cache [L, B, S, K, H] (with `Engine.unstack`, one head-major buffer per layer:
-    keys L arrays [B, K, H, S], values L arrays [B, K, S, H], `jaxrl.model.decode.split_cache`);
+    """All decode slots: cache [L, B, S, K, H] (with `Engine.unstack`, per layer a list of head-major chunks
+    of `Engine.chunk` positions, the last what is left of S: keys [B, K, H, C], values [B, K, C, H],
+    `jaxrl.model.decode.split_cache`);
     the next input token [B] and its position [B]; sampling settings; one PRNG key per slot [B]; tokens
     seen per slot, bool [B, V] (kept up to date only while some slot has a repetition penalty: a slot's
     settings are fixed at insert); each slot's stop tokens, bool [B, V], and the tokens it has sampled,
@@ -150,11 +151,13 @@ class Engine:
         self._base_layers: tuple | None = None  # (the base it was made from, layers, unembed, its blocks)
         self.max_prefill_length = self.max_seq_len - 1
         self.buckets = prefill_buckets(self.max_prefill_length)
+        self.chunk = chunk_length(self.max_seq_len)  # the per-layer cache's chunks (`unstack`): the last one
+        self.num_chunks = -(-self.max_seq_len // self.chunk)  # holds what is left of max_seq_len
         self._prefill_forward = jax.jit(self._prefill_forward_impl)
         self._prefill_sample = jax.jit(self._prefill_sample_impl, static_argnames=("truncate",))
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
         self._generate = jax.jit(self._generate_impl, donate_argnums=(1,),
-                                 static_argnames=("truncate", "penalize", "ban"))
+                                 static_argnames=("truncate", "penalize", "ban", "chunks"))
 
     def prepare(self, params: Params) -> Params:
         """Engine params for `prefill` / `generate` from `{"base", "lora"}`: adds the per-layer view with
@@ -202,10 +205,11 @@ class Engine:
             return jax.jit(lambda: jnp.zeros(shape, self.cache_dtype),
                            out_shardings=array_sharding(axes, shape, self.mesh))()
 
-        if self.unstack:  # one head-major buffer per layer (`jaxrl.model.decode.split_cache`)
-            axes = ("batch", "kv_heads", None, None)
-            cache = {"k": [zeros((b, c.num_kv_heads, c.head_dim, s), axes) for _ in range(c.num_layers)],
-                     "v": [zeros((b, c.num_kv_heads, s, c.head_dim), axes) for _ in range(c.num_layers)]}
+        if self.unstack:  # per layer, head-major chunks (`jaxrl.model.decode.split_cache`)
+            axes, h = ("batch", "kv_heads", None, None), c.head_dim
+            sizes = [min(self.chunk, s - a) for a in range(0, s, self.chunk)]
+            cache = {"k": [[zeros((b, c.num_kv_heads, h, n), axes) for n in sizes] for _ in range(c.num_layers)],
+                     "v": [[zeros((b, c.num_kv_heads, n, h), axes) for n in sizes] for _ in range(c.num_layers)]}
         else:
             shape = (c.num_layers, b, s, c.num_kv_heads, c.head_dim)
             axes = (None, "batch", None, "kv_heads", None)
@@ -272,15 +276,28 @@ class Engine:
         """Copy `prefix` into decode slot `slot` (the decode state's buffers are donated)."""
         return self._insert(prefix, decode_state, jnp.int32(slot))
 
-    def generate(self, params: Params, decode_state: DecodeState, truncate: bool = True,
-                 penalize: bool = True, ban: bool = True) -> tuple[DecodeState, ResultTokens]:
+    def generate(self, params: Params, decode_state: DecodeState, truncate: bool = True, penalize: bool = True,
+                 ban: bool = True, chunks: int | None = None) -> tuple[DecodeState, ResultTokens]:
         """One decode step for every slot (the decode state's buffers are donated). `truncate=False`
         skips min_p / top_k / top_p, `penalize=False` the repetition penalty and its bookkeeping, and
         `ban=False` the `min_tokens` ban (`stop_ban`): faster, for when no active slot uses them (no
         slot still short of its `min_tokens`, for `ban`). With all three off and `blocked_sampling`, the
-        step samples with `sample_unembedded`, over vocabulary blocks without the [B, V] logits. Each
-        combination compiles once."""
-        return self._generate(params, decode_state, truncate=truncate, penalize=penalize, ban=ban)
+        step samples with `sample_unembedded`, over vocabulary blocks without the [B, V] logits.
+        `chunks` (with `unstack`; None: all): the step reads and writes only the first `chunks` chunks of
+        each layer's cache (`cache_chunks`), so attention reads the positions in use, not `max_seq_len`:
+        every slot that matters must be at a position before `chunks * chunk`; a slot past it samples
+        from a truncated cache. A slot's numbers are the same, bit for bit, for any `chunks` that holds
+        its position (`jaxrl.model.decode._attend_chunks`). Each combination compiles once."""
+        if not self.unstack or chunks == self.num_chunks:
+            chunks = None
+        return self._generate(params, decode_state, truncate=truncate, penalize=penalize, ban=ban, chunks=chunks)
+
+    def cache_chunks(self, positions: int) -> int:
+        """How many cache chunks a decode step reads (`generate`'s `chunks`) so that it holds positions
+        [0, `positions`): the fewest, rounded up to a power of two (one compiled step per count), at most
+        `num_chunks`."""
+        need = max(1, -(-positions // self.chunk))
+        return min(1 << (need - 1).bit_length(), self.num_chunks)
 
     # jitted bodies --------------------------------------------------------------------------------
     def _prefill_forward_impl(self, params, tokens_T, true_length):
@@ -313,10 +330,15 @@ class Engine:
         def put1(dst, src):
             return jax.lax.dynamic_update_slice(dst, src, (slot,))
 
-        if self.unstack:  # the head-major per-layer cache (`split_cache`) from the prefix's [L, 1, T, K, H]
-            src = split_cache(prefix.cache)
-            cache = {n: [jax.lax.dynamic_update_slice(d, x, (slot, 0, 0, 0))
-                         for d, x in zip(state.cache[n], src[n], strict=True)] for n in ("k", "v")}
+        if self.unstack:  # the head-major chunks (`split_cache`) of the prefix's [L, 1, T, K, H]
+            src = split_cache(prefix.cache, self.chunk)  # the prompt's chunks; those after it keep their data
+
+            def put_chunks(dst, pieces):
+                return [jax.lax.dynamic_update_slice(d, x, (slot, 0, 0, 0))
+                        for d, x in zip(dst[:len(pieces)], pieces, strict=True)] + dst[len(pieces):]
+
+            cache = {n: [put_chunks(dst, pieces) for dst, pieces in zip(state.cache[n], src[n], strict=True)]
+                     for n in ("k", "v")}
         else:
             cache = {n: put(state.cache[n], prefix.cache[n]) for n in ("k", "v")}
         return DecodeState(
@@ -330,10 +352,14 @@ class Engine:
             generated=put1(state.generated, jnp.ones((1,), jnp.int32)),
         )
 
-    def _generate_impl(self, params, state: DecodeState, *, truncate, penalize, ban=True):
+    def _generate_impl(self, params, state: DecodeState, *, truncate, penalize, ban=True, chunks=None):
         model = modules.bind(self.cfg, params["base"], params.get("lora"), self.lora_scale)
-        hidden_BTD, cache = model.decode(state.tokens, state.positions, state.cache, mesh=self.mesh,
+        read = state.cache if chunks is None else {n: [layer[:chunks] for layer in state.cache[n]] for n in ("k", "v")}
+        hidden_BTD, cache = model.decode(state.tokens, state.positions, read, mesh=self.mesh,
                                          layers=params.get("layers"))
+        if chunks is not None:  # the chunks past those read, as they were
+            cache = {n: [new + old[chunks:] for new, old in zip(cache[n], state.cache[n], strict=True)]
+                     for n in ("k", "v")}
         split = jax.vmap(jax.random.split)(state.keys)
         if truncate or penalize or ban or not self.blocked_sampling:
             logits_BV = qwen3.logits(_unembedding(params), hidden_BTD)[:, 0]

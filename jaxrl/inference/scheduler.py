@@ -169,13 +169,16 @@ class Scheduler:
         """Compile every prefill bucket and the decode steps for `params`'s kind of sampling (truncating
         or not, penalizing or not, and with `min_tokens` the steps with and without its ban) before real
         traffic, so that no request's latency, and no rollout's timeout, includes XLA compilation. Runs
-        one short request per bucket through the normal path (and one with `min_tokens` after them).
+        one short request per bucket through the normal path, one at a time, so that each count of cache
+        chunks a decode step reads (`Engine.cache_chunks`) compiles too (and one with `min_tokens` after
+        them).
 
         Returns:
             The number of prefill buckets compiled.
         """
         probe = dataclasses.replace(params, max_tokens=2, stop_token_ids=(), seed=0, min_tokens=0)
-        await asyncio.gather(*[self.generate([0] * n, probe) for n in self.engine.buckets])
+        for n in self.engine.buckets:  # alone: its decode step reads the chunks up to its own position
+            await self.generate([0] * n, probe)
         if params.min_tokens:  # a step with a slot short of its min_tokens bans; the steps after it do not
             await self.generate([0], dataclasses.replace(probe, min_tokens=2))
         return len(self.engine.buckets)
@@ -292,10 +295,13 @@ class Scheduler:
         active = [r for r in rows if r is not None]
         if not active:
             return
+        # the cache chunks that hold every busy slot's next position (it feeds position len + dispatched - 1)
+        chunks = self.engine.cache_chunks(max(len(r.prompt_ids) + r.dispatched for r in active))
         self._state, result = self.engine.generate(self._params, self._state,
                                                    truncate=any(r.params.truncates for r in active),
                                                    penalize=any(r.params.penalizes for r in active),
-                                                   ban=any(r.dispatched < r.params.min_tokens for r in active))
+                                                   ban=any(r.dispatched < r.params.min_tokens for r in active),
+                                                   chunks=chunks)
         self.decode_steps += 1
         self._unread.append(_Sampled(result.tokens, result.logprobs, rows, self.policy_version))
         for req in active:

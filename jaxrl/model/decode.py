@@ -11,9 +11,10 @@ decode step 3.5x slower than the same forward without a cache. Here a step reads
     step's key/value added as one more term of the softmax;
   * the layers return only this step's key/value [L, B, K, H]; after the last layer has read the
     cache, one scatter writes them into the (donated) cache in place;
-  * the engine's per-layer cache is head-major (`split_cache`: keys [B, K, H, S], values [B, K, S, H]),
-    so the query-key and probability-value products are batched matmuls over (B, K) of contiguous
-    [G, H] x [H, S] and [G, S] x [S, H] operands. Over the stacked layout [B, S, K, H] they are
+  * the engine's per-layer cache is head-major (`split_cache`: keys [B, K, H, S], values [B, K, S, H],
+    in chunks of `CACHE_CHUNK` positions, of which a step reads only those it needs), so the query-key
+    and probability-value products are batched matmuls over (B, K) of contiguous [G, H] x [H, C] and
+    [G, C] x [C, H] operands. Over the stacked layout [B, S, K, H] they are
     reductions over H, the innermost axis, or over S across it: on the 0.6B shape at 8 slots and 192
     positions (28 layers, 352 MB of cache) 69 ms a step that way, 36 ms head-major (Nov 2026, 2 cores,
     each product's chain of 28 layers alone: 39 -> 18 ms and 30 -> 18 ms);
@@ -45,6 +46,12 @@ from jax.sharding import Mesh
 from jaxrl.model import qwen3
 from jaxrl.model.qwen3 import KVCache, ModelConfig, Params, unstack_layers
 
+# Positions per chunk of the engine's per-layer cache (`split_cache`). A decode step reads the chunks that
+# hold the busy slots' positions, not the whole cache: XLA's CPU dot copies a sliced operand before it reads
+# it (a [B, K, H, 1024] key cache sliced to 256 positions: 192 ms for 28 layers' attention, against 42 ms
+# for a cache of 256 positions and 137 ms for all 1024; Nov 2026, 2 cores), so each chunk is its own array.
+CACHE_CHUNK = 128
+
 
 def _attend(q_BKGH, k_BKH, v_BKH, positions_B, scores_BKGS, weigh_values):
     """Attention of one new query per row, [B, K, G, H] in float32: the cache's `scores_BKGS` (float32
@@ -62,36 +69,61 @@ def _attend(q_BKGH, k_BKH, v_BKH, positions_B, scores_BKGS, weigh_values):
     return attn_BKGH / total_BKG[..., None]
 
 
+def _attend_chunks(q_BKGH, k_BKH, v_BKH, positions_B, k_chunks, v_chunks):
+    """`_attend` over a per-layer cache in head-major chunks (`split_cache`): keys [B, K, H, C] and values
+    [B, K, C, H], each chunk's products batched matmuls over (B, K) of contiguous operands. The softmax is
+    merged chunk by chunk, this step's key/value first (the running max, sum and weighted values of
+    flash-decoding: Dao et al. 2023), so a chunk wholly past a row's position changes nothing, bit for bit:
+    a step's numbers do not depend on how many chunks it reads. Returns [B, K, G, H] float32."""
+    f32, batch = jnp.float32, ((0, 1), (0, 1))
+    top_BKG = jnp.sum(q_BKGH * k_BKH[:, :, None, :].astype(f32), axis=-1)  # this step's score: weight 1
+    total_BKG = jnp.ones_like(top_BKG)
+    attn_BKGH = jnp.broadcast_to(v_BKH[:, :, None, :].astype(f32), q_BKGH.shape)
+    start = 0
+    for k_BKHC, v_BKCH in zip(k_chunks, v_chunks, strict=True):
+        c = k_BKHC.shape[-1]
+        before_B11C = ((start + jnp.arange(c))[None] < positions_B[:, None])[:, None, None, :]
+        scores_BKGC = jnp.where(before_B11C, jax.lax.dot_general(q_BKGH, k_BKHC.astype(f32), (((3,), (2,)), batch)),
+                                -1e30)
+        top_c_BKG = jnp.max(scores_BKGC, axis=-1)
+        probs_BKGC = jnp.where(before_B11C, jnp.exp(scores_BKGC - top_c_BKG[..., None]), 0.0)
+        new_top_BKG = jnp.maximum(top_BKG, top_c_BKG)
+        old_w_BKG, chunk_w_BKG = jnp.exp(top_BKG - new_top_BKG), jnp.exp(top_c_BKG - new_top_BKG)
+        total_BKG = total_BKG * old_w_BKG + jnp.sum(probs_BKGC, axis=-1) * chunk_w_BKG
+        values_BKGH = jax.lax.dot_general(probs_BKGC, v_BKCH.astype(f32), (((3,), (2,)), batch))
+        attn_BKGH = attn_BKGH * old_w_BKG[..., None] + values_BKGH * chunk_w_BKG[..., None]
+        top_BKG, start = new_top_BKG, start + c
+    return attn_BKGH / total_BKG[..., None]
+
+
 def _layer(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | None, x_BTD, positions_B, xs,
            head_major: bool = False):
     """One decoder layer for one new token per row; returns (x_BTD, k_BKH, v_BKH) of this step. `xs` ends
-    with this layer's cache: stacked-layout slices [B, S, K, H], or with `head_major` a `split_cache` layer."""
+    with this layer's cache: stacked-layout slices [B, S, K, H], or with `head_major` a `split_cache` layer
+    (its key chunks, its value chunks)."""
     w, lw, mw, mlw, k_cache, v_cache = xs
     lw = lw or {}
     b, nk, hd = x_BTD.shape[0], cfg.num_kv_heads, cfg.head_dim
     g = cfg.num_heads // nk
     q_BTNH, k_BTKH, v_BTKH = qwen3.attention_inputs(cfg, lora_scale, x_BTD, positions_B[:, None], w, lw)
-    k_BKH = k_BTKH[:, 0].astype(k_cache.dtype)
-    v_BKH = v_BTKH[:, 0].astype(v_cache.dtype)
+    cache_dtype = (k_cache[0] if head_major else k_cache).dtype
+    k_BKH = k_BTKH[:, 0].astype(cache_dtype)
+    v_BKH = v_BTKH[:, 0].astype(cache_dtype)
 
     # The cache is read as it is (a copy with this step's key substituted would be written and read
     # again: 3x the cache traffic); positions before this one come from it, this one from k_BKH/v_BKH.
     q_BKGH = q_BTNH[:, 0].reshape(b, nk, g, hd).astype(jnp.float32) / math.sqrt(hd)
     f32 = jnp.float32
-    if head_major:  # keys [B, K, H, S], values [B, K, S, H]: batched matmuls over (B, K) of contiguous
-        # [G, H] x [H, S] and [G, S] x [S, H] operands (reductions over the stacked layout's innermost H)
-        batch = ((0, 1), (0, 1))
-        scores_BKGS = jax.lax.dot_general(q_BKGH, k_cache.astype(f32), (((3,), (2,)), batch))
-
-        def weigh_values(probs_BKGS):
-            return jax.lax.dot_general(probs_BKGS, v_cache.astype(f32), (((3,), (2,)), batch))
+    if head_major:  # chunks of keys [B, K, H, C], values [B, K, C, H] (reductions over the stacked
+        # layout's innermost H become batched matmuls over (B, K) of contiguous operands)
+        attn_BKGH = _attend_chunks(q_BKGH, k_BKH, v_BKH, positions_B, k_cache, v_cache)
     else:  # slices [B, S, K, H] of the stacked cache: a multiply-and-reduce over the cache as it is
         scores_BKGS = jnp.sum(q_BKGH[:, None] * k_cache[:, :, :, None, :].astype(f32), axis=-1).transpose(0, 2, 3, 1)
 
         def weigh_values(probs_BKGS):
             probs_BSKG = probs_BKGS.transpose(0, 3, 1, 2)
             return jnp.sum(probs_BSKG[..., None] * v_cache[:, :, :, None, :].astype(f32), axis=1)
-    attn_BKGH = _attend(q_BKGH, k_BKH, v_BKH, positions_B, scores_BKGS, weigh_values)
+        attn_BKGH = _attend(q_BKGH, k_BKH, v_BKH, positions_B, scores_BKGS, weigh_values)
     attn_BTNH = attn_BKGH.reshape(b, 1, cfg.num_heads, hd).astype(x_BTD.dtype)
     # one contraction over N * H: with two contracting axes XLA's CPU backend transposed `wo` to [H, N, D]
     # (a copy of the weight, 3 ms of a 0.6B layer's 5) before every step's matmul
@@ -109,11 +141,13 @@ def decode_step(cfg: ModelConfig, params: Params, tokens_B: jax.Array, positions
 
     Args:
         tokens_B: int32 [B], the token at `positions_B` (int32 [B]) of each row.
-        cache: {"k","v"} [L, B, S, K, H] where index s holds position s, or one head-major buffer per
-            layer, {"k": L arrays [B, K, H, S], "v": L arrays [B, K, S, H]} (`split_cache`: each layer
-            reads its own buffer, where XLA's CPU backend copies a layer's slice out of a stacked cache
-            before reading it, and both attention products are plain batched matmuls); donate it to
-            update in place.
+        cache: {"k","v"} [L, B, S, K, H] where index s holds position s, or per layer a list of head-major
+            chunks, {"k": L lists of [B, K, H, C], "v": L lists of [B, K, C, H]} (`split_cache`: each
+            layer reads its own buffers, where XLA's CPU backend copies a layer's slice out of a stacked
+            cache before reading it, and both attention products are plain batched matmuls). The chunks
+            given are all the step reads and writes, so a caller may pass only the first few (those that
+            hold every busy row's position: `jaxrl.inference.engine.Engine.generate`'s `chunks`), with
+            the same numbers for those rows, bit for bit (`_attend_chunks`). Donate it to update in place.
         layers: per layer `(weights, lora, ffn weights, ffn lora)` from `unstack_layers` of `params`
             and of `lora`, to run the layers unrolled over separate arrays (faster on CPU); None scans
             the stacked `params` / `lora` (a mixed dense/MoE stack, or a per-layer cache, is unrolled).
@@ -150,9 +184,20 @@ def decode_step(cfg: ModelConfig, params: Params, tokens_B: jax.Array, positions
     x_BTD, k_LBKH, v_LBKH = jax.lax.optimization_barrier((x_BTD, k_LBKH, v_LBKH))
     rows_B = jnp.arange(tokens_B.shape[0])
     if per_layer:
-        # keys [B, K, H, S] at (row, :, :, position), values [B, K, S, H] at (row, :, position, :)
-        cache = {"k": [c.at[rows_B, :, :, positions_B].set(k) for c, k in zip(cache["k"], k_LBKH, strict=True)],
-                 "v": [c.at[rows_B, :, positions_B].set(v) for c, v in zip(cache["v"], v_LBKH, strict=True)]}
+        # keys [B, K, H, C] at (row, :, :, position), values [B, K, C, H] at (row, :, position, :), in the
+        # chunk that holds the position (elsewhere the index is past the chunk's end: dropped)
+        def put(layer, new_BKH, axis):
+            out, start = [], 0
+            for c in layer:
+                n = c.shape[axis]
+                idx_B = jnp.where((positions_B >= start) & (positions_B < start + n), positions_B - start, n)
+                out.append(c.at[rows_B, :, :, idx_B].set(new_BKH, mode="drop") if axis == 3
+                           else c.at[rows_B, :, idx_B].set(new_BKH, mode="drop"))
+                start += n
+            return out
+
+        cache = {"k": [put(layer, k, 3) for layer, k in zip(cache["k"], k_LBKH, strict=True)],
+                 "v": [put(layer, v, 2) for layer, v in zip(cache["v"], v_LBKH, strict=True)]}
     else:
         cache = {"k": cache["k"].at[:, rows_B, positions_B].set(k_LBKH),
                  "v": cache["v"].at[:, rows_B, positions_B].set(v_LBKH)}
@@ -172,14 +217,24 @@ def out_major(cfg: ModelConfig, layers: list[tuple]) -> list[tuple]:
             for (w, mw), kind in zip(layers, qwen3.layer_kinds(cfg), strict=True)]
 
 
-def split_cache(cache: KVCache) -> KVCache:
-    """A stacked cache {"k","v"} [L, B, S, K, H] (or a prefix's [L, 1, T, K, H]) as one buffer per layer,
-    head-major: {"k": L arrays [B, K, H, S], "v": L arrays [B, K, S, H]} (transposed copies). What the
+def chunk_length(max_seq_len: int) -> int:
+    """Positions per cache chunk for a cache of `max_seq_len`: `CACHE_CHUNK`, or the whole cache if shorter."""
+    return min(CACHE_CHUNK, max_seq_len)
+
+
+def split_cache(cache: KVCache, chunk: int | None = None) -> KVCache:
+    """A stacked cache {"k","v"} [L, B, S, K, H] (or a prefix's [L, 1, T, K, H]) as the engine's per-layer
+    cache: per layer, a list of head-major chunks of `chunk` positions (default: one chunk of all S; the
+    last chunk holds what is left), keys [B, K, H, C] and values [B, K, C, H] (transposed copies). What the
     engine's per-layer decode reads (`_layer` with `head_major`)."""
-    return {"k": [c.transpose(0, 2, 3, 1) for c in cache["k"]], "v": [c.transpose(0, 2, 1, 3) for c in cache["v"]]}
+    s = cache["k"].shape[2]
+    chunk = chunk or s
+    cuts = [(a, min(a + chunk, s)) for a in range(0, s, chunk)]
+    return {"k": [[c[:, a:b].transpose(0, 2, 3, 1) for a, b in cuts] for c in cache["k"]],
+            "v": [[c[:, a:b].transpose(0, 2, 1, 3) for a, b in cuts] for c in cache["v"]]}
 
 
 def join_cache(cache: KVCache) -> KVCache:
-    """The inverse of `split_cache`: per-layer head-major buffers back to a stacked {"k","v"} [L, B, S, K, H]."""
-    return {"k": jnp.stack([c.transpose(0, 3, 1, 2) for c in cache["k"]]),
-            "v": jnp.stack([c.transpose(0, 2, 1, 3) for c in cache["v"]])}
+    """The inverse of `split_cache`: per-layer head-major chunks back to a stacked {"k","v"} [L, B, S, K, H]."""
+    return {"k": jnp.stack([jnp.concatenate([c.transpose(0, 3, 1, 2) for c in layer], axis=1) for layer in cache["k"]]),
+            "v": jnp.stack([jnp.concatenate([c.transpose(0, 2, 1, 3) for c in layer], axis=1) for layer in cache["v"]])}
