@@ -298,6 +298,7 @@ def test_scheduler_steps_read_the_cache_chunks_in_use():
     params = _params(lora_seed=1)
     engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=2, max_seq_len=300, lora_scale=0.5)
     assert (engine.chunk, engine.num_chunks) == (128, 3)
+    assert [decode.chunk_length(n) for n in (32, 1024, 1025, 4096)] == [32, 128, 256, 512]  # at most 8 chunks
     assert [engine.cache_chunks(n) for n in (1, 128, 129, 256, 257, 300)] == [1, 1, 2, 2, 3, 3]
     rng = np.random.default_rng(3)
     short = ([5, 7, 9, 11, 3], SamplingParams(temperature=1.0, max_tokens=12, seed=4))

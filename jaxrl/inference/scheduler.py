@@ -19,7 +19,11 @@ its size (hidden states 4e-6 apart between a batch of 4 and of 1 on the Qwen3-0.
 request's tokens would depend on which requests happened to arrive beside it, and a resumed run would
 not reproduce the tokens of the run it resumes. Requests with the same prompt admitted together (the
 rollouts of a group) share the prompt's forward pass (`Engine.prefill_shared`); each then samples its
-first token in a program of its own, so its numbers are those of a prefill of its own.
+first token in a program of its own, so its numbers are those of a prefill of its own. Likewise a decode
+step reads only the cache chunks that hold the busy slots' positions (`Engine.cache_chunks`, on CPU), and a
+slot's numbers do not depend on how many that is (`jaxrl.model.decode._attend_chunks`). Packing several
+prompts into one prefill would not keep that: one prompt's logits moved by 2-4e-6 when packed beside
+others into a longer row (Qwen3-0.6B shape, Nov 2026).
 """
 
 from __future__ import annotations
