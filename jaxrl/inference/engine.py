@@ -120,14 +120,14 @@ class Engine:
     """JetStream-style engine over a Qwen3 params pytree.
 
     Engine params are `{"base": params, "lora": lora_or_None}`, plus, from `prepare`, `"layers"`: the
-    per-layer copy that prefills and decode steps read (`jaxrl.model.decode.unstack_layers`, projections output-major by
-    `decode.out_major`; several times faster decode on CPU for a second copy of the layer weights, with the
-    KV cache one buffer per layer likewise), and `"unembed"`, the unembedding as a `qwen3.OutMajor` [V, D]
-    (a tied embedding read in place); `unstack=False` keeps one copy of the weights (the
-    training weights, read in place), a stacked cache, and scans the stack. `unstack` None (the default)
-    decides by the mesh's platform (`copies_weights`): the copies only on CPU, where memory is plentiful
-    and they were measured faster; never on TPU or GPU, where they would double the engine's HBM for
-    weights. LoRA
+    per-layer copy that prefills and decode steps read (`jaxrl.model.decode.unstack_layers`, projections
+    output-major by `decode.out_major`; several times faster decode on CPU for a second copy of the layer
+    weights, with the KV cache per layer likewise, in chunks of `chunk` positions), and `"unembed"`, the
+    unembedding as a `qwen3.OutMajor` [V, D] (a tied embedding read in place); `unstack=False` keeps one
+    copy of the weights (the training weights, read in place), a stacked cache, and scans the stack.
+    `unstack` None (the default) decides by the mesh's platform (`copies_weights`): the copies only on CPU,
+    where memory is plentiful and they were measured faster; never on TPU or GPU, where they would double
+    the engine's HBM for weights. LoRA
     products are scaled by `lora_scale` (alpha / rank). `max_seq_len` (S) is the cache length: prompt
     plus sampled tokens. `blocked_sampling` (None: `blocked_sampling_pays`) picks `sample_unembedded` for
     decode steps that only apply a temperature.

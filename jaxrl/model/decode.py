@@ -12,7 +12,7 @@ decode step 3.5x slower than the same forward without a cache. Here a step reads
   * the layers return only this step's key/value [L, B, K, H]; after the last layer has read the
     cache, one scatter writes them into the (donated) cache in place;
   * the engine's per-layer cache is head-major (`split_cache`: keys [B, K, H, S], values [B, K, S, H],
-    in chunks of `CACHE_CHUNK` positions, of which a step reads only those it needs), so the query-key
+    in chunks of `chunk_length` positions, of which a step reads only those it needs), so the query-key
     and probability-value products are batched matmuls over (B, K) of contiguous [G, H] x [H, C] and
     [G, C] x [C, H] operands. Over the stacked layout [B, S, K, H] they are
     reductions over H, the innermost axis, or over S across it: on the 0.6B shape at 8 slots and 192
