@@ -79,9 +79,9 @@ def test_prefill_insert_generate_match_full_forward():
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize(("unstacked", "split"), [(False, False), (True, False), (True, 24), (True, 8)])
+@pytest.mark.parametrize(("unstacked", "split"), [(False, ()), (True, ()), (True, (24,)), (True, (4, 4, 8, 8))])
 def test_decode_step_matches_model_forward_with_cache(unstacked, split):
-    """`split`: the per-layer head-major cache in chunks of that many positions (of the 24)."""
+    """`split`: the per-layer head-major cache in chunks of those many positions (of the 24)."""
     params = _params(lora_seed=1)
     layers = None
     if unstacked:
@@ -101,7 +101,7 @@ def test_decode_step_matches_model_forward_with_cache(unstacked, split):
     np.testing.assert_allclose(got_h, want_h, rtol=1e-4, atol=1e-4)
     assert isinstance(got_cache["k"], list) == bool(split)
     if split:
-        assert [len(layer) for layer in got_cache["k"]] == [24 // split] * CFG.num_layers
+        assert [[c.shape[-1] for c in layer] for layer in got_cache["k"]] == [list(split)] * CFG.num_layers
     got_cache = decode.join_cache(got_cache) if split else got_cache
     for name in ("k", "v"):
         np.testing.assert_allclose(got_cache[name], want_cache[name], rtol=1e-5, atol=1e-5)
@@ -117,7 +117,8 @@ def test_decode_step_over_the_first_chunks_is_the_same_bit_for_bit():
     layers = [(w, lw, mw, mlw) for (w, mw), (lw, mlw) in pairs]
     ks = jax.random.split(jax.random.key(6), 2)
     shape = (CFG.num_layers, 3, 32, CFG.num_kv_heads, CFG.head_dim)
-    cache = decode.split_cache({"k": jax.random.normal(ks[0], shape), "v": jax.random.normal(ks[1], shape)}, 8)
+    cache = decode.split_cache({"k": jax.random.normal(ks[0], shape), "v": jax.random.normal(ks[1], shape)},
+                               (8, 8, 16))
     tokens, positions = jnp.array([3, 50, 7], jnp.int32), jnp.array([0, 9, 15], jnp.int32)
     step = jax.jit(lambda c: decode.decode_step(CFG, params["base"], tokens, positions, c, lora=params["lora"],
                                                 lora_scale=0.5, layers=layers))
@@ -297,8 +298,9 @@ def test_scheduler_steps_read_the_cache_chunks_in_use():
     match the full forward pass."""
     params = _params(lora_seed=1)
     engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=2, max_seq_len=300, lora_scale=0.5)
-    assert (engine.chunk, engine.num_chunks) == (128, 3)
-    assert [decode.chunk_length(n) for n in (32, 1024, 1025, 4096)] == [32, 128, 256, 512]  # at most 8 chunks
+    assert (engine.chunk_sizes, engine.num_chunks) == ((128, 128, 44), 3)
+    assert decode.chunk_sizes(32) == (32,) and decode.chunk_sizes(1000) == (128, 128, 256, 488)
+    assert decode.chunk_sizes(4096) == (128, 128, 256, 512, 1024, 2048)  # each as long as those before it
     assert [engine.cache_chunks(n) for n in (1, 128, 129, 256, 257, 300)] == [1, 1, 2, 2, 3, 3]
     rng = np.random.default_rng(3)
     short = ([5, 7, 9, 11, 3], SamplingParams(temperature=1.0, max_tokens=12, seed=4))

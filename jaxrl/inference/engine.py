@@ -24,6 +24,7 @@ arguments for the per-request sampling settings, which JetStream's API has no sl
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import jax
@@ -35,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.sampling import SlotSampling, mark_seen, sample, sample_unembedded, stop_ban, vocab_blocks
 from jaxrl.model import modules, qwen3
-from jaxrl.model.decode import chunk_length, out_major, split_cache, unstack_layers
+from jaxrl.model.decode import chunk_sizes, out_major, split_cache, unstack_layers
 from jaxrl.model.qwen3 import KVCache, ModelConfig, OutMajor, Params
 from jaxrl.parallel.sharding import array_sharding, mesh_platform
 
@@ -60,7 +61,7 @@ class Prefix:
 @struct.dataclass
 class DecodeState:
     """All decode slots: cache [L, B, S, K, H] (with `Engine.unstack`, per layer a list of head-major chunks
-    of `Engine.chunk` positions, the last what is left of S: keys [B, K, H, C], values [B, K, C, H],
+    of `Engine.chunk_sizes` positions (128, 128, 256, ...): keys [B, K, H, C], values [B, K, C, H],
     `jaxrl.model.decode.split_cache`);
     the next input token [B] and its position [B]; sampling settings; one PRNG key per slot [B]; tokens
     seen per slot, bool [B, V] (kept up to date only while some slot has a repetition penalty: a slot's
@@ -151,8 +152,8 @@ class Engine:
         self._base_layers: tuple | None = None  # (the base it was made from, layers, unembed, its blocks)
         self.max_prefill_length = self.max_seq_len - 1
         self.buckets = prefill_buckets(self.max_prefill_length)
-        self.chunk = chunk_length(self.max_seq_len)  # the per-layer cache's chunks (`unstack`): the last one
-        self.num_chunks = -(-self.max_seq_len // self.chunk)  # holds what is left of max_seq_len
+        self.chunk_sizes = chunk_sizes(self.max_seq_len)  # positions per chunk of the per-layer cache (`unstack`)
+        self.num_chunks = len(self.chunk_sizes)
         self._prefill_forward = jax.jit(self._prefill_forward_impl)
         self._prefill_sample = jax.jit(self._prefill_sample_impl, static_argnames=("truncate",))
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
@@ -207,9 +208,10 @@ class Engine:
 
         if self.unstack:  # per layer, head-major chunks (`jaxrl.model.decode.split_cache`)
             axes, h = ("batch", "kv_heads", None, None), c.head_dim
-            sizes = [min(self.chunk, s - a) for a in range(0, s, self.chunk)]
-            cache = {"k": [[zeros((b, c.num_kv_heads, h, n), axes) for n in sizes] for _ in range(c.num_layers)],
-                     "v": [[zeros((b, c.num_kv_heads, n, h), axes) for n in sizes] for _ in range(c.num_layers)]}
+            cache = {"k": [[zeros((b, c.num_kv_heads, h, n), axes) for n in self.chunk_sizes]
+                           for _ in range(c.num_layers)],
+                     "v": [[zeros((b, c.num_kv_heads, n, h), axes) for n in self.chunk_sizes]
+                           for _ in range(c.num_layers)]}
         else:
             shape = (c.num_layers, b, s, c.num_kv_heads, c.head_dim)
             axes = (None, "batch", None, "kv_heads", None)
@@ -285,7 +287,7 @@ class Engine:
         step samples with `sample_unembedded`, over vocabulary blocks without the [B, V] logits.
         `chunks` (with `unstack`; None: all): the step reads and writes only the first `chunks` chunks of
         each layer's cache (`cache_chunks`), so attention reads the positions in use, not `max_seq_len`:
-        every slot that matters must be at a position before `chunks * chunk`; a slot past it samples
+        every slot that matters must be at a position the first `chunks` chunks hold; a slot past it samples
         from a truncated cache. A slot's numbers are the same, bit for bit, for any `chunks` that holds
         its position (`jaxrl.model.decode._attend_chunks`). Each combination compiles once."""
         if not self.unstack or chunks == self.num_chunks:
@@ -294,10 +296,10 @@ class Engine:
 
     def cache_chunks(self, positions: int) -> int:
         """How many cache chunks a decode step reads (`generate`'s `chunks`) so that it holds positions
-        [0, `positions`): the fewest, rounded up to a power of two (one compiled step per count), at most
-        `num_chunks`."""
-        need = max(1, -(-positions // self.chunk))
-        return min(1 << (need - 1).bit_length(), self.num_chunks)
+        [0, `positions`): the fewest (one compiled step per count: about log2(max_seq_len / 128) + 1 of
+        them, `jaxrl.model.decode.chunk_sizes`), at most `num_chunks`."""
+        held = itertools.accumulate(self.chunk_sizes)
+        return next((n for n, h in enumerate(held, 1) if h >= positions), self.num_chunks)
 
     # jitted bodies --------------------------------------------------------------------------------
     def _prefill_forward_impl(self, params, tokens_T, true_length):
@@ -331,7 +333,7 @@ class Engine:
             return jax.lax.dynamic_update_slice(dst, src, (slot,))
 
         if self.unstack:  # the head-major chunks (`split_cache`) of the prefix's [L, 1, T, K, H]
-            src = split_cache(prefix.cache, self.chunk)  # the prompt's chunks; those after it keep their data
+            src = split_cache(prefix.cache, self.chunk_sizes)  # the prompt's chunks; those after it keep their data
 
             def put_chunks(dst, pieces):
                 return [jax.lax.dynamic_update_slice(d, x, (slot, 0, 0, 0))

@@ -12,7 +12,7 @@ decode step 3.5x slower than the same forward without a cache. Here a step reads
   * the layers return only this step's key/value [L, B, K, H]; after the last layer has read the
     cache, one scatter writes them into the (donated) cache in place;
   * the engine's per-layer cache is head-major (`split_cache`: keys [B, K, H, S], values [B, K, S, H],
-    in chunks of `chunk_length` positions, of which a step reads only those it needs), so the query-key
+    in chunks of `chunk_sizes` positions, of which a step reads only those it needs), so the query-key
     and probability-value products are batched matmuls over (B, K) of contiguous [G, H] x [H, C] and
     [G, C] x [C, H] operands. Over the stacked layout [B, S, K, H] they are
     reductions over H, the innermost axis, or over S across it: on the 0.6B shape at 8 slots and 192
@@ -37,6 +37,7 @@ step against `qwen3.forward` to 1e-4. Letters as in `jaxrl.model.qwen3`.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import jax
@@ -46,14 +47,12 @@ from jax.sharding import Mesh
 from jaxrl.model import qwen3
 from jaxrl.model.qwen3 import KVCache, ModelConfig, Params, unstack_layers
 
-# Positions per chunk of the engine's per-layer cache (`split_cache`). A decode step reads the chunks that
-# hold the busy slots' positions, not the whole cache: XLA's CPU dot copies a sliced operand before it reads
-# it (a [B, K, H, 1024] key cache sliced to 256 positions: 192 ms for 28 layers' attention, against 42 ms
-# for a cache of 256 positions and 137 ms for all 1024; Nov 2026, 2 cores), so each chunk is its own array.
-# At most `MAX_CHUNKS` chunks (longer ones for a longer cache): a step's program grows with its chunks (the
-# 0.6B shape at 8 layers compiled in 13 s over 32 chunks of a 4096-position cache, 1.2 s unchunked).
+# Positions in the first chunk of the engine's per-layer cache (`chunk_sizes`, `split_cache`). A decode step
+# reads the chunks that hold the busy slots' positions, not the whole cache: XLA's CPU dot copies a sliced
+# operand before it reads it (a [B, K, H, 1024] key cache sliced to 256 positions: 192 ms for 28 layers'
+# attention, against 42 ms for a cache of 256 positions and 137 ms for all 1024; Nov 2026, 2 cores), so each
+# chunk is its own array.
 CACHE_CHUNK = 128
-MAX_CHUNKS = 8
 
 
 def _attend(q_BKGH, k_BKH, v_BKH, positions_B, scores_BKGS, weigh_values):
@@ -220,21 +219,31 @@ def out_major(cfg: ModelConfig, layers: list[tuple]) -> list[tuple]:
             for (w, mw), kind in zip(layers, qwen3.layer_kinds(cfg), strict=True)]
 
 
-def chunk_length(max_seq_len: int) -> int:
-    """Positions per cache chunk for a cache of `max_seq_len`: a multiple of `CACHE_CHUNK` that makes at most
-    `MAX_CHUNKS` chunks (128 up to 1024 positions, 512 for 4096), or the whole cache if shorter."""
-    per_chunk = -(-max_seq_len // MAX_CHUNKS)
-    return min(max_seq_len, -(-per_chunk // CACHE_CHUNK) * CACHE_CHUNK)
+def chunk_sizes(max_seq_len: int) -> tuple[int, ...]:
+    """Positions per chunk of a cache of `max_seq_len`: `CACHE_CHUNK`, then each chunk as long as all before
+    it (128, 128, 256, 512, ...; the last one what is left), so the first n chunks hold 128 * 2**(n - 1)
+    positions and a cache of S has about log2(S / 128) + 1 chunks (6 for 4096: one compiled step per count,
+    and a step's program grows with its chunks: 32 chunks of 128 compiled in 13 s at 8 layers, 1.2 s one).
+
+    Long chunks because a short one reads slowly: XLA's CPU dot runs the attention products of a chunk of
+    512 positions or fewer on one thread, and of 1024 or more on both (2 cores, Nov 2026: 28 layers'
+    attention over 4096 positions at 8 slots took 430-460 ms in one chunk or four of 1024, 550-590 ms in
+    eight of 512, 480-500 ms in these six; over the first 512 positions, 93 ms in chunks of 128, 128 and 256).
+    """
+    sizes: list[int] = []
+    while (held := sum(sizes)) < max_seq_len:
+        sizes.append(min(max(CACHE_CHUNK, held), max_seq_len - held))
+    return tuple(sizes)
 
 
-def split_cache(cache: KVCache, chunk: int | None = None) -> KVCache:
+def split_cache(cache: KVCache, sizes: tuple[int, ...] | None = None) -> KVCache:
     """A stacked cache {"k","v"} [L, B, S, K, H] (or a prefix's [L, 1, T, K, H]) as the engine's per-layer
-    cache: per layer, a list of head-major chunks of `chunk` positions (default: one chunk of all S; the
-    last chunk holds what is left), keys [B, K, H, C] and values [B, K, C, H] (transposed copies). What the
-    engine's per-layer decode reads (`_layer` with `head_major`)."""
+    cache: per layer, a list of head-major chunks of `sizes` positions (default: one chunk of all S; chunks
+    past S dropped, the last one cut at S), keys [B, K, H, C] and values [B, K, C, H] (transposed copies).
+    What the engine's per-layer decode reads (`_layer` with `head_major`)."""
     s = cache["k"].shape[2]
-    chunk = chunk or s
-    cuts = [(a, min(a + chunk, s)) for a in range(0, s, chunk)]
+    starts = list(itertools.accumulate(sizes or (s,), initial=0))
+    cuts = [(a, min(b, s)) for a, b in itertools.pairwise(starts) if a < s]
     return {"k": [[c[:, a:b].transpose(0, 2, 3, 1) for a, b in cuts] for c in cache["k"]],
             "v": [[c[:, a:b].transpose(0, 2, 1, 3) for a, b in cuts] for c in cache["v"]]}
 
