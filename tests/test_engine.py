@@ -292,10 +292,10 @@ def test_scheduler_seed_reproducible_and_stop_tokens():
 
 @pytest.mark.numerics
 def test_scheduler_steps_read_the_cache_chunks_in_use():
-    """With a cache of three 128-position chunks, a decode step reads the chunks that hold its busy slots'
-    positions (`Engine.cache_chunks`): a short seeded request samples the same tokens and logprobs alone
-    (one chunk) and beside a long prompt (two), and requests that cross a chunk boundary mid-generation
-    match the full forward pass."""
+    """With a cache in three chunks (128, 128, 44 positions), a decode step reads the chunks that hold its
+    busy slots' positions (`Engine.cache_chunks`): a short seeded request samples the same tokens and
+    logprobs alone (one chunk) and beside a long prompt (two), and requests that cross a chunk boundary
+    mid-generation match the full forward pass."""
     params = _params(lora_seed=1)
     engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=2, max_seq_len=300, lora_scale=0.5)
     assert (engine.chunk_sizes, engine.num_chunks) == ((128, 128, 44), 3)

@@ -123,7 +123,7 @@ class Engine:
     Engine params are `{"base": params, "lora": lora_or_None}`, plus, from `prepare`, `"layers"`: the
     per-layer copy that prefills and decode steps read (`jaxrl.model.decode.unstack_layers`, projections
     output-major by `decode.out_major`; several times faster decode on CPU for a second copy of the layer
-    weights, with the KV cache per layer likewise, in chunks of `chunk` positions), and `"unembed"`, the
+    weights, with the KV cache per layer likewise, in chunks of `chunk_sizes` positions), and `"unembed"`, the
     unembedding as a `qwen3.OutMajor` [V, D] (a tied embedding read in place); `unstack=False` keeps one
     copy of the weights (the training weights, read in place), a stacked cache, and scans the stack.
     `unstack` None (the default) decides by the mesh's platform (`copies_weights`): the copies only on CPU,

@@ -223,7 +223,7 @@ def chunk_sizes(max_seq_len: int) -> tuple[int, ...]:
     """Positions per chunk of a cache of `max_seq_len`: `CACHE_CHUNK`, then each chunk as long as all before
     it (128, 128, 256, 512, ...; the last one what is left), so the first n chunks hold 128 * 2**(n - 1)
     positions and a cache of S has about log2(S / 128) + 1 chunks (6 for 4096: one compiled step per count,
-    and a step's program grows with its chunks: 32 chunks of 128 compiled in 13 s at 8 layers, 1.2 s one).
+    and a step's program grows with its chunks: 32 chunks of 128 compiled in 13 s at 8 layers, one chunk in 1.2 s).
 
     Long chunks because a short one reads slowly: XLA's CPU dot runs the attention products of a chunk of
     512 positions or fewer on one thread, and of 1024 or more on both (2 cores, Nov 2026: 28 layers'
