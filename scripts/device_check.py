@@ -1,0 +1,257 @@
+"""The device check: jaxrl's train step and decode step on one accelerator, against the chip's peak.
+
+Run on a machine with one GPU (or TPU) and jax, flax, optax (and pydantic, which `jaxrl.config` needs):
+
+    python scripts/device_check.py                     # every section, within --budget seconds
+    python scripts/device_check.py --json out.json     # also the figures as JSON
+    python scripts/device_check.py --smoke             # tiny shapes, any backend (tests/test_device_check.py)
+
+Sections, in order (a section that would start past `--budget` seconds is skipped and said so):
+  * the chip: measured bf16 matmul rate (8192^3) and device-to-device copy bandwidth, beside the
+    datasheet's peaks (`PEAKS`), which the ratios below use;
+  * train steps, random weights, bf16, remat, one micro-batch: Qwen3-0.6B and Qwen3-4B shapes, LoRA r16 on
+    the 7 projections and full fine-tuning (float32 master weights, AdamW), tokens/s and MFU;
+  * decode steps (`Engine.generate`, greedy, LoRA on) at 8 / 64 / 256 slots with every slot at position
+    `--decode-pos`: tokens/s and the step's bytes over the chip's HBM bandwidth;
+  * attention alone, causal, Qwen3-4B's heads (32 q, 8 kv, 128 dims), one sequence, forward + backward:
+    each implementation `jax.nn.dot_product_attention` offers ("cudnn", "xla") and jaxrl's own
+    `jaxrl.model.attention` where it exists, at 4k / 8k / 32k tokens: seconds and peak memory.
+
+FLOPs (the model's ideal, not the compiled program's): per token, 2 per matmul weight forward (the
+unembedding included) plus causal attention 4 * (T / 2) * N * H per layer (QK^T and PV, the masked half not
+counted); a LoRA step is 2x the forward's weight FLOPs (no weight gradients for the frozen base), a full
+step 3x; attention's backward is 2x its forward either way. MFU = those FLOPs / step time / peak.
+Decode bytes per step: every weight once (bf16, the unembedding included) plus the KV cache each slot
+reads (2 * L * K * H * position * 2 bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxrl.inference.engine import Engine  # noqa: E402
+from jaxrl.model import modules  # noqa: E402
+from jaxrl.model.qwen3 import ModelConfig  # noqa: E402
+from jaxrl.parallel.sharding import make_mesh, spec_shardings  # noqa: E402
+from jaxrl.rl.train import Trainer, make_batch, make_optimizer  # noqa: E402
+
+SHAPES = {
+    "qwen3-0.6b": ModelConfig(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_layers=28,
+                              num_heads=16, num_kv_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-4b": ModelConfig(vocab_size=151_936, hidden_size=2560, intermediate_size=9728, num_layers=36,
+                            num_heads=32, num_kv_heads=8, head_dim=128, tie_word_embeddings=True),
+    "smoke": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True),
+}
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# device_kind -> (dense bf16 FLOP/s, HBM bytes/s), from the vendors' datasheets (SXM parts).
+PEAKS = {
+    "NVIDIA H100 80GB HBM3": (989e12, 3.35e12),
+    "NVIDIA H200": (989e12, 4.8e12),
+    "NVIDIA A100-SXM4-80GB": (312e12, 2.04e12),
+    "TPU v4": (275e12, 1.2e12),
+    "TPU v5 lite": (197e12, 0.82e12),
+    "TPU v5": (459e12, 2.76e12),
+    "TPU v6 lite": (918e12, 1.64e12),
+}
+
+
+def _best(fn, reps: int) -> float:
+    """Best-of-`reps` seconds of `fn()` (which blocks until its result is ready), after one warm call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def chip(smoke: bool) -> dict:
+    """The device, its datasheet peaks, and the measured bf16 matmul rate and copy bandwidth."""
+    dev = jax.devices()[0]
+    n = 512 if smoke else 8192
+    a = jnp.ones((n, n), jnp.bfloat16)
+    mm = jax.jit(lambda x: x @ x)
+    matmul = 2 * n**3 / _best(lambda: mm(a).block_until_ready(), 5)
+    m = 1 << (20 if smoke else 30)  # bytes: 1 GiB
+    x = jnp.ones((m // 4,), jnp.float32)
+    cp = jax.jit(lambda x: x * 2)
+    copy = 2 * m / _best(lambda: cp(x).block_until_ready(), 5)  # read + write
+    flops, bw = PEAKS.get(dev.device_kind, (matmul, copy))
+    return {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
+            "peak_flops": flops, "peak_hbm_bytes_per_s": bw, "measured_matmul_flops": matmul,
+            "measured_copy_bytes_per_s": copy, "peaks_from": "datasheet" if dev.device_kind in PEAKS else "measured"}
+
+
+def matmul_weights(cfg: ModelConfig) -> int:
+    """Weights a token multiplies by: the layers' projections and the unembedding (not the embedding's gather)."""
+    d, f, n, k, h = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    return cfg.num_layers * (d * (n + 2 * k) * h + n * h * d + 3 * d * f) + d * cfg.vocab_size
+
+
+def train_flops(cfg: ModelConfig, tokens: int, t: int, full: bool) -> float:
+    """The model's ideal FLOPs of one train step over `tokens` tokens in rows of `t` (module docstring)."""
+    attention = 4 * (t / 2) * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    return tokens * ((6 if full else 4) * matmul_weights(cfg) + 3 * attention)
+
+
+def build(cfg: ModelConfig, dtype) -> tuple:
+    mesh = make_mesh({}, jax.devices()[:1])
+    base = jax.jit(lambda k: modules.init_params(cfg, k, dtype),
+                   out_shardings=spec_shardings(modules.param_specs(cfg), cfg.dims(), mesh))(jax.random.key(0))
+    lora = modules.init_lora(cfg, 16, TARGETS, jax.random.key(1))
+    return mesh, base, lora
+
+
+def train_step(name: str, cfg: ModelConfig, b: int, t: int, full: bool, peak: float, reps: int) -> dict:
+    """Tokens/s and MFU of one RL train step on `b` rows of `t` tokens."""
+    mesh, base, lora = build(cfg, jnp.float32 if full else jnp.bfloat16)
+    if full:
+        trainer = Trainer(cfg, mesh, make_optimizer(1e-6, full=True), lora_scale=0.0, full=True,
+                          dtype=jnp.bfloat16, remat=True)
+        state, base = trainer.init_state(base, None), None
+    else:
+        trainer = Trainer(cfg, mesh, make_optimizer(1e-4), lora_scale=1.0, remat=True)
+        state = trainer.init_state(base, lora)
+    rng = np.random.default_rng(0)
+    samples = [(rng.integers(0, cfg.vocab_size, t + 1).tolist(), [True] * (t + 1), [-1.0] * (t + 1))
+               for _ in range(b)]
+    batch = make_batch(samples, rng.standard_normal(b), 1.0, t)
+    holder = {"state": state}
+
+    def one():
+        holder["state"], metrics = trainer.step(holder["state"], base, batch)
+        jax.block_until_ready(metrics)
+
+    t0 = time.perf_counter()
+    one()
+    first = time.perf_counter() - t0
+    s = _best(one, reps)
+    flops = train_flops(cfg, b * t, t, full)
+    return {"section": "train", "shape": name, "kind": "full" if full else "lora r16", "rows": b, "seq": t,
+            "first_step_s": first, "step_s": s, "tokens_per_s": b * t / s, "tflops": flops / s / 1e12,
+            "mfu": flops / s / peak}
+
+
+def decode_step(name: str, cfg: ModelConfig, slots: int, seq: int, pos: int, bw: float, reps: int) -> dict:
+    """Tokens/s of one decode step with every slot at position `pos`, and its bytes over HBM bandwidth."""
+    mesh, base, lora = build(cfg, jnp.bfloat16)
+    engine = Engine(cfg, mesh, max_concurrent_decodes=slots, max_seq_len=seq, lora_scale=1.0,
+                    cache_dtype=jnp.bfloat16)
+    params = engine.prepare({"base": base, "lora": lora})
+    holder = {"state": engine.init_decode_state()}
+    holder["state"] = holder["state"].replace(positions=jnp.full((slots,), pos, jnp.int32))
+
+    def one():
+        holder["state"], out = engine.generate(params, holder["state"], truncate=False, penalize=False, ban=False)
+        holder["state"] = holder["state"].replace(positions=jnp.full((slots,), pos, jnp.int32))
+        jax.block_until_ready(out.tokens)
+
+    t0 = time.perf_counter()
+    one()
+    first = time.perf_counter() - t0
+    s = _best(one, reps)
+    weights = 2 * (matmul_weights(cfg) + sum(int(np.prod(x.shape)) for x in jax.tree.leaves(lora)))
+    cache = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * pos * 2 * slots
+    return {"section": "decode", "shape": name, "slots": slots, "position": pos, "first_step_s": first,
+            "step_s": s, "tokens_per_s": slots / s, "bytes_per_step": weights + cache,
+            "hbm_share": (weights + cache) / s / bw}
+
+
+def attention_alone(t: int, impl: str, peak: float, reps: int, smoke: bool) -> dict:
+    """Forward + backward of causal attention over one `t`-token sequence with Qwen3-4B's heads."""
+    n, k, h = (4, 2, 16) if smoke else (32, 8, 128)
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (1, t, n, h), jnp.bfloat16)
+    kk = jax.random.normal(keys[1], (1, t, k, h), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (1, t, k, h), jnp.bfloat16)
+    if impl == "jaxrl":
+        from jaxrl.model import attention as jattn  # the model's own seam (issue 29), where it exists
+
+        mesh = make_mesh({}, jax.devices()[:1])
+
+        def f(q, kk, v):
+            return jattn.attention(q, kk, v, mesh=mesh).astype(jnp.float32).sum()
+    else:
+        def f(q, kk, v):
+            return jax.nn.dot_product_attention(q, kk, v, is_causal=True, implementation=impl).astype(
+                jnp.float32).sum()
+
+    g = jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+    compiled = g.lower(q, kk, v).compile()
+    mem = compiled.memory_analysis()
+    s = _best(lambda: jax.block_until_ready(compiled(q, kk, v)), reps)
+    flops = 3 * 4 * (t / 2) * n * h * t
+    return {"section": "attention", "impl": impl, "seq": t, "step_s": s, "tflops": flops / s / 1e12,
+            "mfu": flops / s / peak, "temp_gib": getattr(mem, "temp_size_in_bytes", 0) / 2**30}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on any backend (a test that the script runs)")
+    p.add_argument("--budget", type=float, default=420.0, help="seconds: later sections are skipped past it")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--decode-seq", type=int, default=1024, help="the engine's cache length")
+    p.add_argument("--decode-pos", type=int, default=512, help="every slot's position in the timed steps")
+    p.add_argument("--json", type=Path, help="write every figure here as JSON")
+    args = p.parse_args(argv)
+    t_start = time.perf_counter()
+    info = chip(args.smoke)
+    print(json.dumps(info), flush=True)
+    peak, bw = info["peak_flops"], info["peak_hbm_bytes_per_s"]
+    names = ["smoke"] if args.smoke else ["qwen3-0.6b", "qwen3-4b"]
+    rows, seq = (2, 64) if args.smoke else (8, 2048)
+    slots = (2, 4) if args.smoke else (8, 64, 256)
+    dseq, dpos = (64, 32) if args.smoke else (args.decode_seq, args.decode_pos)
+    lengths = (128, 256) if args.smoke else (4096, 8192, 32768)
+    impls = ["xla", "jaxrl"] if args.smoke else ["cudnn", "xla", "jaxrl"]
+    jobs = []
+    for name in names:  # the order is the priority: what matters most runs first
+        cfg = SHAPES[name]
+        jobs.append((f"train {name} lora", lambda c=cfg, n=name: train_step(n, c, rows, seq, False, peak, args.reps)))
+        jobs += [(f"decode {name} {s} slots", lambda c=cfg, n=name, s=s: decode_step(n, c, s, dseq, dpos, bw,
+                                                                                       args.reps)) for s in slots]
+    for t in lengths:
+        for impl in impls:
+            if impl == "xla" and t > 8192:
+                continue  # the [N, T, T] scores alone: 128 GiB at 32k
+            jobs.append((f"attention {impl} {t}", lambda t=t, i=impl: attention_alone(t, i, peak, args.reps,
+                                                                                       args.smoke)))
+    for name in names:
+        jobs.append((f"train {name} full", lambda c=SHAPES[name], n=name: train_step(n, c, rows, seq, True, peak,
+                                                                                   args.reps)))
+    results = [info]
+    for label, job in jobs:
+        elapsed = time.perf_counter() - t_start
+        if elapsed > args.budget:
+            print(json.dumps({"skipped": label, "elapsed_s": round(elapsed, 1)}), flush=True)
+            continue
+        try:
+            r = job()
+        except Exception as e:  # one section's failure (out of memory, a missing module) must not lose the rest
+            r = {"failed": label, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            traceback.print_exc(limit=2)
+        r["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+        print(json.dumps(r), flush=True)
+        results.append(r)
+        jax.clear_caches()
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
