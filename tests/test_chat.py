@@ -219,7 +219,9 @@ def test_text_stream_holds_back_partial_characters_and_stop_prefixes(template):
         ({"stop": 5}, 400, "stop"),
         ({"stop": ["a"] * 17}, 400, "stop"),
         ({"stop": [""]}, 400, "stop"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, 400, "tools[0].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+          "function": {"name": "g"}}}, 400, "not among tools"),
         ({"response_format": {"type": "json_object"}}, 400, "response_format"),
         ({"chat_template_kwargs": {"chat_template": "{{ 7 * 7 }}"}}, 400, "chat_template"),
         ({"chat_template_kwargs": [1]}, 400, "chat_template_kwargs"),
@@ -373,7 +375,7 @@ def test_a_non_streaming_request_is_cancelled_when_its_client_leaves(server, sch
 
 @pytest.mark.parametrize(("fields", "needle"), [
     ({"foo": 1}, "unsupported field(s): foo"),
-    ({"functions": [{"name": "f", "parameters": {}}]}, "functions are not supported"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "legacy function calling"),
     ({"function_call": {"name": "f"}}, "function_call"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"top_k": -5}, "top_k"),

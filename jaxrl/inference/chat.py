@@ -25,10 +25,11 @@ under the sampling distribution; `return_token_ids: true` adds `prompt_token_ids
 first event when streaming) and `token_ids` to each choice (each event), which is what a trainer needs
 to train on the exact tokens; `return_tokens_as_token_ids: true` names each logprob's token
 `token_id:<id>`; `skip_special_tokens: false` keeps special tokens in the text. Fields that cannot
-change the output (`user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`, `tool_choice`
-and the legacy `function_call` as "none" or "auto", vLLM's `cache_salt`, `priority`, `request_id`,
-`spaces_between_special_tokens`) are accepted. `tools` and the legacy `functions` (tool-call parsing is
-not built), non-text content parts, and any other field are refused with a 400 naming them.
+change the output (`user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`, vLLM's `cache_salt`,
+`priority`, `request_id`, `spaces_between_special_tokens`) are accepted. `tools` and `tool_choice` are served as
+vLLM's hermes parser serves Qwen3 (`jaxrl.inference.tools`: the reply's `<tool_call>` blocks come back as
+`message.tool_calls` with finish_reason "tool_calls", streamed as one delta per call once the reply is complete);
+the legacy `functions`, non-text content parts, and any other field are refused with a 400 naming them.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+from jaxrl.inference import tools
 from jaxrl.inference.protocol import Completion, GenerateBackend, SamplingParams
 from jaxrl.inference.wire import BadRequest, check_penalties, is_int, sampling_from
 
@@ -97,16 +99,18 @@ class ChatTemplate:
             stop = [tokenizer.eos_token_id]
         return cls(tokenizer, tuple(stop))
 
-    def render(self, messages: list[dict], template_kwargs: dict[str, Any]) -> list[int]:
-        """Prompt token ids for `messages` with the assistant's turn opened; raises `BadRequest` when
-        the template refuses them (it may raise on a role order it does not know)."""
+    def render(self, messages: list[dict], template_kwargs: dict[str, Any], tool_defs: list[dict] | None = None,
+               forced: str = "") -> list[int]:
+        """Prompt token ids for `messages` (and `tool_defs`, the request's `tools`) with the assistant's turn
+        opened and `forced` text appended to it; raises `BadRequest` when the template refuses them (it may
+        raise on a role order it does not know)."""
         reserved = sorted(set(template_kwargs) & _template_parameters(self.tokenizer))
         if reserved:
             raise BadRequest(f"chat_template_kwargs may not set {', '.join(reserved)}")
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                      **template_kwargs)
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            text = self.tokenizer.apply_chat_template(messages, tools=tool_defs, tokenize=False,
+                                                      add_generation_prompt=True, **template_kwargs)
+            return self.tokenizer.encode(text + forced, add_special_tokens=False)
         except Exception as exc:  # noqa: BLE001 - jinja2 errors and the template's raise_exception alike
             raise BadRequest(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}") from None
 
@@ -131,6 +135,7 @@ class ChatRequest:
     return_token_ids: bool = False
     tokens_as_ids: bool = False
     skip_special_tokens: bool = True
+    tool_plan: tools.ToolPlan = tools.ToolPlan()
 
 
 def _flag(body: dict, key: str, default: bool = False) -> bool:
@@ -182,12 +187,6 @@ def _check_fields(body: dict[str, Any]) -> None:
             raise BadRequest(f"{key}={body[key]!r} is not supported (only {neutral!r})")
     if body.get("logit_bias"):
         raise BadRequest("logit_bias is not supported")
-    for key in ("tools", "functions"):
-        if body.get(key):
-            raise BadRequest(f"{key} are not supported by this server (no tool-call parsing)")
-    for key in ("tool_choice", "function_call"):
-        if body.get(key) not in (None, "none", "auto"):
-            raise BadRequest(f"{key}={body[key]!r} is not supported (no tool-call parsing; only 'none' or 'auto')")
 
 
 def parse_chat_request(body: Any, template: ChatTemplate, model_name: str, max_model_len: int,
@@ -218,7 +217,8 @@ def parse_chat_request(body: Any, template: ChatTemplate, model_name: str, max_m
         raise BadRequest("stream_options must be an object")
     include_usage = _flag(options or {}, "include_usage")
 
-    prompt_ids = template.render(messages, template_kwargs)
+    tool_plan = tools.plan(body)
+    prompt_ids = template.render(messages, template_kwargs, tool_plan.tools, tool_plan.forced)
     if len(prompt_ids) >= max_model_len:
         raise BadRequest(f"the prompt is {len(prompt_ids)} tokens; this model's context is {max_model_len} "
                          "(prompt and completion)")
@@ -231,7 +231,7 @@ def parse_chat_request(body: Any, template: ChatTemplate, model_name: str, max_m
         params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, *template.stop_token_ids))
     return ChatRequest(prompt_ids, params, tuple(stop), stream, include_usage, _flag(body, "logprobs"),
                        _flag(body, "return_token_ids"), _flag(body, "return_tokens_as_token_ids"),
-                       _flag(body, "skip_special_tokens", True))
+                       _flag(body, "skip_special_tokens", True), tool_plan)
 
 
 class TextStream:
@@ -365,15 +365,25 @@ def _head(model_name: str, kind: str) -> dict[str, Any]:
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": model_name}
 
 
+def _reply(run: ChatRun, text: str) -> tuple[dict[str, Any], str]:
+    """The reply's message (`content`, and `tool_calls` when it called tools) and its finish reason."""
+    plan = run.req.tool_plan
+    parsed = tools.parse_reply(plan.forced + text) if plan.parse else None
+    if parsed is None:
+        return {"role": "assistant", "content": plan.forced + text}, run.finish_reason
+    return {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}, "tool_calls"
+
+
 async def complete(run: ChatRun, model_name: str) -> dict[str, Any]:
     """The non-streaming response body; raises what the backend raised."""
     async for _ in run.steps():
         pass
+    message, finish_reason = _reply(run, run.text.take(final=True))
     choice: dict[str, Any] = {
         "index": 0,
-        "message": {"role": "assistant", "content": run.text.take(final=True)},
+        "message": message,
         "logprobs": run.logprob_entries(run.text.token_ids, run.logprobs) if run.req.logprobs else None,
-        "finish_reason": run.finish_reason,
+        "finish_reason": finish_reason,
     }
     body = {**_head(model_name, "chat.completion"), "choices": [choice], "usage": run.usage()}
     if run.req.return_token_ids:
@@ -399,9 +409,12 @@ async def stream(run: ChatRun, model_name: str) -> AsyncIterator[str]:
     first = {"prompt_token_ids": run.req.prompt_ids} if run.req.return_token_ids else {}
     yield _event({**head, **first, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                 "logprobs": None, "finish_reason": None}]})
+    # With tools, content waits while it could begin a tool call (`tools.ContentHold`).
+    hold = tools.ContentHold(run.req.tool_plan.forced) if run.req.tool_plan.parse else None
     try:
         async for ids, lps in run.steps():
             text = run.text.take()
+            text = hold.add(text) if hold is not None else text
             extra: dict[str, Any] = {}
             if run.req.logprobs and ids:
                 extra["logprobs"] = run.logprob_entries(ids, lps)
@@ -409,9 +422,17 @@ async def stream(run: ChatRun, model_name: str) -> AsyncIterator[str]:
                 extra["token_ids"] = ids
             if text or extra:
                 yield chunk({"content": text}, **extra)
-        if rest := run.text.take(final=True):
+        rest = run.text.take(final=True)
+        finish_reason = run.finish_reason
+        if hold is not None:
+            hold.add(rest)
+            message, finish_reason = _reply(run, hold.text[len(run.req.tool_plan.forced):])
+            rest = (message["content"] or "")[hold.sent:]
+        if rest:
             yield chunk({"content": rest})
-        yield chunk({}, run.finish_reason)
+        for i, call in enumerate(message["tool_calls"] if hold is not None and "tool_calls" in message else ()):
+            yield chunk({"tool_calls": [{"index": i, **call}]})
+        yield chunk({}, finish_reason)
         if run.req.include_usage:
             yield _event({**head, "choices": [], "usage": run.usage()})
     except ValueError as exc:
