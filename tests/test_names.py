@@ -70,6 +70,25 @@ def test_a_file_whose_stem_is_dotdot_needs_a_name(tmp_path):
     assert result.exit_code == 0, result.output
 
 
+@pytest.mark.parametrize(("name", "key"), [
+    ("r" * 300, "name"),  # past the filesystem's 255 bytes: once `OSError: [Errno 36] File name too long`
+    ("r" * 10_000_000, "name"),
+    ("é" * 129, "name"),  # past the 128-character cap (258 bytes)
+    ("€" * 100, "name"),  # 100 characters, 300 bytes in UTF-8
+], ids=["300 chars", "10 MB", "129 chars", "300 bytes"])
+def test_names_longer_than_a_folder_name_may_be_are_refused(tmp_path, name, key):
+    """Issue 35 item 4: a run name or an env name past `NAME_MAX_CHARS` characters or `NAME_MAX_BYTES`
+    bytes is a `file: key: reason` error of `jaxrl validate` (and so of `jaxrl run`), the name shortened."""
+    result, path = validate(tmp_path, f'name = "{name}"\n' + BASE)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"{path}: {key}: " in result.stderr and "a name is at most 128 characters and 255 bytes" in result.stderr
+    assert len(result.stderr) < 1000
+    env, path = validate(tmp_path, BASE + f'[[env]]\nid = "o/other"\nname = "{name[:300]}"\n')
+    assert env.exit_code == 2 and f"{path}: env.1.name: " in env.stderr, env.stderr
+    ok, _ = validate(tmp_path, f'name = "{"r" * 128}"\n' + BASE)
+    assert ok.exit_code == 0, ok.output
+
+
 def test_ordinary_names_still_pass(tmp_path):
     result, _ = validate(tmp_path, 'name = "my-run_2.1 (é)"\n' + BASE + '[jax]\noutput_dir = "../runs"\n')
     assert result.exit_code == 0, result.output

@@ -268,3 +268,27 @@ def test_blocked_sampler_never_draws_padding_or_a_zero_probability_token():
     assert set(toks.tolist()) == {0, 86}
     np.testing.assert_allclose(lps, np.log(0.5), atol=1e-5)
     assert abs((toks == 86).mean() - 0.5) < 0.05
+
+
+@pytest.mark.numerics
+def test_logprobs_are_never_above_zero_at_any_temperature():
+    """Issue 35 item 6: at temperature 1e-4 the sampler reported logprobs of +0.0156 (l / T rounded once
+    in the max and again, fused into an FMA, in the exp; in the blocked sampler the token's logit a second
+    product). Both samplers, 256 rows of logits of magnitude ~50, temperatures 1e-4 to 2: every logprob
+    <= 0, and equal to float64's log_softmax(l / T) to 1e-5 relative to the logits' scale / T."""
+    n, v = 256, 1000
+    h = jax.random.normal(jax.random.key(1), (n, 64)) * 3
+    e = jax.random.normal(jax.random.key(2), (v, 64))
+    keys = jax.random.split(jax.random.key(3), n)
+    full = jax.jit(lambda h, e, k, r: sample(h @ e.T, r, k, truncate=False))
+    fused = jax.jit(lambda h, e, k, r: sample_unembedded(h, e, r, k, blocks=vocab_blocks(e, 256), chunk=64))
+    for t in (1e-4, 1e-3, 1e-2, 0.1, 0.5, 1.0, 2.0):
+        rows = _rows(n, temperature=t)
+        (toks, lps), (blocked, blps) = full(h, e, keys, rows), fused(h, e, keys, rows)
+        assert float(lps.max()) <= 0.0 and float(blps.max()) <= 0.0, (t, float(lps.max()), float(blps.max()))
+        logits = np.asarray(h, np.float64) @ np.asarray(e, np.float64).T / t
+        want = logits - logits.max(-1, keepdims=True)
+        want -= np.log(np.exp(want).sum(-1, keepdims=True))
+        for tk, lp in ((toks, lps), (blocked, blps)):
+            got = want[np.arange(n), np.asarray(tk)]
+            np.testing.assert_allclose(np.asarray(lp), got, atol=1e-5 * 50 / t + 1e-5)

@@ -182,7 +182,8 @@ def test_engine_and_trainer_agree_at_step_one():
     """`policy/kl` between the engine's logprobs and the trainer's, same weights, fp32: below 1e-5 (the
     trainer's fused head and loss-position gather against the engine's decode step and sampler), with
     each sample at its own temperature (`[sampling.temp_scheduler]` mixes them in a batch; 0 is greedy),
-    which the batch carries per row: scored all at one temperature, they disagree."""
+    which the batch carries per row: scored all at one temperature, they disagree. Again at temperatures
+    1e-4 to 2, every engine logprob <= 0."""
     base = jax.tree.map(lambda x: x * 10 if x.ndim > 1 else x, modules.init_params(CFG, jax.random.key(0)))
     lora = jax.tree.map(lambda x: x + 0.3, modules.init_lora(CFG, 4, TARGETS, jax.random.key(1)))
     mesh = make_mesh({}, jax.devices()[:1])
@@ -192,13 +193,15 @@ def test_engine_and_trainer_agree_at_step_one():
     prompts = [rng.integers(1, 128, size=int(rng.integers(3, 12))).tolist() for _ in range(6)]
 
     temperatures = np.array([0.7, 1.3, 0.7, 1.3, 0.0, 1.0], np.float32)
+    low = np.array([1e-4, 1e-3, 1e-2, 0.1, 2.0, 0.5], np.float32)  # issue 35: logprobs once above 0 at 1e-4
 
-    async def play():
+    async def play(temps):
         return await asyncio.gather(*[sched.generate(p, SamplingParams(temperature=float(t), max_tokens=20, seed=i))
-                                      for i, (p, t) in enumerate(zip(prompts, temperatures, strict=True))])
+                                      for i, (p, t) in enumerate(zip(prompts, temps, strict=True))])
 
     try:
-        outs = asyncio.run(play())
+        outs = asyncio.run(play(temperatures))
+        low_outs = asyncio.run(play(low))
     finally:
         sched.stop()
     samples = [(p + o.token_ids, [False] * len(p) + [True] * len(o.token_ids), [0.0] * len(p) + o.logprobs)
@@ -212,6 +215,11 @@ def test_engine_and_trainer_agree_at_step_one():
     assert float(metrics["policy/clip_fraction"]) == 0
     _, one = trainer.step(trainer.init_state(base, lora), base, make_batch(samples, advantages, 0.7, pad_to=48))
     assert float(one["policy/kl"]) > 1e-3
+    assert max(lp for o in low_outs for lp in o.logprobs) <= 0.0
+    cold = [(p + o.token_ids, [False] * len(p) + [True] * len(o.token_ids), [0.0] * len(p) + o.logprobs)
+            for p, o in zip(prompts, low_outs, strict=True)]
+    _, cold_metrics = trainer.step(trainer.init_state(base, lora), base, make_batch(cold, advantages, low, pad_to=48))
+    assert 0 <= float(cold_metrics["policy/kl"]) < 1e-5, float(cold_metrics["policy/kl"])
 
 
 @pytest.mark.numerics

@@ -13,6 +13,12 @@ INT_MAX = 2**31 - 1
 """Largest integer any field takes: counts, steps, token lengths and seeds reach the device as int32."""
 FLOAT_MAX = 3.4028234663852886e38
 """Largest float any field takes (float32's): sampling settings reach the device as float32."""
+NAME_MAX_CHARS = 128
+"""Longest run or env name, in characters: a sane cap below the filesystem's (a name is a folder, a metric
+key segment and a W&B label, and is printed in every status line)."""
+NAME_MAX_BYTES = 255
+"""Longest run or env name in UTF-8 bytes: NAME_MAX of Linux filesystems (ext4, xfs, tmpfs) and macOS's
+APFS; a longer folder name fails with `OSError: [Errno 36] File name too long`."""
 ENV_ID = re.compile(r"[A-Za-z0-9._-]+/[A-Za-z0-9._-]+(@[A-Za-z0-9._-]+)?")
 """An Environments Hub id: `owner/name` with an optional `@version`."""
 
@@ -56,10 +62,15 @@ def _control_chars(value: str) -> list[str]:
 
 
 def folder_name_problem(value: str) -> str | None:
-    """Why `value` cannot be one folder's name (empty, `.`, `..`, a path separator, a control character),
-    None when it can. Run names become `<output_dir>/<name>`, and `jaxrl delete` removes that folder."""
+    """Why `value` cannot be one folder's name (empty, `.`, `..`, a path separator, a control character,
+    longer than `NAME_MAX_CHARS` characters or `NAME_MAX_BYTES` UTF-8 bytes), None when it can. Run names
+    become `<output_dir>/<name>`, and `jaxrl delete` removes that folder."""
     if value in ("", ".", ".."):
         return f"{value!r} cannot name a folder (it must not be empty, '.' or '..')"
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if len(value) > NAME_MAX_CHARS or size > NAME_MAX_BYTES:
+        return (f"{value[:40]!r}... is {len(value)} characters ({size} bytes in UTF-8); a name is at most "
+                f"{NAME_MAX_CHARS} characters and {NAME_MAX_BYTES} bytes (a folder's name)")
     if "/" in value or "\\" in value:
         return f"{value!r} holds a path separator; a name is one folder, not a path"
     if bad := _control_chars(value):

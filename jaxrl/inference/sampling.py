@@ -10,7 +10,8 @@ no sort (a sort of 151,936 logits per row cost about 50 ms per row on 2 CPU core
 uniform per row and a two-level cumulative sum (chunk sums, then within the chosen chunk), so no
 per-token random numbers (Tunix spends 115 ms per step in `jax.random.categorical` over that vocabulary).
 
-The reported logprob is that of the drawn token under `log_softmax(processed_logits / T)`, where the
+The reported logprob is that of the drawn token under `log_softmax(processed_logits / T)`, computed as
+`(l - max l) / T - log(sum exp((l - max l) / T))` in float32, so it is <= 0 at any temperature, where the
 processed logits are the penalised ones with the banned tokens at -inf: the distribution the token was
 drawn from, up to the truncations, which cut what is sampled but not the reported logprob, as in vLLM's
 default. The ban and the penalty change the distribution itself, so the logprob reflects them (an
@@ -148,15 +149,15 @@ def sample(logits_BV: jax.Array, s: SlotSampling, keys_B: jax.Array, *, truncate
         ban_BV = ban_BV & ~jnp.all(ban_BV, axis=-1, keepdims=True)
         logits_BV = jnp.where(ban_BV, -jnp.inf, logits_BV)
     greedy_B = s.temperature <= 0.0
-    scaled_BV = logits_BV / jnp.where(greedy_B, 1.0, s.temperature)[:, None]
-    top_B1 = jnp.max(scaled_BV, axis=-1, keepdims=True)
-    p_BV = jnp.exp(scaled_BV - top_B1)  # unnormalised, max 1
-    log_z_B = jnp.log(jnp.sum(p_BV, axis=-1))
+    # The max subtracted before the scaling: (l - max) / T is <= 0, exactly 0 at the max whatever XLA fuses
+    # (l / T - max(l / T) fused into exp as one FMA left the max at +-1 ulp of l / T: logprobs of +0.03 at T 1e-4).
+    rel_BV = (logits_BV - jnp.max(logits_BV, axis=-1, keepdims=True)) / jnp.where(greedy_B, 1.0, s.temperature)[:, None]
+    p_BV = jnp.exp(rel_BV)  # unnormalised, max exp(0) = 1
+    log_z_B = jnp.log(jnp.sum(p_BV, axis=-1))  # >= log 1 = 0
     w_BV = _truncate(p_BV, s) if truncate else p_BV
     u_B = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, ()))(keys_B)  # (0, 1]
     tokens_B = jnp.where(greedy_B, jnp.argmax(logits_BV, axis=-1), draw(w_BV, u_B)).astype(jnp.int32)
-    picked_B = jnp.take_along_axis(scaled_BV, tokens_B[:, None], axis=-1)[:, 0]
-    return tokens_B, picked_B - top_B1[:, 0] - log_z_B
+    return tokens_B, jnp.take_along_axis(rel_BV, tokens_B[:, None], axis=-1)[:, 0] - log_z_B
 
 
 def vocab_blocks(unembed_VD: jax.Array, block: int = BLOCK) -> tuple[jax.Array, ...]:
@@ -259,8 +260,11 @@ def sample_unembedded(hidden_BD: jax.Array, unembed_VD: jax.Array, s: SlotSampli
     w_BC = jnp.exp(l_BC - top_B[:, None])
     i_B = pick_within(w_BC, rest_B)
     i_B = jnp.where(jnp.any(w_BC > 0, axis=-1) & ~greedy_B, i_B, jnp.argmax(l_BC, axis=-1))
-    lse_B = top_B + jnp.log(total_B)
-    return (start_B + i_B).astype(jnp.int32), jnp.take_along_axis(l_BC, i_B[:, None], axis=-1)[:, 0] - lse_B
+    # log p = (l - max) - log(sum exp(l - max)): l - max <= 0 and the sum >= exp(0) = 1 hold exactly, but the
+    # token's logit is a second product (rounded apart from the blocks' max by an ulp of l / T: +0.3 at T 1e-4)
+    # and the weights' exp may fuse with the scaling, so both bounds are applied: a logprob is never above 0.
+    rel_B = jnp.minimum(jnp.take_along_axis(l_BC, i_B[:, None], axis=-1)[:, 0] - top_B, 0.0)
+    return (start_B + i_B).astype(jnp.int32), rel_B - jnp.maximum(jnp.log(total_B), 0.0)
 
 
 def mark_seen(seen_BV: jax.Array, tokens_B: jax.Array) -> jax.Array:
