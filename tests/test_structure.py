@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).parent.parent / "jaxrl"
-LAYERS = ("config", "parallel", "model", "inference", "envs", "rl", "compile", "run", "export", "cli")
+LAYERS = ("config", "parallel", "model", "inference", "envs", "rl", "compile", "run", "export", "evaluation", "cli")
 """The subpackages in data-flow order (README, "Design"): each may import those before it, never those after."""
 MODULES = sorted(PACKAGE.rglob("*.py"))
 

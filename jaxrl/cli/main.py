@@ -1,7 +1,8 @@
 """The `jaxrl` command: `validate`, `init` and `run` a Hosted Training TOML file (`sft` one with `[jax.sft]`,
 supervised fine-tuning: `jaxrl.run.sft`); manage local runs as
 `prime rl` manages hosted ones (`list`, `logs`, `stop`, `delete`, `checkpoints`, `plot`: `jaxrl.cli.runs`);
-`models`, `compile` (a run's programs compiled for a TPU slice: `jaxrl.compile`), `export` and `serve`.
+`models`, `compile` (a run's programs compiled for a TPU slice: `jaxrl.compile`), `export` and `serve`;
+`eval run` (`jaxrl.cli.evaluate`).
 
 `validate`, `init` and the run management commands (but `checkpoints`) import no JAX, so they answer in
 well under a second.
@@ -17,6 +18,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from jaxrl.cli.evaluate import eval_app
 from jaxrl.cli.train import quiet_libraries, train
 from jaxrl.compile.slices import slice_names
 from jaxrl.config.env_file import load_env_file
@@ -31,6 +33,8 @@ app = typer.Typer(help="JAX RL trainer for LLMs, driven by Prime Hosted Training
 # Messages quote TOML tables like [jax]; rich must print them as they are, not read them as markup.
 out = Console(soft_wrap=True, highlight=False)
 err = Console(stderr=True, soft_wrap=True, highlight=False)
+
+app.add_typer(eval_app, name="eval")
 
 ConfigPath = Annotated[Path, typer.Argument(help="Run config (TOML).", show_default=False)]
 

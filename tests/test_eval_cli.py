@@ -1,0 +1,47 @@
+"""`jaxrl eval run`: a shipped environment played against the tiny model served in process, its saved
+`results.jsonl` re-read and summarised as the seeds' snippet does, and bad flags refused in one line."""
+
+import json
+
+import numpy as np
+import pytest
+from helpers import jaxrl
+from typer.testing import CliRunner
+
+from jaxrl.cli.main import app
+
+
+def test_eval_run_saves_rows_whose_summary_matches(tiny_model_dir, tmp_path):
+    out = tmp_path / "eval"
+    r = jaxrl("eval", "run", "jaxrl/lowercase", "-m", tiny_model_dir, "-n", "3", "-r", "3", "-s", "-o", out,
+              "-S", '{"max_tokens": 8, "seed": 3}', "--seq-len", "128", "--decode-slots", "9", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 9 and {(r["example_id"], r["rollout_idx"]) for r in rows} == {(e, i) for e in range(3)
+                                                                                        for i in range(3)}
+    assert all(r["prompt"][-1]["role"] == "user" and r["completion"][0]["role"] == "assistant" for r in rows)
+    assert all(r["metrics"]["lowercase_fraction"] == r["reward"] for r in rows if r["error"] is None)
+    # The seeds' snippet (training-options-and-best-practices: "Before Training"): rewards grouped by example.
+    examples: dict[int, list[float]] = {}
+    for row in rows:
+        examples.setdefault(row["example_id"], []).append(row["reward"])
+    stds = {ex: float(np.std(rewards)) for ex, rewards in examples.items()}
+    summary = json.loads((out / "metadata.json").read_text())["summary"]
+    assert summary["reward_mean"] == pytest.approx(np.mean([row["reward"] for row in rows]))
+    assert {int(k): v for k, v in summary["example_std"].items()} == pytest.approx(stds)
+    flat = sum(s == 0.0 for s in stds.values())
+    assert summary["no_diversity"] == pytest.approx(flat / 3)
+    assert f"reward mean {summary['reward_mean']:.4f}" in r.stdout
+    assert f"no reward diversity (all rollouts of the example scored alike): {flat}/3 examples" in r.stdout
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["-a", "{not json"], "--env-args: not JSON"),
+    (["-S", '{"temprature": 1}'], "--sampling-args: temprature: Extra inputs are not permitted"),
+    (["-n", "0"], "--num-examples must be -1 (all) or >= 1, got 0"),
+    (["-m", "no/such-model"], "is not a local model folder"),
+])
+def test_eval_run_refuses_bad_flags_in_one_line(tiny_model_dir, args, message):
+    r = CliRunner().invoke(app, ["eval", "run", "jaxrl/lowercase", "-m", str(tiny_model_dir), *args])
+    assert r.exit_code == 2, r.output
+    assert message in r.output and len(r.output.strip().splitlines()) == 1, r.output
