@@ -13,6 +13,11 @@ from gcs_fixtures import configure_clients, free_port
 GCS_PROXY_PORT = free_port()
 configure_clients(GCS_PROXY_PORT)
 
+# No test reaches the real Hugging Face Hub: a model id that is not cached would be downloaded, so the
+# session (and its subprocesses) point at a closed port; test_hub.py serves its own stand-in hub.
+os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

@@ -1,4 +1,4 @@
-"""Model catalogue: where a model name is found (folder, gs://, local HF cache) and `jaxrl models`."""
+"""Model catalogue: where a model name is found (folder, gs://, local HF cache, else the Hub) and `jaxrl models`."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ def _snapshot(cache, repo_id, rev, *, main=True):
     snap = repo / "snapshots" / rev
     snap.mkdir(parents=True)
     (snap / "config.json").write_text("{}")
+    (snap / "model.safetensors").write_bytes(b"")
     if main:
         (repo / "refs").mkdir(exist_ok=True)
         (repo / "refs" / "main").write_text(rev)
@@ -35,14 +36,30 @@ def test_resolves_folder_gs_and_hf_cache(tmp_path, hf_cache):
     assert model_path.resolve_model("Qwen/Qwen3-4B-Instruct-2507", tmp_path) == str(main)
 
 
-def test_missing_model_names_every_place_looked_in(tmp_path, hf_cache):
+def test_missing_model_is_a_hub_download_or_names_the_folder(tmp_path, hf_cache, monkeypatch):
+    assert model_path.locate_model("Qwen/Qwen3-30B-A3B-Instruct-2507@v2", tmp_path) == model_path.HubModel(
+        "Qwen/Qwen3-30B-A3B-Instruct-2507", "v2")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(model_path.ModelNotFoundError) as info:
         model_path.resolve_model("Qwen/Qwen3-30B-A3B-Instruct-2507", tmp_path)
-    assert str(info.value) == (
-        f"model 'Qwen/Qwen3-30B-A3B-Instruct-2507' not found: no folder {tmp_path / 'Qwen/Qwen3-30B-A3B-Instruct-2507'}"
-        f"; not in the Hugging Face cache {hf_cache} (nothing is downloaded)")
-    with pytest.raises(model_path.ModelNotFoundError, match="no folder .*/nested/path/x \\(nothing"):
+    assert str(info.value) == (f"model Qwen/Qwen3-30B-A3B-Instruct-2507@main is not in the Hugging Face cache "
+                               f"{hf_cache} and HF_HUB_OFFLINE is set, so it is not downloaded")
+    with pytest.raises(model_path.ModelNotFoundError, match="no folder .*/nested/path/x, and it is not a Hugging"):
         model_path.resolve_model("nested/path/x", tmp_path)
+
+
+def test_a_cache_entry_without_weights_is_not_a_checkpoint(tmp_path, hf_cache):
+    snap = _snapshot(hf_cache, "o/m", "c" * 40)
+    (snap / "model.safetensors").unlink()
+    assert model_path.locate_model("o/m", tmp_path) == model_path.HubModel("o/m", "main")
+    assert model_path.find_in_hf_cache("o/m", need="config") == snap
+    (snap / "model.safetensors.index.json").write_text('{"weight_map": {"a": "model-1.safetensors"}}')
+    (snap / "model-2.safetensors").write_bytes(b"")
+    assert model_path.find_in_hf_cache("o/m") is None
+    (snap / "model-1.safetensors").write_bytes(b"")
+    assert model_path.locate_model("o/m", tmp_path) == str(snap)
+    assert model_path.locate_model("o/m", tmp_path, revision="c" * 40) == str(snap)
+    assert model_path.locate_model("o/m@v1", tmp_path) == model_path.HubModel("o/m", "v1")
 
 
 def test_models_command_sizes_shards_for_the_mesh():

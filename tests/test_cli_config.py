@@ -53,7 +53,8 @@ def test_validate_every_seed_example(path):
 
 def test_validate_says_where_the_weights_are(tmp_path):
     result = invoke("validate", ROOT / "configs" / "examples" / "minimal.toml")
-    assert "model: model 'PrimeIntellect/Qwen3-0.6B-Reverse-Text-SFT' not found: no folder" in result.stderr
+    assert ("model weights: PrimeIntellect/Qwen3-0.6B-Reverse-Text-SFT at revision main, downloaded by `jaxrl run` "
+            "from the Hugging Face Hub (http://127.0.0.1:9) into ") in result.stderr  # conftest's closed endpoint
     (tmp_path / "qwen").mkdir()
     (tmp_path / "rl.toml").write_text(MINIMAL + '[jax]\nmodel_path = "qwen"\n')
     result = invoke("validate", tmp_path / "rl.toml")

@@ -80,7 +80,8 @@ def test_defaults_follow_the_reference(tmp_path):
     assert (cfg.adapters.interval, cfg.adapters.keep_last) == (0, 3)
     assert cfg.infrastructure.compute_size == "M"
     assert cfg.jax.model_dump(exclude={"loss", "advantage", "optim"}) == {  # those: test_training_knobs_load...
-        "model_path": None, "tokenizer_path": None, "mesh": {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1},
+        "model_path": None, "model_revision": None, "tokenizer_path": None,
+        "mesh": {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1},
         "seq_len": 4096, "finetune": "lora", "lora_rank": 16,
         "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         "dtype": "float32", "output_dir": "runs", "checkpoint_dir": None, "rollout_timeout": 600.0, "seed": 0,
@@ -445,17 +446,19 @@ def test_resolve_model_path(tmp_path):
 
 def test_resolve_model_path_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = load_config(write(tmp_path, MINIMAL))
     with pytest.raises(ConfigError) as info:
         resolve_model_path(cfg)
     name = "PrimeIntellect/Qwen3-0.6B-Reverse-Text-SFT"
     assert str(info.value) == (
-        f"{cfg.source}: model: model {name!r} not found: no folder {tmp_path / name}; not in the Hugging Face "
-        f"cache {tmp_path / 'hf-cache'} (nothing is downloaded); set [jax] model_path to a local Hugging Face "
-        "checkpoint")
+        f"{cfg.source}: model: model {name}@main is not in the Hugging Face cache {tmp_path / 'hf-cache'} and "
+        "HF_HUB_OFFLINE is set, so it is not downloaded")
     cfg = load_config(write(tmp_path, MINIMAL + '[jax]\nmodel_path = "missing"\n'))
     with pytest.raises(ConfigError, match=r": jax\.model_path: model 'missing' not found: no folder "):
         resolve_model_path(cfg)
+    with pytest.raises(ConfigError, match=r"jax\.model_revision: String should match pattern"):
+        load_config(write(tmp_path, MINIMAL + '[jax]\nmodel_revision = "a b"\n'))
 
 
 def test_starter_toml_is_valid_and_shows_every_field(tmp_path):

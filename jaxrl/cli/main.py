@@ -22,7 +22,8 @@ from jaxrl.cli.evaluate import eval_app
 from jaxrl.cli.train import quiet_libraries, train
 from jaxrl.compile.slices import slice_names
 from jaxrl.config.env_file import load_env_file
-from jaxrl.config.schema import ConfigError, RunConfig, load_config, no_effect_notes, resolve_model_path
+from jaxrl.config.model_path import hub_offline
+from jaxrl.config.schema import ConfigError, RunConfig, load_config, locate_model_path, no_effect_notes
 from jaxrl.config.starter import STARTER_TOML
 
 # Markdown help: docstrings' line breaks are joined into paragraphs in the command list too (rich mode keeps
@@ -63,7 +64,10 @@ def validate(path: ConfigPath) -> None:
     cfg = _load(path)
     out.print_json(data=cfg.model_dump(mode="json"))
     try:
-        err.print(f"model weights: {resolve_model_path(cfg)}", markup=False)
+        found = locate_model_path(cfg)
+        err.print(f"model weights: {found if isinstance(found, str) else found.describe()}", markup=False)
+        if not isinstance(found, str) and hub_offline():
+            err.print("note: `jaxrl run` would stop here: HF_HUB_OFFLINE is set", style="yellow", markup=False)
     except ConfigError as exc:
         err.print(f"note: `jaxrl run` would stop here: {exc}", style="yellow", markup=False)
 
@@ -176,7 +180,7 @@ def models(
     import jax
     from rich.table import Table
 
-    from jaxrl.config.model_path import hf_cache_dir
+    from jaxrl.config.model_path import hf_cache_dir, hub_endpoint
     from jaxrl.model import catalog, modules, qwen3
     from jaxrl.parallel.sharding import bytes_per_device
     from jaxrl.parallel.spec import is_spec
@@ -209,7 +213,8 @@ def models(
                       f"{3 * lora / 2**30:.2f} GiB", f"{full / 2**30:.2f} GiB")
     Console(width=max(out.width, 130), highlight=False).print(table)
     out.print("A model name in a config is found as a local folder, a gs:// URL, or an id in the local "
-              f"Hugging Face cache ({hf_cache_dir()}); nothing is downloaded.", markup=False)
+              f"Hugging Face cache ({hf_cache_dir()}); an id that is not there is downloaded from the Hub "
+              f"({hub_endpoint()}) by `jaxrl run`.", markup=False)
 
 
 @app.command("compile")

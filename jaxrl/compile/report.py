@@ -24,7 +24,9 @@ import jax.numpy as jnp
 
 from jaxrl.compile import programs, slices
 from jaxrl.compile.programs import Program, Shapes
-from jaxrl.config.schema import ConfigError, RunConfig, resolve_model_path
+from jaxrl.config.hub import download_config
+from jaxrl.config.model_path import HubModel, ModelNotFoundError, find_in_hf_cache
+from jaxrl.config.schema import ConfigError, RunConfig, locate_model_path
 from jaxrl.model import catalog, hf, moe
 from jaxrl.model.qwen3 import ModelConfig
 from jaxrl.parallel.sharding import MESH_AXES, RULES, batch_shards, make_mesh
@@ -317,25 +319,31 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
 
 
 def model_of(cfg: RunConfig) -> ModelConfig:
-    """The run's architecture: its checkpoint's config.json when the checkpoint is on this machine, else
-    the catalogue's facts for a Hosted Training model name (`jaxrl.model.catalog.HOSTED_MODELS`).
+    """The run's architecture, from its `config.json` alone: the checkpoint's when it is on this machine
+    (a folder, or the local HF cache, a config-only entry included); else the catalogue's facts for a
+    Hosted Training model name (`jaxrl.model.catalog.HOSTED_MODELS`); else the Hub's `config.json` of the
+    id, downloaded alone (`jaxrl.config.hub.download_config`). A `gs://` checkpoint is not read.
 
     Raises:
-        ConfigError: neither (naming the places looked in).
+        ConfigError: none of these has it (naming the places looked in, or why the download failed).
     """
-    try:
-        path = resolve_model_path(cfg)
-        if not path.startswith("gs://"):
-            return hf.load_config(path)
-    except ConfigError as exc:
-        looked = str(exc)
-    else:
-        looked = f"{path} is not read for compiling"
+    found = locate_model_path(cfg)
+    if isinstance(found, str) and not found.startswith("gs://"):
+        return hf.load_config(found)
+    if isinstance(found, HubModel) and (cached := find_in_hf_cache(found.repo_id, found.revision,
+                                                                   need="config")) is not None:
+        return hf.load_config(cached)
     facts = catalog.HOSTED_MODELS.get(cfg.model)
-    if facts is None:
-        raise ConfigError(cfg.source, [("model", f"no architecture for {cfg.model!r}: {looked}; and it is not a "
-                                                 f"Hosted Training model ({', '.join(catalog.HOSTED_MODELS)})")])
-    return ModelConfig.from_hf(facts)
+    if facts is not None:
+        return ModelConfig.from_hf(facts)
+    if isinstance(found, str):
+        raise ConfigError(cfg.source, [("model", f"no architecture for {cfg.model!r}: {found} is not read for "
+                                                 "compiling, and it is not a Hosted Training model "
+                                                 f"({', '.join(catalog.HOSTED_MODELS)})")])
+    try:
+        return hf.load_config(download_config(found).parent)
+    except ModelNotFoundError as exc:
+        raise ConfigError(cfg.source, [("model", str(exc))]) from None
 
 
 def shapes_of(cfg: RunConfig, model: ModelConfig, batch_shards: int) -> Shapes:

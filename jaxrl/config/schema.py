@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from jaxrl.config.algorithms import AdvantageConfig, LossConfig, OptimConfig
 from jaxrl.config.base import AllOrPositive, FolderName, PathStr, _Table, folder_name_problem, minus_one_or_positive
 from jaxrl.config.envs import BufferConfig, EnvConfig, EvalConfig, ValConfig
+from jaxrl.config.model_path import HubModel, ModelNotFoundError, locate_model, resolve_model
 from jaxrl.config.sft import DataError, SftConfig, read_jsonl
 
 LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -177,8 +178,12 @@ class JaxConfig(_Table):
     """`[jax]`: everything a local JAX run needs that the Hosted Training schema does not have."""
 
     model_path: PathStr | None = None
-    """Local Hugging Face checkpoint folder (relative to the config file) or `gs://` URL. Default None:
-    `model` itself must be such a folder; nothing is downloaded."""
+    """Local Hugging Face checkpoint folder (relative to the config file), `gs://` URL, or Hugging Face id.
+    Default None: `model`, found as such a folder or URL, else in the local Hugging Face cache, else
+    downloaded from the Hub (`jaxrl.config.model_path`)."""
+    model_revision: str | None = Field(None, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_./-]{0,254}$")
+    """Branch, tag or commit hash of a Hugging Face id to download (as `owner/name@revision`, which wins
+    when the name has one). Default None: "main"."""
     tokenizer_path: PathStr | None = None
     """Tokenizer folder (relative to the config file). Default None: the model folder."""
     mesh: MeshConfig = MeshConfig()
@@ -506,16 +511,24 @@ def no_effect_notes(cfg: RunConfig) -> list[str]:
 
 def resolve_model_path(cfg: RunConfig) -> str:
     """The checkpoint folder (or `gs://` URL) to load weights from: `jax.model_path`, else `model`, each
-    found as a `gs://` URL, a local folder (relative to the config file) or an HF id in the local HF cache
-    (`jaxrl.config.model_path.resolve_model`). Raises ConfigError naming every place looked in when none has it."""
-    from jaxrl.config.model_path import ModelNotFoundError, resolve_model
-
+    found as a `gs://` URL, a local folder (relative to the config file) or an HF id in the local HF cache,
+    else downloaded from the Hub at `jax.model_revision` (`jaxrl.config.model_path.resolve_model`).
+    Raises ConfigError naming every place looked in, or why the download failed."""
     key, where = ("jax.model_path", cfg.jax.model_path) if cfg.jax.model_path else ("model", cfg.model)
     try:
-        return resolve_model(where, cfg.config_dir)
+        return resolve_model(where, cfg.config_dir, cfg.jax.model_revision)
     except ModelNotFoundError as exc:
-        hint = "" if key == "jax.model_path" else "; set [jax] model_path to a local Hugging Face checkpoint"
-        raise ConfigError(cfg.source, [(key, f"{exc}{hint}")]) from None
+        raise ConfigError(cfg.source, [(key, str(exc))]) from None
+
+
+def locate_model_path(cfg: RunConfig) -> str | HubModel:
+    """Where `resolve_model_path` would find the weights, without the network: a folder, `gs://` URL or
+    cached snapshot, or the `HubModel` it would download. Raises ConfigError as it does."""
+    key, where = ("jax.model_path", cfg.jax.model_path) if cfg.jax.model_path else ("model", cfg.model)
+    try:
+        return locate_model(where, cfg.config_dir, cfg.jax.model_revision)
+    except ModelNotFoundError as exc:
+        raise ConfigError(cfg.source, [(key, str(exc))]) from None
 
 
 def resolve_tokenizer_path(cfg: RunConfig) -> str:

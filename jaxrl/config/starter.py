@@ -86,7 +86,8 @@ id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
 # keep_cloud = 5               # checkpoints kept (-1 = all)
 
 # [jax]                        # local settings; Hosted Training has no such table
-# model_path = "path/to/hf-checkpoint"  # local HF folder or gs:// URL; default: `model` as a path
+# model_path = "path/to/hf-checkpoint"  # local HF folder, gs:// URL or HF id; default: `model`
+# model_revision = "main"      # branch, tag or commit of an HF id to download (or model = "owner/name@rev")
 # tokenizer_path = "path/to/tokenizer"  # default: the model folder
 # mesh = { data = 1, fsdp = 1, tensor = 1, expert = 1 }  # device mesh; product = device count
 # seq_len = 4096               # tokens per trajectory (prompt and completions)
