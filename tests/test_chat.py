@@ -409,3 +409,37 @@ def test_one_model_by_its_id(server):
     assert card == httpx.get(server.base_url + "/models").json()["data"][0] and card["id"] == MODEL
     missing = httpx.get(server.base_url + "/models/gpt-4o")
     assert missing.status_code == 404 and "'gpt-4o' does not exist" in missing.json()["error"]["message"]
+
+
+def test_health_answers_while_a_10_mb_prompt_is_refused(server, url):
+    """Issue 35 item 5: a 10 MB chat prompt (under the 16 MiB body limit) was parsed and tokenized on the event
+    loop: `/health` took 8 s meanwhile and the 400 came after 10-12 s. Now that work runs in a worker thread
+    and the prompt is refused once a prefix of it fills the context: `/health` answers every 50 ms poll in
+    under 0.5 s while the request is in flight, and the 400 comes within 5 s naming the context."""
+    import threading
+
+    root = f"http://127.0.0.1:{server.port}"
+    words = "hello world, a prompt. " * (10_000_000 // 23)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": words}], "max_tokens": 4}
+    answer = {}
+
+    def big():
+        t0 = time.perf_counter()
+        answer["response"] = httpx.post(url, json=body, timeout=120)
+        answer["s"] = time.perf_counter() - t0
+
+    thread = threading.Thread(target=big)
+    thread.start()
+    waits = []
+    with httpx.Client(timeout=30) as client:
+        while thread.is_alive():
+            t0 = time.perf_counter()
+            assert client.get(f"{root}/health").status_code == 200
+            waits.append(time.perf_counter() - t0)
+            time.sleep(0.05)
+    thread.join()
+    response = answer["response"]
+    assert response.status_code == 400 and f"this model's context is {SEQ_LEN}" in response.text, response.text
+    assert "the prompt is more than" in response.text
+    assert waits and max(waits) < 0.5, waits
+    assert answer["s"] < 5, answer

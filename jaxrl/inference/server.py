@@ -22,7 +22,10 @@ the backend. A field the server does not know, or knows and has not built, is a 
 every route (OpenAI's rule; vLLM logs and ignores them). `max_tokens` beyond the context is a 400 naming
 both numbers, as in vLLM and OpenAI (the run's own server clamps it instead: `clamp_max_tokens`). A
 request whose client disconnects is cancelled in the backend, streaming or not, freeing its decode
-slot. The server runs uvicorn on its own event loop in a daemon thread (`start_server`);
+slot. A request's CPU work (parsing its JSON, rendering and tokenizing its prompt) runs in a worker
+thread, and a chat prompt is refused once a prefix of it fills the context (`chat.encode_within`), so a
+10 MB prompt is a 400 in well under a second while `/health` keeps answering (it took 8 s when that
+work ran on the event loop). The server runs uvicorn on its own event loop in a daemon thread (`start_server`);
 `backend.generate` is awaited on that loop, so a backend that computes on other threads must hand its
 results back thread-safely.
 """
@@ -248,8 +251,8 @@ async def read_json(request: Request, max_bytes: int) -> Any:
             chunks.append(chunk)
     except ClientDisconnect:
         raise BadRequest("client disconnected before its request body arrived", 499) from None
-    try:
-        return json.loads(b"".join(chunks))
+    try:  # a 16 MiB body parses in about 0.1 s: in a worker thread, as the request's other CPU work
+        return await asyncio.to_thread(json.loads, b"".join(chunks))
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise BadRequest(f"invalid JSON body: {e}") from None
 
@@ -279,8 +282,9 @@ class _Routes:
     async def generate(self, request: Request) -> JSONResponse:
         """`POST /inference/v1/generate`."""
         try:
-            prompt_ids, params, request_id = parse_generate_request(await read_json(request, self.max_body_bytes),
-                                                                    self.backend, self.clamp_max_tokens)
+            prompt_ids, params, request_id = await asyncio.to_thread(
+                parse_generate_request, await read_json(request, self.max_body_bytes), self.backend,
+                self.clamp_max_tokens)
         except BadRequest as e:
             return error_response(str(e), e.status)
         if not self.admission.enter():
@@ -311,8 +315,9 @@ class _Routes:
         assert template is not None
         try:
             body = await read_json(request, self.max_body_bytes)
-            req = chat.parse_chat_request(body, template, backend.model_name, backend.max_model_len,
-                                          self.clamp_max_tokens)
+            # rendering and tokenizing in a worker thread: /health and the other requests go on meanwhile
+            req = await asyncio.to_thread(chat.parse_chat_request, body, template, backend.model_name,
+                                          backend.max_model_len, self.clamp_max_tokens)
         except BadRequest as e:
             return error_response(str(e), e.status)
         if not self.admission.enter():
