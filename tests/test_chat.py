@@ -388,10 +388,14 @@ def test_a_non_streaming_request_is_cancelled_when_its_client_leaves(server, sch
     ({"min_tokens": 3}, "min_tokens must be an integer in [0, max_tokens = 2]"),
     ({"min_tokens": 1.5}, "min_tokens"),
     ({"echo": True}, "echo"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort must be one of none, minimal, low, medium, high, xhigh"),
 ])
 def test_unknown_unsupported_and_out_of_range_fields_are_400s_naming_them_on_both_routes(server, url, fields, needle):
     r = httpx.post(url, json={"messages": HELLO, "max_tokens": 2, **fields}, timeout=60)
     assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["type"] == "BadRequestError" and r.json()["error"]["code"] == 400
+    if set(fields) & {"foo", "echo", "reasoning_effort"}:
+        assert r.json()["error"]["param"] == next(iter(fields))
     top = {"foo", "functions", "function_call", "tool_choice", "echo"}
     body = {"token_ids": [1, 2], **(fields if set(fields) & top else {"sampling_params": {"max_tokens": 2, **fields}})}
     gen = httpx.post(root_of(server) + GENERATE_ROUTE, json=body, timeout=60)
@@ -399,7 +403,7 @@ def test_unknown_unsupported_and_out_of_range_fields_are_400s_naming_them_on_bot
 
 
 @pytest.mark.parametrize("fields", [{"top_k": -1}, {"top_k": 0}, {"presence_penalty": 0}, {"user": "u"},
-                                    {"tool_choice": "none"}, {"metadata": {"a": "b"}}])
+                                    {"tool_choice": "none"}, {"metadata": {"a": "b"}}, {"reasoning_effort": "high"}])
 def test_fields_that_are_off_or_change_nothing_are_accepted(url, fields):
     chat(url, max_tokens=2, **fields)
 

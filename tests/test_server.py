@@ -214,11 +214,16 @@ def test_api_key(backend):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
             r = httpx.post(root + GENERATE_ROUTE, json=body, headers=headers)
             assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text
-            assert "API key" in r.json()["error"]["message"]
+            error = r.json()["error"]
+            assert "API key" in error["message"] and (error["type"], error["param"], error["code"]) == (
+                "AuthenticationError", None, 401)
             assert httpx.get(handle.base_url + "/models", headers=headers).status_code == 401
         assert httpx.get(root + "/nowhere").status_code == 401  # no route is revealed without the key
         good = {"Authorization": "Bearer s3cret"}
         assert httpx.post(root + GENERATE_ROUTE, json=body, headers=good).status_code == 200
+        for scheme in ("bearer", "BEARER"):  # an auth scheme is matched without regard to case (RFC 9110)
+            r = httpx.post(root + GENERATE_ROUTE, json=body, headers={"Authorization": f"{scheme} s3cret"})
+            assert r.status_code == 200, r.text
         assert httpx.get(handle.base_url + "/models", headers=good).status_code == 200
         assert httpx.get(root + "/health").status_code == 200  # open, for load balancers
     finally:
@@ -239,8 +244,14 @@ def test_a_request_dropped_at_shutdown_is_a_503_not_a_logged_failure(root, caplo
 def test_other_errors(root):
     r = httpx.post(root + GENERATE_ROUTE, json={"model": "other", "token_ids": [1]})
     assert r.status_code == 404 and "other" in r.json()["error"]["message"]
+    assert {k: v for k, v in r.json()["error"].items() if k != "message"} == {  # OpenAI's shape, vLLM's values
+        "type": "NotFoundError", "param": None, "code": 404}
+    r = httpx.post(root + GENERATE_ROUTE, json={"token_ids": [1], "sampling_params": {"best_of": 2}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
+    assert r.json()["error"]["type"] == "BadRequestError"
     r = httpx.post(root + GENERATE_ROUTE, json={"token_ids": [1, RAISE_ID]})
     assert r.status_code == 500 and "engine exploded" in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "InternalServerError"
     r = httpx.post(root + GENERATE_ROUTE, json={"token_ids": [1, NAN_ID]})
     assert r.status_code == 500 and "non-finite" in r.json()["error"]["message"]
     r = httpx.get(root + GENERATE_ROUTE)

@@ -25,6 +25,7 @@ from jaxrl.config.env_file import load_env_file
 from jaxrl.config.model_path import hub_offline
 from jaxrl.config.schema import ConfigError, RunConfig, load_config, locate_model_path, no_effect_notes
 from jaxrl.config.starter import STARTER_TOML
+from jaxrl.parallel.platform import skip_absent_tpu
 
 # Markdown help: docstrings' line breaks are joined into paragraphs in the command list too (rich mode keeps
 # them there, mid-sentence), and `[jax]` in backticks stays text instead of being read as rich markup.
@@ -36,6 +37,13 @@ out = Console(soft_wrap=True, highlight=False)
 err = Console(stderr=True, soft_wrap=True, highlight=False)
 
 app.add_typer(eval_app, name="eval")
+
+
+@app.callback()
+def _before_every_command() -> None:
+    # Before any command imports JAX: no libtpu probe (and its console lines) on a host without TPU chips.
+    skip_absent_tpu()
+
 
 ConfigPath = Annotated[Path, typer.Argument(help="Run config (TOML).", show_default=False)]
 

@@ -11,6 +11,8 @@ import dataclasses
 import math
 import os
 
+from jaxrl.parallel.platform import tpu_compile_environment
+
 GIB = 2**30
 
 
@@ -128,6 +130,7 @@ def topology_devices(s: Slice) -> list:
     # Compiling touches no chip, so this need not hold libtpu's one-process lock (/tmp/libtpu_lockfile),
     # which would stop a second compile, or a test session beside a run, from starting.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    tpu_compile_environment()
     try:
         desc = topologies.get_topology_desc(topology_name=s.topology, platform="tpu", **_host_layout(s))
     except Exception as exc:  # noqa: BLE001 - libtpu missing or refusing the shape: both end here

@@ -26,7 +26,9 @@ first event when streaming) and `token_ids` to each choice (each event), which i
 to train on the exact tokens; `return_tokens_as_token_ids: true` names each logprob's token
 `token_id:<id>`; `skip_special_tokens: false` keeps special tokens in the text. Fields that cannot
 change the output (`user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`, vLLM's `cache_salt`,
-`priority`, `request_id`, `spaces_between_special_tokens`) are accepted. `tools` and `tool_choice` are served as
+`priority`, `request_id`, `spaces_between_special_tokens`) are accepted, and so is `reasoning_effort` (one of
+OpenAI's values; as in vLLM, which reads it only for gpt-oss, it has no effect on Qwen3, whose switch is
+`chat_template_kwargs: {"enable_thinking": ...}`). `tools` and `tool_choice` are served as
 vLLM's hermes parser serves Qwen3 (`jaxrl.inference.tools`: the reply's `<tool_call>` blocks come back as
 `message.tool_calls` with finish_reason "tool_calls", streamed as one delta per call once the reply is complete);
 the legacy `functions`, non-text content parts, and any other field are refused with a 400 naming them.
@@ -46,7 +48,7 @@ from typing import Any
 
 from jaxrl.inference import tools
 from jaxrl.inference.protocol import Completion, GenerateBackend, SamplingParams
-from jaxrl.inference.wire import BadRequest, check_penalties, is_int, sampling_from
+from jaxrl.inference.wire import BadRequest, check_penalties, error_body, is_int, sampling_from
 
 CHAT_ROUTE = "/v1/chat/completions"
 MAX_STOP_STRINGS = 16
@@ -59,7 +61,10 @@ _BUILT = frozenset({"model", "messages", "stream", "stream_options", "temperatur
                     "repetition_penalty", "max_tokens", "max_completion_tokens", "seed", "stop", "stop_token_ids",
                     "min_tokens", "logprobs", "return_token_ids", "return_tokens_as_token_ids", "skip_special_tokens",
                     "chat_template_kwargs", "ignore_eos", "logit_bias", "tools", "functions", "response_format",
-                    "tool_choice", "function_call"})
+                    "tool_choice", "function_call", "reasoning_effort"})
+# OpenAI's reasoning_effort values. vLLM accepts the field and uses it only for its harmony (gpt-oss) models; Qwen3
+# has no effort control (its switch is chat_template_kwargs.enable_thinking), so it has no effect here either.
+_REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 _NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "cache_salt", "priority",
                         "request_id", "spaces_between_special_tokens"})
 
@@ -216,13 +221,17 @@ def _check_fields(body: dict[str, Any]) -> None:
     docstring), and a penalty outside OpenAI's [-2, 2]."""
     unknown = sorted(set(body) - _BUILT - _NO_EFFECT - set(_NEUTRAL))
     if unknown:
-        raise BadRequest(f"unsupported field(s): {', '.join(unknown)}")
+        raise BadRequest(f"unsupported field(s): {', '.join(unknown)}", param=unknown[0])
     check_penalties(body)
     for key, neutral in _NEUTRAL.items():
         if body.get(key) is not None and body[key] != neutral:
-            raise BadRequest(f"{key}={body[key]!r} is not supported (only {neutral!r})")
+            raise BadRequest(f"{key}={body[key]!r} is not supported (only {neutral!r})", param=key)
     if body.get("logit_bias"):
-        raise BadRequest("logit_bias is not supported")
+        raise BadRequest("logit_bias is not supported", param="logit_bias")
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in _REASONING_EFFORTS:
+        raise BadRequest(f"reasoning_effort must be one of {', '.join(_REASONING_EFFORTS)}, got {effort!r}",
+                         param="reasoning_effort")
 
 
 def parse_chat_request(body: Any, template: ChatTemplate, model_name: str, max_model_len: int,
@@ -469,7 +478,7 @@ async def stream(run: ChatRun, model_name: str) -> AsyncIterator[str]:
         if run.req.include_usage:
             yield _event({**head, "choices": [], "usage": run.usage()})
     except ValueError as exc:
-        yield _event({"error": {"message": str(exc), "code": 400}})
+        yield _event(error_body(str(exc), 400))
     except Exception as exc:  # noqa: BLE001 - the status line is sent: the error can only go in the stream
-        yield _event({"error": {"message": f"backend error: {type(exc).__name__}: {exc}", "code": 500}})
+        yield _event(error_body(f"backend error: {type(exc).__name__}: {exc}", 500))
     yield "data: [DONE]\n\n"

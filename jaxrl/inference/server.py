@@ -14,9 +14,11 @@ length, so it refuses an overlong prompt before sending it. Eval clients and peo
     GET  /v1/models/{id}         -> {"id", "object", "max_model_len", ...} (404 for another name)
     GET  /health                 -> {"status": "ok", "pending": <generation requests queued or running>}
 
-Every refusal is `{"error": {"message", "code"}}`: 400 for a request the server cannot serve (naming
-the field), 404 for another model's name, 401 without the API key (when one is set; `/health` is
-open), 413 for a body over the limit, 503 with `Retry-After` while `max_pending` generation requests
+Every refusal is OpenAI's `{"error": {"message", "type", "param", "code"}}` as vLLM fills it (`type` the
+openai SDK's exception name, `param` the field at fault or null, `code` the HTTP status): 400 for a
+request the server cannot serve (naming the field), 404 for another model's name, 401 without the API
+key (when one is set; `/health` is open; the scheme `Bearer` in any case), 413 for a body over the
+limit, 503 with `Retry-After` while `max_pending` generation requests
 are queued or running (below that bound requests wait in the scheduler's queue), 500 for an error in
 the backend. A field the server does not know, or knows and has not built, is a 400 naming it on
 every route (OpenAI's rule; vLLM logs and ignores them). `max_tokens` beyond the context is a 400 naming
@@ -56,7 +58,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from jaxrl.inference import chat
 from jaxrl.inference.chat import ChatTemplate
 from jaxrl.inference.protocol import BackendStopped, Completion, GenerateBackend, SamplingParams
-from jaxrl.inference.wire import BadRequest, check_penalties, is_int, sampling_from
+from jaxrl.inference.wire import BadRequest, check_penalties, error_body, is_int, sampling_from
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -87,8 +89,10 @@ _SAMPLING_KEYS = frozenset(
 _REQUEST_KEYS = frozenset({"model", "token_ids", "sampling_params", "cache_salt", "priority", "request_id"})
 
 
-def error_response(message: str, status: int, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status, headers=headers)
+def error_response(message: str, status: int, headers: dict[str, str] | None = None,
+                   param: str | None = None) -> JSONResponse:
+    """A refusal in OpenAI's error shape (`jaxrl.inference.wire.error_body`)."""
+    return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
 
 
 def parse_sampling(raw: Any, prompt_len: int, max_model_len: int, clamp_max_tokens: bool = False) -> SamplingParams:
@@ -100,7 +104,7 @@ def parse_sampling(raw: Any, prompt_len: int, max_model_len: int, clamp_max_toke
         raise BadRequest("sampling_params must be an object")
     unknown = sorted(set(raw) - _SAMPLING_KEYS)
     if unknown:
-        raise BadRequest(f"unsupported sampling parameter(s): {', '.join(unknown)}")
+        raise BadRequest(f"unsupported sampling parameter(s): {', '.join(unknown)}", param=unknown[0])
     check_penalties(raw)
     for key, neutral in _NEUTRAL_SAMPLING_VALUES.items():
         if key in raw and raw[key] is not None and raw[key] != neutral:
@@ -121,7 +125,7 @@ def parse_generate_request(
         raise BadRequest("request body must be a JSON object")
     unknown = sorted(set(body) - _REQUEST_KEYS)
     if unknown:
-        raise BadRequest(f"unsupported request field(s): {', '.join(unknown)}")
+        raise BadRequest(f"unsupported request field(s): {', '.join(unknown)}", param=unknown[0])
     model = body.get("model")
     if model is not None and model != backend.model_name:
         raise BadRequest(f"model {model!r} does not exist; this server serves {backend.model_name!r}", 404)
@@ -190,16 +194,17 @@ class Admission:
 
 class RequireApiKey:
     """ASGI middleware: every HTTP request but `GET /health` must carry `Authorization: Bearer <key>`
-    (a 401 otherwise, as OpenAI's API answers). The comparison takes constant time."""
+    (a 401 otherwise, as OpenAI's API answers). The scheme is matched without regard to case (RFC 9110,
+    section 11.1: `bearer` and `BEARER` are the same scheme); the key's comparison takes constant time."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] != "/health":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self._expected):
                 response = error_response("missing or wrong API key (send Authorization: Bearer <key>)", 401,
                                           {"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
@@ -286,7 +291,7 @@ class _Routes:
                 parse_generate_request, await read_json(request, self.max_body_bytes), self.backend,
                 self.clamp_max_tokens)
         except BadRequest as e:
-            return error_response(str(e), e.status)
+            return error_response(str(e), e.status, param=e.param)
         if not self.admission.enter():
             return self.overloaded()
         try:
@@ -319,7 +324,7 @@ class _Routes:
             req = await asyncio.to_thread(chat.parse_chat_request, body, template, backend.model_name,
                                           backend.max_model_len, self.clamp_max_tokens)
         except BadRequest as e:
-            return error_response(str(e), e.status)
+            return error_response(str(e), e.status, param=e.param)
         if not self.admission.enter():
             return self.overloaded()
         run = chat.ChatRun(backend, template, req, self.admission.leave)

@@ -20,11 +20,26 @@ GREEDY_BELOW = 1e-5
 
 
 class BadRequest(ValueError):
-    """A request the server refuses: HTTP `status` with `message` in the JSON error body."""
+    """A request the server refuses: HTTP `status` with `message` (and the request field `param` it is
+    about, when one is) in the JSON error body (`error_body`)."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.param = status, param
+
+
+# The openai SDK's exception class for each status, which vLLM's ErrorResponse sends as the error's `type`.
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+                404: "NotFoundError", 409: "ConflictError", 422: "UnprocessableEntityError", 429: "RateLimitError",
+                503: "ServiceUnavailableError"}
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object, `{"error": {"message", "type", "param", "code"}}`, as vLLM's OpenAI server
+    fills it: `type` the openai SDK's exception name for the HTTP status (`BadRequestError` for other 4xx,
+    `InternalServerError` for other 5xx), `param` the request field at fault or None, `code` the status."""
+    kind = _ERROR_TYPES.get(status) or ("InternalServerError" if status >= 500 else "BadRequestError")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def is_int(value: Any) -> bool:
