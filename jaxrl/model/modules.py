@@ -189,13 +189,15 @@ class Qwen3(nnx.Module):
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array, *, lora: bool = True,
                  cache: KVCache | None = None, remat: bool = False, mesh: Mesh | None = None,
                  scan_layers: bool = True, segment_ids: jax.Array | None = None,
-                 layers: list[tuple] | None = None) -> tuple[jax.Array, KVCache]:
+                 layers: list[tuple] | None = None,
+                 attention_impl: str | None = None) -> tuple[jax.Array, KVCache]:
         """Final-norm hidden states [B, T, D] and the KV cache: `qwen3.forward` (arguments as there);
         `lora=False` runs the base alone (the reference policy, from the same arrays)."""
         base, factors = self.weights()
         return qwen3.forward(self.cfg, base, tokens_BT, positions_BT, lora=factors if lora else None,
                              lora_scale=self.lora_scale, cache=cache, remat=remat, mesh=mesh,
-                             scan_layers=scan_layers, segment_ids=segment_ids, layers=layers)
+                             scan_layers=scan_layers, segment_ids=segment_ids, layers=layers,
+                             attention_impl=attention_impl)
 
     def decode(self, tokens_B: jax.Array, positions_B: jax.Array, cache: KVCache, *, mesh: Mesh | None = None,
                layers: list[tuple] | None = None) -> tuple[jax.Array, KVCache]:

@@ -25,6 +25,7 @@ params have three stacks: `layers` (attention and norms, [L, ...]), `mlp` (dense
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -33,7 +34,8 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh
 
-from jaxrl.model import moe
+from jaxrl.model import attention, moe
+from jaxrl.parallel.sharding import mesh_platform
 
 Params = dict[str, Any]
 KVCache = dict[str, jax.Array]  # {"k": [L,B,S,K,H], "v": [L,B,S,K,H]}
@@ -261,22 +263,11 @@ def attention_inputs(cfg: ModelConfig, lora_scale: float, x_BTD: jax.Array, posi
     return q_BTNH, k_BTKH, v_BTKH
 
 
-def attention_mask(positions_BT: jax.Array, key_pos_BS: jax.Array,
-                   segment_ids_BT: jax.Array | None = None) -> jax.Array:
-    """Which keys each query attends to, bool [B, T, S]: those at a position <= its own (causal) and, with
-    `segment_ids_BT` (int32 [B, T], training and prefill only, so S = T), of its own segment, so the
-    samples packed into one row never see each other (each sample's positions count from 0)."""
-    mask_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
-    if segment_ids_BT is not None:
-        mask_BTS &= segment_ids_BT[:, None, :] == segment_ids_BT[:, :, None]
-    return mask_BTS
-
-
-def _attention(cfg: ModelConfig, lora_scale: float, x_BTD, positions_BT, w, lw, k_cache, v_cache, mask_BTS):
-    """Attention with its residual (`mask_BTS`: `attention_mask`). Returns the new residual stream and
-    this layer's key/value cache."""
+def _attention(cfg: ModelConfig, lora_scale: float, x_BTD, positions_BT, w, lw, k_cache, v_cache, attend):
+    """Attention with its residual. `attend(q [B, T, N, H], k, v [B, S, K, H]) -> [B, T, N, H]`: causal
+    self-attention (`attention.attention`, training and prefill) or the einsum over the cache (decode).
+    Returns the new residual stream and this layer's key/value cache."""
     b, t, _ = x_BTD.shape
-    nk, g, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     lw = lw or {}
     q_BTNH, k_BTKH, v_BTKH = attention_inputs(cfg, lora_scale, x_BTD, positions_BT, w, lw)
 
@@ -287,13 +278,7 @@ def _attention(cfg: ModelConfig, lora_scale: float, x_BTD, positions_BT, w, lw, 
         k_BSKH = k_cache.at[rows, positions_BT].set(k_BTKH.astype(k_cache.dtype))
         v_BSKH = v_cache.at[rows, positions_BT].set(v_BTKH.astype(v_cache.dtype))
 
-    q_BTKGH = q_BTNH.reshape(b, t, nk, g, hd)
-    scores_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH.astype(q_BTKGH.dtype)).astype(jnp.float32)
-    scores_BKGTS = scores_BKGTS / math.sqrt(hd)
-    scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, -1e30)
-    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(x_BTD.dtype)
-    attn_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH.astype(x_BTD.dtype))
-    attn_BTNH = attn_BTKGH.reshape(b, t, cfg.num_heads, hd)
+    attn_BTNH = attend(q_BTNH, k_BSKH, v_BSKH).astype(x_BTD.dtype)
     out_BTD = project(attn_BTNH, w["wo"]) + lora_delta(attn_BTNH, lw.get("wo"), lora_scale,
                                                                              (cfg.hidden_size,))
     return x_BTD + out_BTD, k_BSKH, v_BSKH
@@ -346,10 +331,11 @@ def unstack_layers(cfg: ModelConfig, tree: Params | None) -> list[tuple[Any, Any
 
 
 def _decoder_layer(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | None, x_BTD, positions_BT,
-                   mask_BTS, xs):
-    """One decoder layer of `kind` ("mlp" or "moe"); `xs` holds its weights, LoRA and cache slices."""
+                   attend, xs):
+    """One decoder layer of `kind` ("mlp" or "moe"); `xs` holds its weights, LoRA and cache slices;
+    `attend` as in `_attention`."""
     w, lw, mw, mlw, kc, vc = xs
-    x_BTD, k, v = _attention(cfg, lora_scale, x_BTD, positions_BT, w, lw, kc, vc, mask_BTS)
+    x_BTD, k, v = _attention(cfg, lora_scale, x_BTD, positions_BT, w, lw, kc, vc, attend)
     return feed_forward(cfg, kind, lora_scale, mesh, x_BTD, w, mw, mlw), k, v
 
 
@@ -367,27 +353,35 @@ def decoder_stack(
     scan_layers: bool = True,
     segment_ids: jax.Array | None = None,
     layers: list[tuple] | None = None,
+    attention_impl: attention.Implementation | None = None,
 ) -> tuple[jax.Array, KVCache, jax.Array]:
     """`forward` before the final norm, plus every layer's output: returns (residual stream [B, T, D],
     cache, layer outputs [L, B, T, D]). Arguments as in `forward`."""
     x_BTD = params["embed"][tokens_BT]
-    b = tokens_BT.shape[0]
+    b, t = tokens_BT.shape
     if cache is None:
-        mask_BTS = attention_mask(positions_BT, positions_BT, segment_ids)
+        impl = attention_impl or attention.implementation(
+            "cpu" if mesh is None else mesh_platform(mesh), t, x_BTD.dtype, cfg.head_dim, segment_ids is not None)
+        # the einsum's mask, built once for every layer
+        mask_BTS = attention.mask(positions_BT, positions_BT, segment_ids) if impl in ("einsum", "xla") else None
+        attend = functools.partial(attention.attention, positions_BT=positions_BT, segment_ids_BT=segment_ids,
+                                   mesh=mesh, impl=impl, mask_BTS=mask_BTS)
     else:
         if segment_ids is not None:
             raise ValueError("segment_ids apply to self-attention within tokens_BT, not to a KV cache")
         s = cache["k"].shape[2]
-        mask_BTS = attention_mask(positions_BT, jnp.broadcast_to(jnp.arange(s, dtype=positions_BT.dtype), (b, s)))
+        impl = "einsum"
+        mask_BTS = attention.mask(positions_BT, jnp.broadcast_to(jnp.arange(s, dtype=positions_BT.dtype), (b, s)))
+        attend = functools.partial(attention.einsum_attention, mask_BTS=mask_BTS)
     lora = lora or {}
     kc, vc = (None, None) if cache is None else (cache["k"], cache["v"])
     kinds = layer_kinds(cfg)
 
     def body_of(kind):
         def body(x, xs):
-            x, k, v = _decoder_layer(cfg, kind, lora_scale, mesh, x, positions_BT, mask_BTS, xs)
+            x, k, v = _decoder_layer(cfg, kind, lora_scale, mesh, x, positions_BT, attend, xs)
             return x, (k, v, x)
-        return jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable) if remat else body
+        return jax.checkpoint(body, policy=attention.remat_policy(impl)) if remat else body
 
     if layers is None and scan_layers and len(set(kinds)) == 1:
         kind = kinds[0]
@@ -422,6 +416,7 @@ def forward(
     scan_layers: bool = True,
     segment_ids: jax.Array | None = None,
     layers: list[tuple] | None = None,
+    attention_impl: attention.Implementation | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Run the decoder stack; return final-norm hidden states and the key/value cache.
 
@@ -447,6 +442,9 @@ def forward(
             jit, a scanned or unrolled stack copies each layer's weights out of it before reading them
             (XLA's CPU backend; a prefill of 64 tokens at the Qwen3-0.6B shape spent about 40% of its time
             in those copies). The same numbers. None: the stacks.
+        attention_impl: how self-attention runs (`jaxrl.model.attention.IMPLEMENTATIONS`); None: chosen
+            from the mesh's platform and the shapes (`attention.implementation`; the einsum without a
+            mesh). A decode over a cache always runs the einsum.
 
     Returns:
         hidden_BTD in the params' dtype, and {"k","v"}: [L, B, T, K, H] (no cache given) or the
@@ -458,7 +456,7 @@ def forward(
     """
     x_BTD, cache, _ = decoder_stack(cfg, params, tokens_BT, positions_BT, lora=lora, lora_scale=lora_scale,
                                     cache=cache, remat=remat, mesh=mesh, scan_layers=scan_layers,
-                                    segment_ids=segment_ids, layers=layers)
+                                    segment_ids=segment_ids, layers=layers, attention_impl=attention_impl)
     return rms_norm(x_BTD, params["final_norm"], cfg.rms_norm_eps), cache
 
 

@@ -14,7 +14,7 @@ Packing: each conversation of n tokens becomes n - 1 (input, target) pairs (targ
 the mask is the target's), with positions 0..n-2 and its own segment id; conversations are laid one
 after the other into rows of `width` pairs, a new row when the next one does not fit (in data order,
 after a seeded shuffle), the rest of a row padding (segment 0, no loss). Attention stays within a
-segment (`jaxrl.model.qwen3.attention_mask`), so a packed row trains each conversation exactly as a row
+segment (`jaxrl.model.attention.mask`), so a packed row trains each conversation exactly as a row
 of its own would (tests/test_hf.py checks the logits against transformers). A conversation longer than
 `width + 1` tokens is cut to that length (counted in `SftData.truncated`).
 """
