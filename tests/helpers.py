@@ -170,6 +170,32 @@ class Recording:
         return out
 
 
+class Scripted:
+    """A backend that answers with the texts queued in `replies` (one per request, in order; tokenized, then the
+    template's end-of-turn id), token i with logprob -0.25 - i / 100, each handed over through `on_token` when
+    given; records each request's prompt ids in `prompts`. For tests whose model must say something exact."""
+
+    model_name = "scripted"
+    max_model_len = 2048
+
+    def __init__(self, template):
+        self.template = template  # jaxrl.inference.chat.ChatTemplate
+        self.replies: list[str] = []
+        self.prompts: list[list[int]] = []
+
+    async def generate(self, prompt_ids, params, on_token=None):
+        from jaxrl.inference.protocol import Completion
+
+        self.prompts.append(list(prompt_ids))
+        ids = self.template.tokenizer.encode(self.replies.pop(0), add_special_tokens=False)
+        ids.append(self.template.stop_token_ids[0])
+        lps = [-0.25 - i / 100 for i in range(len(ids))]
+        for t, lp in zip(ids, lps, strict=True):
+            if on_token is not None:
+                on_token(t, lp)
+        return Completion(ids, lps, "stop", [0] * len(ids))
+
+
 # --- the tiny trainer ------------------------------------------------------------------------------------------
 
 def random_batch(seed: int = 0, b: int = 8, t: int = 24, vocab: int = 128, pad_to: int = 32):

@@ -40,11 +40,13 @@ def template(qwen3_tokenizer_dir):
 
 
 def test_parse_line_forms():
-    assert parse_line(json.dumps({"messages": CHAT})) == (CHAT, 0)
-    messages, context = parse_line(json.dumps({"prompt": "hi", "completion": "hello"}))
+    assert parse_line(json.dumps({"messages": CHAT})) == (CHAT, 0, None)
+    messages, context, _ = parse_line(json.dumps({"prompt": "hi", "completion": "hello"}))
     assert messages == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}] and context == 0
     prompt, completion = CHAT[:4], [CHAT[4]]
-    assert parse_line(json.dumps({"prompt": prompt, "completion": completion})) == (CHAT, 1)
+    assert parse_line(json.dumps({"prompt": prompt, "completion": completion})) == (CHAT, 1, None)
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert parse_line(json.dumps({"messages": CHAT, "tools": tools})) == (CHAT, 0, tools)
 
 
 @pytest.mark.parametrize(("line", "reason"), [
@@ -59,6 +61,7 @@ def test_parse_line_forms():
     ('{"prompt": [{"role": "assistant", "content": "x"}], "completion": [{"role": "user", "content": "y"}]}',
      "no assistant message to train on"),
     ('{"prompt": "x", "completion": "y", "extra": 1}', "other keys ['extra']"),
+    ('{"prompt": "x", "completion": "y", "tools": {"f": 1}}', "'tools' must be a list of objects"),
 ])
 def test_parse_line_refuses(line, reason):
     with pytest.raises(ValueError, match=reason.replace("[", r"\[").replace("]", r"\]")):

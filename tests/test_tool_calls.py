@@ -7,42 +7,19 @@ import json
 import httpx
 import openai
 import pytest
+from helpers import Scripted
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxrl.inference.chat import ChatTemplate
-from jaxrl.inference.protocol import Completion
 from jaxrl.inference.server import start_server
 from jaxrl.inference.tools import ContentHold, parse_reply
 
-MODEL = "scripted"
+MODEL = Scripted.model_name
 ADD = {"type": "function", "function": {"name": "add", "description": "Adds two integers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 40}}\n</tool_call>'
 USER = [{"role": "user", "content": "What is 2 + 40?"}]
-
-
-class Scripted:
-    """Emits the text queued in `replies` (one per request, tokenized, then `<|im_end|>`), token i with
-    logprob -0.25 - i / 100, each handed over through `on_token`; records each prompt in `prompts`."""
-
-    model_name = MODEL
-    max_model_len = 2048
-
-    def __init__(self, template: ChatTemplate):
-        self.template = template
-        self.replies: list[str] = []
-        self.prompts: list[list[int]] = []
-
-    async def generate(self, prompt_ids, params, on_token=None):
-        self.prompts.append(list(prompt_ids))
-        tok = self.template.tokenizer
-        ids = tok.encode(self.replies.pop(0), add_special_tokens=False) + [self.template.stop_token_ids[0]]
-        lps = [-0.25 - i / 100 for i in range(len(ids))]
-        for t, lp in zip(ids, lps, strict=True):
-            if on_token is not None:
-                on_token(t, lp)
-        return Completion(ids, lps, "stop", [0] * len(ids))
 
 
 @pytest.fixture(scope="module")

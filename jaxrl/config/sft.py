@@ -5,7 +5,10 @@ The data file holds one JSON object per line (blank lines skipped), either
   `{"prompt": P, "completion": C}`: P and C each a string (a user message, an assistant message) or a
   message list; only C's assistant messages are trained, P's are context (prime-rl's and TRL's
   prompt-completion form).
-Roles are "system", "user", "assistant" and "tool"; contents are strings. `jaxrl validate` reads every
+Roles are "system", "user", "assistant" and "tool"; contents are strings. Either form may carry `"tools"`, a list
+of OpenAI tool objects that the chat template renders (Qwen3: a `<tools></tools>` system turn), as the
+rollout server renders a request's `tools`; a tool call is trained as the assistant text the model would
+write (Qwen3: `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`). `jaxrl validate` reads every
 line, so a bad one is a config error naming its line before anything loads; tokenizing, the loss mask
 and packing are `jaxrl.rl.sft`'s.
 """
@@ -61,12 +64,14 @@ class DataError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Conversation:
-    """One line of the data file (`line`, from 1): its messages and how many of its assistant messages
-    come before the trained ones (the prompt's, in prompt/completion form; 0 with `messages`)."""
+    """One line of the data file (`line`, from 1): its messages, how many of its assistant messages
+    come before the trained ones (the prompt's, in prompt/completion form; 0 with `messages`), and the
+    tools the template renders (None: the line has none)."""
 
     line: int
     messages: list[dict[str, str]]
     context_replies: int
+    tools: list[dict[str, Any]] | None = None
 
 
 def _messages(value: Any, role: str, what: str) -> list[dict[str, str]]:
@@ -88,8 +93,8 @@ def _messages(value: Any, role: str, what: str) -> list[dict[str, str]]:
     return out
 
 
-def parse_line(text: str) -> tuple[list[dict[str, str]], int]:
-    """`(messages, context_replies)` of one JSONL line (see the module docstring).
+def parse_line(text: str) -> tuple[list[dict[str, str]], int, list[dict[str, Any]] | None]:
+    """`(messages, context_replies, tools)` of one JSONL line (see the module docstring).
 
     Raises:
         ValueError: not JSON, not an object, neither form, a malformed message, or no assistant message
@@ -101,6 +106,9 @@ def parse_line(text: str) -> tuple[list[dict[str, str]], int]:
         raise ValueError(f"not JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise ValueError(f"must be a JSON object, got {type(obj).__name__}")
+    tools = obj.pop("tools", None)
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise ValueError("'tools' must be a list of objects")
     if "messages" in obj:
         if extra := sorted(set(obj) - {"messages"}):
             raise ValueError(f"'messages' line with other keys {extra}")
@@ -115,7 +123,7 @@ def parse_line(text: str) -> tuple[list[dict[str, str]], int]:
     context_replies = sum(m["role"] == "assistant" for m in context)
     if sum(m["role"] == "assistant" for m in messages) == context_replies:
         raise ValueError("no assistant message to train on")
-    return messages, context_replies
+    return messages, context_replies, tools
 
 
 def read_jsonl(path: str | Path) -> list[Conversation]:
@@ -134,10 +142,10 @@ def read_jsonl(path: str | Path) -> list[Conversation]:
                 if not text.strip():
                     continue
                 try:
-                    messages, context = parse_line(text)
+                    messages, context, tools = parse_line(text)
                 except ValueError as exc:
                     raise DataError(path, n, str(exc)) from None
-                out.append(Conversation(n, messages, context))
+                out.append(Conversation(n, messages, context, tools))
     except UnicodeDecodeError as exc:
         raise DataError(path, n + 1, f"not UTF-8 text: {exc}") from None
     if not out:

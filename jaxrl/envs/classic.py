@@ -222,6 +222,17 @@ def chain_turns(steps: list[dict[str, Any]]) -> Chain:
     return ids, mask, lps
 
 
+def count_turns(messages: list[Any]) -> tuple[int, int]:
+    """(assistant messages, tool calls they make) in `messages`, verifiers' message models or dicts alike."""
+    turns = calls = 0
+    for m in messages:
+        get = m.get if isinstance(m, dict) else functools.partial(getattr, m)
+        if get("role", None) == "assistant":
+            turns += 1
+            calls += len(get("tool_calls", None) or ())
+    return turns, calls
+
+
 def trajectory_rollout(output: dict[str, Any], env_name: str, example_id: int) -> dict[str, Any]:
     """`envs.Rollout` fields of a finished classic rollout (`Environment.run_rollout`'s output with the
     `trajectory` column). A rollout that errored, or has no sampled token, is failed with its error."""
@@ -235,7 +246,10 @@ def trajectory_rollout(output: dict[str, Any], env_name: str, example_id: int) -
     if error is None and not any(chain[1]):
         error = f"the rollout has no sampled token (stop condition: {output.get('stop_condition')})"
     ok = error is None
-    return {"token_ids": chain[0] if ok else [], "loss_mask": chain[1] if ok else [],
+    replies = [m for step in output.get("trajectory") or [] for m in step.get("completion") or []]
+    turns, tool_calls = count_turns(replies)
+    return {"turns": turns, "tool_calls": tool_calls, "token_ids": chain[0] if ok else [],
+            "loss_mask": chain[1] if ok else [],
             "logprobs": chain[2] if ok else [], "reward": float(output.get("reward") or 0.0),
             "is_truncated": bool(output.get("is_truncated")), "ok": ok, "error": error, "env_name": env_name,
             "example_id": example_id}

@@ -47,7 +47,7 @@ from renderers import Qwen3RendererConfig
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.utils.loaders import env_config_type, load_environment, resolve_env_config
 
-from jaxrl.envs import classic
+from jaxrl.envs import classic, mcp_tools
 from jaxrl.envs.classic import ClassicEnv, ClassicTask
 from jaxrl.inference.chat import ChatTemplate
 from jaxrl.inference.protocol import SamplingParams
@@ -67,7 +67,9 @@ class ChatHarnessConfig(vf.HarnessConfig):
 
 
 class ChatHarness(vf.Harness[ChatHarnessConfig]):
-    """A plain chat loop run in this process: one model call per segment, no tools.
+    """A plain chat loop run in this process: one model call per segment, and with the rollout's MCP tool
+    servers (`jaxrl.envs.mcp_tools`), their tools offered on every call and each reply's tool calls
+    answered before the next call, until a reply calls none (verifiers' `null` harness loop).
 
     A multi-turn exchange (an env that answers as the user) resumes it on the conversation so far;
     verifiers keeps that one branch whose prompt extends token for token.
@@ -75,6 +77,7 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
 
     APPENDS_SYSTEM_PROMPT = True
     SUPPORTS_RESUME = True
+    SUPPORTS_MCP = True
     EXECUTES_CODE = False
     NEEDS_CONTAINER = False
 
@@ -94,21 +97,28 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
             messages.append({"role": "user", "content": prompt})
         elif prompt:
             messages.extend(message_to_wire(m) for m in prompt)
+        tools = await mcp_tools.connect(mcp_urls, self.config.tool_timeout) if mcp_urls else None
         # Every model call goes through the interception endpoint (the harness contract): it
         # records the turn on the trace and applies the rollout's model and sampling.
-        try:
-            timeout = httpx.Timeout(self.config.request_timeout, connect=10)
-            async with httpx.AsyncClient(timeout=timeout, verify=_ssl_context()) as c:
-                response = await c.post(
-                    f"{endpoint.rstrip('/')}/chat/completions",
-                    json={"model": ctx.model, "messages": messages},
-                    headers={"Authorization": f"Bearer {secret}"},
-                )
-        except httpx.TransportError as e:
-            return vf.ProgramResult(1, "", f"model call failed: {e!r}")
-        if response.status_code != 200:
-            return vf.ProgramResult(1, "", f"model call failed ({response.status_code}): {response.text}")
-        return vf.ProgramResult(0, response.text, "")
+        timeout = httpx.Timeout(self.config.request_timeout, connect=10)
+        async with httpx.AsyncClient(timeout=timeout, verify=_ssl_context()) as c:
+            while True:
+                body: dict[str, Any] = {"model": ctx.model, "messages": messages}
+                if tools is not None and tools.schemas:
+                    body["tools"] = tools.schemas
+                try:
+                    response = await c.post(f"{endpoint.rstrip('/')}/chat/completions", json=body,
+                                            headers={"Authorization": f"Bearer {secret}"})
+                except httpx.TransportError as e:
+                    return vf.ProgramResult(1, "", f"model call failed: {e!r}")
+                if response.status_code != 200:
+                    return vf.ProgramResult(1, "", f"model call failed ({response.status_code}): {response.text}")
+                message = response.json()["choices"][0]["message"]
+                calls = message.get("tool_calls") if tools is not None else None
+                if not calls:
+                    return vf.ProgramResult(0, response.text, "")
+                messages.append({k: v for k, v in message.items() if v is not None})
+                messages.extend([await mcp_tools.answer(tools, call) for call in calls])
 
 
 @functools.cache
@@ -176,6 +186,8 @@ class Rollout:
     engine's logprob of each sampled token, 0.0 on prompt tokens. reward: the taskset's weighted
     reward sum. is_truncated: a length-capped last reply or a turn/token limit. ok: verifiers'
     `trace.ok` and at least one sampled token; a failed rollout has empty lists and `error` set.
+    turns: the model's replies (assistant turns) in the conversation. tool_calls: the tool calls those
+    replies made (OpenAI `tool_calls` entries; `classic.count_turns`).
     """
 
     token_ids: list[int]
@@ -187,6 +199,8 @@ class Rollout:
     error: str | None
     env_name: str
     example_id: int | None
+    turns: int = 0
+    tool_calls: int = 0
 
 
 def module_name(env_id: str) -> str:
@@ -360,6 +374,7 @@ def trace_rollout(trace: vf.Trace, env_name: str, failure: str | None = None) ->
     episode-level error)."""
     branch = trace.branches[-1] if trace.branches else None
     mask = branch.sampled_mask if branch is not None else []
+    turns, tool_calls = classic.count_turns(branch.messages if branch is not None else [])
     ok = trace.ok and any(mask) and failure is None
     error = failure or (trace.errors[-1].message if trace.errors else None)
     if not ok and error is None:
@@ -374,6 +389,8 @@ def trace_rollout(trace: vf.Trace, env_name: str, failure: str | None = None) ->
         error=None if ok else error,
         env_name=env_name,
         example_id=trace.task.data.idx,
+        turns=turns,
+        tool_calls=tool_calls,
     )
 
 

@@ -123,9 +123,11 @@ def step_metrics(rollouts: list[list[loader.Rollout]], names: list[str], multi_e
     """Reward, length, truncation and failure metrics of one step (`names`: each group's env name).
 
     Over successful rollouts: `reward/mean`, `reward/std`, `seq_len` (tokens of prompt and completion),
-    `is_truncated` (share); over all: `rollouts/failed`, `rollouts/timed_out`. With `multi_env`, each
-    environment `<env>` of the step also gets `reward/<env>/mean`, `reward/<env>/std`, `seq_len/<env>`,
-    `is_truncated/<env>` and `rollouts/<env>/failed`.
+    `is_truncated` (share), `turns` (the model's replies per rollout), `tool_calls` (tool calls per rollout),
+    `tool_call_rate` (share of rollouts with one or more); over all: `rollouts/failed`, `rollouts/timed_out`.
+    With `multi_env`, each environment `<env>` of the step also gets `reward/<env>/mean`, `reward/<env>/std`,
+    `seq_len/<env>`, `is_truncated/<env>`, `turns/<env>`, `tool_calls/<env>`, `tool_call_rate/<env>` and
+    `rollouts/<env>/failed`.
     """
     flat = [r for g in rollouts for r in g]
     out = _rollout_metrics(flat, "")
@@ -145,6 +147,9 @@ def _rollout_metrics(flat: list[loader.Rollout], env: str) -> dict[str, float]:
         f"reward{env}/std": float(rewards.std()) if rewards.size else 0.0,
         f"seq_len{env}": float(np.mean([len(r.token_ids) for r in ok])) if ok else 0.0,
         f"is_truncated{env}": float(np.mean([r.is_truncated for r in ok])) if ok else 0.0,
+        f"turns{env}": float(np.mean([r.turns for r in ok])) if ok else 0.0,
+        f"tool_calls{env}": float(np.mean([r.tool_calls for r in ok])) if ok else 0.0,
+        f"tool_call_rate{env}": float(np.mean([r.tool_calls > 0 for r in ok])) if ok else 0.0,
         f"rollouts{env}/failed": float(len(flat) - len(ok)),
     }
 

@@ -82,7 +82,7 @@ class Tokenizer:
         """
         kwargs = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
         try:
-            text = self.tokenizer.apply_chat_template(conv.messages, tokenize=False, **kwargs)
+            text = self.tokenizer.apply_chat_template(conv.messages, tools=conv.tools, tokenize=False, **kwargs)
         except Exception as exc:  # noqa: BLE001 - jinja2 errors and the template's raise_exception alike
             raise ValueError(f"the chat template cannot render it: {type(exc).__name__}: {exc}") from None
         ids = self.tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,94 @@
+"""The tool half of the in-process chat harness (`jaxrl.envs.loader.ChatHarness`): a verifiers v1 rollout's
+MCP tool servers (`Taskset.toolsets` / `Task.toolsets`, served by verifiers over streamable HTTP) listed as
+OpenAI tools and called for the model's tool calls.
+
+It follows verifiers' own `null` harness program (`verifiers/v1/harnesses/null/program.py`): tools are
+advertised as `<server>_<tool>` (bare for a server named ""), each call opens a fresh MCP session, and a
+call's problems are answered in the tool message as text, never raised: arguments that are not a JSON
+object, an unknown tool, a tool that raises (FastMCP answers `isError` with the error text), a call that
+fails, and, beyond the null harness, a call that takes longer than the harness's `tool_timeout` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+
+@dataclasses.dataclass(frozen=True)
+class Tools:
+    """A rollout's tools: `schemas` the OpenAI `tools` list, `dispatch` advertised name -> (server URL, the
+    server's own tool name), `timeout` seconds a call may take."""
+
+    schemas: list[dict[str, Any]]
+    dispatch: dict[str, tuple[str, str]]
+    timeout: float
+
+
+@contextlib.asynccontextmanager
+async def _session(url: str, timeout: float) -> AsyncIterator[Any]:
+    from mcp import ClientSession  # imported by a rollout with tools only
+    from mcp.client.streamable_http import create_mcp_http_client, streamable_http_client
+
+    async with contextlib.AsyncExitStack() as stack:
+        http = await stack.enter_async_context(create_mcp_http_client(timeout=httpx.Timeout(timeout, connect=5.0)))
+        read, write, *_ = await stack.enter_async_context(streamable_http_client(url, http_client=http))
+        session = await stack.enter_async_context(ClientSession(read, write))
+        await session.initialize()
+        yield session
+
+
+async def connect(mcp_urls: dict[str, str], timeout: float) -> Tools:
+    """Lists each server's tools. Raises ValueError for two tools advertised under one name, and what the
+    MCP client raises for a server that cannot be reached (the rollout then fails: its tools are missing)."""
+    schemas: list[dict[str, Any]] = []
+    dispatch: dict[str, tuple[str, str]] = {}
+    for server, url in mcp_urls.items():
+        async with _session(url, timeout) as session:
+            listed = (await session.list_tools()).tools
+        for tool in listed:
+            name = f"{server}_{tool.name}" if server else tool.name
+            if name in dispatch:
+                raise ValueError(f"two MCP tools are advertised as {name!r}")
+            schemas.append({"type": "function", "function": {"name": name, "description": tool.description or "",
+                                                             "parameters": tool.inputSchema}})
+            dispatch[name] = (url, tool.name)
+    return Tools(schemas, dispatch, timeout)
+
+
+def _text(blocks: list[Any]) -> str:
+    """An MCP result's content blocks as one tool message text (text blocks joined by newlines)."""
+    return "\n".join(b.text if getattr(b, "type", None) == "text" else str(b) for b in blocks)
+
+
+async def answer(tools: Tools, call: dict[str, Any]) -> dict[str, Any]:
+    """The tool message answering one OpenAI tool call (`{"id", "function": {"name", "arguments"}}`)."""
+    fn = call.get("function") or {}
+    name = fn.get("name")
+
+    def reply(content: str) -> dict[str, Any]:
+        return {"role": "tool", "tool_call_id": call.get("id", ""), "content": content}
+
+    try:
+        arguments = json.loads(fn.get("arguments") or "{}")
+    except json.JSONDecodeError as e:
+        return reply(f"error: invalid JSON in tool arguments ({e}); resend the call with valid JSON")
+    if not isinstance(arguments, dict):
+        return reply(f"error: tool arguments must be a JSON object, got {type(arguments).__name__}")
+    if name not in tools.dispatch:
+        return reply(f"error: unknown tool {name!r}")
+    url, raw = tools.dispatch[name]
+    try:
+        async with asyncio.timeout(tools.timeout), _session(url, tools.timeout) as session:
+            result = await session.call_tool(raw, arguments)
+    except TimeoutError:
+        return reply(f"error: tool {name!r} timed out after {tools.timeout:g} s")
+    except Exception as e:  # noqa: BLE001 - a failed call is answered to the model, as verifiers' harnesses do
+        return reply(f"error: tool {name!r} failed: {type(e).__name__}: {e}")
+    return reply(_text(result.content))
