@@ -33,12 +33,22 @@ import types
 from collections.abc import AsyncIterator
 from typing import Any
 
-from verifiers.legacy import Environment, Rubric
-from verifiers.legacy.clients import OpenAIChatCompletionsClient
-from verifiers.legacy.errors import Error
-from verifiers.legacy.types import ClientConfig
+import verifiers
 
 from jaxrl.inference.protocol import SamplingParams
+
+try:
+    from verifiers.legacy import Environment, Rubric
+    from verifiers.legacy.clients import OpenAIChatCompletionsClient
+    from verifiers.legacy.errors import Error
+    from verifiers.legacy.types import ClientConfig
+
+    LEGACY_MISSING: str | None = None
+except ImportError:  # verifiers 0.4 dropped the classic API; v1 environments still load (`jaxrl.envs.loader`)
+    Environment = Rubric = OpenAIChatCompletionsClient = ClientConfig = None  # type: ignore[assignment,misc]
+    Error = Exception  # type: ignore[assignment,misc]
+    LEGACY_MISSING = (f"classic environments need verifiers 0.3.x (its verifiers.legacy API), and verifiers "
+                      f"{verifiers.__version__} is installed: pip install 'verifiers==0.3.1'")
 
 # The env var the client reads the server's API key from; our server ignores keys.
 API_KEY_VAR = "JAXRL_API_KEY"
@@ -81,6 +91,16 @@ class ClassicEnv:
                 await client.close()
 
 
+def needs_legacy(exc: BaseException) -> bool:
+    """Whether importing an env module failed for want of verifiers' classic API on a verifiers without
+    it: `vf.SingleTurnEnv` (an AttributeError on the `verifiers` module) or `from verifiers.legacy import`."""
+    if LEGACY_MISSING is None:
+        return False
+    if isinstance(exc, AttributeError):
+        return getattr(exc, "obj", None) is verifiers
+    return isinstance(exc, ImportError) and (exc.name or "").startswith("verifiers")
+
+
 def is_classic(module: types.ModuleType) -> bool:
     """Whether `module` is a classic env package: it defines a callable `load_environment`."""
     return callable(getattr(module, "load_environment", None))
@@ -90,9 +110,12 @@ def load(module: types.ModuleType, args: dict[str, Any]) -> tuple[ClassicEnv, li
     """Calls `module.load_environment(**args)` and materialises its train and eval datasets.
 
     Returns the env, its train tasks and its eval tasks ([] without an eval dataset).
-    Raises ClassicLoadError when `args` do not fit the function's signature, when it raises, when it
-    returns anything but a verifiers `Environment`, or when building a dataset fails.
+    Raises ClassicLoadError when verifiers.legacy is missing (verifiers 0.4 and later: `LEGACY_MISSING`),
+    when `args` do not fit the function's signature, when it raises, when it returns anything but a
+    verifiers `Environment`, or when building a dataset fails.
     """
+    if LEGACY_MISSING is not None:
+        raise ClassicLoadError(LEGACY_MISSING)
     fn = module.load_environment
     try:
         inspect.signature(fn).bind(**args)

@@ -269,9 +269,11 @@ def load_env(
     where = f"environment {env_id!r} (module {module!r})"
     try:
         imported = importlib.import_module(module)
-    except ImportError as e:
-        raise EnvLoadError(f"{where} is not importable; install its package (pip install -e ...): {e}") from e
     except Exception as e:  # noqa: BLE001 - an env package that fails while importing
+        if classic.needs_legacy(e):
+            raise EnvLoadError(f"{where}: {classic.LEGACY_MISSING}") from e
+        if isinstance(e, ImportError):
+            raise EnvLoadError(f"{where} is not importable; install its package (pip install -e ...): {e}") from e
         raise EnvLoadError(f"{where} failed to import: {type(e).__name__}: {e}") from e
     pinned = version or (env_id.split("@", 1)[1] if "@" in env_id else None)
     if pinned is not None and (installed := installed_version(module)) != pinned:
