@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 import traceback
@@ -201,13 +202,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-seq", type=int, default=1024, help="the engine's cache length")
     p.add_argument("--decode-pos", type=int, default=512, help="every slot's position in the timed steps")
     p.add_argument("--json", type=Path, help="write every figure here as JSON")
+    p.add_argument("--only", help="run only the sections whose label matches this regular expression")
+    p.add_argument("--attention-impl", choices=attention.IMPLEMENTATIONS,
+                   help="force the model's attention implementation (the before/after of a kernel)")
+    p.add_argument("--rows", type=int, default=8, help="sequences of each train step")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     info = chip(args.smoke)
     print(json.dumps(info), flush=True)
     peak, bw = info["peak_flops"], info["peak_hbm_bytes_per_s"]
     names = ["smoke"] if args.smoke else ["qwen3-0.6b", "qwen3-4b"]
-    rows, seq = (2, 64) if args.smoke else (8, 2048)
+    rows, seq = (2, 64) if args.smoke else (args.rows, 2048)
+    if args.attention_impl:  # `attention.attention` asks `implementation` when no impl is forced
+        attention.implementation = lambda *_, **__: args.attention_impl
     slots = (2, 4) if args.smoke else (8, 64, 256)
     dseq, dpos = (64, 32) if args.smoke else (args.decode_seq, args.decode_pos)
     lengths = (128, 256) if args.smoke else (4096, 8192, 32768)
@@ -236,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     jobs += [train(n, rows, seq, True) for n in names]
     results = [info]
     for label, job in jobs:
+        if args.only and not re.search(args.only, label):
+            continue
         elapsed = time.perf_counter() - t_start
         if elapsed > args.budget:
             print(json.dumps({"skipped": label, "elapsed_s": round(elapsed, 1)}), flush=True)
