@@ -14,7 +14,7 @@ from jaxrl.cli.main import app
 def test_eval_run_saves_rows_whose_summary_matches(tiny_model_dir, tmp_path):
     out = tmp_path / "eval"
     r = jaxrl("eval", "run", "jaxrl/lowercase", "-m", tiny_model_dir, "-n", "3", "-r", "3", "-s", "-o", out,
-              "-S", '{"max_tokens": 8, "seed": 3}', "--seq-len", "128", "--decode-slots", "9", timeout=300)
+              "-S", '{"max_tokens": 8, "seed": 3}', "--seq-len", "640", "--decode-slots", "4", timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 9 and {(r["example_id"], r["rollout_idx"]) for r in rows} == {(e, i) for e in range(3)

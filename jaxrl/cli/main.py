@@ -2,7 +2,7 @@
 supervised fine-tuning: `jaxrl.run.sft`); manage local runs as
 `prime rl` manages hosted ones (`list`, `logs`, `stop`, `delete`, `checkpoints`, `plot`: `jaxrl.cli.runs`);
 `models`, `compile` (a run's programs compiled for a TPU slice: `jaxrl.compile`), `export` and `serve`;
-`eval run` (`jaxrl.cli.evaluate`).
+`eval run` (`jaxrl.cli.evaluate`), `gepa run` (`jaxrl.cli.gepa`).
 
 `validate`, `init` and the run management commands (but `checkpoints`) import no JAX, so they answer in
 well under a second.
@@ -19,6 +19,7 @@ import typer
 from rich.console import Console
 
 from jaxrl.cli.evaluate import eval_app
+from jaxrl.cli.gepa import gepa_app
 from jaxrl.cli.train import quiet_libraries, train
 from jaxrl.compile.slices import slice_names
 from jaxrl.config.env_file import load_env_file
@@ -37,6 +38,7 @@ out = Console(soft_wrap=True, highlight=False)
 err = Console(stderr=True, soft_wrap=True, highlight=False)
 
 app.add_typer(eval_app, name="eval")
+app.add_typer(gepa_app, name="gepa")
 
 
 @app.callback()

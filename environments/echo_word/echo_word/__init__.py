@@ -63,8 +63,9 @@ class EchoAgainEnv(vf.MultiTurnEnv):
 
 
 def load_environment(num_train_examples: int = 200, num_eval_examples: int = 20, turns: int = 1,
-                     seed: int = 0) -> vf.Environment:
+                     seed: int = 0, system_prompt: str = SYSTEM_PROMPT) -> vf.Environment:
     """The echo-word environment: a SingleTurnEnv for `turns == 1`, else an EchoAgainEnv of `turns` replies.
+    `system_prompt`: the instruction (a GEPA run's best_prompt.txt, as the seeds pass one back).
 
     Raises ValueError for `turns < 1` or more examples than distinct words.
     """
@@ -78,7 +79,7 @@ def load_environment(num_train_examples: int = 200, num_eval_examples: int = 20,
     rubric = vf.Rubric(funcs=[letter_overlap, said_the_word], weights=[1.0, 0.5])
     kwargs = {"dataset": dataset(pool[num_eval_examples:]),
               "eval_dataset": dataset(pool[:num_eval_examples]) if num_eval_examples else None,
-              "system_prompt": SYSTEM_PROMPT, "rubric": rubric}
+              "system_prompt": system_prompt, "rubric": rubric}
     if turns == 1:
         return vf.SingleTurnEnv(**kwargs)
     return EchoAgainEnv(max_turns=turns, **kwargs)
