@@ -5,8 +5,10 @@ A `-m` that is an existing folder is local: a Hugging Face model folder, or a ja
 base model with the checkpoint's LoRA, as `jaxrl serve` loads it: `jaxrl.cli.serve.load`). It is served on
 127.0.0.1 (a free port) by the same server as `jaxrl serve` and a training run (`jaxrl.inference.server`:
 chat completions with the model's chat template for classic environments and reflection, the token route
-for v1 environments), with `max_tokens` clamped to the context as in a run. Anything else is a remote
-endpoint (`jaxrl.evaluation.endpoint.remote`: an alias of the endpoints file, or `-b` with `-k`).
+for v1 environments), with `max_tokens` clamped to the context as in a run. With `-b`, or when `-m` is
+an alias of the endpoints file, it is a remote endpoint (`jaxrl.evaluation.endpoint.remote`); otherwise
+a Hugging Face model id, downloaded into the HF cache when missing (`jaxrl.config.model_path`) and
+served locally.
 """
 
 from __future__ import annotations
@@ -78,8 +80,28 @@ def endpoint(model: str, *, base_url: str | None, api_key_var: str | None, endpo
     Raises:
         EndpointError: a local model that cannot be served, or a remote one that cannot be resolved.
     """
-    if is_local(model) and not base_url:
-        with served(model, seq_len=seq_len, decode_slots=decode_slots, console=console) as ep:
-            yield ep
+    aliases = load_aliases(endpoints_path)
+    if base_url or model in aliases:
+        yield remote(model, base_url, api_key_var, aliases)
         return
-    yield remote(model, base_url, api_key_var, load_aliases(endpoints_path))
+    with served(local_folder(model), seq_len=seq_len, decode_slots=decode_slots, console=console) as ep:
+        yield ep
+
+
+def local_folder(model: str) -> str:
+    """`model` as a local folder: itself when it is one, else a Hugging Face id's snapshot, downloaded
+    into the HF cache when missing (`jaxrl.config.model_path.resolve_model`).
+
+    Raises:
+        EndpointError: neither a folder nor a Hub model that can be had (the download's one-line reason).
+    """
+    from jaxrl.config.model_path import ModelNotFoundError, resolve_model
+
+    if is_local(model):
+        return model
+    try:
+        return resolve_model(model)
+    except ModelNotFoundError as exc:
+        raise EndpointError(f"-m {model!r} is not a local model folder or jaxrl run / checkpoint, not an alias of the "
+                            f"endpoints file (-e), and no endpoint URL (-b) was given; as a Hugging Face model: "
+                            f"{exc}") from None
