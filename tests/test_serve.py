@@ -145,13 +145,16 @@ def test_serve_a_checkpoint_applies_its_lora(run_dir, tmp_path):
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["{tmp}/nowhere"], "nowhere is not a model folder (config.json + safetensors) nor a run's checkpoint"),
+    (["{tmp}/nowhere"], "nowhere is not a model folder (config.json + safetensors), a Hugging Face id nor a run's "
+                        "checkpoint"),
+    (["owner/model@v2"], "model owner/model@v2 is not in the Hugging Face cache {tmp}/hf and HF_HUB_OFFLINE is set"),
     (["{model}", "--api-key-env", "JAXRL_TEST_UNSET_VAR"], "JAXRL_TEST_UNSET_VAR is not set or empty"),
     (["{model}", "--dtype", "int8"], "--dtype: 'int8' is not float32 or bfloat16"),
     (["{model}", "--mesh", "tensor=3"], "--mesh: mesh {'data': 1, 'fsdp': 1, 'tensor': 3"),
 ])
 def test_errors_are_one_clear_line(tiny_model_dir, tmp_path, args, message):
     args = [a.format(tmp=tmp_path, model=tiny_model_dir) for a in args]
-    result = CliRunner().invoke(app, ["serve", *args], env={"JAXRL_TEST_UNSET_VAR": ""})
+    env = {"JAXRL_TEST_UNSET_VAR": "", "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hf")}
+    result = CliRunner().invoke(app, ["serve", *args], env=env)
     assert result.exit_code == 2, result.output
-    assert message in result.stderr and "Traceback" not in result.output
+    assert message.replace("{tmp}", str(tmp_path)) in result.stderr and "Traceback" not in result.output

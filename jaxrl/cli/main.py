@@ -298,8 +298,10 @@ def export_(
 @app.command()
 def serve(
     ref: Annotated[str, typer.Argument(metavar="MODEL_OR_CHECKPOINT", show_default=False,
-                                       help="A HF model folder (config.json + safetensors), or a run folder, its "
-                                            "checkpoints folder or one step's (as `jaxrl export` takes).")],
+                                       help="A HF model folder (config.json + safetensors), a Hugging Face id "
+                                            "(owner/name[@revision]: the HF cache, else downloaded), or a run "
+                                            "folder, its checkpoints folder or one step's (as `jaxrl export` "
+                                            "takes).")],
     host: Annotated[str, typer.Option(help="Address to bind; anything but loopback should come with an API "
                                            "key.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to bind (0: a free one).")] = 8000,

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrl.config.model_path import HubModel, ModelNotFoundError, locate_model, resolve_model
 from jaxrl.inference.chat import ChatTemplate
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.protocol import SamplingParams
@@ -46,6 +47,16 @@ def _is_hf_folder(ref: str) -> bool:
     return (p / "config.json").is_file() and any(p.glob("*.safetensors"))
 
 
+def _hub_id(ref: str) -> bool:
+    """Whether `ref`, no path on this machine, names a Hugging Face model (`owner/name[@rev]`): in the HF
+    cache (`locate_model` gives its snapshot folder) or to download."""
+    try:
+        found = locate_model(ref)
+    except ModelNotFoundError:
+        return False
+    return isinstance(found, HubModel) or not found.startswith("gs://")
+
+
 def load(ref: str, *, name: str | None = None, decode_slots: int = 32, seq_len: int = 4096,
          step: int | None = None, config: str | Path | None = None, dtype: str | None = None,
          mesh_shape: dict[str, int] | None = None, seed: int = 0) -> Loaded:
@@ -69,12 +80,17 @@ def load(ref: str, *, name: str | None = None, decode_slots: int = 32, seq_len: 
     lora, lora_scale, source = None, 0.0, None
     if _is_hf_folder(ref):
         model_path = tokenizer_path = str(Path(ref).expanduser())
+    elif not Path(ref).expanduser().exists() and _hub_id(ref):
+        try:  # an `owner/name[@rev]` id that is no path here: from the HF cache, else downloaded from the Hub
+            model_path = tokenizer_path = resolve_model(ref)
+        except ModelNotFoundError as exc:
+            raise ServeError(str(exc)) from None
     else:
         try:
             source = export.find_source(ref, step, config)
         except export.ExportError as exc:
-            raise ServeError(f"{ref} is not a model folder (config.json + safetensors) nor a run's checkpoint: "
-                             f"{exc}") from None
+            raise ServeError(f"{ref} is not a model folder (config.json + safetensors), a Hugging Face id nor a "
+                             f"run's checkpoint: {exc}") from None
         model_path, tokenizer_path = source.model_path, source.tokenizer_path
     dtype = dtype or (source.dtype if source else "float32")
     try:

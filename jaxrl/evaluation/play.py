@@ -18,13 +18,11 @@ import dataclasses
 from typing import Any
 
 import verifiers.v1 as vf
-from verifiers.legacy.clients import OpenAIChatCompletionsClient
-from verifiers.legacy.types import ClientConfig
 from verifiers.v1.dialects.chat import message_to_wire
 
 from jaxrl.config.schema import SamplingConfig
 from jaxrl.envs import loader
-from jaxrl.envs.classic import ClassicEnv, ClassicTask
+from jaxrl.envs.classic import ClassicEnv, ClassicTask, ClientConfig, OpenAIChatCompletionsClient  # verifiers 0.3
 from jaxrl.evaluation.endpoint import Endpoint
 from jaxrl.inference.protocol import SamplingParams
 
