@@ -3,10 +3,12 @@ MCP tool servers (`Taskset.toolsets` / `Task.toolsets`, served by verifiers over
 OpenAI tools and called for the model's tool calls.
 
 It follows verifiers' own `null` harness program (`verifiers/v1/harnesses/null/program.py`): tools are
-advertised as `<server>_<tool>` (bare for a server named ""), each call opens a fresh MCP session, and a
-call's problems are answered in the tool message as text, never raised: arguments that are not a JSON
-object, an unknown tool, a tool that raises (FastMCP answers `isError` with the error text), a call that
-fails, and, beyond the null harness, a call that takes longer than the harness's `tool_timeout` seconds.
+advertised as `<server>_<tool>` (bare for a server named ""), each call opens a fresh MCP session, listing
+and calling are tried up to `ATTEMPTS` times (a busy server may drop a connection; as with the null
+harness, a call whose answer was lost may run twice), and a call's problems are answered in the tool
+message as text, never raised: arguments that are not a JSON object, an unknown tool, a tool that raises
+(FastMCP answers `isError` with the error text), a call that fails, and, beyond the null harness, a call
+that takes longer than the harness's `tool_timeout` seconds.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+
+ATTEMPTS = 3
+"""Tries of an MCP listing or call that fails (not one that times out), 0.5 s, then 1 s, ... apart."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +55,11 @@ async def connect(mcp_urls: dict[str, str], timeout: float) -> Tools:
     schemas: list[dict[str, Any]] = []
     dispatch: dict[str, tuple[str, str]] = {}
     for server, url in mcp_urls.items():
-        async with _session(url, timeout) as session:
-            listed = (await session.list_tools()).tools
+        async def list_tools(url: str = url) -> list[Any]:
+            async with _session(url, timeout) as session:
+                return (await session.list_tools()).tools
+
+        listed = await _retried(list_tools)
         for tool in listed:
             name = f"{server}_{tool.name}" if server else tool.name
             if name in dispatch:
@@ -60,6 +68,20 @@ async def connect(mcp_urls: dict[str, str], timeout: float) -> Tools:
                                                              "parameters": tool.inputSchema}})
             dispatch[name] = (url, tool.name)
     return Tools(schemas, dispatch, timeout)
+
+
+async def _retried(fn: Any) -> Any:
+    """`await fn()`, tried again after a failure (not a timeout or a cancellation) up to `ATTEMPTS` times."""
+    for attempt in range(ATTEMPTS):
+        try:
+            return await fn()
+        except (TimeoutError, asyncio.CancelledError):
+            raise
+        except Exception:
+            if attempt == ATTEMPTS - 1:
+                raise
+            await asyncio.sleep(0.5 * 2**attempt)
+    raise AssertionError("unreachable")
 
 
 def _text(blocks: list[Any]) -> str:
@@ -84,11 +106,18 @@ async def answer(tools: Tools, call: dict[str, Any]) -> dict[str, Any]:
     if name not in tools.dispatch:
         return reply(f"error: unknown tool {name!r}")
     url, raw = tools.dispatch[name]
+
+    async def request() -> Any:
+        async with _session(url, tools.timeout) as session:
+            return await session.call_tool(raw, arguments)
+
     try:
-        async with asyncio.timeout(tools.timeout), _session(url, tools.timeout) as session:
-            result = await session.call_tool(raw, arguments)
+        async with asyncio.timeout(tools.timeout):
+            result = await _retried(request)
     except TimeoutError:
         return reply(f"error: tool {name!r} timed out after {tools.timeout:g} s")
     except Exception as e:  # noqa: BLE001 - a failed call is answered to the model, as verifiers' harnesses do
+        while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:  # anyio's task groups wrap errors
+            e = e.exceptions[0]
         return reply(f"error: tool {name!r} failed: {type(e).__name__}: {e}")
     return reply(_text(result.content))

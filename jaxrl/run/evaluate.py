@@ -21,9 +21,9 @@ and val's from 2**29 below it, so neither meets training's, nor each other's, wi
 (and the producer's per-seed record of policy versions, `jaxrl.rl.producer.VersionLog`, never sees them).
 
 Metrics, in the training step's row (`jaxrl.rl.rollouts.step_metrics`'s names under a prefix): eval
-`eval/<env>/reward/mean`, `.../reward/std`, `.../seq_len`, `.../is_truncated`, `.../rollouts/failed`,
-and `eval/<env>/pass@k` where it applies; val the same under `val/` over all training environments,
-and under `val/<env>/` per environment when there are several; `time/eval`, `time/val` in seconds.
+`eval/<env>/reward/mean`, `.../reward/std`, `.../seq_len`, `.../is_truncated`, `.../tool_call_rate`,
+`.../rollouts/failed`, and `eval/<env>/pass@k` where it applies; val the same under `val/` over all training
+environments, and under `val/<env>/` per environment when there are several; `time/eval`, `time/val` in seconds.
 Failed rollouts are counted, never fatal. pass@k is reported, as prime-rl does, only when every reward
 of the environment's check is 0 or 1 (reward 1 = correct; a failed rollout counts as incorrect) and
 there are several rollouts per example, for k = 1, 2, 4, ... and k = rollouts_per_example.
@@ -84,25 +84,27 @@ def pass_at_k_ks(n: int) -> list[int]:
 class Outcome:
     """What the metrics need of one eval rollout, small enough to gather from every process:
     reward (the taskset's), ok (False: failed, `error` set), seq_len (prompt + completion tokens),
-    is_truncated."""
+    is_truncated, tool_calls (the tool calls the model made)."""
 
     reward: float
     ok: bool
     seq_len: int
     is_truncated: bool
     error: str | None
+    tool_calls: int = 0
 
     @classmethod
     def of(cls, r: loader.Rollout) -> Outcome:
         """The outcome of a played rollout."""
-        return cls(r.reward, r.ok, len(r.token_ids), r.is_truncated, r.error)
+        return cls(r.reward, r.ok, len(r.token_ids), r.is_truncated, r.error, r.tool_calls)
 
 
 def check_metrics(groups: list[list[Outcome]], prefix: str) -> dict[str, float]:
     """One environment's (or one kind's) metrics of a check, every key starting with `prefix`.
 
     `groups` holds the outcomes of each example. Over successful rollouts: `reward/mean` (NaN when none
-    succeeded), `reward/std`, `seq_len`, `is_truncated` (share); `rollouts/failed` counts the others.
+    succeeded), `reward/std`, `seq_len`, `is_truncated` (share), `tool_call_rate` (share with a tool call);
+    `rollouts/failed` counts the others.
     `pass@k` (`pass_at_k`, averaged over examples) for each k of `pass_at_k_ks`, only when every
     successful reward is 0 or 1 and every example has at least 2 rollouts; correct = reward 1.
     """
@@ -114,6 +116,7 @@ def check_metrics(groups: list[list[Outcome]], prefix: str) -> dict[str, float]:
         f"{prefix}reward/std": float(rewards.std()) if ok else 0.0,
         f"{prefix}seq_len": float(np.mean([o.seq_len for o in ok])) if ok else 0.0,
         f"{prefix}is_truncated": float(np.mean([o.is_truncated for o in ok])) if ok else 0.0,
+        f"{prefix}tool_call_rate": float(np.mean([o.tool_calls > 0 for o in ok])) if ok else 0.0,
         f"{prefix}rollouts/failed": float(len(flat) - len(ok)),
     }
     n = min((len(g) for g in groups), default=0)
