@@ -1,4 +1,4 @@
-"""Hugging Face Qwen3 checkpoints (`config.json` + safetensors) to and from jaxrl params.
+"""Hugging Face Qwen3 and GLM-4.5 MoE checkpoints (`config.json` + safetensors) to and from jaxrl params.
 
 A checkpoint folder holds `config.json` and either one `model.safetensors` or shards listed by
 `model.safetensors.index.json`, with transformers' `Qwen3ForCausalLM` tensor names. HF stores each
@@ -12,6 +12,9 @@ keeps each weight as [in..., out...] with heads split out (`jaxrl.model.modules.
     model.layers.{i}.mlp.gate.weight         [E, D]    -> moe/router  [U, D, E]  (layers with an MoE block)
     model.layers.{i}.mlp.experts.{e}.up_proj.weight [I, D] -> moe/w_up [U, E, D, I]
     lm_head.weight                           [V, D]    -> unembed     [D, V]   (untied models only)
+
+    model.layers.{i}.self_attn.q_proj.bias   [N*H]     -> bq          [L, N, H]  (GLM-4.5, attention_bias)
+    model.layers.{i}.mlp.shared_experts.gate_proj.weight [I, D] -> moe/shared_gate [U, D, I]  (GLM-4.5)
 
 and so on for every weight in the tables below. Checkpoints store each expert separately (as
 transformers 5 still saves them); jaxrl stacks them on an `E` axis.
@@ -40,7 +43,9 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-# our name -> (HF name, letters of our shape that HF stores last, as a Linear's input; "" = same layout)
+# our name -> (HF name, letters of our shape that HF stores last, as a Linear's input; "" = same layout;
+# _FLAT: HF stores our [heads, head] as one flat vector, a Linear's bias)
+_FLAT = "*"
 _TOP: dict[str, tuple[str, str]] = {
     "embed": ("model.embed_tokens.weight", ""),
     "final_norm": ("model.norm.weight", ""),
@@ -53,6 +58,9 @@ _GROUPS["layers"] = {
     "wk": ("model.layers.{i}.self_attn.k_proj.weight", "D"),
     "wv": ("model.layers.{i}.self_attn.v_proj.weight", "D"),
     "wo": ("model.layers.{i}.self_attn.o_proj.weight", "NH"),
+    "bq": ("model.layers.{i}.self_attn.q_proj.bias", _FLAT),
+    "bk": ("model.layers.{i}.self_attn.k_proj.bias", _FLAT),
+    "bv": ("model.layers.{i}.self_attn.v_proj.bias", _FLAT),
     "q_norm": ("model.layers.{i}.self_attn.q_norm.weight", ""),
     "k_norm": ("model.layers.{i}.self_attn.k_norm.weight", ""),
     "mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", ""),
@@ -64,12 +72,18 @@ _GROUPS["mlp"] = {
 }
 _GROUPS["moe"] = {
     "router": ("model.layers.{i}.mlp.gate.weight", "D"),
+    "e_bias": ("model.layers.{i}.mlp.gate.e_score_correction_bias", ""),
+    "shared_gate": ("model.layers.{i}.mlp.shared_experts.gate_proj.weight", "D"),
+    "shared_up": ("model.layers.{i}.mlp.shared_experts.up_proj.weight", "D"),
+    "shared_down": ("model.layers.{i}.mlp.shared_experts.down_proj.weight", "I"),
     "w_gate": ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "D"),
     "w_up": ("model.layers.{i}.mlp.experts.{e}.up_proj.weight", "D"),
     "w_down": ("model.layers.{i}.mlp.experts.{e}.down_proj.weight", "I"),
 }
 
-# Tensors some Qwen3 checkpoints carry that the model does not use.
+# Tensors some Qwen3 checkpoints carry that the model does not use. GLM-4.5 checkpoints also carry their
+# multi-token-prediction layers (`model.layers.{i}` for i >= num_hidden_layers, transformers'
+# `_keys_to_ignore_on_load_unexpected`), which `load_hf` skips too.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 _SAFETENSORS_DTYPES: dict[str, Any] = {
@@ -85,12 +99,14 @@ class _Tensor:
     key: tuple[str, ...]  # path in the params pytree
     hf_name: str  # "{i}" stands for the layer index, "{e}" for the expert index
     shape: tuple[int, ...]  # our shape of one HF tensor (without the stack axes)
-    n_in: int  # leading axes of `shape` that HF stores last (a Linear's input); 0: same layout
+    n_in: int  # leading axes of `shape` that HF stores last (a Linear's input); 0: same layout; -1: flat
     layers: tuple[int, ...] | None  # layer index of each entry of the leading stack axis; None: unstacked
     experts: int = 0  # > 0: a second stack axis with one HF tensor per expert
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
+        if self.n_in < 0:
+            return (math.prod(self.shape),)
         if not self.n_in:
             return self.shape
         return math.prod(self.shape[self.n_in:]), math.prod(self.shape[: self.n_in])
@@ -111,9 +127,13 @@ class _Tensor:
                 for j, i in enumerate(self.layers) for e in experts]
 
     def to_ours(self, t: np.ndarray) -> np.ndarray:
+        if self.n_in < 0:
+            return t.reshape(self.shape)
         return t.T.reshape(self.shape) if self.n_in else t
 
     def to_hf(self, w: np.ndarray) -> np.ndarray:
+        if self.n_in < 0:
+            return w.reshape(self.hf_shape)
         return w.reshape(self.hf_shape[::-1]).T if self.n_in else w
 
 
@@ -149,8 +169,9 @@ def _layout(cfg: ModelConfig) -> list[_Tensor]:
         for wname, wspec in spec.items():
             hf_name, fan_in = _GROUPS[name][wname]
             n_stack = 2 if "{e}" in hf_name else 1
-            assert wspec.letters[n_stack:].startswith(fan_in), (wname, wspec.letters, fan_in)
-            out.append(_Tensor((name, wname), hf_name, wspec.shape(dims)[n_stack:], len(fan_in), layer_ids[name],
+            assert fan_in == _FLAT or wspec.letters[n_stack:].startswith(fan_in), (wname, wspec.letters, fan_in)
+            n_in = -1 if fan_in == _FLAT else len(fan_in)
+            out.append(_Tensor((name, wname), hf_name, wspec.shape(dims)[n_stack:], n_in, layer_ids[name],
                                cfg.num_experts if n_stack == 2 else 0))
     return out
 
@@ -167,7 +188,7 @@ def load_config(folder: str | Path) -> ModelConfig:
 
     Raises:
         FileNotFoundError: the folder or its config.json does not exist.
-        ValueError: config.json is not a Qwen3 config (see `ModelConfig.from_hf`).
+        ValueError: config.json is not a supported config (see `ModelConfig.from_hf`).
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -223,6 +244,12 @@ def _open_weights(folder: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
+def _layer_index(name: str) -> int:
+    """The layer index of a `model.layers.{i}.` tensor name; -1 for other names."""
+    parts = name.split(".")
+    return int(parts[2]) if parts[:2] == ["model", "layers"] and parts[2].isdigit() else -1
+
+
 def _at(tree: Mapping[str, Any], key: tuple[str, ...]) -> Any:
     for k in key:
         tree = tree[k]
@@ -231,7 +258,7 @@ def _at(tree: Mapping[str, Any], key: tuple[str, ...]) -> Any:
 
 def load_hf(folder: str | Path, dtype: Any = jnp.float32, *,
             shardings: Any | None = None) -> tuple[ModelConfig, Params]:
-    """Read a HF Qwen3 checkpoint into a params pytree with the structure of `param_specs(cfg)`.
+    """Read a HF Qwen3 or GLM-4.5 MoE checkpoint into a params pytree with the structure of `param_specs(cfg)`.
 
     Weights are converted one at a time from memory-mapped files, so host memory peaks at the params
     plus one stacked weight.
@@ -249,7 +276,7 @@ def load_hf(folder: str | Path, dtype: Any = jnp.float32, *,
 
     Raises:
         FileNotFoundError: the folder, config.json, the weights, or a shard the index lists is missing.
-        ValueError: config.json is not Qwen3; a tensor is missing, has the wrong shape, or is not
+        ValueError: config.json is not a supported architecture; a tensor is missing, has the wrong shape, or is not
             part of this architecture (the message names the tensor).
     """
     folder = Path(folder)
@@ -262,11 +289,12 @@ def load_hf(folder: str | Path, dtype: Any = jnp.float32, *,
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"checkpoint {folder}: tensor {missing[0]!r} is missing{more}")
-    unused = {n for n in tensors.keys() - expected if not n.endswith(_IGNORED_SUFFIXES)}
+    unused = {n for n in tensors.keys() - expected
+              if not n.endswith(_IGNORED_SUFFIXES) and not (cfg.is_glm and _layer_index(n) >= cfg.num_layers)}
     if cfg.tie_word_embeddings:
         unused.discard("lm_head.weight")  # some tied checkpoints store a copy of the embedding
     if unused:
-        raise ValueError(f"checkpoint {folder}: tensors {sorted(unused)[:5]} are not part of a Qwen3 "
+        raise ValueError(f"checkpoint {folder}: tensors {sorted(unused)[:5]} are not part of a {cfg.family} "
                          f"model with this config.json ({len(unused)} in all)")
 
     np_dtype = np.dtype(dtype)
@@ -291,7 +319,7 @@ def load_hf(folder: str | Path, dtype: Any = jnp.float32, *,
 
 def save_hf(folder: str | Path, cfg: ModelConfig, params: Params, *, max_shard_bytes: int | None = None,
             dtype: Any | None = None) -> list[Path]:
-    """Write `params` as a HF Qwen3 checkpoint that `Qwen3ForCausalLM.from_pretrained(folder)` loads.
+    """Write `params` as a HF checkpoint that `Qwen3ForCausalLM` (`Glm4MoeForCausalLM`) `.from_pretrained` loads.
 
     Writes `config.json` (`cfg.to_hf()`) and `model.safetensors`, or, with `max_shard_bytes`, shards
     `model-0000k-of-0000n.safetensors` of at most that many bytes each (a tensor larger than the limit

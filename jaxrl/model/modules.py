@@ -83,17 +83,23 @@ def _draw(module: nnx.Module, key: jax.Array) -> None:
 
 class Layers(nnx.Module):
     """Attention and norms of every layer, stacked [L, ...]: RMSNorm weights, the q/k/v/o projections
-    ([in..., out...] with heads split out) and the per-head query and key norms."""
+    ([in..., out...] with heads split out), the q/k/v biases where `cfg.attention_bias` (GLM-4.5) and the
+    per-head query and key norms where `cfg.use_qk_norm` (Qwen3 always)."""
 
-    def __init__(self, dims: Mapping[str, int], dtype: Any):
+    def __init__(self, cfg: ModelConfig, dims: Mapping[str, int], dtype: Any):
         w = functools.partial(_weight, nnx.Param, dims, dtype)
         self.attn_norm = w("LD", ("layers", "embed"), "ones")
         self.wq = w("LDNH", ("layers", "embed", "heads", "head_dim"))
         self.wk = w("LDKH", ("layers", "embed", "kv_heads", "head_dim"))
         self.wv = w("LDKH", ("layers", "embed", "kv_heads", "head_dim"))
         self.wo = w("LNHD", ("layers", "heads", "head_dim", "embed"))
-        self.q_norm = w("LH", ("layers", "head_dim"), "ones")
-        self.k_norm = w("LH", ("layers", "head_dim"), "ones")
+        if cfg.attention_bias:
+            self.bq = w("LNH", ("layers", "heads", "head_dim"), "zeros")
+            self.bk = w("LKH", ("layers", "kv_heads", "head_dim"), "zeros")
+            self.bv = w("LKH", ("layers", "kv_heads", "head_dim"), "zeros")
+        if cfg.use_qk_norm:
+            self.q_norm = w("LH", ("layers", "head_dim"), "ones")
+            self.k_norm = w("LH", ("layers", "head_dim"), "ones")
         self.mlp_norm = w("LD", ("layers", "embed"), "ones")
 
 
@@ -109,14 +115,23 @@ class MLP(nnx.Module):
 
 class MoE(nnx.Module):
     """The router and SwiGLU experts of the U layers with an MoE block, stacked [U, ...]; the experts'
-    axes are `jaxrl.model.moe.EXPERT_AXES` (what its expert-parallel block shards)."""
+    axes are `jaxrl.model.moe.EXPERT_AXES` (what its expert-parallel block shards). GLM-4.5 adds the
+    router's `e_bias` (its `e_score_correction_bias`, zeros at init as transformers'; it only chooses
+    experts, so no gradient reaches it) and the shared expert's `shared_gate` / `shared_up` /
+    `shared_down` (width I, on every token; `cfg.n_shared_experts`)."""
 
-    def __init__(self, dims: Mapping[str, int], dtype: Any):
+    def __init__(self, cfg: ModelConfig, dims: Mapping[str, int], dtype: Any):
         w = functools.partial(_weight, nnx.Param, dims, dtype)
         self.router = w("UDE", ("layers", "embed", None))
+        if cfg.sigmoid_router:
+            self.e_bias = w("UE", ("layers", None), "zeros")
         self.w_gate = w("UEDI", ("layers", *moe.EXPERT_AXES["w_gate"]))
         self.w_up = w("UEDI", ("layers", *moe.EXPERT_AXES["w_up"]))
         self.w_down = w("UEID", ("layers", *moe.EXPERT_AXES["w_down"]))
+        if cfg.n_shared_experts:
+            self.shared_gate = w("UDI", ("layers", "embed", "mlp"))
+            self.shared_up = w("UDI", ("layers", "embed", "mlp"))
+            self.shared_down = w("UID", ("layers", "mlp", "embed"))
 
 
 class Weights(nnx.Module):
@@ -126,10 +141,10 @@ class Weights(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, key: jax.Array, dtype: Any = jnp.float32):
         dims = cfg.dims()
         self.embed = _weight(nnx.Param, dims, dtype, "VD", ("vocab", "embed"))
-        self.layers = Layers(dims, dtype)
+        self.layers = Layers(cfg, dims, dtype)
         self.final_norm = _weight(nnx.Param, dims, dtype, "D", ("embed",), "ones")
         self.mlp = MLP(dims, dtype) if cfg.mlp_layers else None
-        self.moe = MoE(dims, dtype) if cfg.moe_layers else None
+        self.moe = MoE(cfg, dims, dtype) if cfg.moe_layers else None
         tied = cfg.tie_word_embeddings
         self.unembed = None if tied else _weight(nnx.Param, dims, dtype, "DV", ("embed", "vocab"))
         _draw(self, key)

@@ -1,10 +1,11 @@
-"""Qwen3-MoE's sparse MLP block: top-k routing and two dispatch paths, both dropless.
+"""Qwen3-MoE's and GLM-4.5's sparse MLP block: top-k routing and two dispatch paths, both dropless.
 
 Letters as in `jaxrl.model.qwen3`, plus M tokens (B * T flattened), X the top-k slots of a token, and
 A = M * X token-expert assignments.
 
 Routing follows transformers' `Qwen3MoeTopKRouter`: probabilities `softmax(h @ router)` in fp32, the
-`num_experts_per_tok` largest with their expert ids, renormalised to sum to 1 when `norm_topk_prob`.
+`num_experts_per_tok` largest with their expert ids, renormalised to sum to 1 when `norm_topk_prob`;
+or GLM-4.5's sigmoid router with its score-correction bias and grouped top-k (`route`).
 The block's output is `sum_k p_k * expert_k(h)` with SwiGLU experts `down(silu(gate(h)) * up(h))`.
 
 - `experts_dense` runs every expert on every token and weights the results (E / k times the useful
@@ -42,14 +43,41 @@ DENSE_DISPATCH_MAX_EXPERTS = 8  # up to this many experts, one device runs `expe
 ASSIGNMENTS_PER_CHUNK = 16384  # `experts_chunked`: at most about this many assignments' rows at a time
 
 
-def route(h_MD: jax.Array, router_DE: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
-    """Top-k routing. Returns expert ids [M, X] int32 and their weights [M, X] float32."""
+def route(h_MD: jax.Array, router_DE: jax.Array, top_k: int, norm_topk_prob: bool, *,
+          e_bias_E: jax.Array | None = None, n_group: int = 1, topk_group: int = 1,
+          routed_scaling: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """Top-k routing. Returns expert ids [M, X] int32 and their weights [M, X] float32.
+
+    Without `e_bias_E` (Qwen3-MoE, transformers' `Qwen3MoeTopKRouter`): scores `softmax(h @ router)` in
+    fp32, the `top_k` largest, renormalised to sum to 1 when `norm_topk_prob`.
+
+    With `e_bias_E` (float32 [E], GLM-4.5's `e_score_correction_bias`; transformers'
+    `Glm4MoeTopkRouter.forward` in `models/glm4_moe/modeling_glm4_moe.py`): scores `sigmoid(h @ router)`
+    in fp32; the experts are chosen by `scores + e_bias_E`, among the `topk_group` of `n_group` equal
+    groups whose two best biased scores sum highest (every group when `n_group` is 1); the weights are the
+    chosen experts' unbiased scores, divided by their sum (+ 1e-20) when `norm_topk_prob`, times
+    `routed_scaling` (its `routed_scaling_factor`)."""
     logits_ME = jnp.einsum("MD,DE->ME", h_MD, router_DE).astype(jnp.float32)
-    probs_ME = jax.nn.softmax(logits_ME, axis=-1)
-    w_MX, idx_MX = jax.lax.top_k(probs_ME, top_k)
+    if e_bias_E is None:
+        probs_ME = jax.nn.softmax(logits_ME, axis=-1)
+        w_MX, idx_MX = jax.lax.top_k(probs_ME, top_k)
+        if norm_topk_prob:
+            w_MX = w_MX / jnp.sum(w_MX, axis=-1, keepdims=True)
+        return idx_MX.astype(jnp.int32), w_MX * routed_scaling
+    scores_ME = jax.nn.sigmoid(logits_ME)
+    choice_ME = scores_ME + e_bias_E.astype(jnp.float32)[None]
+    if n_group > 1:
+        m, e = choice_ME.shape
+        best2_MGx = jax.lax.top_k(choice_ME.reshape(m, n_group, e // n_group), 2)[0]
+        _, groups_Mg = jax.lax.top_k(jnp.sum(best2_MGx, axis=-1), topk_group)
+        keep_MG = jnp.any(jax.nn.one_hot(groups_Mg, n_group, dtype=jnp.bool_), axis=1)
+        keep_ME = jnp.repeat(keep_MG, e // n_group, axis=1)
+        choice_ME = jnp.where(keep_ME, choice_ME, -jnp.inf)
+    _, idx_MX = jax.lax.top_k(choice_ME, top_k)
+    w_MX = jnp.take_along_axis(scores_ME, idx_MX, axis=-1)
     if norm_topk_prob:
-        w_MX = w_MX / jnp.sum(w_MX, axis=-1, keepdims=True)
-    return idx_MX.astype(jnp.int32), w_MX
+        w_MX = w_MX / (jnp.sum(w_MX, axis=-1, keepdims=True) + 1e-20)
+    return idx_MX.astype(jnp.int32), w_MX * routed_scaling
 
 
 def _expert_lora(x: jax.Array, ab: dict[str, jax.Array] | None, scale: float, lhs: str) -> jax.Array | float:
@@ -155,11 +183,15 @@ def _gather_non_expert(x: jax.Array, spec: PartitionSpec) -> jax.Array:
 
 def moe_block(h_BTD: jax.Array, router_DE: jax.Array, we: dict[str, jax.Array], lwe: dict[str, Any] | None,
               *, top_k: int, norm_topk_prob: bool, lora_scale: float, mesh: Mesh | None = None,
-              dispatch: str = "auto", assignments_per_chunk: int = ASSIGNMENTS_PER_CHUNK) -> jax.Array:
+              dispatch: str = "auto", assignments_per_chunk: int = ASSIGNMENTS_PER_CHUNK,
+              e_bias_E: jax.Array | None = None, n_group: int = 1, topk_group: int = 1,
+              routed_scaling: float = 1.0) -> jax.Array:
     """The sparse MLP block on [B, T, D] hidden states; returns [B, T, D] in their dtype.
 
     Args:
         router_DE: the router weight (HF `mlp.gate`).
+        top_k, norm_topk_prob, e_bias_E, n_group, topk_group, routed_scaling: the routing (`route`;
+            `e_bias_E` given: GLM-4.5's sigmoid router).
         we, lwe: expert weights and optional LoRA factors (see `experts_dense`).
         mesh: the device mesh; with an `expert` axis of size > 1 the block is expert parallel.
         dispatch: on one expert shard, "dense", "grouped", or "auto" (dense up to
@@ -171,7 +203,8 @@ def moe_block(h_BTD: jax.Array, router_DE: jax.Array, we: dict[str, jax.Array], 
         ValueError: the expert count is not a multiple of the `expert` mesh axis.
     """
     b, t, d = h_BTD.shape
-    idx_MX, w_MX = route(h_BTD.reshape(b * t, d), router_DE, top_k, norm_topk_prob)
+    idx_MX, w_MX = route(h_BTD.reshape(b * t, d), router_DE, top_k, norm_topk_prob, e_bias_E=e_bias_E,
+                         n_group=n_group, topk_group=topk_group, routed_scaling=routed_scaling)
     e = we["w_gate"].shape[0]
     ep = 1 if mesh is None else mesh.shape["expert"]
     if ep == 1:

@@ -24,7 +24,6 @@ params have three stacks: `layers` (attention and norms, [L, ...]), `mlp` (dense
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Any
@@ -35,6 +34,7 @@ from flax import struct
 from jax.sharding import Mesh
 
 from jaxrl.model import attention, moe
+from jaxrl.model.config import ModelConfig
 from jaxrl.parallel.sharding import mesh_platform
 
 Params = dict[str, Any]
@@ -52,125 +52,6 @@ LORA_TARGETS: dict[str, tuple[str, int]] = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Architecture of a Qwen3 checkpoint, read from its HF `config.json`."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float = 1_000_000.0
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = True
-    max_position_embeddings: int = 40960
-    num_experts: int = 0  # 0: a dense Qwen3
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = False
-    decoder_sparse_step: int = 1
-    mlp_only_layers: tuple[int, ...] = ()
-
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Build from a parsed HF `config.json` dict.
-
-        Raises:
-            ValueError: the architecture is not Qwen3, or a required key is missing.
-        """
-        model_type = hf.get("model_type")
-        if model_type not in ("qwen3", "qwen3_moe"):
-            raise ValueError(f"model_type {model_type!r} is not supported (expected 'qwen3' or 'qwen3_moe')")
-        try:
-            n_heads = hf["num_attention_heads"]
-            moe = {}
-            if model_type == "qwen3_moe":
-                moe = dict(
-                    num_experts=int(hf.get("num_experts", hf.get("num_local_experts", 0))),
-                    num_experts_per_tok=int(hf["num_experts_per_tok"]),
-                    moe_intermediate_size=int(hf["moe_intermediate_size"]),
-                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                    decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
-                    mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
-                )
-            return cls(
-                vocab_size=hf["vocab_size"],
-                hidden_size=hf["hidden_size"],
-                intermediate_size=hf["intermediate_size"],
-                num_layers=hf["num_hidden_layers"],
-                num_heads=n_heads,
-                num_kv_heads=hf.get("num_key_value_heads", n_heads),
-                head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-                rope_theta=float(hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 1e6))),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
-                **moe,
-            )
-        except KeyError as e:
-            raise ValueError(f"config.json lacks the key {e.args[0]!r}") from None
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
-
-    def layer_is_moe(self, i: int) -> bool:
-        """Whether layer `i` has an MoE block (transformers' Qwen3MoeDecoderLayer rule)."""
-        return (self.num_experts > 0 and i not in self.mlp_only_layers
-                and (i + 1) % self.decoder_sparse_step == 0)
-
-    @property
-    def moe_layers(self) -> tuple[int, ...]:
-        return tuple(i for i in range(self.num_layers) if self.layer_is_moe(i))
-
-    @property
-    def mlp_layers(self) -> tuple[int, ...]:
-        return tuple(i for i in range(self.num_layers) if not self.layer_is_moe(i))
-
-    def to_hf(self) -> dict[str, Any]:
-        """The HF `config.json` dict that `from_hf` reads back into this config."""
-        moe = {}
-        if self.is_moe:
-            moe = {
-                "num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
-                "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
-                "decoder_sparse_step": self.decoder_sparse_step, "mlp_only_layers": list(self.mlp_only_layers),
-            }
-        return {
-            "architectures": ["Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"],
-            "model_type": "qwen3_moe" if self.is_moe else "qwen3",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "rope_theta": self.rope_theta,
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "torch_dtype": "float32",
-            "bos_token_id": 151643,
-            "eos_token_id": 151645,
-            **moe,
-        }
-
-    def dims(self) -> dict[str, int]:
-        """Letter -> size, for the shapes of the declared weights (`jaxrl.model.modules`)."""
-        return {
-            "V": self.vocab_size, "D": self.hidden_size, "F": self.intermediate_size, "L": self.num_layers,
-            "N": self.num_heads, "K": self.num_kv_heads, "H": self.head_dim,
-            "E": self.num_experts, "I": self.moe_intermediate_size,
-            "Q": len(self.mlp_layers), "U": len(self.moe_layers),
-        }
-
-
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """RMSNorm (Zhang & Sennrich 2019) over the last axis, computed in fp32, returned in x's dtype."""
     x32 = x.astype(jnp.float32)
@@ -179,16 +60,22 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (y * w).astype(x.dtype)
 
 
-def rope(x_BTZH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding (Su et al. 2021) in HF's rotate-half layout, over either head axis (Z: N or K)."""
+def rope(x_BTZH: jax.Array, positions_BT: jax.Array, theta: float, rotary_dim: int | None = None) -> jax.Array:
+    """Rotary position embedding (Su et al. 2021) in HF's rotate-half layout, over either head axis (Z: N or K).
+
+    With `rotary_dim` < H (partial RoPE, GLM-4.5's `partial_rotary_factor`) only each head's first
+    `rotary_dim` dims rotate, as a rotate-half RoPE of that width (frequencies `theta ** (-2i / rotary_dim)`),
+    and the rest pass unchanged: transformers' `glm4_moe` `apply_rotary_pos_emb` (`q_rot, q_pass`) and
+    `Glm4MoeRotaryEmbedding.compute_default_rope_parameters`. None: all H dims rotate."""
     h = x_BTZH.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    r = h if rotary_dim is None else rotary_dim
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, r, 2, dtype=jnp.float32) / r))
     ang_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_freq[None, None]
     cos = jnp.cos(ang_BTh)[:, :, None, :]
     sin = jnp.sin(ang_BTh)[:, :, None, :]
     x = x_BTZH.astype(jnp.float32)
-    x1, x2 = x[..., : h // 2], x[..., h // 2:]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    x1, x2, rest = x[..., : r // 2], x[..., r // 2: r], x[..., r:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
     return out.astype(x_BTZH.dtype)
 
 
@@ -248,8 +135,10 @@ def lora_delta(x: jax.Array, ab: dict[str, jax.Array] | None, scale: float, out_
 def attention_inputs(cfg: ModelConfig, lora_scale: float, x_BTD: jax.Array, positions_BT: jax.Array, w: Params,
                      lw: Params | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The queries, keys and values of one layer's attention (training, prefill and decode alike): RMSNorm
-    of the residual stream `x_BTD`, the q/k/v projections with their LoRA (`lw`, None: none), RMSNorm per
-    query and key head, RoPE at `positions_BT` (int32 [B, T]). `w`: the layer's `layers` weights.
+    of the residual stream `x_BTD`, the q/k/v projections with their LoRA (`lw`, None: none) and biases
+    (`bq`, `bk`, `bv` where `cfg.attention_bias`), RMSNorm per query and key head (where
+    `cfg.use_qk_norm`), RoPE on each head's first `cfg.rotary_dim` dims at `positions_BT` (int32 [B, T]);
+    the order of transformers' `Qwen3Attention` and `Glm4MoeAttention`. `w`: the layer's `layers` weights.
     Returns q [B, T, N, H], k and v [B, T, K, H], in `x_BTD`'s dtype."""
     nk, hd = cfg.num_kv_heads, cfg.head_dim
     lw = lw or {}
@@ -258,8 +147,15 @@ def attention_inputs(cfg: ModelConfig, lora_scale: float, x_BTD: jax.Array, posi
                                                                         (cfg.num_heads, hd))
     k_BTKH = project(h_BTD, w["wk"]) + lora_delta(h_BTD, lw.get("wk"), lora_scale, (nk, hd))
     v_BTKH = project(h_BTD, w["wv"]) + lora_delta(h_BTD, lw.get("wv"), lora_scale, (nk, hd))
-    q_BTNH = rope(rms_norm(q_BTNH, w["q_norm"], cfg.rms_norm_eps), positions_BT, cfg.rope_theta)
-    k_BTKH = rope(rms_norm(k_BTKH, w["k_norm"], cfg.rms_norm_eps), positions_BT, cfg.rope_theta)
+    if cfg.attention_bias:
+        q_BTNH, k_BTKH, v_BTKH = (y + w[b].astype(y.dtype)[None, None] for y, b in ((q_BTNH, "bq"), (k_BTKH, "bk"),
+                                                                       (v_BTKH, "bv")))
+    if cfg.use_qk_norm:
+        q_BTNH = rms_norm(q_BTNH, w["q_norm"], cfg.rms_norm_eps)
+        k_BTKH = rms_norm(k_BTKH, w["k_norm"], cfg.rms_norm_eps)
+    rot = None if cfg.rotary_dim == hd else cfg.rotary_dim
+    q_BTNH = rope(q_BTNH, positions_BT, cfg.rope_theta, rot)
+    k_BTKH = rope(k_BTKH, positions_BT, cfg.rope_theta, rot)
     return q_BTNH, k_BTKH, v_BTKH
 
 
@@ -284,10 +180,10 @@ def _attention(cfg: ModelConfig, lora_scale: float, x_BTD, positions_BT, w, lw, 
     return x_BTD + out_BTD, k_BSKH, v_BSKH
 
 
-def _mlp(cfg: ModelConfig, lora_scale: float, h_BTD, w, lw) -> jax.Array:
-    """The dense SwiGLU MLP (no residual)."""
+def _mlp(cfg: ModelConfig, lora_scale: float, h_BTD, w, lw, width: int | None = None) -> jax.Array:
+    """A SwiGLU MLP (no residual) of `width` (None: `cfg.intermediate_size`, the dense MLP's)."""
     lw = lw or {}
-    f = (cfg.intermediate_size,)
+    f = (width or cfg.intermediate_size,)
     gate_BTF = project(h_BTD, w["w_gate"]) + lora_delta(h_BTD, lw.get("w_gate"), lora_scale, f)
     up_BTF = project(h_BTD, w["w_up"]) + lora_delta(h_BTD, lw.get("w_up"), lora_scale, f)
     act_BTF = jax.nn.silu(gate_BTF) * up_BTF
@@ -299,14 +195,22 @@ def feed_forward(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | No
                  mw: Params, mlw: Params | None) -> jax.Array:
     """The feed-forward half of one decoder layer of `kind` ("mlp" or "moe"), with its residual (training,
     prefill and decode alike): `x_BTD` + the dense SwiGLU MLP or the MoE block (`jaxrl.model.moe`) of its
-    RMSNorm. `w`: the layer's `layers` weights (for `mlp_norm`); `mw`, `mlw`: its `mlp` or `moe` weights
-    and their LoRA. Returns [B, T, D] in `x_BTD`'s dtype."""
+    RMSNorm, plus, in an MoE layer with `cfg.n_shared_experts`, the shared expert (a SwiGLU MLP of width
+    `moe_intermediate_size` run on every token, transformers' `Glm4MoeMoE.shared_experts`). `w`: the
+    layer's `layers` weights (for `mlp_norm`); `mw`, `mlw`: its `mlp` or `moe` weights and their LoRA.
+    Returns [B, T, D] in `x_BTD`'s dtype."""
     h_BTD = rms_norm(x_BTD, w["mlp_norm"], cfg.rms_norm_eps)
     if kind == "mlp":
         return x_BTD + _mlp(cfg, lora_scale, h_BTD, mw, mlw)
     experts = {n: mw[n] for n in moe.EXPERT_AXES}
-    return x_BTD + moe.moe_block(h_BTD, mw["router"], experts, mlw, top_k=cfg.num_experts_per_tok,
-                                 norm_topk_prob=cfg.norm_topk_prob, lora_scale=lora_scale, mesh=mesh)
+    out_BTD = moe.moe_block(h_BTD, mw["router"], experts, mlw, top_k=cfg.num_experts_per_tok,
+                            norm_topk_prob=cfg.norm_topk_prob, lora_scale=lora_scale, mesh=mesh,
+                            e_bias_E=mw["e_bias"] if cfg.sigmoid_router else None, n_group=cfg.n_group,
+                            topk_group=cfg.topk_group, routed_scaling=cfg.routed_scaling_factor)
+    if cfg.n_shared_experts:
+        shared = {"w_gate": mw["shared_gate"], "w_up": mw["shared_up"], "w_down": mw["shared_down"]}
+        out_BTD = out_BTD + _mlp(cfg, lora_scale, h_BTD, shared, None, cfg.moe_intermediate_size)
+    return x_BTD + out_BTD
 
 
 def layer_kinds(cfg: ModelConfig) -> list[str]:
