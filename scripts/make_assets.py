@@ -1,5 +1,5 @@
-"""Build the offline Qwen3 assets: `assets/qwen3-tiny` and `assets/qwen3-tiny-moe` (random tiny Qwen3 and
-Qwen3-MoE, each with the real tokenizer).
+"""Build the offline assets: `assets/qwen3-tiny`, `assets/qwen3-tiny-moe` and `assets/glm-tiny` (random tiny
+Qwen3, Qwen3-MoE and GLM-4.5 MoE; the Qwen3 ones with the real tokenizer, the GLM one with its stand-in).
 
     python scripts/make_assets.py                     # both, unless already complete
     python scripts/make_assets.py --force             # rebuild it
@@ -33,12 +33,13 @@ def main(argv: list[str] | None = None) -> int:
         folders = [folder]
     else:
         folders = []
-        for moe, name in ((False, assets.TINY_MODEL_DIR), (True, assets.TINY_MOE_DIR)):
+        for kind, name in (({}, assets.TINY_MODEL_DIR), ({"moe": True}, assets.TINY_MOE_DIR),
+                           ({"glm": True}, assets.TINY_GLM_DIR)):
             target = args.root / name
             if args.force and target.exists():
                 shutil.rmtree(target)
             was_complete = assets.is_complete(target)
-            folders.append(assets.ensure_tiny_assets(args.root, moe=moe))
+            folders.append(assets.ensure_tiny_assets(args.root, **kind))
             if was_complete:
                 print(f"{target} is already complete (use --force to rebuild)")
     for folder in folders:

