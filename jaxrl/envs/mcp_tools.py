@@ -16,11 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib
+import importlib.metadata
 import json
 from collections.abc import AsyncIterator
 from typing import Any
-
-import httpx
 
 ATTEMPTS = 3
 """Tries of an MCP listing or call that fails (not one that times out), 0.5 s, then 1 s, ... apart."""
@@ -36,13 +36,21 @@ class Tools:
     timeout: float
 
 
+def _timeout(seconds: float) -> Any:
+    """`seconds` per request, 5 to connect, as the HTTP library of the installed MCP client wants it: mcp 1.x
+    (verifiers 0.3.1) runs on httpx, mcp 2.x (verifiers 0.4) on httpx2, whose `Timeout` types differ."""
+    major = int(importlib.metadata.version("mcp").split(".")[0])
+    lib = importlib.import_module("httpx2" if major >= 2 else "httpx")
+    return lib.Timeout(seconds, connect=5.0)
+
+
 @contextlib.asynccontextmanager
 async def _session(url: str, timeout: float) -> AsyncIterator[Any]:
     from mcp import ClientSession  # imported by a rollout with tools only
     from mcp.client.streamable_http import create_mcp_http_client, streamable_http_client
 
     async with contextlib.AsyncExitStack() as stack:
-        http = await stack.enter_async_context(create_mcp_http_client(timeout=httpx.Timeout(timeout, connect=5.0)))
+        http = await stack.enter_async_context(create_mcp_http_client(timeout=_timeout(timeout)))
         read, write, *_ = await stack.enter_async_context(streamable_http_client(url, http_client=http))
         session = await stack.enter_async_context(ClientSession(read, write))
         await session.initialize()
@@ -65,7 +73,7 @@ async def connect(mcp_urls: dict[str, str], timeout: float) -> Tools:
             if name in dispatch:
                 raise ValueError(f"two MCP tools are advertised as {name!r}")
             schemas.append({"type": "function", "function": {"name": name, "description": tool.description or "",
-                                                             "parameters": tool.inputSchema}})
+                                                             "parameters": _input_schema(tool)}})
             dispatch[name] = (url, tool.name)
     return Tools(schemas, dispatch, timeout)
 
@@ -82,6 +90,11 @@ async def _retried(fn: Any) -> Any:
                 raise
             await asyncio.sleep(0.5 * 2**attempt)
     raise AssertionError("unreachable")
+
+
+def _input_schema(tool: Any) -> dict[str, Any]:
+    """A listed MCP tool's JSON schema: `input_schema` in mcp 2.x, `inputSchema` in mcp 1.x."""
+    return tool.input_schema if hasattr(tool, "input_schema") else tool.inputSchema
 
 
 def _text(blocks: list[Any]) -> str:
