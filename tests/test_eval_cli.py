@@ -45,3 +45,23 @@ def test_eval_run_refuses_bad_flags_in_one_line(tiny_model_dir, args, message):
     r = CliRunner().invoke(app, ["eval", "run", "jaxrl/lowercase", "-m", str(tiny_model_dir), *args])
     assert r.exit_code == 2, r.output
     assert message in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
+@pytest.mark.parametrize("env_id", ["jaxrl/lowercase", "jaxrl/echo-word"])
+def test_eval_plays_through_a_remote_endpoint(recording_server, env_id):
+    """The endpoint path (no local tokenizer: v1 through verifiers' eval client, classic through its chat
+    client), against the session's real rollout server standing in for a remote one."""
+    import asyncio
+
+    from jaxrl.config.schema import SamplingConfig
+    from jaxrl.envs import loader
+    from jaxrl.evaluation import play, report
+    from jaxrl.evaluation.endpoint import Endpoint
+
+    handle, _ = recording_server
+    env = loader.load_env(env_id)
+    rows = asyncio.run(play.play(env, play.examples(env, 2), 2, Endpoint(handle.base_url, "policy"),
+                                 SamplingConfig(max_tokens=4, seed=1), 4, 160))
+    assert [(r.example_id, r.rollout_idx) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r.error is None and 0.0 <= r.reward <= 1.0 and r.completion for r in rows), rows
+    assert report.summarise(rows).num_examples == 2

@@ -35,8 +35,6 @@ from typing import Any
 
 from gepa.api import optimize
 from gepa.core.result import GEPAResult
-from verifiers.legacy.gepa.adapter import VerifiersGEPAAdapter
-from verifiers.legacy.gepa.gepa_utils import save_gepa_results
 from verifiers.v1.gepa.adapter import GEPAAdapter
 
 from jaxrl.config.gepa import GepaConfig
@@ -87,7 +85,19 @@ async def _rebind_renderers_lock() -> None:
 @contextlib.contextmanager
 def plan(cfg: GepaConfig, env: loader.LoadedEnv, endpoint: Endpoint) -> Iterator[Plan]:
     """The adapter and data for `env` on `endpoint` (module docstring), with its event loop (and, for a v1
-    environment, `env.serving()`) held for the block."""
+    environment, `env.serving()`) held for the block.
+
+    Raises:
+        GepaRunError: too few examples, or a verifiers without `verifiers.legacy.gepa` (0.4 and later),
+            whose `save_gepa_results` writes the outputs.
+    """
+    try:
+        import verifiers.legacy.gepa.gepa_utils  # noqa: F401 - the outputs' writer, checked before the search
+    except ImportError:
+        import verifiers
+
+        raise GepaRunError(f"jaxrl gepa run writes verifiers 0.3's outputs (verifiers.legacy.gepa), which verifiers "
+                           f"{verifiers.__version__} lacks: pip install 'verifiers==0.3.1'") from None
     train, val = _split(env, cfg.gepa.num_train, cfg.gepa.num_val)
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)  # verifiers' classic adapter drives `asyncio.get_event_loop()`
@@ -109,6 +119,8 @@ def plan(cfg: GepaConfig, env: loader.LoadedEnv, endpoint: Endpoint) -> Iterator
 
 def _classic_plan(cfg: GepaConfig, env: ClassicEnv, endpoint: Endpoint, train: list, val: list,
                   loop: asyncio.AbstractEventLoop) -> Plan:
+    from verifiers.legacy.gepa.adapter import VerifiersGEPAAdapter
+
     environment = env.environment
     sampling = {**(environment.sampling_args or {}), **play.chat_sampling_args(cfg.sampling, cfg.gepa.seed)}
     adapter = VerifiersGEPAAdapter(env=environment, client=play.chat_client(endpoint), model=endpoint.model,
@@ -192,6 +204,8 @@ def run(cfg: GepaConfig, p: Plan, reflector: Reflector, run_dir: Path, log: File
 
 def save(run_dir: Path, result: GEPAResult, cfg: GepaConfig, reflector: Reflector) -> None:
     """verifiers' outputs (`save_gepa_results`), `best_prompt.txt`, and jaxrl's additions to `metadata.json`."""
+    from verifiers.legacy.gepa.gepa_utils import save_gepa_results
+
     env = cfg.env[0]
     save_gepa_results(run_dir, result, config={
         "env_id": env.env_id, "env_args": env.env_args, "model": cfg.model,
