@@ -365,6 +365,32 @@ def test_missing_env_file_names_the_entry(tmp_path):
     assert lines == [f"env_file.1: file not found: {tmp_path.resolve() / 'gone.env'}"]
 
 
+@pytest.mark.parametrize(("entry", "reason"), [
+    ("folder", "a folder, not a .env file: {p}"),  # before: "file not found"
+    ("/dev/zero", "not a regular file (a device or a pipe): {p}"),  # before: "file not found"
+])
+def test_an_env_file_that_is_a_folder_or_a_device_is_named_so(tmp_path, entry, reason):
+    """Issue 35 item 7."""
+    (tmp_path / "folder").mkdir()
+    path = Path(entry) if entry.startswith("/") else tmp_path.resolve() / entry
+    assert problems(tmp_path, f'env_file = ["{entry}"]\n' + MINIMAL) == [f"env_file.0: {reason.format(p=path)}"]
+
+
+@pytest.mark.parametrize(("data", "reason"), [
+    (b"\x89PNG\r\n\x1a\n\x00\xff", "not UTF-8 text (invalid start byte at byte 0): not a .env file"),
+    (b"A=1\nthis is prose\n", "line 2: expected KEY=VALUE"),
+    (b"A=" + b"x" * 2**20, "larger than 1048576 bytes: not a .env file"),
+])
+def test_a_non_env_file_is_an_error_under_the_configs_key(tmp_path, data, reason):
+    """Issue 35 item 7: what the run loads (`load_env_file(cfg.env_file, cfg.source)`) names the config and its
+    key, `rl.toml: env_file.0: <file>: <reason>` (before: `<file>: <reason>`, and a binary file a traceback)."""
+    (tmp_path / "x.env").write_bytes(data)
+    cfg = load_config(write(tmp_path, 'env_file = ["x.env"]\n' + MINIMAL))
+    with pytest.raises(ConfigError) as info:
+        load_env_file(cfg.env_file, cfg.source)
+    assert str(info.value) == f"{cfg.source}: env_file.0: {tmp_path.resolve() / 'x.env'}: {reason}"
+
+
 def test_load_env_file_syntax(tmp_path):
     first = write(tmp_path, """\
 # a comment

@@ -60,7 +60,7 @@ def _load(path: Path) -> RunConfig:
     for each Hosted Training field that has no effect here."""
     try:
         cfg = load_config(path)
-        load_env_file(cfg.env_file)
+        load_env_file(cfg.env_file, cfg.source)
     except ConfigError as exc:
         raise _fail(str(exc)) from None
     for note in no_effect_notes(cfg):
@@ -132,12 +132,18 @@ def _start(path: Path, detach: bool, command: str) -> None:
         raise _fail(f"{path}: jax.sft: required by `jaxrl sft` (the data to train on); an RL config runs with "
                     f"`jaxrl run {path}`")
     run_dir, name = run_dir_of(cfg), run_name(cfg)
-    pid = runs.running_pid(run_dir)
-    if pid is not None and pid != os.getpid():  # a detached run's own process finds itself recorded
-        raise _fail(f"jaxrl {command}: run {name} is already running (pid {pid}) in {run_dir}; follow it with "
-                    f"`jaxrl logs {name} --follow`, stop it with `jaxrl stop {name}`")
+
+    def refuse_if_running() -> None:
+        pid = runs.running_pid(run_dir)
+        if pid is not None and pid != os.getpid():  # a detached run's own process finds itself recorded
+            raise _fail(f"jaxrl {command}: run {name} is already running (pid {pid}) in {run_dir}; follow it "
+                        f"with `jaxrl logs {name} --follow`, stop it with `jaxrl stop {name}`")
+
+    with runs.claimed(run_dir):  # two commands of one run at once: the second finds the first recorded
+        refuse_if_running()
+        if detach:
+            pid = runs.detach(path.resolve(), run_dir, command)
     if detach:
-        pid = runs.detach(path.resolve(), run_dir, command)
         where = "" if cfg.jax.output_dir == runs.DEFAULT_RUNS_DIR else f" --runs-dir {cfg.jax.output_dir}"
         out.print(f"started run {name} in the background (pid {pid}); its folder is {run_dir}\n"
                   f"follow it:  jaxrl logs {name}{where} --follow\n"
@@ -153,13 +159,15 @@ def _start(path: Path, detach: bool, command: str) -> None:
     if not distributed.is_primary():  # process 0 alone keeps the run's record and log
         train(cfg)
         return
-    runs.start(run_dir, path.resolve())
+    with runs.claimed(run_dir):  # checked again: not held while JAX starts, which waits for the other hosts
+        refuse_if_running()
+        previous = runs.start(run_dir, path.resolve())
     if runs.stdout_is(run_dir / runs.LOG):  # detached: stdout and stderr already go to the log
-        train(cfg, run_dir=run_dir)
+        train(cfg, run_dir=run_dir, previous=previous)
         return
     with (run_dir / runs.LOG).open("a", encoding="utf-8") as log:
         log.write(f"--- jaxrl {command} {path.resolve()} {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
-        train(cfg, runs.TeeConsole(log, soft_wrap=True), log, run_dir)
+        train(cfg, runs.TeeConsole(log, soft_wrap=True), log, run_dir, previous)
 
 
 def _parse_mesh(text: str) -> dict[str, int]:
@@ -534,7 +542,8 @@ def delete(
 @app.command()
 def checkpoints(ref: RunRef, runs_dir: RunsDir = Path("runs")) -> None:
     """List a run's complete checkpoints (local or gs://) and PEFT adapter folders, with the reward/mean
-    of each step."""
+    of each step. Each checkpoint is read back whole; one that does not restore is marked `damaged` with
+    why, as is one a resumed run set aside (`<step>.damaged`)."""
     from rich.table import Table
 
     from jaxrl.cli import runs
@@ -542,6 +551,7 @@ def checkpoints(ref: RunRef, runs_dir: RunsDir = Path("runs")) -> None:
     folder = _run_folder(ref, runs_dir)
     directory, adapters = runs.checkpoint_dir(folder), runs.adapters_dir(folder)
     steps: list[int] = []
+    damage: dict[int, str] = {}  # step -> why it does not restore
     if directory.startswith("gs://") or Path(directory).is_dir():
         import logging
 
@@ -551,24 +561,30 @@ def checkpoints(ref: RunRef, runs_dir: RunsDir = Path("runs")) -> None:
         try:
             checkpointer = Checkpointer(directory, read_only=True)
             steps = checkpointer.all_steps()
+            damage = {step: why for step in steps if (why := checkpointer.damage(step))}
             checkpointer.close()
         except Exception as exc:  # noqa: BLE001 - storage errors of any layer
             raise _fail(f"jaxrl checkpoints: cannot list {directory}: {type(exc).__name__}: {exc}") from None
+        if not directory.startswith("gs://"):  # steps a resumed run set aside (`Checkpointer.set_aside`)
+            damage |= {int(p.name.split(".")[0]): f"set aside as {p}" for p in Path(directory).glob("*.damaged*")
+                       if p.name.split(".")[0].isdigit()}
     from jaxrl.run.adapters import adapter_steps  # heavy (JAX), as the checkpoints are
 
     adapter_done = adapter_steps(adapters)
     rewards = {r["step"]: r.get("reward/mean") for r in runs.metrics_rows(folder) if isinstance(r.get("step"), int)}
-    if not steps and not adapter_done:
+    if not steps and not adapter_done and not damage:
         out.print(f"run {folder.name} has no checkpoint yet (in {directory})", markup=False)
         return
     table = Table(title=f"run {folder.name}: checkpoints in {directory}")
     for col in ("step", "checkpoint", "adapter", "reward/mean"):
         table.add_column(col, justify="right" if col in ("step", "reward/mean") else "left")
-    for step in sorted(set(steps) | set(adapter_done)):
+    for step in sorted(set(steps) | set(adapter_done) | set(damage)):
         reward = rewards.get(step)
-        table.add_row(str(step), "yes" if step in steps else "-", f"step_{step}" if step in adapter_done else "-",
+        mark = f"damaged: {damage[step]}" if step in damage else "yes" if step in steps else "-"
+        table.add_row(str(step), mark, f"step_{step}" if step in adapter_done else "-",
                       f"{reward:.3f}" if isinstance(reward, int | float) else "-")
     out.print(table)
+    steps = [s for s in steps if s not in damage]
     if adapter_done:
         out.print(f"PEFT adapters in {adapters}", markup=False)
     if steps:

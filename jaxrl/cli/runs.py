@@ -6,9 +6,11 @@ there (`metrics.jsonl`, `run_config.json`, `checkpoints/`, ...), `jaxrl run` kee
 - `console.log`: the run's console output, without colours. A foreground run copies what it prints
   to it (the terminal output is unchanged); a detached run's stdout and stderr are the file itself, so
   it also holds what libraries print.
-- `run.json`: `{"pid", "host", "status", "config", "started", "ended", "exit_code"}`, rewritten whole (a
-  temporary file renamed) when the run starts and when it ends. `status` is `running`, `completed`
-  (exit 0), `stopped` (SIGTERM/SIGINT: checkpointed, exit 143; or ended by `jaxrl stop`) or `failed`.
+- `run.json`: `{"pid", "host", "status", "config", "started", "ended", "exit_code", "last_checkpoint"}`,
+  rewritten whole (a temporary file renamed; in place on a full disk: `write_record`) when the run starts
+  and when it ends; a config error found by the run puts back the record it found (`restore_record`).
+  `status` is `running`, `completed` (exit 0), `stopped` (SIGTERM/SIGINT: checkpointed, exit 143; or
+  ended by `jaxrl stop`) or `failed`; a `.lock` file beside it orders two commands of one run (`claimed`).
   A record that says `running` while its process is gone (SIGKILL, out of memory, a lost machine) reads
   as `died`.
 
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import fcntl
 import json
 import os
 import shutil
@@ -48,6 +52,7 @@ from jaxrl.run.layout import (
 )
 
 DEFAULT_RUNS_DIR = "runs"
+LOCK = ".lock"  # `claimed`'s lock file in a run folder
 HOST = socket.gethostname()
 _MARKERS = (RECORD, LOG, METRICS, RUN_CONFIG, OLD_RUN_CONFIG)
 
@@ -108,12 +113,63 @@ def read_record(folder: Path) -> dict[str, Any]:
 
 
 def write_record(folder: Path, **fields: Any) -> dict[str, Any]:
-    """Update `run.json` with `fields` (atomically); returns the new record."""
+    """Update `run.json` with `fields`; returns the new record. Written to a temporary file renamed over it
+    (atomic); on a full disk (ENOSPC, EDQUOT) the temporary file is removed and the record rewritten in
+    place within the blocks the old one holds (a record is a few hundred bytes; a block 4 KiB), which needs
+    no free space.
+
+    Raises:
+        OSError: the record cannot be written either way (a read-only folder, a full disk and no record
+            to overwrite); no temporary file is left.
+    """
     record = read_record(folder) | fields
+    text = json.dumps(record, indent=2) + "\n"
     tmp = folder / f".{RECORD}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(folder / RECORD)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(folder / RECORD)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not _rewrite_in_place(folder / RECORD, text):
+            raise
     return record
+
+
+def _rewrite_in_place(path: Path, text: str) -> bool:
+    """Overwrite `path` with `text` when it fits in the blocks `path` already holds; whether it was written."""
+    data = text.encode("utf-8")
+    try:
+        if len(data) > path.stat().st_blocks * 512:
+            return False
+        with path.open("r+b") as f:
+            f.write(data)
+            f.truncate()
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        return False
+    return True
+
+
+def restore_record(folder: Path, previous: dict[str, Any] | None) -> None:
+    """Put back the `run.json` that `start` found (`previous`), or remove the record when there was none: a
+    run that stopped at a config error leaves no record of its own and never overwrites an earlier run's."""
+    if previous:
+        write_record(folder, **({key: None for key in read_record(folder)} | previous))
+    else:
+        (folder / RECORD).unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def claimed(folder: Path) -> Iterator[None]:
+    """Hold an exclusive lock (`flock`) on `<folder>/.lock` (the folder made if need be): two `jaxrl run` of
+    one run that check it is not running and record themselves inside it do so one after the other, so
+    the second finds the first recorded."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / LOCK).open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 def pid_alive(pid: int) -> bool:
@@ -226,17 +282,27 @@ def stdout_is(path: Path) -> bool:
     return (out.st_dev, out.st_ino) == (target.st_dev, target.st_ino)
 
 
-def start(folder: Path, config: Path) -> None:
-    """Record this process as running `folder`'s run from `config`."""
+def start(folder: Path, config: Path) -> dict[str, Any]:
+    """Record this process as running `folder`'s run from `config`; return the record found before ({}:
+    none), for `restore_record`. A detached run's own process finds the record `detach` made for it, and
+    returns the one `detach` found."""
     folder.mkdir(parents=True, exist_ok=True)
+    found = read_record(folder)
+    previous = (found.get("previous") or {}) if found.get("pid") == os.getpid() else found
     write_record(folder, pid=os.getpid(), host=HOST, status="running", config=str(config), started=time.time(),
-                 ended=None, exit_code=None)
+                 ended=None, exit_code=None, last_checkpoint=None, previous=None)
+    return previous
 
 
-def finish(folder: Path, exit_code: int) -> None:
-    """Record how this process's run ended: exit 0 completed, 143/130 (SIGTERM/SIGINT) stopped, else failed."""
+def finish(folder: Path, exit_code: int, **fields: Any) -> None:
+    """Record how this process's run ended: exit 0 completed, 143/130 (SIGTERM/SIGINT) stopped, else failed;
+    with `fields` (`last_checkpoint`: the last complete checkpoint's step after a failed save).
+
+    Raises:
+        OSError: `write_record`'s.
+    """
     state = "completed" if exit_code == 0 else "stopped" if exit_code in (130, 143) else "failed"
-    write_record(folder, status=state, ended=time.time(), exit_code=exit_code)
+    write_record(folder, status=state, ended=time.time(), exit_code=exit_code, **fields)
 
 
 def detach(config: Path, folder: Path, command: str = "run") -> int:
@@ -249,10 +315,11 @@ def detach(config: Path, folder: Path, command: str = "run") -> int:
         log.write(f"--- jaxrl {command} {config} (detached) {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
         log.flush()
         env = os.environ | {"PYTHONUNBUFFERED": "1"}
+        previous = read_record(folder)
         proc = subprocess.Popen([sys.executable, "-m", "jaxrl", command, str(config)], stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     write_record(folder, pid=proc.pid, host=HOST, status="running", config=str(config), started=time.time(),
-                 ended=None, exit_code=None)
+                 ended=None, exit_code=None, previous=previous)
     return proc.pid
 
 

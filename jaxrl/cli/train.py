@@ -4,6 +4,7 @@ Imports no JAX until a job starts."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -29,17 +30,20 @@ def quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def train(cfg: RunConfig, console: Console | None = None, log: Any = None, run_dir: Path | None = None) -> None:
-    """Run the runner (the SFT one for a config with `[jax.sft]`); print (and copy to `log`) its errors
-    without traceback and exit with its status; record how the run ended in `run_dir`'s `run.json` when
-    given."""
+def train(cfg: RunConfig, console: Console | None = None, log: Any = None, run_dir: Path | None = None,
+          previous: dict[str, Any] | None = None) -> None:
+    """Run the runner (the SFT one for a config with `[jax.sft]`); print its errors without traceback on
+    stderr first, then copy them to `log`, and exit with its status; record how the run ended in `run_dir`'s
+    `run.json` when given (with `last_checkpoint` after a failed save), or, after a config error, put back
+    the record `previous` that `runs.start` found. A full or read-only disk that refuses the log or the
+    record is one more line on stderr, never a traceback."""
     import traceback
 
     from jaxrl.cli import runs
     from jaxrl.run.errors import RunError
     from jaxrl.run.runner import run as run_training
 
-    code, message = 1, None
+    code, message, fields = 1, None, {}
     try:
         if cfg.jax.sft is None:
             run_training(cfg, console)  # it loads the `env_file` secrets into the environment
@@ -52,19 +56,33 @@ def train(cfg: RunConfig, console: Console | None = None, log: Any = None, run_d
         code, message = 2, str(exc)
     except RunError as exc:  # a checkpoint that cannot be written, failing environments, preemption
         code, message = exc.exit_code, f"jaxrl run: {exc}"
+        if hasattr(exc, "last_complete"):  # a CheckpointError
+            fields["last_checkpoint"] = exc.last_complete
     except KeyboardInterrupt:  # a second Ctrl-C
         code = 130
         raise
     except BaseException:
         if log is not None:
-            log.write(traceback.format_exc())
+            with contextlib.suppress(OSError):
+                log.write(traceback.format_exc())
         raise
     finally:
+        if message is not None:
+            with contextlib.suppress(OSError):  # a detached run's stderr is console.log: maybe on the full disk
+                err.print(message, markup=False)
         if log is not None and message is not None:
-            log.write(message + "\n")
+            with contextlib.suppress(OSError):
+                log.write(message + "\n")
+                log.flush()
         if run_dir is not None:
-            runs.finish(run_dir, code)
-    if message is not None:
-        err.print(message, markup=False)
+            try:
+                if code == 2:
+                    runs.restore_record(run_dir, previous)
+                else:
+                    runs.finish(run_dir, code, **fields)
+            except OSError as exc:
+                with contextlib.suppress(OSError):
+                    err.print(f"jaxrl run: cannot record the run's end in {run_dir / runs.RECORD}: {exc}",
+                              markup=False)
     if code:
         raise typer.Exit(code=code)

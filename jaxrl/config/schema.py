@@ -474,7 +474,9 @@ def load_config(path: str | Path) -> RunConfig:
             file = (cfg.config_dir / Path(p).expanduser()).resolve()
             found.append(str(file))
             if not file.is_file():
-                missing.append((f"{key}.{i}", f"file not found: {file}"))
+                what = ("a folder, not a .env file" if file.is_dir() else
+                        "not a regular file (a device or a pipe)" if file.exists() else "file not found")
+                missing.append((f"{key}.{i}", f"{what}: {file}"))
     if cfg.jax.sft is not None:
         data = (cfg.config_dir / Path(cfg.jax.sft.data).expanduser()).resolve()
         cfg.jax.sft.data = str(data)

@@ -12,6 +12,14 @@ tensorstore, metadata through JSON.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import re
+import sys
+import threading
+import time
+import traceback
 from typing import Any
 
 import jax
@@ -30,9 +38,106 @@ def _tree(state: TrainState) -> dict[str, Any]:
     return {**trained, "opt_state": state.opt_state, "step": state.step}
 
 
+class _ReportedAsCheckpointError(logging.Filter):
+    """Drops Orbax's own error records (each with a traceback, from its background threads; three for one
+    failed save): every save or restore failure reaches the call that waits for it and is reported there,
+    once, as a CheckpointError."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # absl's records carry absl's own file as their pathname: the caller is found on the stack
+        return record.levelno < logging.ERROR or not any(
+            "/orbax/" in frame.f_code.co_filename.replace("\\", "/") for frame, _ in traceback.walk_stack(None))
+
+
+logging.getLogger("absl").addFilter(_ReportedAsCheckpointError())  # Orbax logs through absl's logger
+
+
+def _unraisable(hook: Any) -> Any:
+    """`sys.unraisablehook` that drops what Orbax's own coroutines leave behind once a restore has failed
+    (its other reads, collected after their event loop closed: "Exception ignored in: <coroutine
+    _read_array_index_and_device_put>", "RuntimeError: Event loop is closed", a traceback each, interleaved
+    with the run's output); the failure itself is the CheckpointError. Anything else goes to `hook`."""
+
+    def unraisable(info: Any) -> None:
+        code = getattr(info.object, "cr_code", None)
+        if code is None or "/orbax/" not in code.co_filename.replace("\\", "/"):
+            hook(info)
+
+    return unraisable
+
+
+sys.unraisablehook = _unraisable(sys.unraisablehook)
+
+
+def _excepthook(hook: Any) -> Any:
+    """`sys.excepthook` that drops tensorstore's callbacks into an asyncio loop Orbax has closed after a failed
+    read or write ("RuntimeError: Event loop is closed", raised in `call_soon_threadsafe` when called from
+    tensorstore's C++ threads, whose frames are asyncio's alone); anything else goes to `hook`."""
+
+    def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        frames = [frame.f_code.co_filename.replace("\\", "/") for frame, _ in traceback.walk_tb(tb)]
+        if not (kind is RuntimeError and str(value) == "Event loop is closed" and frames
+                and all("/asyncio/" in f for f in frames)):
+            hook(kind, value, tb)
+
+    return excepthook
+
+
+sys.excepthook = _excepthook(sys.excepthook)
+
+DAMAGED = ".damaged"
+"""Suffix of a damaged step folder set aside (`Checkpointer.set_aside`)."""
+
+
+def _cause(exc: BaseException) -> str:
+    """`Type: message` of a storage error's root cause (the last of its `__cause__` chain: Orbax wraps
+    tensorstore's "Requested byte range [0, 15163) is not valid for value of size 7712" of a truncated file
+    in a message that quotes the whole TensorStore spec; tensorstore's own `[tensorstore_spec=...]` dropped)
+    on one line, cut in the middle past 600 characters
+    (storage errors are long; the root cause is usually at the end)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    cause = re.sub(r"\s*\[tensorstore_spec='.*?'\]", "", " ".join(str(exc).split()))  # a whole spec, as JSON
+    if len(cause) > 600:
+        cause = f"{cause[:250]} ... {cause[-300:]}"
+    return f"{type(exc).__name__}: {cause}"
+
+
+CLOSE_TIMEOUT_S = 10.0
+"""How long `Checkpointer.close` waits for Orbax's threads after a failed save before leaving them."""
+
+
 class CheckpointError(RunError):
     """A checkpoint that could not be written or read. The message names the step, the folder, the
-    last complete checkpoint in it and the cause; the run's local files are left as they are."""
+    last complete checkpoint in it and the cause; the run's local files are left as they are.
+    `last_complete`: that checkpoint's step (None: none, or not known)."""
+
+    last_complete: int | None = None
+
+
+def _close_after_failure(mngr: ocp.CheckpointManager, timeout_s: float) -> None:
+    """Release what a CheckpointManager holds after a failed save. Its `close` stops at its first step (it
+    waits for the save, which raises again) and leaves its handlers' threads running: each background write
+    is a non-daemon Orbax `_SignalingThread` that first waits for signals from the steps before it, and a
+    step that failed never sends them, so they wait out Orbax's 300 s coordination timeout, one after
+    another, and Python's exit waits for them in `threading._shutdown` (a read-only checkpoint folder's run
+    never exited). Here each such thread is cancelled and sent the signals it waits for, so it returns
+    without running its write; then the manager's parts are closed, and the threads joined for at most
+    `timeout_s` seconds in all. Orbax has no public call for this (0.12: `_SignalingThread`,
+    `future.set_signals`)."""
+    from orbax.checkpoint._src.futures import future as ocp_future
+
+    stuck = [t for t in threading.enumerate() if isinstance(t, ocp_future._SignalingThread) and t.is_alive()]  # noqa: SLF001
+    for thread in stuck:
+        with contextlib.suppress(Exception):
+            thread.cancel()
+            ocp_future.set_signals(thread._receive_signals, operation_id=thread._operation_id)  # noqa: SLF001
+    for part in ("_checkpointer", "_non_blocking_metadata_store", "_blocking_metadata_store", "_checkpoint_deleter"):
+        with contextlib.suppress(Exception):
+            getattr(mngr, part).close()
+    deadline = time.monotonic() + timeout_s
+    for thread in stuck:
+        threading.Thread.join(thread, max(0.0, deadline - time.monotonic()))
 
 
 class Checkpointer:
@@ -61,8 +166,9 @@ class Checkpointer:
         policy = policies.LatestN(n=None if keep < 0 else keep)
         options = ocp.CheckpointManagerOptions(preservation_policy=policy, create=not read_only,
                                                read_only=read_only, cleanup_tmp_directories=not read_only)
-        self._mngr = ocp.CheckpointManager(directory, options=options)
+        self._mngr = ocp.CheckpointManager(directory if self._probe else os.path.abspath(directory), options=options)
         self._pending: int | None = None
+        self._failed = False  # a save failed: `close` releases Orbax's threads
         self._last_complete = self._mngr.latest_step()
         if not read_only:
             self._await_cleanup()
@@ -100,6 +206,7 @@ class Checkpointer:
         try:
             self._mngr.save(step, args=args, force=True)
         except Exception as exc:  # noqa: BLE001 - any storage failure becomes one clear error
+            self._failed = True
             raise self._error(f"cannot save step {step} to", exc) from exc
         self._pending = step
 
@@ -131,6 +238,37 @@ class Checkpointer:
         tree = out["state"]
         return TrainState(tree.get("lora", {}), tree["opt_state"], tree["step"], tree.get("base")), dict(out["meta"])
 
+    def damage(self, step: int) -> str | None:
+        """Why checkpoint `step` does not restore whole, None when it does: its metadata JSON, its tree
+        metadata and every array read back onto the host (no target: the arrays as saved). Reads the
+        whole checkpoint (LoRA ones are a few MB)."""
+        try:
+            self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(),
+                                                             meta=ocp.args.JsonRestore()))
+        except Exception as exc:  # noqa: BLE001 - any layer's refusal is the damage
+            return _cause(exc)
+        return None
+
+    def set_aside(self, step: int) -> str:
+        """Rename a damaged local step folder `<step>` to `<step>.damaged` (kept, never deleted; Orbax
+        lists only numbered folders), so a resumed run's save of that step number can be written; return
+        the folder's new path. On `gs://` the step stays where it is (a rename there is a copy) and its
+        path is returned.
+
+        Raises:
+            CheckpointError: the folder cannot be renamed.
+        """
+        path = f"{self.directory.rstrip('/')}/{step}"
+        if gcs.is_gcs(self.directory):
+            return path
+        target = f"{path}{DAMAGED}"
+        try:
+            os.rename(path, target if not os.path.exists(target) else f"{target}.{int(time.time())}")
+        except OSError as exc:
+            raise self._error(f"cannot set damaged step {step} aside in", exc) from exc
+        self._mngr.reload()
+        return target
+
     def delete(self, step: int) -> None:
         """Delete checkpoint `step` (a no-op for a step that does not exist)."""
         if step in self._mngr.all_steps():
@@ -146,12 +284,19 @@ class Checkpointer:
         try:
             self._mngr.wait_until_finished()
         except Exception as exc:  # noqa: BLE001
+            self._failed = True
             raise self._error(f"cannot save step {pending} to", exc) from exc
         if pending is not None:
             self._last_complete = pending
 
-    def close(self) -> None:
-        """Finish the last save and release the manager.
+    def resume_note(self) -> str:
+        """How running the run again goes on: from the newest complete checkpoint, or from step 0 without one."""
+        last = self.latest_step()
+        return "no checkpoint yet: it starts from step 0" if last is None else f"resumes from checkpoint step {last}"
+
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Finish the last save and release the manager and its threads, within about `timeout_s` seconds
+        after a failed save.
 
         Raises:
             CheckpointError: the last save failed.
@@ -159,7 +304,10 @@ class Checkpointer:
         try:
             self.wait()
         finally:
-            self._mngr.close()
+            if self._failed:
+                _close_after_failure(self._mngr, timeout_s)
+            else:
+                self._mngr.close()
 
     def _require(self, step: int) -> None:
         if step not in self._mngr.all_steps():
@@ -175,12 +323,11 @@ class Checkpointer:
 
     def _error(self, action: str, exc: BaseException) -> CheckpointError:
         # The last complete step is the one this process knows of: the storage may be what is down.
-        cause = " ".join(str(exc).split())
-        if len(cause) > 600:  # storage errors are long; the root cause is usually at the end
-            cause = f"{cause[:250]} ... {cause[-300:]}"
-        message = f"{action} {self.directory}: {type(exc).__name__}: {cause}"
+        message = f"{action} {self.directory}: {_cause(exc)}"
+        last = getattr(self, "_last_complete", None)
         if hasattr(self, "_last_complete"):
-            last = self._last_complete
             message += f" (last complete checkpoint: {'none' if last is None else f'step {last}'})"
-        return CheckpointError(message)
+        error = CheckpointError(message)
+        error.last_complete = last
+        return error
 

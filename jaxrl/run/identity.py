@@ -9,6 +9,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
+
 from jaxrl.config.schema import ConfigError, RunConfig
 from jaxrl.rl.train import TrainState
 from jaxrl.run import gcs
@@ -76,6 +78,40 @@ def restore_checked(ckpt: Checkpointer, step: int, like: TrainState, identity: d
         raise CheckpointError(f"checkpoint step {step} in {ckpt.directory} is of a different model or LoRA: "
                               + "; ".join(problems))
     return ckpt.restore(step, like)
+
+
+def restore_newest(ckpt: Checkpointer, like: TrainState, identity: dict, console: Any
+                   ) -> tuple[TrainState, dict] | None:
+    """The newest checkpoint of `ckpt` that restores whole (state, metadata), None when it has none. Newer
+    steps that do not (a truncated array file, garbage metadata, a deleted `_METADATA`) are skipped with one
+    warning each naming the step and why, and set aside as `<step>.damaged` (`Checkpointer.set_aside`), not
+    deleted, once an older step has restored.
+
+    Raises:
+        CheckpointError: a checkpoint is of another model or LoRA shape (`restore_checked`), or no step
+            restores (the newest's error, nothing set aside: storage that is down fails every step, and
+            must not restart the run from step 0).
+    """
+    damaged: list[tuple[int, CheckpointError]] = []
+    for step in reversed(ckpt.all_steps()):
+        try:
+            meta = ckpt.read_meta(step)
+            mismatch = identity_mismatch(meta.get("identity"), identity)
+            restored = None if mismatch else ckpt.restore(step, like)
+        except CheckpointError as exc:
+            damaged.append((step, exc))
+            continue
+        if mismatch:
+            raise CheckpointError(f"checkpoint step {step} in {ckpt.directory} is of a different model or LoRA: "
+                                  + "; ".join(mismatch))
+        for bad, exc in damaged:
+            where = ckpt.set_aside(bad)
+            console.print(f"[yellow]checkpoint step {bad} is damaged; resuming from step {step} instead "
+                          f"(the damaged one is kept as {escape(where)}):[/] {escape(str(exc))}", highlight=False)
+        return restored
+    if damaged:
+        raise damaged[0][1]
+    return None
 
 
 def warm_start_state(cfg: RunConfig, like: TrainState, identity: dict, console: Any) -> TrainState:

@@ -69,7 +69,7 @@ from jaxrl.run import evaluate, resources, wandb_log
 from jaxrl.run.adapters import RunAdapters
 from jaxrl.run.checkpoint import Checkpointer
 from jaxrl.run.errors import Preempted, RunError
-from jaxrl.run.identity import model_identity, restore_checked, warm_start_state
+from jaxrl.run.identity import model_identity, restore_newest, warm_start_state
 from jaxrl.run.layout import METRICS, adapters_dir_of, checkpoint_dir_of, run_dir_of, write_run_config
 from jaxrl.run.metrics import MetricsLogger, trim_metrics
 from jaxrl.run.redaction import redact, secret_values
@@ -103,7 +103,7 @@ def run(cfg: RunConfig, console: Console | None = None, run_class: type[Run] | N
         Preempted: SIGTERM or SIGINT; a checkpoint of the last complete step was saved first.
     """
     console = console or Console(soft_wrap=True, quiet=not distributed.is_primary())
-    env_values = load_env_file(cfg.env_file)
+    env_values = load_env_file(cfg.env_file, cfg.source)
     os.environ.update(env_values)
     secrets = secret_values(env_values)
     try:
@@ -230,8 +230,8 @@ class Run:
         """Restore the run's last complete checkpoint (`start_step`, `meta`: its step and metadata), else
         start from `checkpoint_id`'s LoRA or weights (a fresh optimizer) or from step 0 (`meta` {})."""
         self.start_step, self.meta = 0, {}
-        if (latest := self.ckpt.latest_step()) is not None:
-            self.state, self.meta = restore_checked(self.ckpt, latest, self.state, self.identity)
+        if (restored := restore_newest(self.ckpt, self.state, self.identity, self.console)) is not None:
+            self.state, self.meta = restored
             self.start_step = int(self.meta["step"])
             self.console.print(f"resuming from checkpoint step {self.start_step} in {self.ckpt.directory}")
         elif self.cfg.checkpoint_id:
@@ -448,7 +448,7 @@ class Run:
         except asyncio.CancelledError:
             taken = None
         except BufferExhausted as exc:
-            raise RunError(f"step {step + 1}: stopping, {exc} (resumes from checkpoint step {self.saved})") from None
+            raise RunError(f"step {step + 1}: stopping, {exc} ({self.ckpt.resume_note()})") from None
         finally:
             stop.on_signal = None
         shares = distributed.all_gather_objects(None if taken is None else [
@@ -474,7 +474,7 @@ class Run:
         if verdict := rollouts.failure_verdict(self.history):
             errors = "\n  ".join(rollouts.first_errors(groups))
             raise RunError(f"step {s.step + 1}: stopping, {verdict}; fix the environment and run again "
-                           f"(resumes from checkpoint step {self.saved}). First errors:\n  {errors}")
+                           f"({self.ckpt.resume_note()}). First errors:\n  {errors}")
         if s.metrics["rollouts/failed"]:
             first = escape(redact(rollouts.first_errors(groups, 1)[0], self.secrets))
             self.console.print(f"[yellow]step {s.step + 1}: {s.metrics['rollouts/failed']:.0f} rollouts failed and "
@@ -485,10 +485,10 @@ class Run:
         s.trained_temperatures = [t for t, k in zip(s.temperatures, keep, strict=True) if k]
 
     def train(self, s: Step) -> dict[str, float]:
-        """One optimizer step on `s.trained`'s successful rollouts, in the train thread while the event loop
-        plays rollouts; returns its metrics (`optim/*`, `train/samples`, `time/train`)."""
-        cfg, loop = self.cfg, self.loop
-        t_train = time.perf_counter()
+        """One optimizer step on `s.trained`'s successful rollouts once the last save is complete (else
+        CheckpointError), in the train thread; returns its metrics (`optim/*`, `train/samples`, `time/train`)."""
+        cfg, loop, t_train = self.cfg, self.loop, time.perf_counter()
+        self.ckpt.wait()  # the last save, written while this step's rollouts played: none trains past a lost one
         trained_ok = [r for g in s.trained for r in g if r.ok]
         if not trained_ok:  # online difficulty filtering left no group with a reward signal: nothing to learn from
             self.console.print(f"[yellow]step {s.step + 1}: every group's rewards were equal (filtered by "

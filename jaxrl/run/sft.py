@@ -134,6 +134,7 @@ class SftRun(Run):
         cfg, scfg = self.cfg, self.cfg.jax.sft
         t0 = time.perf_counter()
         batch = self.data.batch(sft.step_rows(step, scfg.batch_size, self.data.rows, scfg.seed))
+        self.ckpt.wait()  # no step trains past a checkpoint that could not be kept (CheckpointError)
         with distributed.fenced():
             self.state, metrics = self.trainer.step(self.state, self.base, batch)
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
