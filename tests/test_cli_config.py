@@ -104,7 +104,8 @@ def test_validate_malformed_env_file(tmp_path):
     (tmp_path / "rl.toml").write_text('env_file = ["secrets.env"]\n' + MINIMAL)
     result = invoke("validate", tmp_path / "rl.toml")
     assert result.exit_code == 2
-    assert result.stderr.strip() == f"{(tmp_path / 'secrets.env').resolve()}: line 2: expected KEY=VALUE"
+    assert result.stderr.strip() == (f"{(tmp_path / 'rl.toml').resolve()}: env_file.0: "
+                                     f"{(tmp_path / 'secrets.env').resolve()}: line 2: expected KEY=VALUE")
 
 
 def test_validate_does_not_import_jax():
