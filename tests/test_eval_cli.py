@@ -65,3 +65,18 @@ def test_eval_plays_through_a_remote_endpoint(recording_server, env_id):
     assert [(r.example_id, r.rollout_idx) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(r.error is None and 0.0 <= r.reward <= 1.0 and r.completion for r in rows), rows
     assert report.summarise(rows).num_examples == 2
+
+
+def test_eval_run_takes_a_run_config(recording_server, tmp_path):
+    """A jaxrl run config: its [[env]] (with args) and [sampling], -S overriding a key; here on the session's
+    server as an endpoint (-b), so no model loads. Without -m, an environment id is refused."""
+    handle, _ = recording_server
+    r = CliRunner().invoke(app, ["eval", "run", "configs/quickstart.toml", "-b", handle.base_url, "-m", "policy",
+                                 "-n", "2", "-r", "2", "-o", str(tmp_path), "-S", '{"max_tokens": 3}'])
+    assert r.exit_code == 0, r.output
+    meta = json.loads((tmp_path / "metadata.json").read_text())
+    assert meta["env_id"] == "jaxrl/lowercase" and meta["sampling_args"]["max_tokens"] == 3
+    assert meta["sampling_args"]["temperature"] == 1.0
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 4
+    r = CliRunner().invoke(app, ["eval", "run", "jaxrl/lowercase"])
+    assert r.exit_code == 2 and r.output.strip() == "--model / -m is required with an environment id", r.output
