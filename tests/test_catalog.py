@@ -43,7 +43,8 @@ def test_missing_model_is_a_hub_download_or_names_the_folder(tmp_path, hf_cache,
     with pytest.raises(model_path.ModelNotFoundError) as info:
         model_path.resolve_model("Qwen/Qwen3-30B-A3B-Instruct-2507", tmp_path)
     assert str(info.value) == (f"model Qwen/Qwen3-30B-A3B-Instruct-2507@main is not in the Hugging Face cache "
-                               f"{hf_cache} and HF_HUB_OFFLINE is set, so it is not downloaded")
+                               f"{hf_cache} and HF_HUB_OFFLINE is set, so it is not downloaded (and there is no "
+                               f"folder {tmp_path / 'Qwen/Qwen3-30B-A3B-Instruct-2507'})")
     with pytest.raises(model_path.ModelNotFoundError, match="no folder .*/nested/path/x, and it is not a Hugging"):
         model_path.resolve_model("nested/path/x", tmp_path)
 

@@ -479,7 +479,7 @@ def test_resolve_model_path_errors(tmp_path, monkeypatch):
     name = "PrimeIntellect/Qwen3-0.6B-Reverse-Text-SFT"
     assert str(info.value) == (
         f"{cfg.source}: model: model {name}@main is not in the Hugging Face cache {tmp_path / 'hf-cache'} and "
-        "HF_HUB_OFFLINE is set, so it is not downloaded")
+        f"HF_HUB_OFFLINE is set, so it is not downloaded (and there is no folder {tmp_path / name})")
     cfg = load_config(write(tmp_path, MINIMAL + '[jax]\nmodel_path = "missing"\n'))
     with pytest.raises(ConfigError, match=r": jax\.model_path: model 'missing' not found: no folder "):
         resolve_model_path(cfg)

@@ -62,10 +62,11 @@ def test_private_repo_needs_its_token(hub_env, monkeypatch):
             resolve_model("me/private")
         assert str(info.value) == (f"model me/private@main: cannot download it: no repository me/private on "
                                    f"{hub.url}, or it is private and no token is set (set HF_TOKEN or run "
-                                   "`hf auth login`) (HTTP 401)")
+                                   f"`hf auth login`) (HTTP 401) (and there is no folder {Path('me/private')})")
         monkeypatch.setenv("HF_TOKEN", "hf_bad")
         with pytest.raises(ModelNotFoundError, match=r"cannot download it: the token \(HF_TOKEN or `hf auth "
-                                                     r"login`\) is not valid on http://127.0.0.1:\d+ \(HTTP 401\)$"):
+                                                     r"login`\) is not valid on http://127.0.0.1:\d+ \(HTTP 401\) "
+                                                     r"\(and there is no folder me/private\)$"):
             resolve_model("me/private")
         assert hub.file_requests() == []
         monkeypatch.setenv("HF_TOKEN", "hf_good")
@@ -83,7 +84,7 @@ def test_revision_from_the_name_or_the_config(tmp_path, hub_env, monkeypatch):
         cfg = load_config(tmp_path / "rl.toml")
         assert resolve_model_path(cfg).endswith("d" * 40)
         with pytest.raises(ModelNotFoundError, match=r"^model o/m@v2: cannot download it: o/m has no revision "
-                                                     r"'v2' on http://127\.0\.0\.1:\d+$"):
+                                                     r"'v2' on http://127\.0\.0\.1:\d+ \(and there is"):
             resolve_model("o/m", revision="v2")
         with pytest.raises(ModelNotFoundError, match=r"no repository o/missing on .*no token is set .*\(HTTP 404\)"):
             resolve_model("o/missing")
@@ -138,3 +139,18 @@ def test_processes_on_one_host_download_once(hub_env, monkeypatch):
         gets = sorted(p for m, p in hub.file_requests() if m == "GET")
         assert gets == [f"/o/m/resolve/{'2' * 40}/{n}" for n in ("config.json", "model.safetensors", "tokenizer.json")]
         assert json.loads(Path(outs[0], "config.json").read_text()) == {"architectures": ["Qwen3ForCausalLM"]}
+
+
+def test_compile_reads_the_catalogue_or_only_the_hubs_config(tmp_path, hub_env, monkeypatch, tiny_model_dir):
+    from jaxrl.compile.report import model_of
+    from jaxrl.model import hf
+
+    config = (tiny_model_dir / "config.json").read_bytes()
+    with _serve(monkeypatch, {"o/tiny": Repo({"main": ("3" * 40, {**SMALL, "config.json": config})})}) as hub:
+        (tmp_path / "rl.toml").write_text('model = "Qwen/Qwen3-4B-Instruct-2507"\n[[env]]\nid = "a/b"\n'
+                                          '[jax]\nmodel_path = "../elsewhere/qwen3-4b"\n')
+        assert model_of(load_config(tmp_path / "rl.toml")).hidden_size == 2560  # the catalogue's; no request
+        assert hub.requests == []
+        (tmp_path / "rl.toml").write_text('model = "o/tiny"\n[[env]]\nid = "a/b"\n')
+        assert model_of(load_config(tmp_path / "rl.toml")) == hf.load_config(tiny_model_dir)
+        assert [p for m, p in hub.file_requests() if m == "GET"] == ["/o/tiny/resolve/main/config.json"]

@@ -327,7 +327,15 @@ def model_of(cfg: RunConfig) -> ModelConfig:
     Raises:
         ConfigError: none of these has it (naming the places looked in, or why the download failed).
     """
-    found = locate_model_path(cfg)
+    try:
+        found: str | HubModel = locate_model_path(cfg)
+    except ConfigError as exc:  # e.g. a `[jax] model_path` folder of the training machine, absent here
+        found = str(exc)
+        if (facts := catalog.HOSTED_MODELS.get(cfg.model)) is not None:
+            return ModelConfig.from_hf(facts)
+        hosted = ", ".join(catalog.HOSTED_MODELS)
+        raise ConfigError(cfg.source, [("model", f"no architecture for {cfg.model!r}: {found}; and it is not a "
+                                                 f"Hosted Training model ({hosted})")]) from None
     if isinstance(found, str) and not found.startswith("gs://"):
         return hf.load_config(found)
     if isinstance(found, HubModel) and (cached := find_in_hf_cache(found.repo_id, found.revision,

@@ -128,5 +128,8 @@ def resolve_model(where: str, base_dir: Path = Path("."), revision: str | None =
     if isinstance(found, HubModel):
         from jaxrl.config.hub import download
 
-        return str(download(found))
+        try:
+            return str(download(found))
+        except ModelNotFoundError as exc:  # a mistyped local folder reads as an owner/name id too
+            raise ModelNotFoundError(f"{exc} (and there is no folder {base_dir / where})") from None
     return found
