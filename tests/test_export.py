@@ -1,5 +1,5 @@
 """Export to Hugging Face, checked against the real consumers: a merged checkpoint loaded by transformers'
-Qwen3ForCausalLM / Qwen3MoeForCausalLM and a PEFT adapter loaded by `peft.PeftModel` onto the
+Qwen3ForCausalLM / Qwen3MoeForCausalLM / Glm4MoeForCausalLM and a PEFT adapter loaded by `peft.PeftModel` onto the
 transformers base must give jaxrl's logits with the LoRA on, at 1e-4 in fp32; the adapter reads back
 into the same LoRA; `jaxrl export` on a run folder and on a checkpoint folder; `[adapters]` exports (a real
 run's adapters against `jaxrl export --adapter`: tests/test_run.py, in the resume run).
@@ -77,7 +77,19 @@ def _moe(mlp_only_layers=()):
     return _randomize(transformers.Qwen3MoeForCausalLM(cfg))
 
 
-BASES = {"dense": _dense, "moe": _moe, "moe-mixed": lambda: _moe(mlp_only_layers=[1])}
+def _glm():
+    """A GLM-4.5 MoE (INTELLECT-3's architecture): q/k/v biases, half-RoPE, a dense first layer, then 4
+    sigmoid-routed experts (top 2, routed scaling 2.5) and a shared expert."""
+    cfg = transformers.Glm4MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, attention_bias=True,
+        tie_word_embeddings=False, max_position_embeddings=128,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    return _randomize(transformers.Glm4MoeForCausalLM(cfg))
+
+
+BASES = {"dense": _dense, "moe": _moe, "moe-mixed": lambda: _moe(mlp_only_layers=[1]), "glm": _glm}
 
 
 @pytest.fixture(scope="module", params=list(BASES))
@@ -110,6 +122,8 @@ def _torch_logits(m) -> np.ndarray:
 
 
 def _hf_class(cfg: qwen3.ModelConfig):
+    if cfg.is_glm:
+        return transformers.Glm4MoeForCausalLM
     return transformers.Qwen3MoeForCausalLM if cfg.is_moe else transformers.Qwen3ForCausalLM
 
 

@@ -249,7 +249,7 @@ def test_memory_arithmetic():
     from jaxrl.launch import memory as mem
 
     for arch, total, active in ((mem.QWEN3_4B, 4.02e9, 4.02e9), (mem.QWEN3_30B_A3B, 30.53e9, 3.35e9),
-                                (mem.QWEN3_235B_A22B, 235.09e9, 22.19e9)):
+                                (mem.QWEN3_235B_A22B, 235.09e9, 22.19e9), (mem.INTELLECT_3, 106.85e9, 13.42e9)):
         got = mem.param_count(arch)
         assert got == pytest.approx((total, active), rel=2e-3), arch.name
     b = mem.per_chip(mem.QWEN3_30B_A3B, mem.Mesh(fsdp=2, expert=8), decode_slots=256, seq_len=4096, train_seqs=256)
@@ -276,6 +276,8 @@ def test_per_chip_reads_a_model_config_and_scales_its_terms():
 
     model = ModelConfig.from_hf(catalog.HOSTED_MODELS["Qwen/Qwen3-235B-A22B-Instruct-2507"])
     assert mem.Arch.of(model) == dataclasses.replace(mem.QWEN3_235B_A22B, name="")
+    glm = ModelConfig.from_hf(catalog.HOSTED_MODELS["PrimeIntellect/INTELLECT-3"])  # a dense layer, a shared expert
+    assert mem.Arch.of(glm) == dataclasses.replace(mem.INTELLECT_3, name="")
     mesh = {"fsdp": 2, "tensor": 2, "expert": 8}
     b = mem.per_chip(mem.QWEN3_235B_A22B, mem.Mesh(**mesh), seq_len=4096, train_seqs=256)
     # a micro-batch of 64 sequences keeps 64 / 16 per batch shard where the default keeps one

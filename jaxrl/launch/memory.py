@@ -19,7 +19,7 @@ GIB = 2**30
 
 @dataclasses.dataclass(frozen=True)
 class Arch:
-    """A Qwen3 architecture (HF config.json names in comments). Dense when `experts` is 0."""
+    """A Qwen3 or GLM-4.5 MoE architecture (HF config.json names in comments). Dense when `experts` is 0."""
 
     name: str
     layers: int  # num_hidden_layers (L)
@@ -33,21 +33,27 @@ class Arch:
     top_k: int = 0  # num_experts_per_tok
     moe_mlp: int = 0  # moe_intermediate_size (I)
     tied: bool = False  # tie_word_embeddings
+    dense_layers: int = 0  # first_k_dense_replace (GLM-4.5): the first layers have a dense MLP of width `mlp`
+    shared_mlp: int = 0  # n_shared_experts x moe_intermediate_size (GLM-4.5): an always-on expert, no LoRA
 
     @classmethod
     def of(cls, model: Any) -> Arch:
         """The architecture of a `jaxrl.model.qwen3.ModelConfig`, read by its attribute names (this module
-        imports nothing but the standard library). Its MoE layers are taken to be all of them (as in the
-        Hosted models: no `mlp_only_layers`, `decoder_sparse_step` 1)."""
+        imports nothing but the standard library). Its MoE layers are taken to be all but the first
+        `first_k_dense_replace` (as in the Hosted models: no `mlp_only_layers`, `decoder_sparse_step` 1)."""
+        dense = getattr(model, "first_k_dense_replace", 0) if model.num_experts else 0
         return cls("", model.num_layers, model.hidden_size, model.num_heads, model.num_kv_heads, model.head_dim,
-                   model.vocab_size, mlp=0 if model.num_experts else model.intermediate_size, experts=model.num_experts,
-                   top_k=model.num_experts_per_tok, moe_mlp=model.moe_intermediate_size,
-                   tied=model.tie_word_embeddings)
+                   model.vocab_size, mlp=model.intermediate_size if dense or not model.num_experts else 0,
+                   experts=model.num_experts, top_k=model.num_experts_per_tok, moe_mlp=model.moe_intermediate_size,
+                   tied=model.tie_word_embeddings, dense_layers=dense,
+                   shared_mlp=getattr(model, "n_shared_experts", 0) * model.moe_intermediate_size)
 
 
 QWEN3_4B = Arch("Qwen3-4B", 36, 2560, 32, 8, 128, 151936, mlp=9728, tied=True)
 QWEN3_30B_A3B = Arch("Qwen3-30B-A3B", 48, 2048, 32, 4, 128, 151936, experts=128, top_k=8, moe_mlp=768)
 QWEN3_235B_A22B = Arch("Qwen3-235B-A22B", 94, 4096, 64, 4, 128, 151936, experts=128, top_k=8, moe_mlp=1536)
+INTELLECT_3 = Arch("INTELLECT-3", 46, 4096, 96, 8, 128, 151552, mlp=10944, experts=128, top_k=8, moe_mlp=1408,
+                   dense_layers=1, shared_mlp=1408)  # GLM-4.5-Air's architecture
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +85,15 @@ def _weights(a: Arch, rank: int | None, m: Mesh) -> tuple[float, float]:
             (a.layers, a.d, _split(a.d, fs), kh, _split(a.kv_heads, tp), 1),  # v
             (a.layers, nh, _split(a.heads, tp), a.d, _split(a.d, fs), 1)]  # o
     ex = _split(a.experts, m.expert) if a.experts else 1
-    mlp, count = (a.moe_mlp, a.layers * a.experts) if a.experts else (a.mlp, a.layers)
-    proj += [(count, a.d, _split(a.d, fs), mlp, _split(mlp, tp), ex)] * 2  # gate, up
-    proj += [(count, mlp, _split(mlp, tp), a.d, _split(a.d, fs), ex)]  # down
+    moe_layers = a.layers - a.dense_layers if a.experts else 0
+    # (count, width, expert split) of each kind of SwiGLU MLP: dense, routed experts, shared experts
+    mlps = [(a.layers - moe_layers, a.mlp, 1), (moe_layers * a.experts, a.moe_mlp, ex)]
+    if rank is None:  # the shared expert is not adapted
+        mlps.append((moe_layers, a.shared_mlp, 1))
+    for count, mlp, split in mlps:
+        if count and mlp:
+            proj += [(count, a.d, _split(a.d, fs), mlp, _split(mlp, tp), split)] * 2  # gate, up
+            proj += [(count, mlp, _split(mlp, tp), a.d, _split(a.d, fs), split)]  # down
     total = per_chip = 0.0
     for n, x, sx, y, sy, se in proj:
         if rank is None:
@@ -92,7 +104,7 @@ def _weights(a: Arch, rank: int | None, m: Mesh) -> tuple[float, float]:
             per_chip += n * rank * (x / sx + y / sy) / se
     if rank is None:
         emb = a.vocab * a.d * (1 if a.tied else 2)
-        router = a.layers * a.d * a.experts
+        router = (a.layers - a.dense_layers) * a.d * a.experts if a.experts else 0
         total += emb + router
         per_chip += emb / (_split(a.vocab, tp) * _split(a.d, fs)) + router / _split(a.d, fs)
     return total, per_chip
@@ -103,7 +115,7 @@ def param_count(a: Arch) -> tuple[float, float]:
     total, _ = _weights(a, None, Mesh())
     if not a.experts:
         return total, total
-    expert_params = a.layers * a.experts * 3 * a.d * a.moe_mlp
+    expert_params = (a.layers - a.dense_layers) * a.experts * 3 * a.d * a.moe_mlp
     return total, total - expert_params * (1 - a.top_k / a.experts)
 
 
@@ -171,6 +183,7 @@ LAYOUTS = [
     (QWEN3_235B_A22B, "v5litepod-256", 16, Mesh(fsdp=8, tensor=4, expert=8), 512, 128),
     (QWEN3_235B_A22B, "v6e-64", 32, Mesh(fsdp=4, tensor=2, expert=8), 256, 128),
     (QWEN3_235B_A22B, "v5p-128", 95, Mesh(fsdp=4, tensor=2, expert=8), 512, 256),
+    (INTELLECT_3, "v5p-16", 95, Mesh(fsdp=2, expert=4), 256, 256),
 ]
 
 
@@ -188,7 +201,7 @@ def table(seq_len: int = 4096, lora_rank: int = 16) -> str:
 
 
 if __name__ == "__main__":
-    for arch in (QWEN3_4B, QWEN3_30B_A3B, QWEN3_235B_A22B):
+    for arch in (QWEN3_4B, QWEN3_30B_A3B, QWEN3_235B_A22B, INTELLECT_3):
         total, active = param_count(arch)
         lora, _ = _weights(arch, 16, Mesh())
         print(f"{arch.name}: {total / 1e9:.2f}B parameters ({active / 1e9:.2f}B active), "

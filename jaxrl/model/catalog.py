@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3 (dense)", "Qwen3MoeForCausalLM": "qwen3_moe (mixture of experts)"}
+ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3 (dense)", "Qwen3MoeForCausalLM": "qwen3_moe (mixture of experts)",
+                 "Glm4MoeForCausalLM": "glm4_moe (GLM-4.5 mixture of experts)"}
 
 _QWEN3_4B: dict[str, Any] = {
     "model_type": "qwen3", "vocab_size": 151_936, "hidden_size": 2560, "intermediate_size": 9728,
@@ -28,6 +29,18 @@ _QWEN3_235B_A22B: dict[str, Any] = {
     "tie_word_embeddings": False, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1536,
     "norm_topk_prob": True, "rope_theta": 5_000_000.0, "max_position_embeddings": 262_144,
 }
+# GLM-4.5-Air's architecture (PrimeIntellect/INTELLECT-3 is its fine-tune): a dense first layer, then 45
+# layers of 128 sigmoid-routed experts (top 8) plus one shared expert, q/k/v biases, RoPE on half of each
+# head; its multi-token-prediction layer (layer 46 of the checkpoint) is not run.
+_GLM45_AIR: dict[str, Any] = {
+    "model_type": "glm4_moe", "vocab_size": 151_552, "hidden_size": 4096, "intermediate_size": 10_944,
+    "num_hidden_layers": 46, "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
+    "tie_word_embeddings": False, "n_routed_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1408,
+    "n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0,
+    "n_group": 1, "topk_group": 1, "attention_bias": True, "use_qk_norm": False, "partial_rotary_factor": 0.5,
+    "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131_072,
+    "num_nextn_predict_layers": 1,
+}
 
 # Hosted Training model name -> its HF config.json architecture fields.
 HOSTED_MODELS: dict[str, dict[str, Any]] = {
@@ -37,4 +50,5 @@ HOSTED_MODELS: dict[str, dict[str, Any]] = {
     "Qwen/Qwen3-30B-A3B-Thinking-2507": _QWEN3_30B_A3B,
     "Qwen/Qwen3-235B-A22B-Instruct-2507": _QWEN3_235B_A22B,
     "Qwen/Qwen3-235B-A22B-Thinking-2507": _QWEN3_235B_A22B,
+    "PrimeIntellect/INTELLECT-3": _GLM45_AIR,
 }

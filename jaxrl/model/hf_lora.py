@@ -132,7 +132,7 @@ def _adapted(cfg: ModelConfig, targets: tuple[str, ...]) -> list[tuple[str, str]
 
 def check_peft_targets(cfg: ModelConfig, targets: tuple[str, ...]) -> None:
     """Raise ValueError for unknown `targets`, or a LoRA on them that peft cannot load onto transformers 5's
-    Qwen3-MoE (`save_adapter`)."""
+    Qwen3-MoE or GLM-4.5 MoE (`save_adapter`): on a GLM-4.5, attention targets only."""
     unknown = sorted(set(targets) - LORA_TARGETS.keys())
     if unknown:
         raise ValueError(f"unknown LoRA targets {unknown}; expected some of {sorted(LORA_TARGETS)}")
@@ -144,9 +144,13 @@ def check_peft_targets(cfg: ModelConfig, targets: tuple[str, ...]) -> None:
                          "transformers 5 fuses each expert's two into one gate_up_proj and peft converts "
                          "the adapter only when both are targeted; export the merged model instead")
     if cfg.mlp_layers:
-        raise ValueError(f"a PEFT adapter cannot hold MLP LoRA for a Qwen3-MoE with dense-MLP layers "
+        raise ValueError(f"a PEFT adapter cannot hold MLP LoRA for an MoE model with dense-MLP layers "
                          f"{list(cfg.mlp_layers)}: peft maps gate_proj/up_proj/down_proj to the experts "
                          "only when it loads the adapter; export the merged model instead")
+    if cfg.n_shared_experts:
+        raise ValueError("a PEFT adapter cannot hold MLP LoRA for a GLM-4.5 MoE: peft would also adapt its "
+                         "shared experts' gate_proj/up_proj/down_proj, which jaxrl's LoRA leaves alone; "
+                         "export the merged model instead")
 
 
 def save_adapter(folder: str | epath.PathLike, cfg: ModelConfig, lora: Params, *, rank: int, alpha: float,
@@ -240,7 +244,7 @@ def load_adapter(folder: str | epath.PathLike, cfg: ModelConfig) -> Adapter:
     rank, targets = int(conf["r"]), tuple(sorted(conf["target_modules"]))
     unknown = sorted(set(targets) - LORA_TARGETS.keys())
     if unknown:
-        raise ValueError(f"{folder / ADAPTER_CONFIG}: target_modules {unknown} are not Qwen3 projections "
+        raise ValueError(f"{folder / ADAPTER_CONFIG}: target_modules {unknown} are not projections jaxrl adapts "
                          f"({sorted(LORA_TARGETS)})")
     tensors = dict(safetensors.numpy.load((folder / ADAPTER_WEIGHTS).read_bytes()))
     names = hf.tensor_names(cfg)
