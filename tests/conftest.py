@@ -17,6 +17,7 @@ configure_clients(GCS_PROXY_PORT)
 # session (and its subprocesses) point at a closed port; test_hub.py serves its own stand-in hub.
 os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+os.environ["HF_TOKEN_PATH"] = os.path.join(tempfile.gettempdir(), "jaxrl-tests-no-hf-token")  # no stored login
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
