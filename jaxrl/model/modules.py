@@ -1,4 +1,4 @@
-"""Qwen3 and Qwen3-MoE as Flax NNX modules: the one declaration of every weight and LoRA factor.
+"""Qwen3, Qwen3-MoE and GLM-4.5 MoE as Flax NNX modules: the one declaration of every weight and LoRA factor.
 
 Each weight is an `nnx.Param` created once, in the `__init__` of the module that holds it, by `_weight`:
 its value (ones for the norms, zeros for LoRA's `b`, else normal std 0.02 as HF's `initializer_range`,

@@ -1,4 +1,4 @@
-"""Qwen3 and Qwen3-MoE in JAX over a params pytree, with LoRA and a KV cache.
+"""Qwen3, Qwen3-MoE and GLM-4.5 MoE in JAX over a params pytree, with LoRA and a KV cache.
 
 Letters used in names and einsums:
   B batch   T query positions   S key positions (KV cache length)   L layers
@@ -14,7 +14,9 @@ Letters used in names and einsums:
 
 The architecture follows transformers' `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` (RMSNorm before
 attention and MLP, RMSNorm on every query and key head before RoPE, grouped-query attention, a SwiGLU
-MLP or a top-k mixture of SwiGLU experts, `jaxrl.model.moe`). This module holds the math, as pure
+MLP or a top-k mixture of SwiGLU experts, `jaxrl.model.moe`), and transformers' `Glm4MoeForCausalLM`
+where `ModelConfig` (`jaxrl.model.config`) says so: q/k/v biases, qk-norm optional, RoPE on part of each
+head, dense first layers, GLM's router and a shared expert. This module holds the math, as pure
 functions over the params pytree; the weights are declared once, as Flax NNX modules, in
 `jaxrl.model.modules` (`param_specs`, `init_params`, `Qwen3`, whose methods call these functions). The
 params have three stacks: `layers` (attention and norms, [L, ...]), `mlp` (dense MLPs, [Q, ...]) and
