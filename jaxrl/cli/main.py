@@ -18,6 +18,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from jaxrl.cli import serve_options
 from jaxrl.cli.evaluate import eval_app
 from jaxrl.cli.gepa import gepa_app
 from jaxrl.cli.train import quiet_libraries, train
@@ -338,7 +339,11 @@ def serve(
     import threading
     import time
 
-    api_key, shape = _serve_options(dtype, max_pending, api_key_env, mesh, jetstream, port)
+    try:
+        api_key = serve_options.check(dtype, max_pending, api_key_env, jetstream, port)
+    except serve_options.OptionError as exc:
+        raise _fail(str(exc)) from None
+    shape = _parse_mesh(mesh)
     from jaxrl.cli import serve as serving  # heavy (JAX): kept off the validate/init path
     from jaxrl.inference.server import start_server
 
@@ -378,39 +383,6 @@ def serve(
         handle.stop()
     finally:
         scheduler.stop()
-
-
-def _serve_options(dtype: str | None, max_pending: int, api_key_env: str | None, mesh: str, jetstream: bool,
-                   port: int) -> tuple[str | None, dict[str, int]]:
-    """`serve`'s options checked before the model loads (each refusal exits with code 2, naming the option):
-    the API key read from `api_key_env` (None without it) and the mesh shape parsed from `mesh`."""
-    import os
-
-    if dtype not in (None, "float32", "bfloat16"):
-        raise _fail(f"--dtype: {dtype!r} is not float32 or bfloat16")
-    if max_pending < 1:
-        raise _fail(f"--max-pending must be >= 1, got {max_pending}")
-    api_key = None
-    if api_key_env is not None:
-        api_key = os.environ.get(api_key_env)
-        if not api_key:
-            raise _fail(f"--api-key-env: the environment variable {api_key_env} is not set or empty")
-    shape = _parse_mesh(mesh)
-    if jetstream:
-        _check_jetstream(api_key, port)
-    return api_key, shape
-
-
-def _check_jetstream(api_key: str | None, port: int) -> None:
-    """Refuse what `serve --jetstream` cannot do, before the model loads."""
-    if api_key is not None:
-        raise _fail("--jetstream: JetStream's gRPC server has no API keys; drop --api-key-env")
-    if port == 0:
-        raise _fail("--jetstream needs a --port other than 0 (JetStream's server does not say which port it got)")
-    try:
-        import jaxrl.inference.jetstream  # noqa: F401 - about 5 s (TensorFlow): paid here, before the model loads
-    except ImportError as exc:
-        raise _fail(f"--jetstream needs the jetstream extra (pip install 'jaxrl[jetstream]'): {exc}") from None
 
 
 RunsDir = Annotated[Path, typer.Option("--runs-dir", envvar="JAXRL_RUNS_DIR",
