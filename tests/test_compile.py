@@ -202,30 +202,38 @@ def test_cpu_only_choices_follow_the_mesh_not_the_host():
     CPU) are off on a TPU mesh."""
     import jax
 
+    from jaxrl.inference.cpu import CpuLayout
     from jaxrl.inference.engine import Engine
+    from jaxrl.inference.layout import Plain
     from jaxrl.model import head
     from jaxrl.model.qwen3 import ModelConfig
     from jaxrl.parallel.sharding import make_mesh, mesh_platform
-    from jaxrl.rl import train
-    from jaxrl.rl.train import head_block, head_chunk
+    from jaxrl.rl import cpu
 
     tpu = make_mesh({"fsdp": 4}, slices.topology_devices(slices.parse_slice("v5litepod-4")))
-    cpu = make_mesh({}, jax.devices()[:1])
-    assert (mesh_platform(cpu), mesh_platform(tpu), jax.default_backend()) == ("cpu", "tpu", "cpu")
-    assert head_block(cpu, 151_936) == head.VOCAB_PER_BLOCK < 151_936
-    assert head_block(tpu, 151_936) == 151_936
+    on_cpu = make_mesh({}, jax.devices()[:1])
+    assert (mesh_platform(on_cpu), mesh_platform(tpu), jax.default_backend()) == ("cpu", "tpu", "cpu")
+    qwen = ModelConfig(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
+                       num_kv_heads=8, head_dim=128)
+    assert cpu.tuning(on_cpu, qwen).head_block == cpu.HEAD_BLOCK < 151_936
+    assert cpu.tuning(tpu, qwen) == cpu.Tuning.plain(qwen) == cpu.Tuning(True, head.TOKENS_PER_CHUNK, 151_936)
     # and in chunks of at least as many tokens as the hidden size and 256 a MiB of L2 (256 to 1024) on CPU,
     # of the default elsewhere (a chunk's logits there span the whole vocabulary)
-    mib = 2**20
-    assert head_chunk(cpu, 1024, mib) == 1024 and head_chunk(cpu, 64, mib) == head.TOKENS_PER_CHUNK == 256
-    assert [head_chunk(cpu, 256, n * mib) for n in (2, 4, 32)] == [512, 1024, 1024]
-    assert head_chunk(cpu, 64, 0) == head_chunk(tpu, 1024) == head_chunk(tpu, 1024, 2 * mib) == 256
-    assert train.cpu_l2_bytes() is None or train.cpu_l2_bytes() >= 256 * 2**10  # this machine's, from sysfs
+    mib, d64 = 2**20, dataclasses.replace(qwen, hidden_size=64)
+    assert cpu.cpu_tuning(qwen, mib).head_chunk == 1024 and cpu.cpu_tuning(d64, mib).head_chunk == 256
+    assert [cpu.cpu_tuning(dataclasses.replace(qwen, hidden_size=256), n * mib).head_chunk
+            for n in (2, 4, 32)] == [512, 1024, 1024]
+    assert cpu.cpu_tuning(d64, 0).head_chunk == head.TOKENS_PER_CHUNK == 256
+    assert cpu.l2_bytes() is None or cpu.l2_bytes() >= 256 * 2**10  # this machine's, from sysfs
+    # a shallow stack unrolled on CPU only
+    four = dataclasses.replace(qwen, num_layers=4)
+    assert (cpu.cpu_tuning(qwen).scan_layers, cpu.cpu_tuning(four).scan_layers) == (True, False)
+    assert cpu.tuning(tpu, four).scan_layers
     small = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=16)
-    on_cpu, on_tpu = Engine(small, cpu, 16, 64), Engine(small, tpu, 16, 64)
-    assert (on_cpu.unstack, on_cpu.blocked_sampling) == (True, True)
-    assert (on_tpu.unstack, on_tpu.blocked_sampling) == (False, False)
+    on_cpu, on_tpu = Engine(small, on_cpu, 16, 64), Engine(small, tpu, 16, 64)
+    assert isinstance(on_cpu.layout, CpuLayout) and on_cpu.layout.blocked_sampling
+    assert isinstance(on_tpu.layout, Plain) and on_tpu.layout.reads_training_weights
 
 
 def test_a_run_on_accelerator_hosts_compiles_to_choose_its_engine_group(tiny_model_dir, monkeypatch):

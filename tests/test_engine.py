@@ -5,10 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrl.inference.cpu import CpuLayout
 from jaxrl.inference.engine import Engine, pad_prompt
+from jaxrl.inference.layout import Plain
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
-from jaxrl.model import decode, modules, qwen3
+from jaxrl.model import cpu, decode, modules, qwen3
 from jaxrl.model.qwen3 import LORA_TARGETS, ModelConfig
 from jaxrl.parallel.sharding import make_mesh, spec_shardings
 
@@ -53,9 +55,13 @@ def _reference_logprobs(params, ids, temperature=1.0):
 
 
 @pytest.mark.numerics
-def test_prefill_insert_generate_match_full_forward():
+@pytest.mark.parametrize("plain", [False, True], ids=["cpu-layout", "plain-layout"])
+def test_prefill_insert_generate_match_full_forward(plain):
+    """On the CPU's layout (the default here) and on the plain one a TPU or GPU engine runs (stacked cache,
+    training weights read in place, the layers scanned), forced on this CPU."""
     params = _params(lora_seed=1)
-    engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=3, max_seq_len=48, lora_scale=0.5)
+    engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=3, max_seq_len=48, lora_scale=0.5,
+                    layout=Plain(CFG, 3, 48) if plain else None)
     state = engine.init_decode_state()
     prompts = {0: [5, 7, 9, 11, 3], 2: list(range(1, 20))}
     out = {}
@@ -81,7 +87,8 @@ def test_prefill_insert_generate_match_full_forward():
 @pytest.mark.numerics
 @pytest.mark.parametrize(("unstacked", "split"), [(False, ()), (True, ()), (True, (24,)), (True, (4, 4, 8, 8))])
 def test_decode_step_matches_model_forward_with_cache(unstacked, split):
-    """`split`: the per-layer head-major cache in chunks of those many positions (of the 24)."""
+    """`unstacked`: the per-layer weights (the CPU engine's); `split`: the per-layer head-major cache in chunks
+    of those many positions (of the 24: `cpu.CHUNKED`); neither: the plain path a TPU runs (`decode.STACKED`)."""
     params = _params(lora_seed=1)
     layers = None
     if unstacked:
@@ -95,14 +102,15 @@ def test_decode_step_matches_model_forward_with_cache(unstacked, split):
     positions = jnp.array([0, 9, 23], jnp.int32)
     want_h, want_cache = qwen3.forward(CFG, params["base"], tokens[:, None], positions[:, None], lora=params["lora"],
                                        lora_scale=0.5, cache=cache)
+    layout = cpu.CHUNKED if split else decode.STACKED
     step = jax.jit(lambda p, c, ly: decode.decode_step(CFG, p["base"], tokens, positions, c, lora=p["lora"],
-                                                       lora_scale=0.5, layers=ly))
-    got_h, got_cache = step(params, decode.split_cache(cache, split) if split else cache, layers)
+                                                       lora_scale=0.5, layers=ly, layout=layout))
+    got_h, got_cache = step(params, cpu.split_cache(cache, split) if split else cache, layers)
     np.testing.assert_allclose(got_h, want_h, rtol=1e-4, atol=1e-4)
     assert isinstance(got_cache["k"], list) == bool(split)
     if split:
         assert [[c.shape[-1] for c in layer] for layer in got_cache["k"]] == [list(split)] * CFG.num_layers
-    got_cache = decode.join_cache(got_cache) if split else got_cache
+    got_cache = cpu.join_cache(got_cache) if split else got_cache
     for name in ("k", "v"):
         np.testing.assert_allclose(got_cache[name], want_cache[name], rtol=1e-5, atol=1e-5)
 
@@ -110,18 +118,18 @@ def test_decode_step_matches_model_forward_with_cache(unstacked, split):
 @pytest.mark.numerics
 def test_decode_step_over_the_first_chunks_is_the_same_bit_for_bit():
     """A step given only the first chunks of each layer's cache (`Engine.generate`'s `chunks`) computes the
-    rows whose positions they hold exactly as over every chunk (`decode._attend_chunks` merges the softmax
+    rows whose positions they hold exactly as over every chunk (`cpu.Chunked.attend` merges the softmax
     chunk by chunk), writes their keys/values in them, and leaves the other chunks to the caller."""
     params = _params(lora_seed=1)
     pairs = zip(decode.unstack_layers(CFG, params["base"]), decode.unstack_layers(CFG, params["lora"]), strict=True)
     layers = [(w, lw, mw, mlw) for (w, mw), (lw, mlw) in pairs]
     ks = jax.random.split(jax.random.key(6), 2)
     shape = (CFG.num_layers, 3, 32, CFG.num_kv_heads, CFG.head_dim)
-    cache = decode.split_cache({"k": jax.random.normal(ks[0], shape), "v": jax.random.normal(ks[1], shape)},
-                               (8, 8, 16))
+    cache = cpu.split_cache({"k": jax.random.normal(ks[0], shape), "v": jax.random.normal(ks[1], shape)},
+                            (8, 8, 16))
     tokens, positions = jnp.array([3, 50, 7], jnp.int32), jnp.array([0, 9, 15], jnp.int32)
     step = jax.jit(lambda c: decode.decode_step(CFG, params["base"], tokens, positions, c, lora=params["lora"],
-                                                lora_scale=0.5, layers=layers))
+                                                lora_scale=0.5, layers=layers, layout=cpu.CHUNKED))
     all_h, all_cache = step(cache)
     first = {n: [layer[:2] for layer in cache[n]] for n in ("k", "v")}  # positions 0..15 of 32
     some_h, some_cache = step(first)
@@ -236,7 +244,7 @@ def test_ban_only_while_a_slot_is_short_of_min_tokens():
     steps take the blocked sampler (`sample_unembedded`): greedy tokens and logprobs as the full forward."""
     params = _params(lora_seed=1)
     engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=2, max_seq_len=32, lora_scale=0.5,
-                    blocked_sampling=True)
+                    layout=CpuLayout(CFG, 2, 32, blocked_sampling=True))
     prompt = [5, 7, 9, 11, 3]
     greedy = _greedy_reference(params, prompt, 6)
     bans, generate = [], engine.generate
@@ -298,10 +306,11 @@ def test_scheduler_steps_read_the_cache_chunks_in_use():
     mid-generation match the full forward pass."""
     params = _params(lora_seed=1)
     engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=2, max_seq_len=300, lora_scale=0.5)
-    assert (engine.chunk_sizes, engine.num_chunks) == ((128, 128, 44), 3)
-    assert decode.chunk_sizes(32) == (32,) and decode.chunk_sizes(1000) == (128, 128, 256, 488)
-    assert decode.chunk_sizes(4096) == (128, 128, 256, 512, 1024, 2048)  # each as long as those before it
-    assert [engine.cache_chunks(n) for n in (1, 128, 129, 256, 257, 300)] == [1, 1, 2, 2, 3, 3]
+    assert (engine.layout.chunk_sizes, engine.layout.num_chunks) == ((128, 128, 44), 3)
+    assert cpu.chunk_sizes(32) == (32,) and cpu.chunk_sizes(1000) == (128, 128, 256, 488)
+    assert cpu.chunk_sizes(4096) == (128, 128, 256, 512, 1024, 2048)  # each as long as those before it
+    # all three chunks: None, the whole cache (one compiled step for it, however it is asked for)
+    assert [engine.cache_chunks(n) for n in (1, 128, 129, 256, 257, 300)] == [1, 1, 2, 2, None, None]
     rng = np.random.default_rng(3)
     short = ([5, 7, 9, 11, 3], SamplingParams(temperature=1.0, max_tokens=12, seed=4))
     crossing = (rng.integers(0, CFG.vocab_size, 120).tolist(), SamplingParams(temperature=1.0, max_tokens=20, seed=5))
@@ -354,14 +363,17 @@ def test_update_params_in_flight_keeps_request_and_records_versions():
 
 
 @pytest.mark.numerics
-def test_sharded_engine_matches_single_device():
+@pytest.mark.parametrize("plain", [False, True], ids=["cpu-layout", "plain-layout"])
+def test_sharded_engine_matches_single_device(plain):
+    """Sharded over 8 devices as on a TPU slice: on the CPU's layout and on the plain one a TPU runs."""
     params = _params(lora_seed=1)
     outs = []
     for shape in ({}, {"data": 2, "fsdp": 2, "tensor": 2}):
         mesh = make_mesh(shape, jax.devices()[: 8 if shape else 1])
         base = jax.device_put(params["base"], spec_shardings(modules.param_specs(CFG), CFG.dims(), mesh))
         p = {"base": base, "lora": params["lora"]}
-        engine = Engine(CFG, mesh, max_concurrent_decodes=4, max_seq_len=32, lora_scale=0.5)
+        engine = Engine(CFG, mesh, max_concurrent_decodes=4, max_seq_len=32, lora_scale=0.5,
+                        layout=Plain(CFG, 4, 32) if plain else None)
         state = engine.init_decode_state()
         prefix = engine.prefill(params=p, padded_tokens=pad_prompt([3, 1, 4, 1, 5], 16), true_length=5,
                                 sampling=SamplingParams(temperature=0.0))
@@ -380,19 +392,17 @@ def test_sharded_engine_matches_single_device():
 
 @pytest.mark.numerics
 def test_weight_copies_only_on_cpu_and_the_same_tokens_without_them():
-    """The per-layer copy and the [D, V] unembedding are made on CPU only; on TPU/GPU (`unstack` False)
-    the engine's params are the training arrays themselves, and it samples the same tokens."""
-    from jaxrl.inference.engine import copies_weights
-
-    assert copies_weights("cpu") and not any(copies_weights(p) for p in ("tpu", "gpu", "cuda", "rocm"))
+    """The per-layer copy and the [V, D] unembedding are made by the CPU's layout only; the plain one (what
+    a TPU or GPU engine runs, forced here) reads the training arrays themselves, keeps one stacked cache,
+    and samples the same tokens."""
     params = _params(lora_seed=1)
     mesh = make_mesh({}, jax.devices()[:1])
     outs = []
-    for unstack in (None, False):
-        engine = Engine(CFG, mesh, max_concurrent_decodes=2, max_seq_len=32, lora_scale=0.5, unstack=unstack)
+    for layout in (None, Plain(CFG, 2, 32)):
+        engine = Engine(CFG, mesh, max_concurrent_decodes=2, max_seq_len=32, lora_scale=0.5, layout=layout)
         prepared = engine.prepare(params)
-        if unstack is None:  # decided by the CPU mesh
-            assert engine.unstack and {"layers", "unembed"} <= prepared.keys()
+        if layout is None:  # decided by the CPU mesh
+            assert isinstance(engine.layout, CpuLayout) and {"layers", "unembed"} <= prepared.keys()
         else:
             assert prepared.keys() == {"base", "lora"} and prepared["base"] is params["base"]
             assert engine.init_decode_state().cache["k"].shape == (CFG.num_layers, 2, 32, 2, 8)
@@ -408,8 +418,8 @@ def test_weight_copies_only_on_cpu_and_the_same_tokens_without_them():
         outs.append((toks, lps))
     assert outs[0][0] == outs[1][0]
     np.testing.assert_allclose(outs[0][1], outs[1][1], atol=1e-5)
-
-
+    with pytest.raises(ValueError, match="engine layout"):
+        Engine(CFG, mesh, max_concurrent_decodes=4, max_seq_len=32, layout=Plain(CFG, 2, 32))
 
 
 MOE_CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
@@ -422,18 +432,18 @@ MOE_CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_l
 def test_prefill_through_the_per_layer_copy_matches_the_stacks(cfg):
     """On CPU a prefill runs the layers of `Engine.prepare`'s per-layer copy unrolled (`qwen3.forward`'s
     `layers`) where XLA would copy each layer's weights out of the stack: the same cache and logits as the
-    stacked weights (`unstack` False), LoRA included, for a dense and a mixed dense/MoE stack."""
+    stacked weights (the plain layout), LoRA included, for a dense and a mixed dense/MoE stack."""
     base = jax.tree.map(lambda x: x * 20 if x.ndim > 1 else x, modules.init_params(cfg, jax.random.key(0)))
     lora = jax.tree.map(lambda x: x + 0.3, modules.init_lora(cfg, 4, tuple(LORA_TARGETS), jax.random.key(1)))
     mesh = make_mesh({}, jax.devices()[:1])
     tokens = pad_prompt([5, 7, 9, 11, 3, 2, 8], 16)
     outs = []
-    for unstack in (None, False):
-        engine = Engine(cfg, mesh, max_concurrent_decodes=2, max_seq_len=32, lora_scale=0.5, unstack=unstack)
+    for layout in (None, Plain(cfg, 2, 32)):
+        engine = Engine(cfg, mesh, max_concurrent_decodes=2, max_seq_len=32, lora_scale=0.5, layout=layout)
         prepared = engine.prepare({"base": base, "lora": lora})
-        assert ("layers" in prepared) == (unstack is None)
+        assert ("layers" in prepared) == (layout is None)
         outs.append(engine._prefill_forward(prepared, tokens, jnp.int32(7)))
-        if unstack is None:  # the copy is what it reads: its layers in reverse order give other logits
+        if layout is None:  # the copy is what it reads: its layers in reverse order give other logits
             swapped = engine._prefill_forward({**prepared, "layers": prepared["layers"][::-1]}, tokens, jnp.int32(7))
             assert np.abs(np.asarray(swapped[1]) - np.asarray(outs[0][1])).max() > 1e-2
     (cache, logits), (want_cache, want_logits) = outs

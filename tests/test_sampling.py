@@ -6,17 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrl.inference.cpu import sample_unembedded, vocab_blocks
 from jaxrl.inference.protocol import SamplingParams
-from jaxrl.inference.sampling import (
-    CHUNK,
-    SlotSampling,
-    draw,
-    mark_seen,
-    sample,
-    sample_unembedded,
-    stop_ban,
-    vocab_blocks,
-)
+from jaxrl.inference.sampling import CHUNK, SlotSampling, draw, mark_seen, sample, stop_ban
 
 LOGITS = jnp.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 N = 40_000

@@ -15,6 +15,7 @@ from jaxrl.inference.scheduler import Scheduler
 from jaxrl.model import modules, qwen3
 from jaxrl.model.qwen3 import LORA_TARGETS
 from jaxrl.parallel.sharding import batch_shards, make_mesh, spec_shardings
+from jaxrl.rl import cpu
 from jaxrl.rl.train import Trainer, learning_rate, loss_width, make_batch, make_optimizer, sampled_logprobs
 from jaxrl.run.checkpoint import Checkpointer
 
@@ -126,12 +127,15 @@ def test_checkpoint_round_trip_and_retention(tmp_path):
 
 
 @pytest.mark.numerics
-def test_step_metrics_are_those_of_the_batch():
+@pytest.mark.parametrize("plain", [False, True], ids=["cpu-tuning", "plain-tuning"])
+def test_step_metrics_are_those_of_the_batch(plain):
     """`policy/entropy` is the mean full-vocabulary entropy over sampled tokens, `optim/grad_norm` the
     global norm of the LoRA gradient (before clipping), `policy/kl` the k3 mean, each recomputed here
-    from a plain forward pass and `jax.grad`."""
+    from a plain forward pass and `jax.grad`; with the CPU's tuning (the default here: the 2 layers
+    unrolled, the head in vocabulary blocks) and with the plain one a TPU or GPU runs (scanned, one block)."""
     mesh = make_mesh({}, jax.devices()[:1])
-    base, trainer, state = _setup(mesh)
+    base, trainer, state = _setup(mesh, tuning=cpu.Tuning.plain(CFG) if plain else None)
+    assert trainer.tuning.scan_layers == plain
     batch = random_batch(1)
     _, metrics = trainer.step(state, base, batch)
     b, t = batch.inputs.shape

@@ -233,15 +233,14 @@ def compile_prefill(s: Shapes, mesh: Mesh, bucket: int | None = None) -> Program
 
 
 def abstract_decode_state(engine: Engine) -> DecodeState:
-    """The decode state `Engine.init_decode_state` makes, as ShapeDtypeStructs (stacked cache: the
-    engine on an accelerator keeps one buffer [L, B, S, K, H] per k and v), every per-slot array split
-    over the slots' batch axis as the cache is."""
-    c, b, s = engine.cfg, engine.max_concurrent_decodes, engine.max_seq_len
-    shape = (c.num_layers, b, s, c.num_kv_heads, c.head_dim)
-    cache_sh = array_sharding((None, "batch", None, "kv_heads", None), shape, engine.mesh)
+    """The decode state `Engine.init_decode_state` makes, as ShapeDtypeStructs: the cache its layout declares
+    (`EngineLayout.cache`; on an accelerator one buffer [L, B, S, K, H] per k and v), every per-slot array
+    split over the slots' batch axis as the cache is."""
+    c, b = engine.cfg, engine.max_concurrent_decodes
+    cache = engine.layout.cache(lambda shape, axes: jax.ShapeDtypeStruct(
+        shape, engine.cache_dtype, sharding=array_sharding(axes, shape, engine.mesh)))
     vec_sh = array_sharding(("batch",), (b,), engine.mesh)
     slot_vocab_sh = array_sharding(("batch", None), (b, c.vocab_size), engine.mesh)
-    cache = {n: jax.ShapeDtypeStruct(shape, engine.cache_dtype, sharding=cache_sh) for n in ("k", "v")}
     per_slot = _placed(jax.eval_shape(lambda: (SlotSampling.neutral(b), jax.random.split(jax.random.key(0), b))),
                        lambda x: vec_sh)
     return DecodeState(
@@ -260,7 +259,7 @@ def compile_decode(s: Shapes, mesh: Mesh) -> Program:
     """`Engine._generate` (truncating sampling and the repetition penalty on: the largest variant) for
     `decode_slots` slots of `seq_len` tokens on `mesh`."""
     engine, params = _engine(s, mesh)
-    if engine.unstack:
+    if not engine.layout.reads_training_weights:  # the CPU's layout: weight copies made from real arrays
         raise ValueError(f"decode is compiled for an accelerator mesh, not {mesh_platform(mesh)}")
     state = abstract_decode_state(engine)
     lowered = engine._generate.lower(params, state, truncate=True, penalize=True)

@@ -12,9 +12,11 @@ vLLM's default. `min_tokens` is counted per slot on device (`DecodeState.generat
 sampled fewer, its stop tokens (`DecodeState.stop`) are banned, in the same compiled decode step for
 every request. Both jitted steps rebuild the model, `jaxrl.model.modules.Qwen3`, over the engine params'
 arrays (`modules.bind`: `nnx.merge`, no copies, so the engine reads the trainer's base weights in place):
-prefill calls it (`qwen3.forward`, over the per-layer copy where `prepare` made one), a decode step calls
-`Qwen3.decode` (`jaxrl.model.decode`, the same layers with a bandwidth-minded attention over the cache).
-The decode state is donated to `insert` and `generate`, so the cache is updated in place.
+prefill calls it (`qwen3.forward`), a decode step calls `Qwen3.decode` (`jaxrl.model.decode`, the same
+layers with a bandwidth-minded attention over the cache). How the engine holds its weights and cache and
+samples is its `layout` (`jaxrl.inference.layout`: the plain one on TPU and GPU, the CPU's copies and
+chunked cache on CPU, `jaxrl.inference.cpu`). The decode state is donated to `insert` and `generate`, so
+the cache is updated in place.
 
 The method names and arguments follow `jetstream.engine.engine_api.Engine` (google-jetstream 0.2.2) so
 that JetStream's orchestrator can drive this engine; `prefill` and `insert` take extra keyword
@@ -24,7 +26,6 @@ arguments for the per-request sampling settings, which JetStream's API has no sl
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from typing import Any
 
 import jax
@@ -33,12 +34,12 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl.inference import layout as layouts
 from jaxrl.inference.protocol import SamplingParams
-from jaxrl.inference.sampling import SlotSampling, mark_seen, sample, sample_unembedded, stop_ban, vocab_blocks
-from jaxrl.model import modules, qwen3
-from jaxrl.model.decode import chunk_sizes, out_major, split_cache, unstack_layers
-from jaxrl.model.qwen3 import KVCache, ModelConfig, OutMajor, Params
-from jaxrl.parallel.sharding import array_sharding, mesh_platform
+from jaxrl.inference.sampling import SlotSampling, mark_seen, sample, stop_ban
+from jaxrl.model import modules
+from jaxrl.model.qwen3 import KVCache, ModelConfig, Params
+from jaxrl.parallel.sharding import array_sharding
 
 
 @struct.dataclass
@@ -60,13 +61,12 @@ class Prefix:
 
 @struct.dataclass
 class DecodeState:
-    """All decode slots: cache [L, B, S, K, H] (with `Engine.unstack`, per layer a list of head-major chunks
-    of `Engine.chunk_sizes` positions (128, 128, 256, ...): keys [B, K, H, C], values [B, K, C, H],
-    `jaxrl.model.decode.split_cache`);
-    the next input token [B] and its position [B]; sampling settings; one PRNG key per slot [B]; tokens
-    seen per slot, bool [B, V] (kept up to date only while some slot has a repetition penalty: a slot's
-    settings are fixed at insert); each slot's stop tokens, bool [B, V], and the tokens it has sampled,
-    int32 [B] (the prefill's first one included), for `min_tokens`."""
+    """All decode slots: the KV cache as the engine's layout declares it (`EngineLayout.cache`: [L, B, S, K,
+    H] per k and v on TPU and GPU, per-layer chunks on CPU); the next input token [B] and its position [B];
+    sampling settings; one PRNG key per slot [B]; tokens seen per slot, bool [B, V] (kept up to date only
+    while some slot has a repetition penalty: a slot's settings are fixed at insert); each slot's stop
+    tokens, bool [B, V], and the tokens it has sampled, int32 [B] (the prefill's first one included), for
+    `min_tokens`."""
 
     cache: KVCache
     tokens: jax.Array
@@ -86,27 +86,6 @@ class ResultTokens:
     logprobs: jax.Array
 
 
-def copies_weights(platform: str) -> bool:
-    """Whether an engine on devices of `platform` ("cpu", "tpu", "gpu", "cuda", "rocm": `jax.Device.platform`)
-    keeps the per-layer copy of the layer weights, output-major (`Engine.prepare`): only on CPU, where it
-    was measured to speed up decode (docs/benchmarks.md, issues 4 and 13: a separate array per layer, and
-    the projections as `qwen3.OutMajor`, the orientation XLA's CPU dot reads fastest at a few rows). On an
-    accelerator the engine reads the training weights in place: the copy would cost a second base
-    model's worth of HBM."""
-    return platform == "cpu"
-
-
-def blocked_sampling_pays(cfg: ModelConfig, decode_slots: int, platform: str) -> bool:
-    """Whether a decode step with neither truncation, penalty nor ban samples with `sample_unembedded`
-    (the unembedding and the draw fused over vocabulary blocks) rather than the [B, V] logits and `sample`,
-    on devices of `platform` (`jaxrl.parallel.sharding.mesh_platform`).
-    Measured on 2 CPU cores (issue 13, A/B in one process, vocabulary 151,936): at hidden 256 and 32 slots
-    the unembedding plus sampling took about 0.5x the time; at hidden 1024 (8 or 32 slots) 1.2-1.9x, and
-    at hidden 256 and 8 slots about 1x, where XLA's blocked [B, D] x [D, block] products run slower than
-    the whole matmul. So only on CPU (not measured elsewhere), for small hidden sizes and many slots."""
-    return platform == "cpu" and cfg.hidden_size <= 256 and decode_slots >= 16
-
-
 def prefill_buckets(max_prefill_length: int, smallest: int = 16) -> tuple[int, ...]:
     """Padded prompt lengths: powers of two from `smallest` up to `max_prefill_length` (included)."""
     out, n = [], smallest
@@ -120,18 +99,14 @@ def prefill_buckets(max_prefill_length: int, smallest: int = 16) -> tuple[int, .
 class Engine:
     """JetStream-style engine over a Qwen3 params pytree.
 
-    Engine params are `{"base": params, "lora": lora_or_None}`, plus, from `prepare`, `"layers"`: the
-    per-layer copy that prefills and decode steps read (`jaxrl.model.decode.unstack_layers`, projections
-    output-major by `decode.out_major`; several times faster decode on CPU for a second copy of the layer
-    weights, with the KV cache per layer likewise, in chunks of `chunk_sizes` positions), and `"unembed"`, the
-    unembedding as a `qwen3.OutMajor` [V, D] (a tied embedding read in place); `unstack=False` keeps one
-    copy of the weights (the training weights, read in place), a stacked cache, and scans the stack.
-    `unstack` None (the default) decides by the mesh's platform (`copies_weights`): the copies only on CPU,
-    where memory is plentiful and they were measured faster; never on TPU or GPU, where they would double
-    the engine's HBM for weights. LoRA
-    products are scaled by `lora_scale` (alpha / rank). `max_seq_len` (S) is the cache length: prompt
-    plus sampled tokens. `blocked_sampling` (None: `blocked_sampling_pays`) picks `sample_unembedded` for
-    decode steps that only apply a temperature.
+    Engine params are what `prepare` makes of `{"base": params, "lora": lora_or_None}` (the layout's:
+    the training arrays themselves on TPU and GPU; on CPU with its per-layer copies). LoRA products are
+    scaled by `lora_scale` (alpha / rank). `max_seq_len` (S) is the cache length: prompt plus sampled
+    tokens. `layout` (None: `jaxrl.inference.layout.for_mesh`, from the mesh's platform) holds the weights
+    and cache and samples (`EngineLayout`).
+
+    Raises:
+        ValueError: a given `layout` is for another model, slot count or cache length.
     """
 
     cfg: ModelConfig
@@ -140,20 +115,17 @@ class Engine:
     max_seq_len: int
     lora_scale: float = 0.0
     cache_dtype: Any = jnp.float32
-    unstack: bool | None = None
-    blocked_sampling: bool | None = None
+    layout: layouts.EngineLayout | None = None
 
     def __post_init__(self) -> None:
-        if self.unstack is None:
-            self.unstack = copies_weights(mesh_platform(self.mesh))
-        if self.blocked_sampling is None:
-            self.blocked_sampling = blocked_sampling_pays(self.cfg, self.max_concurrent_decodes,
-                                                          mesh_platform(self.mesh))
-        self._base_layers: tuple | None = None  # (the base it was made from, layers, unembed, its blocks)
+        if self.layout is None:
+            self.layout = layouts.for_mesh(self.cfg, self.mesh, self.max_concurrent_decodes, self.max_seq_len)
+        got = (self.layout.cfg, self.layout.slots, self.layout.max_seq_len)
+        if got != (self.cfg, self.max_concurrent_decodes, self.max_seq_len):
+            raise ValueError(f"engine layout for (model, slots, max_seq_len) {got[1:]} given to an engine of "
+                             f"{(self.max_concurrent_decodes, self.max_seq_len)} (or another model)")
         self.max_prefill_length = self.max_seq_len - 1
         self.buckets = prefill_buckets(self.max_prefill_length)
-        self.chunk_sizes = chunk_sizes(self.max_seq_len)  # positions per chunk of the per-layer cache (`unstack`)
-        self.num_chunks = len(self.chunk_sizes)
         self._prefill_forward = jax.jit(self._prefill_forward_impl)
         self._prefill_sample = jax.jit(self._prefill_sample_impl, static_argnames=("truncate",))
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
@@ -161,24 +133,8 @@ class Engine:
                                  static_argnames=("truncate", "penalize", "ban", "chunks"))
 
     def prepare(self, params: Params) -> Params:
-        """Engine params for `prefill` / `generate` from `{"base", "lora"}`: adds the per-layer view with
-        its projections output-major (`decode.out_major`) and the unembedding as a `qwen3.OutMajor` [V, D]
-        (`"unembed"`: a tied embedding as it is, an untied one transposed), and with `blocked_sampling` its
-        rows in blocks (`"unembed_blocks"`: `sampling.vocab_blocks`, a copy), unless `unstack` is off. The
-        base's views are reused while the same base object comes back (an RL run swaps only its LoRA)."""
-        if not self.unstack:
-            return {"base": params["base"], "lora": params.get("lora")}
-        base = params["base"]
-        if self._base_layers is None or self._base_layers[0] is not base:
-            unembed = (qwen3.OutMajor(base["embed"], (self.cfg.vocab_size,)) if "unembed" not in base
-                       else qwen3.OutMajor.of(base["unembed"], 1))
-            blocks = vocab_blocks(unembed.w_OI) if self.blocked_sampling else ()
-            self._base_layers = (base, out_major(self.cfg, unstack_layers(self.cfg, base)), unembed, blocks)
-        _, base_layers, unembed, blocks = self._base_layers
-        lora_layers = unstack_layers(self.cfg, params.get("lora"))
-        layers = [(w, lw, mw, mlw) for (w, mw), (lw, mlw) in zip(base_layers, lora_layers, strict=True)]
-        return {"base": base, "lora": params.get("lora"), "layers": layers, "unembed": unembed,
-                **({"unembed_blocks": blocks} if self.blocked_sampling else {})}
+        """Engine params for `prefill` / `generate` from `{"base", "lora"}` (`EngineLayout.prepare`)."""
+        return self.layout.prepare(params)
 
     # JetStream Engine API -------------------------------------------------------------------------
     @property
@@ -199,23 +155,14 @@ class Engine:
     def init_decode_state(self) -> DecodeState:
         """Empty slots: zero cache, token 0 at position 0, greedy sampling."""
         c = self.cfg
-        b, s = self.max_concurrent_decodes, self.max_seq_len
+        b = self.max_concurrent_decodes
         vec_sh = array_sharding(("batch",), (b,), self.mesh)
 
         def zeros(shape, axes):
             return jax.jit(lambda: jnp.zeros(shape, self.cache_dtype),
                            out_shardings=array_sharding(axes, shape, self.mesh))()
 
-        if self.unstack:  # per layer, head-major chunks (`jaxrl.model.decode.split_cache`)
-            axes, h = ("batch", "kv_heads", None, None), c.head_dim
-            cache = {"k": [[zeros((b, c.num_kv_heads, h, n), axes) for n in self.chunk_sizes]
-                           for _ in range(c.num_layers)],
-                     "v": [[zeros((b, c.num_kv_heads, n, h), axes) for n in self.chunk_sizes]
-                           for _ in range(c.num_layers)]}
-        else:
-            shape = (c.num_layers, b, s, c.num_kv_heads, c.head_dim)
-            axes = (None, "batch", None, "kv_heads", None)
-            cache = {"k": zeros(shape, axes), "v": zeros(shape, axes)}
+        cache = self.layout.cache(zeros)
         return DecodeState(
             cache=cache,
             tokens=jax.device_put(jnp.zeros((b,), jnp.int32), vec_sh),
@@ -283,34 +230,30 @@ class Engine:
         """One decode step for every slot (the decode state's buffers are donated). `truncate=False`
         skips min_p / top_k / top_p, `penalize=False` the repetition penalty and its bookkeeping, and
         `ban=False` the `min_tokens` ban (`stop_ban`): faster, for when no active slot uses them (no
-        slot still short of its `min_tokens`, for `ban`). With all three off and `blocked_sampling`, the
-        step samples with `sample_unembedded`, over vocabulary blocks without the [B, V] logits.
-        `chunks` (with `unstack`; None: all): the step reads and writes only the first `chunks` chunks of
-        each layer's cache (`cache_chunks`), so attention reads the positions in use, not `max_seq_len`:
-        every slot that matters must be at a position the first `chunks` chunks hold; a slot past it samples
-        from a truncated cache. A slot's numbers are the same, bit for bit, for any `chunks` that holds
-        its position (`jaxrl.model.decode._attend_chunks`). Each combination compiles once."""
-        if not self.unstack or chunks == self.num_chunks:
-            chunks = None
+        slot still short of its `min_tokens`, for `ban`); with all three off the CPU's layout may sample
+        without the [B, V] logits (`jaxrl.inference.cpu`).
+        `chunks` (`cache_chunks`; None: all): the step reads and writes only the part of the cache that
+        holds positions before those, so attention reads the positions in use, not `max_seq_len`: every
+        slot that matters must be at a position it holds; a slot past it samples from a truncated cache.
+        A slot's numbers are the same, bit for bit, for any `chunks` that holds its position
+        (`jaxrl.model.cpu.Chunked.attend`). Each combination compiles once."""
         return self._generate(params, decode_state, truncate=truncate, penalize=penalize, ban=ban, chunks=chunks)
 
-    def cache_chunks(self, positions: int) -> int:
-        """How many cache chunks a decode step reads (`generate`'s `chunks`) so that it holds positions
-        [0, `positions`): the fewest (one compiled step per count: about log2(max_seq_len / 128) + 1 of
-        them, `jaxrl.model.decode.chunk_sizes`), at most `num_chunks`."""
-        held = itertools.accumulate(self.chunk_sizes)
-        return next((n for n, h in enumerate(held, 1) if h >= positions), self.num_chunks)
+    def cache_chunks(self, positions: int) -> int | None:
+        """`generate`'s `chunks` for slots at positions below `positions` (`EngineLayout.chunks`: on CPU the
+        fewest cache chunks that hold them; None, the whole cache, elsewhere)."""
+        return self.layout.chunks(positions)
 
     # jitted bodies --------------------------------------------------------------------------------
     def _prefill_forward_impl(self, params, tokens_T, true_length):
         """The prompt's cache {"k","v"} [L, 1, T, K, H] and the logits after its last token, [1, V]
-        (through the per-layer copy where `prepare` made one, as decode steps)."""
+        (through the per-layer copy where the layout's `prepare` made one, as decode steps)."""
         t = tokens_T.shape[0]
         model = modules.bind(self.cfg, params["base"], params.get("lora"), self.lora_scale)
         hidden_BTD, kv = model(tokens_T[None], jnp.arange(t, dtype=jnp.int32)[None], mesh=self.mesh,
                                layers=params.get("layers"))
         last_BD = jax.lax.dynamic_index_in_dim(hidden_BTD[0], true_length - 1, keepdims=True)
-        logits_BV = qwen3.logits(_unembedding(params), last_BD[None])[:, 0]
+        logits_BV = self.layout.logits(params, last_BD[None])[:, 0]
         return {k: v.astype(self.cache_dtype) for k, v in kv.items()}, logits_BV
 
     def _prefill_sample_impl(self, logits_BV, tokens_T, true_length, sampling, key, stop_V, *, truncate):
@@ -326,23 +269,10 @@ class Engine:
         return token, logprob, key, mark_seen(seen_BV, token), stop_BV
 
     def _insert_impl(self, prefix: Prefix, state: DecodeState, slot):
-        def put(dst, src):
-            return jax.lax.dynamic_update_slice(dst, src, (0, slot, 0, 0, 0))
-
         def put1(dst, src):
             return jax.lax.dynamic_update_slice(dst, src, (slot,))
 
-        if self.unstack:  # the head-major chunks (`split_cache`) of the prefix's [L, 1, T, K, H]
-            src = split_cache(prefix.cache, self.chunk_sizes)  # the prompt's chunks; those after it keep their data
-
-            def put_chunks(dst, pieces):
-                return [jax.lax.dynamic_update_slice(d, x, (slot, 0, 0, 0))
-                        for d, x in zip(dst[:len(pieces)], pieces, strict=True)] + dst[len(pieces):]
-
-            cache = {n: [put_chunks(dst, pieces) for dst, pieces in zip(state.cache[n], src[n], strict=True)]
-                     for n in ("k", "v")}
-        else:
-            cache = {n: put(state.cache[n], prefix.cache[n]) for n in ("k", "v")}
+        cache = self.layout.insert(state.cache, prefix.cache, slot)
         return DecodeState(
             cache=cache,
             tokens=put1(state.tokens, prefix.token),
@@ -356,22 +286,13 @@ class Engine:
 
     def _generate_impl(self, params, state: DecodeState, *, truncate, penalize, ban=True, chunks=None):
         model = modules.bind(self.cfg, params["base"], params.get("lora"), self.lora_scale)
-        read = state.cache if chunks is None else {n: [layer[:chunks] for layer in state.cache[n]] for n in ("k", "v")}
-        hidden_BTD, cache = model.decode(state.tokens, state.positions, read, mesh=self.mesh,
-                                         layers=params.get("layers"))
-        if chunks is not None:  # the chunks past those read, as they were
-            cache = {n: [new + old[chunks:] for new, old in zip(cache[n], state.cache[n], strict=True)]
-                     for n in ("k", "v")}
+        hidden_BTD, cache = self.layout.decode(model, params, state.tokens, state.positions, state.cache, chunks,
+                                               self.mesh)
         split = jax.vmap(jax.random.split)(state.keys)
-        if truncate or penalize or ban or not self.blocked_sampling:
-            logits_BV = qwen3.logits(_unembedding(params), hidden_BTD)[:, 0]
-            tokens, logprobs = sample(logits_BV, state.sampling, split[:, 1], truncate=truncate,
-                                      seen_BV=state.seen if penalize else None,
-                                      ban_BV=stop_ban(state.stop, state.generated, state.sampling.min_tokens)
-                                      if ban else None)
-        else:  # temperature only: blocked over the vocabulary, no [B, V] logits
-            tokens, logprobs = sample_unembedded(hidden_BTD[:, 0], _unembedding_rows(params), state.sampling,
-                                                 split[:, 1], blocks=params.get("unembed_blocks"))
+        tokens, logprobs = self.layout.sample(
+            params, hidden_BTD[:, 0], state.sampling, split[:, 1], truncate=truncate,
+            seen_BV=state.seen if penalize else None,
+            ban_BV=stop_ban(state.stop, state.generated, state.sampling.min_tokens) if ban else None)
         positions = jnp.minimum(state.positions + 1, self.max_seq_len - 1)
         seen = mark_seen(state.seen, tokens) if penalize else state.seen
         new = DecodeState(cache=cache, tokens=tokens, positions=positions, sampling=state.sampling,
@@ -382,18 +303,6 @@ class Engine:
         """`x` (sampled tokens or logprobs) on every device of the mesh: each host reads them from its own
         devices, also when the mesh spans hosts (`jaxrl.inference.lockstep`)."""
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec()))
-
-
-def _unembedding(params: Params) -> Params:
-    """What `qwen3.logits` needs: the prepared `OutMajor` unembedding when `Engine.prepare` made one."""
-    return {"unembed": params["unembed"]} if "unembed" in params else params["base"]
-
-
-def _unembedding_rows(params: Params) -> jax.Array:
-    """The unembedding as [V, D] rows, for `sample_unembedded`: the prepared `OutMajor`'s, else the base's
-    [D, V] `qwen3.unembed_matrix` transposed (for a tied embedding, XLA cancels the two transposes)."""
-    w = qwen3.unembed_matrix(_unembedding(params))
-    return w.w_OI if isinstance(w, OutMajor) else w.T
 
 
 def pad_prompt(prompt_ids: list[int], bucket: int) -> jax.Array:

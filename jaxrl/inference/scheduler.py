@@ -21,7 +21,7 @@ not reproduce the tokens of the run it resumes. Requests with the same prompt ad
 rollouts of a group) share the prompt's forward pass (`Engine.prefill_shared`); each then samples its
 first token in a program of its own, so its numbers are those of a prefill of its own. Likewise a decode
 step reads only the cache chunks that hold the busy slots' positions (`Engine.cache_chunks`, on CPU), and a
-slot's numbers do not depend on how many that is (`jaxrl.model.decode._attend_chunks`). Packing several
+slot's numbers do not depend on how many that is (`jaxrl.model.cpu.Chunked.attend`). Packing several
 prompts into one prefill would not keep that: one prompt's logits moved by 2-4e-6 when packed beside
 others into a longer row (Qwen3-0.6B shape, Nov 2026).
 """

@@ -49,18 +49,14 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-# Chosen by in-process A/B of value_and_grad at the small e2e shape (M=2048 tokens, D=256, V=151,936,
-# fp32, 2-core AMD EPYC, 1 MiB L2 per core; 2026-11-24): chunk 256 x block 2048 ([C, B] logits and the
-# [B, D] block of W 2 MiB each) was 2.0x the unblocked head, block 4096 1.4x, 8192 1.1x; chunks of 1024
-# and 2048 tokens were slower than 256 at block 4096. At the Qwen3-0.6B shape (M=1024, D=1024) chunks of
-# 1024 took about 8% less CPU time than 256 at block 2048 (`jaxrl.rl.train.head_chunk`).
+# Tokens per chunk of the head: the default, and the least `jaxrl.rl.cpu` picks on CPU, where chunks and
+# vocabulary blocks are sized by in-process A/Bs (docs/benchmarks.md, 2026-11-24 and 2026-11-25).
 TOKENS_PER_CHUNK = 256
-VOCAB_PER_BLOCK = 2048
 
 
 def token_logprobs(w_DV: jax.Array, h_MD: jax.Array, targets_M: jax.Array, scale_M: jax.Array, *,
                    entropy_grad: bool = False, w_grad: bool = False,
-                   chunk: int = TOKENS_PER_CHUNK, block: int = VOCAB_PER_BLOCK) -> tuple[jax.Array, jax.Array]:
+                   chunk: int = TOKENS_PER_CHUNK, block: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Logprob of each target under `softmax(scale * (h @ w))` and that distribution's entropy, without
     materialising more than `chunk` x `block` logits at a time (`chunk` x V with `w_grad`).
 
@@ -76,7 +72,7 @@ def token_logprobs(w_DV: jax.Array, h_MD: jax.Array, targets_M: jax.Array, scale
             chunk (`_plain_chunk`), in which every output is differentiable.
         chunk: (static) tokens per chunk.
         block: (static) vocabulary entries per block of the online softmax (the last block takes the
-            remainder of V).
+            remainder of V); None: the whole vocabulary in one block.
 
     Returns:
         (logp_M, entropy_M), both float32 [M].
@@ -95,7 +91,7 @@ def token_logprobs(w_DV: jax.Array, h_MD: jax.Array, targets_M: jax.Array, scale
         s_JC = jax.lax.stop_gradient(s_JC)
         logp_JC, entropy_JC = jax.lax.map(jax.checkpoint(partial(_plain_chunk, w_DV)), (h_JCD, y_JC, s_JC))
     else:
-        logp_JC, entropy_JC = _fused(entropy_grad, block, w_DV, h_JCD, y_JC, s_JC)
+        logp_JC, entropy_JC = _fused(entropy_grad, block or w_DV.shape[1], w_DV, h_JCD, y_JC, s_JC)
     return logp_JC.reshape(-1)[:n], entropy_JC.reshape(-1)[:n]
 
 

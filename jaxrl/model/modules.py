@@ -215,11 +215,12 @@ class Qwen3(nnx.Module):
                              attention_impl=attention_impl)
 
     def decode(self, tokens_B: jax.Array, positions_B: jax.Array, cache: KVCache, *, mesh: Mesh | None = None,
-               layers: list[tuple] | None = None) -> tuple[jax.Array, KVCache]:
+               layers: list[tuple] | None = None,
+               layout: decode.CacheLayout = decode.STACKED) -> tuple[jax.Array, KVCache]:
         """One decode step for every row: `jaxrl.model.decode.decode_step` (arguments as there)."""
         base, factors = self.weights()
         return decode.decode_step(self.cfg, base, tokens_B, positions_B, cache, lora=factors,
-                                  lora_scale=self.lora_scale, mesh=mesh, layers=layers)
+                                  lora_scale=self.lora_scale, mesh=mesh, layers=layers, layout=layout)
 
     def unembed_matrix(self) -> jax.Array:
         """The output projection [D, V] (`qwen3.unembed_matrix`)."""

@@ -27,12 +27,10 @@ params have three stacks: `layers` (attention and norms, [L, ...]), `mlp` (dense
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 from jax.sharding import Mesh
 
 from jaxrl.model import attention, moe
@@ -81,42 +79,16 @@ def rope(x_BTZH: jax.Array, positions_BT: jax.Array, theta: float, rotary_dim: i
     return out.astype(x_BTZH.dtype)
 
 
-@struct.dataclass
-class OutMajor:
-    """A projection's weight stored output-major: `w_OI` [O, Y], the weight's output axes (`out_shape`)
-    flattened first and its input axes after, where the model's weights are [Y..., O...]. What the rollout
-    engine's decode reads on CPU (`jaxrl.model.decode.out_major`, the unembedding as the [V, D] tied
-    embedding itself): XLA's CPU dot of a few rows by a large weight runs about 2.4x faster as `w_OI @ x.T`
-    than as `x @ w` over [Y, O] (a 28-layer chain of the Qwen3-0.6B projections at 8 rows: 223 vs 89 ms,
-    at 32 rows 600 vs 255 ms; the [151,936, 1024] unembedding at 8 rows 44-49 vs 25 ms; Nov 2026, 2 cores).
-    `project` computes with it."""
-
-    w_OI: jax.Array
-    out_shape: tuple[int, ...] = struct.field(pytree_node=False)
-
-    @classmethod
-    def of(cls, w: jax.Array, n_in: int) -> OutMajor:
-        """`w` [Y..., O...] with `n_in` input axes, as a new output-major array (a transposed copy)."""
-        out_shape = tuple(w.shape[n_in:])
-        return cls(jnp.asarray(w.reshape(math.prod(w.shape[:n_in]), -1).T), out_shape)
-
-
-def project(x: jax.Array, w: jax.Array | OutMajor) -> jax.Array:
+def project(x: jax.Array, w: jax.Array) -> jax.Array:
     """The projection [B, T, O...] of `x` [B, T, Y...] by `w` [Y..., O...], contracting all of `x`'s axes
-    after B and T; `w` may be an `OutMajor` (then the product is
-    `w_OI @ x.T`, transposed back to [B, T, O...] outside the dot: the optimization barrier keeps XLA's
-    algebraic simplifier from folding that transpose into the dot, which would undo the orientation).
-    Otherwise the product is one [B * T, Y] @ [Y, O] matmul, tokens and the weight's input and output axes
-    flattened (free reshapes of row-major arrays): the gradient with respect to `x` is then a plain
-    `dy @ w.T`, where for a weight of several input or output axes (wq, wk, wv, wo) XLA's CPU backend
-    transposed the weight into a copy each backward pass (about 25 ms a layer of a 0.66 s LoRA train step
-    at the Qwen3-0.6B shape, 4 x 256 tokens; Nov 2026, 2 cores)."""
+    after B and T, as one [B * T, Y] @ [Y, O] matmul (tokens and the weight's input and output axes
+    flattened: free reshapes of row-major arrays), so the gradient with respect to `x` is a plain
+    `dy @ w.T` (with the axes apart, XLA's CPU backend transposed a weight of several input or output axes
+    into a copy each backward pass; docs/benchmarks.md, 2026-11-26). The rollout engine on CPU passes its
+    output-major weights here (`jaxrl.model.cpu.OutMajor`, which takes the `@`)."""
     x_MY = x.reshape(x.shape[0] * x.shape[1], -1)
-    if not isinstance(w, OutMajor):
-        out_shape = w.shape[x.ndim - 2:]
-        return (x_MY @ w.reshape(x_MY.shape[1], -1)).reshape(*x.shape[:2], *out_shape)
-    y_OM = jax.lax.dot_general(w.w_OI, x_MY, (((1,), (1,)), ((), ())))
-    return jax.lax.optimization_barrier(y_OM).T.reshape(*x.shape[:2], *w.out_shape)
+    out_shape = w.shape[x.ndim - 2:]
+    return (x_MY @ w.reshape(x_MY.shape[1], -1)).reshape(*x.shape[:2], *out_shape)
 
 
 def lora_delta(x: jax.Array, ab: dict[str, jax.Array] | None, scale: float, out_shape: tuple[int, ...]):
@@ -125,8 +97,7 @@ def lora_delta(x: jax.Array, ab: dict[str, jax.Array] | None, scale: float, out_
 
     The tokens are flattened too, [B * T, Y] @ [Y, R] @ [R, O]: the factors' gradients then contract one
     token axis (a plain matmul), where with B and T apart XLA's CPU backend transposed each [B, T, O]
-    output gradient first; a SwiGLU MLP's LoRA forward + backward at 1024 x 1024 -> 3072 took 407 ms that
-    way against 232 ms flattened (Nov 2026, 2 cores)."""
+    output gradient first (docs/benchmarks.md, 2026-11-26)."""
     if ab is None:
         return 0.0
     flat_MY = x.reshape(x.shape[0] * x.shape[1], -1)
@@ -344,10 +315,9 @@ def forward(
             several samples packed into one row (each with positions from 0) stay independent (SFT's
             packing, `jaxrl.rl.sft`). None: one segment per row.
         layers: per layer `(weights, lora, ffn weights, ffn lora)` as separate arrays (the rollout engine's
-            copy on CPU, `Engine.prepare`), run unrolled in place of `params`' and `lora`'s stacks: inside
-            jit, a scanned or unrolled stack copies each layer's weights out of it before reading them
-            (XLA's CPU backend; a prefill of 64 tokens at the Qwen3-0.6B shape spent about 40% of its time
-            in those copies). The same numbers. None: the stacks.
+            copy on CPU, `jaxrl.inference.cpu`: XLA's CPU backend copies each layer's weights out of a
+            stack before reading them), run unrolled in place of `params`' and `lora`'s stacks. The same
+            numbers. None: the stacks.
         attention_impl: how self-attention runs (`jaxrl.model.attention.IMPLEMENTATIONS`); None: chosen
             from the mesh's platform and the shapes (`attention.implementation`; the einsum without a
             mesh). A decode over a cache always runs the einsum.
@@ -366,9 +336,8 @@ def forward(
     return rms_norm(x_BTD, params["final_norm"], cfg.rms_norm_eps), cache
 
 
-def unembed_matrix(params: Params) -> jax.Array | OutMajor:
-    """The output projection [D, V]: `unembed`, or the transposed input embedding when tied (an `OutMajor`
-    [V, D] where the rollout engine prepared one)."""
+def unembed_matrix(params: Params) -> jax.Array:
+    """The output projection [D, V]: `unembed`, or the transposed input embedding when tied."""
     return params["unembed"] if "unembed" in params else params["embed"].T
 
 

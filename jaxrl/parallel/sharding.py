@@ -78,9 +78,9 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = N
 
 def mesh_platform(mesh: Mesh) -> str:
     """The platform of `mesh`'s devices ("cpu", "tpu", "gpu", ...: `jax.Device.platform`), which decides what
-    is done differently on a CPU (`jaxrl.inference.engine.copies_weights`, `blocked_sampling_pays`,
-    `jaxrl.rl.train.head_block`). The mesh's devices decide, not `jax.default_backend()`: `jaxrl compile`
-    traces its TPU programs on a CPU host, over a TPU topology's devices."""
+    is done differently on a CPU (the CPU seams: `jaxrl.rl.cpu.tuning`, the engine's). The mesh's devices
+    decide, not `jax.default_backend()`: `jaxrl compile` traces its TPU programs on a CPU host, over a TPU
+    topology's devices."""
     return mesh.devices.flat[0].platform
 
 

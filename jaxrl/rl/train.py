@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Literal
 
 import jax
@@ -39,8 +38,8 @@ from jaxrl.config.algorithms import LossConfig
 from jaxrl.config.schema import RunConfig
 from jaxrl.model import head, modules, qwen3
 from jaxrl.model.qwen3 import ModelConfig, Params
-from jaxrl.parallel.sharding import array_sharding, batch_shards, mesh_platform
-from jaxrl.rl import losses
+from jaxrl.parallel.sharding import array_sharding, batch_shards
+from jaxrl.rl import cpu, losses
 
 TOKENS_PER_SHARD = 4096  # default micro-batch: tokens each batch shard trains per pass (`default_micro_batch`)
 
@@ -207,7 +206,7 @@ def loss_positions(mask_BT: np.ndarray, most: int | None = None) -> np.ndarray:
 def sampled_logprobs(params: Params, hidden_BTD: jax.Array, targets_BT: jax.Array, positions_BP: jax.Array,
                      temperature_B: jax.Array, *, entropy_grad: bool = False, w_grad: bool = False,
                      chunk: int = head.TOKENS_PER_CHUNK,
-                     block: int = head.VOCAB_PER_BLOCK) -> tuple[jax.Array, jax.Array]:
+                     block: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Logprob of each target under `softmax(logits / T)` and the distribution's entropy at the positions
     the loss reads, computed there only (`jaxrl.model.head`: the projection and log-softmax fused, in
     chunks); float32 [B, T] each, 0 at every other position.
@@ -218,8 +217,9 @@ def sampled_logprobs(params: Params, hidden_BTD: jax.Array, targets_BT: jax.Arra
         temperature_B: float32; 0 (greedy) is scored at 1.
         entropy_grad: (static) whether the entropy is differentiable (a third vocabulary matmul per chunk).
         w_grad: (static) whether the output projection is differentiable (full fine-tuning).
-        chunk: (static) tokens per chunk of the head (`head_chunk`).
-        block: (static) vocabulary entries per block of the head's online softmax (`head_block`).
+        chunk: (static) tokens per chunk of the head (`jaxrl.rl.cpu.Tuning.head_chunk`).
+        block: (static) vocabulary entries per block of the head's online softmax (`Tuning.head_block`;
+            None: the whole vocabulary in one block).
     """
     b, t, d = hidden_BTD.shape
     k = positions_BP.shape[1]
@@ -235,60 +235,6 @@ def sampled_logprobs(params: Params, hidden_BTD: jax.Array, targets_BT: jax.Arra
         return jnp.zeros((b, t), jnp.float32).at[rows_B1, positions_BP].set(x.reshape(b, k), mode="drop")
 
     return scatter(logp), scatter(entropy)
-
-
-UNROLLED_LAYERS_CPU = 8  # the deepest stack a train step on CPU unrolls (`scan_layers`)
-
-
-def scan_layers(mesh: Mesh, num_layers: int) -> bool:
-    """Whether the train step runs its layer stack with `lax.scan` (`qwen3.decoder_stack`): on accelerators
-    and for stacks deeper than `UNROLLED_LAYERS_CPU`; a shallower stack on CPU is unrolled. XLA's CPU
-    backend fills a scan's stacked per-layer outputs (the activations the backward pass reads, float32
-    [L, B, T, ...]) with zeros before the loop: at the small Qwen3 of shared/peers (4 layers, 32 x 128
-    tokens, LoRA r16) about 0.1 s of a 2.2 s step (its profile's `wrapped_broadcast` fusions); unrolled,
-    the step took 0.95x the time (2.09 against 2.21 s, in-process A/B on a 2-core Xeon, 2026-11-25) and
-    compiled in the same 5.8 s. At the Qwen3-0.6B shape (28 layers, 4 x 256 tokens) unrolled was slower:
-    the step 17.0-18.0 s against 14.8-15.0 s, its compile and first step 38 s against 21 s (same A/B), so
-    deep stacks stay scanned; 8 lies between the two depths measured."""
-    return mesh_platform(mesh) != "cpu" or num_layers > UNROLLED_LAYERS_CPU
-
-
-def head_chunk(mesh: Mesh, hidden_size: int, l2_bytes: int | None = None) -> int:
-    """The train head's tokens per chunk on `mesh`: `head.TOKENS_PER_CHUNK` on accelerators, where a chunk's
-    logits span the whole vocabulary (`head_block`). On CPU at least `hidden_size`, and 256 tokens per MiB of
-    a core's L2 cache (`l2_bytes`, default `cpu_l2_bytes()`; 256 when unknown), from 256 to 1024: XLA's CPU
-    matmul of a chunk by a vocabulary block does more per block read with more rows, while the [chunk,
-    block] logits fit in cache. Measured (value_and_grad of the head at M=2048, D=256, V=151,936, fp32,
-    block 2048, in-process A/B): on a 2-core AMD EPYC with 1 MiB of L2 a core, 256 tokens best (2026-11-24);
-    on a 2-core Intel Xeon with 2 MiB, 512 took 0.90x the time of 256, 1024 0.90x (2026-11-25). At hidden
-    1024 (Qwen3-0.6B), 1024 took about 8% less CPU time than 256 on the EPYC."""
-    if mesh_platform(mesh) != "cpu":
-        return head.TOKENS_PER_CHUNK
-    l2 = cpu_l2_bytes() if l2_bytes is None else l2_bytes
-    by_cache = min(1024, max(head.TOKENS_PER_CHUNK, head.TOKENS_PER_CHUNK * (l2 or 0) // 2**20))
-    return max(by_cache, hidden_size)
-
-
-@functools.cache
-def cpu_l2_bytes() -> int | None:
-    """Bytes of CPU 0's level-2 cache (one core's on the x86 machines measured), from Linux's sysfs, read
-    once; None where it is not there."""
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            if (index / "level").read_text().strip() == "2":
-                size = (index / "size").read_text().strip()
-                return int(size[:-1]) * {"K": 2**10, "M": 2**20}[size[-1]] if size[-1] in "KM" else int(size)
-        except (OSError, ValueError):
-            return None
-    return None
-
-
-def head_block(mesh: Mesh, vocab_size: int) -> int:
-    """The train head's vocabulary block on `mesh`: `head.VOCAB_PER_BLOCK` on CPU, where blocks that stay in
-    cache were measured faster; the whole vocabulary (one block, one matmul per chunk as before blocking)
-    on accelerators, where the projection's vocabulary axis may be sharded over `tensor` and slicing it
-    in a loop would gather it (`mesh_platform`)."""
-    return head.VOCAB_PER_BLOCK if mesh_platform(mesh) == "cpu" else vocab_size
 
 
 def loss_config(cfg: RunConfig) -> LossConfig:
@@ -326,6 +272,8 @@ class Trainer:
     `learning_rate`, when set, maps the optimizer step (int32) to its rate (`learning_rate` above): `tx`
     must then be built at rate 1, each update is scaled by it, and it is reported as `optim/lr`.
     `full`: train every base weight (`tx` from `make_optimizer(..., full=True)`), the forward in `dtype`.
+    `tuning`: how the step runs its layer stack and output head (None: `jaxrl.rl.cpu.tuning`, from the
+    mesh's platform; `cpu.Tuning.plain` forces what a TPU or GPU runs).
     """
 
     cfg: ModelConfig
@@ -339,8 +287,11 @@ class Trainer:
     objective: Literal["rl", "sft"] = "rl"  # "sft": supervised fine-tuning (`losses.sft_loss`), `loss_cfg` unused
     full: bool = False
     dtype: Any = jnp.float32  # full fine-tuning: what the float32 master weights are cast to for the forward
+    tuning: cpu.Tuning | None = None
 
     def __post_init__(self) -> None:
+        if self.tuning is None:  # the platform's layer stack and head sizes
+            self.tuning = cpu.tuning(self.mesh, self.cfg)
         # Nothing is donated: the rollout engine may still hold the previous LoRA while this step runs.
         self._step = jax.jit(self._step_impl, static_argnames=("micro_batches",))
 
@@ -417,7 +368,7 @@ class Trainer:
         b, t = batch["inputs"].shape
         positions = batch.get("positions", jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
         segments = batch.get("segment_ids")  # None: one sample per row
-        scan = scan_layers(self.mesh, self.cfg.num_layers)
+        scan = self.tuning.scan_layers
         hidden, _ = model(batch["inputs"], positions, remat=self.remat, mesh=self.mesh, segment_ids=segments,
                           scan_layers=scan)
         sft = self.objective == "sft"
@@ -444,9 +395,8 @@ class Trainer:
         return loss, metrics
 
     def _head_sizes(self) -> dict[str, int]:
-        """`sampled_logprobs`' chunk and block on the trainer's mesh (`head_chunk`, `head_block`)."""
-        return {"chunk": head_chunk(self.mesh, self.cfg.hidden_size),
-                "block": head_block(self.mesh, self.cfg.vocab_size)}
+        """`sampled_logprobs`' chunk and block on the trainer's mesh (`self.tuning`)."""
+        return {"chunk": self.tuning.head_chunk, "block": self.tuning.head_block}
 
     def loss_weight(self, batch: dict[str, jax.Array]) -> jax.Array:
         """A micro-batch's weight in the accumulated loss (float32 scalar): its loss-token count with

@@ -1,0 +1,238 @@
+"""The rollout engine's CPU tuning, behind one seam: `CpuLayout`, the `jaxrl.inference.layout.EngineLayout`
+an engine on a CPU mesh runs (`layout.for_mesh` picks it; `layout.Plain` is what a TPU or GPU runs).
+
+Memory is plentiful on a CPU host and bandwidth is what a decode step spends, so the engine keeps its own
+copy of the weights and a cache laid out for XLA's CPU backend (figures: docs/benchmarks.md, issues 4
+and 13, gathered in 2026-11-26):
+  * a per-layer copy of the layer weights (`qwen3.unstack_layers` outside jit: each layer's slices their
+    own arrays, since XLA's CPU backend copies a layer's weights out of a stack before each read), the
+    projections and the unembedding output-major (`jaxrl.model.cpu.OutMajor`); prefills read it too;
+  * the KV cache per layer, head-major, in chunks that grow (`jaxrl.model.cpu.chunk_sizes`, 128, 128, 256,
+    ...), of which a decode step reads only those that hold its slots' positions (`chunks`);
+  * with `blocked_sampling`, a decode step that only applies a temperature samples without the [B, V]
+    logits (`sample_unembedded`, over the unembedding's rows in blocks of their own, `vocab_blocks`):
+    faster at a small hidden size and many slots only (`blocked_sampling_pays`). It draws from the same
+    distribution with the same uniform as `jaxrl.inference.sampling.sample`: the unembedding runs over
+    vocabulary blocks whose logits stay in cache, each leaving its chunk maxima and chunk sums (the online
+    softmax, Milakov & Gimelshein 2018), and only the chosen chunk's logits are computed again for the draw.
+Letters as in `jaxrl.model.qwen3`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.inference.sampling import CHUNK, SlotSampling, pick_chunk, pick_within, sample
+from jaxrl.model import cpu, qwen3
+from jaxrl.model.qwen3 import KVCache, ModelConfig, Params
+
+BLOCK = 8192  # vocabulary rows per block of `sample_unembedded` (a multiple of `sampling.CHUNK`)
+
+
+def blocked_sampling_pays(cfg: ModelConfig, slots: int) -> bool:
+    """Whether a temperature-only decode step samples faster with `sample_unembedded` on CPU: measured so
+    at a hidden size of 256 and many slots only, slower at Qwen3-0.6B's 1024 (docs/benchmarks.md,
+    2026-11-26). It never fires on a released Qwen3; it stays for the small-shape RL step against Tunix."""
+    return cfg.hidden_size <= 256 and slots >= 16
+
+
+@dataclasses.dataclass
+class CpuLayout:
+    """The CPU engine's layout (`EngineLayout`, see the module's docstring) for `cfg`, `slots` decode slots
+    and a cache of `max_seq_len` positions. `blocked_sampling` None: `blocked_sampling_pays`."""
+
+    cfg: ModelConfig
+    slots: int
+    max_seq_len: int
+    blocked_sampling: bool | None = None
+    reads_training_weights = False
+
+    def __post_init__(self) -> None:
+        if self.blocked_sampling is None:
+            self.blocked_sampling = blocked_sampling_pays(self.cfg, self.slots)
+        self.chunk_sizes = cpu.chunk_sizes(self.max_seq_len)  # positions per chunk of each layer's cache
+        self.num_chunks = len(self.chunk_sizes)
+        self._base_views: tuple | None = None  # (the base they were made from, layers, unembedding, its blocks)
+
+    def prepare(self, params: Params) -> Params:
+        """`{"base", "lora"}` plus `"layers"`, the per-layer copy (projections output-major) with the LoRA's
+        per-layer slices, `"unembed"`, the unembedding as an `OutMajor` [V, D] (a tied embedding read in
+        place), and with `blocked_sampling` `"unembed_blocks"`, its rows in blocks (a copy). The base's
+        views are reused while the same base object comes back (an RL run swaps only its LoRA)."""
+        base = params["base"]
+        if self._base_views is None or self._base_views[0] is not base:
+            unembed = cpu.unembedding(base)
+            blocks = vocab_blocks(unembed.w_OI) if self.blocked_sampling else ()
+            self._base_views = (base, cpu.out_major(self.cfg, qwen3.unstack_layers(self.cfg, base)), unembed, blocks)
+        _, base_layers, unembed, blocks = self._base_views
+        lora_layers = qwen3.unstack_layers(self.cfg, params.get("lora"))
+        layers = [(w, lw, mw, mlw) for (w, mw), (lw, mlw) in zip(base_layers, lora_layers, strict=True)]
+        return {"base": base, "lora": params.get("lora"), "layers": layers, "unembed": unembed,
+                **({"unembed_blocks": blocks} if self.blocked_sampling else {})}
+
+    def cache(self, make: Callable[[tuple[int, ...], tuple[str | None, ...]], Any]) -> KVCache:
+        """Per layer, head-major chunks of `chunk_sizes` positions: keys [B, K, H, C], values [B, K, C, H]."""
+        c, b, axes = self.cfg, self.slots, ("batch", "kv_heads", None, None)
+        return {"k": [[make((b, c.num_kv_heads, c.head_dim, n), axes) for n in self.chunk_sizes]
+                      for _ in range(c.num_layers)],
+                "v": [[make((b, c.num_kv_heads, n, c.head_dim), axes) for n in self.chunk_sizes]
+                      for _ in range(c.num_layers)]}
+
+    def insert(self, cache: KVCache, prefix_cache: KVCache, slot: jax.Array) -> KVCache:
+        """The prompt's chunks (`split_cache` of its [L, 1, T, K, H]) at `slot`; those after it keep their data."""
+        src = cpu.split_cache(prefix_cache, self.chunk_sizes)
+
+        def put_chunks(dst, pieces):
+            return [jax.lax.dynamic_update_slice(d, x, (slot, 0, 0, 0))
+                    for d, x in zip(dst[:len(pieces)], pieces, strict=True)] + dst[len(pieces):]
+
+        return {n: [put_chunks(dst, pieces) for dst, pieces in zip(cache[n], src[n], strict=True)]
+                for n in ("k", "v")}
+
+    def chunks(self, positions: int) -> int | None:
+        """The fewest chunks that hold positions [0, `positions`) (one compiled step per count: about
+        log2(max_seq_len / 128) + 1 of them); None when that is all of them."""
+        held = itertools.accumulate(self.chunk_sizes)
+        n = next((n for n, h in enumerate(held, 1) if h >= positions), self.num_chunks)
+        return None if n == self.num_chunks else n
+
+    def decode(self, model, params, tokens_B, positions_B, cache, chunks, mesh):
+        """The step over the first `chunks` chunks of each layer's cache (None: all), the others as they
+        were: a slot's numbers are the same, bit for bit, for any `chunks` that holds its position."""
+        read = cache if chunks is None else {n: [layer[:chunks] for layer in cache[n]] for n in ("k", "v")}
+        hidden_BTD, new = model.decode(tokens_B, positions_B, read, mesh=mesh, layers=params.get("layers"),
+                                       layout=cpu.CHUNKED)
+        if chunks is not None:
+            new = {n: [a + b[chunks:] for a, b in zip(new[n], cache[n], strict=True)] for n in ("k", "v")}
+        return hidden_BTD, new
+
+    def logits(self, params: Params, hidden_BTD: jax.Array) -> jax.Array:
+        """Through the prepared `OutMajor` unembedding (the base's where `prepare` did not run)."""
+        return qwen3.logits(_unembedding(params), hidden_BTD)
+
+    def sample(self, params, hidden_BD, sampling, keys_B, *, truncate, seen_BV, ban_BV):
+        """`sample_unembedded` with `blocked_sampling` when the step only applies a temperature, else
+        `sample` of the logits."""
+        if self.blocked_sampling and not truncate and seen_BV is None and ban_BV is None:
+            w = qwen3.unembed_matrix(_unembedding(params))
+            rows_VD = w.w_OI if isinstance(w, cpu.OutMajor) else w.T  # tied: XLA cancels the two transposes
+            return sample_unembedded(hidden_BD, rows_VD, sampling, keys_B, blocks=params.get("unembed_blocks"))
+        return sample(self.logits(params, hidden_BD[:, None])[:, 0], sampling, keys_B, truncate=truncate,
+                      seen_BV=seen_BV, ban_BV=ban_BV)
+
+
+def _unembedding(params: Params) -> Params:
+    """What `qwen3.logits` reads: the prepared `OutMajor` unembedding, or the base's where `prepare` did not
+    run (engine params given as `{"base", "lora"}`: the same numbers, slower)."""
+    return {"unembed": params["unembed"]} if "unembed" in params else params["base"]
+
+
+def vocab_blocks(unembed_VD: jax.Array, block: int = BLOCK) -> tuple[jax.Array, ...]:
+    """The unembedding's rows [V, D] as `sample_unembedded`'s blocks: `block` rows each, the last shorter.
+    Called outside jit (`CpuLayout.prepare`) each block is a copy in its own array, since XLA's CPU backend
+    copies a block out of a larger array before every dot that reads it (docs/benchmarks.md, 2026-11-26)."""
+    return tuple(unembed_VD[i:i + block] for i in range(0, unembed_VD.shape[0], block))
+
+
+def _block_stats(l_XB: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
+    """Of scaled logits [X, B] (X a multiple of `chunk`, padding at -inf), per chunk of `chunk` rows: the
+    max [X / chunk, B], and the sum of exp(l - the block's max) [X / chunk, B]. Two fused passes over the
+    logits (max, then exp-sum); no argmax, whose variadic (value, index) reduce cost XLA's CPU backend a
+    sixth of a 32-row decode step."""
+    x, b = l_XB.shape
+    l_KCB = l_XB.reshape(x // chunk, chunk, b)
+    m_KB = jnp.max(l_KCB, axis=1)
+    return m_KB, jnp.sum(jnp.exp(l_KCB - jnp.max(m_KB, axis=0)[None, None]), axis=1)
+
+
+def _scaled(h_BD: jax.Array, inv_t_B: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """(h', post) such that `(rows @ h'.T) * post` are the logits over the temperature: a float32 `h_BD`
+    is scaled by `inv_t_B` before the dots (post None: no pass over the logits); another dtype keeps its
+    precision and its products are scaled (post `inv_t_B`)."""
+    return (h_BD * inv_t_B[:, None], None) if h_BD.dtype == jnp.float32 else (h_BD, inv_t_B)
+
+
+def _blocks_stats(h_BD, blocks_XD, post_B, chunk: int):
+    """`_block_stats` of each vocabulary block's `rows_XD @ h_BD.T (* post_B)` (`_scaled`), unrolled over
+    the blocks (each its own buffer): the chunk maxima [B, N] and the chunk weights [B, N] (the chunk sums
+    scaled by exp(block max - row max)), N chunks in all, and the row max [B]. A block short of whole
+    chunks (the last) is padded at -inf."""
+    m_KB, e_KB = [], []
+    for rows_XD in blocks_XD:  # the rows as the dot's left operand, as `jaxrl.model.cpu.OutMajor`
+        l_XB = jax.lax.dot_general(rows_XD, h_BD, (((1,), (1,)), ((), ()))).astype(jnp.float32)
+        l_XB = l_XB if post_B is None else l_XB * post_B[None]
+        l_XB = jnp.pad(l_XB, ((0, -l_XB.shape[0] % chunk), (0, 0)), constant_values=-jnp.inf)
+        m, e = _block_stats(l_XB, chunk)
+        m_KB, e_KB = [*m_KB, m], [*e_KB, e]
+    top_JB = jnp.stack([jnp.max(m, axis=0) for m in m_KB])
+    top_B = jnp.max(top_JB, axis=0)
+    scale_JB = jnp.exp(top_JB - top_B[None])
+    w_BN = jnp.concatenate([e * scale_JB[j][None] for j, e in enumerate(e_KB)]).T
+    return jnp.concatenate(m_KB).T, w_BN, top_B
+
+
+def sample_unembedded(hidden_BD: jax.Array, unembed_VD: jax.Array, s: SlotSampling, keys_B: jax.Array, *,
+                      blocks: tuple[jax.Array, ...] | None = None, chunk: int = CHUNK
+                      ) -> tuple[jax.Array, jax.Array]:
+    """`sample(hidden_BD @ unembed_VD.T, s, keys_B, truncate=False)` without the [B, V] logits: the same
+    distribution (temperature only: no truncation, penalty or ban) and the same uniform per row, so the
+    same tokens up to float rounding near a chunk or token boundary. Returns (tokens int32 [B], logprobs
+    float32 [B]).
+
+    The unembedding runs over vocabulary blocks (`vocab_blocks`), each block's logits [X, B] staying in
+    cache: per chunk of `chunk` tokens the max and the sum of exp(l - block max), as in the online softmax
+    (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax", arXiv:1805.02867): rescaled
+    by exp(block max - row max) afterwards they give the chunk weights and the log normaliser `lse` over
+    the whole vocabulary. The draw is `draw`'s inverse CDF (`pick_chunk`, `pick_within`): the chunk from
+    the chunk weights, then, within it, from that chunk's logits, recomputed ([C, D] x [D] per row,
+    cheaper than writing and reading back the [B, V] logits); its logprob is l_token / T - lse. A row
+    whose recomputed chunk underflows to zero everywhere (weights below the float32 range) takes the
+    chunk's largest logit. Greedy rows (T = 0) take the first chunk whose max is the row's max and, in
+    it, the first maximum of the recomputed logits (the first maximum of the logits, up to rounding
+    between the two products), reported with T = 1. Vocabulary padding (rows past V) is at -inf and never
+    drawn.
+
+    Args:
+        hidden_BD: final hidden states, any float dtype (the product is cast to float32, as `qwen3.logits`).
+        unembed_VD: the unembedding as [V, D] rows: a tied embedding as it is, or an `OutMajor`'s `w_OI`
+            (the rows as the dot's left operand: XLA's CPU dot's fast orientation at a few rows).
+        keys_B: one PRNG key per row.
+        blocks: `unembed_VD`'s rows in blocks, every one but the last a multiple of `chunk` rows
+            (`vocab_blocks`, made once outside jit); None: `vocab_blocks(unembed_VD)` here, slices copied
+            at every call.
+
+    Raises:
+        ValueError: a block other than the last is not a multiple of `chunk` rows.
+    """
+    v = unembed_VD.shape[0]
+    if v < chunk:  # a toy vocabulary: one chunk
+        chunk = v
+    blocks = vocab_blocks(unembed_VD) if blocks is None else blocks
+    if any(b.shape[0] % chunk for b in blocks[:-1]):
+        raise ValueError(f"vocabulary blocks of {[b.shape[0] for b in blocks]} rows: not all whole chunks of {chunk}")
+    greedy_B = s.temperature <= 0.0
+    inv_t_B = 1.0 / jnp.where(greedy_B, 1.0, s.temperature).astype(jnp.float32)
+    h_BD, post_B = _scaled(hidden_BD, inv_t_B)
+    m_BN, w_BN, top_B = _blocks_stats(h_BD, blocks, post_B, chunk)
+    u_B = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, ()))(keys_B)  # (0, 1], as `sample`
+    drawn_B, rest_B, total_B = pick_chunk(w_BN, u_B)
+    c_B = jnp.where(greedy_B, jnp.argmax(m_BN, axis=-1), drawn_B)
+    start_B = jnp.minimum(c_B * chunk, v - chunk)  # the last chunk may be short: its window ends at V
+    rows_BCD = jax.vmap(lambda i: jax.lax.dynamic_slice_in_dim(unembed_VD, i, chunk))(start_B)
+    l_BC = jnp.einsum("BD,BCD->BC", h_BD, rows_BCD).astype(jnp.float32)
+    l_BC = l_BC if post_B is None else l_BC * post_B[:, None]
+    l_BC = jnp.where(start_B[:, None] + jnp.arange(chunk)[None] >= c_B[:, None] * chunk, l_BC, -jnp.inf)
+    w_BC = jnp.exp(l_BC - top_B[:, None])
+    i_B = pick_within(w_BC, rest_B)
+    i_B = jnp.where(jnp.any(w_BC > 0, axis=-1) & ~greedy_B, i_B, jnp.argmax(l_BC, axis=-1))
+    # log p = (l - max) - log(sum exp(l - max)): l - max <= 0 and the sum >= exp(0) = 1 hold exactly, but the
+    # token's logit is a second product (rounded apart from the blocks' max by an ulp of l / T: +0.3 at T 1e-4)
+    # and the weights' exp may fuse with the scaling, so both bounds are applied: a logprob is never above 0.
+    rel_B = jnp.minimum(jnp.take_along_axis(l_BC, i_B[:, None], axis=-1)[:, 0] - top_B, 0.0)
+    return (start_B + i_B).astype(jnp.int32), rel_B - jnp.maximum(jnp.log(total_B), 0.0)

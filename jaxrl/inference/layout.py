@@ -1,0 +1,111 @@
+"""How a rollout engine holds its weights and KV cache and samples: the interface the engine calls
+(`EngineLayout`), the plain implementation a TPU or GPU runs (`Plain`), and the one place that picks an
+implementation from the mesh's platform (`for_mesh`; on CPU `jaxrl.inference.cpu.CpuLayout`).
+
+The cache's layout is declared once, in `EngineLayout.cache`: the engine builds its zeros from it
+(`Engine.init_decode_state`) and `jaxrl compile` its abstract decode state (`programs.abstract_decode_state`).
+Letters as in `jaxrl.model.qwen3`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import jax
+from jax.sharding import Mesh
+
+from jaxrl.inference import cpu
+from jaxrl.inference.sampling import SlotSampling, sample
+from jaxrl.model import decode, modules, qwen3
+from jaxrl.model.qwen3 import KVCache, ModelConfig, Params
+from jaxrl.parallel.sharding import mesh_platform
+
+# `EngineLayout.cache`'s maker of one buffer: (shape, logical axes) -> an array or a ShapeDtypeStruct
+MakeBuffer = Callable[[tuple[int, ...], tuple[str | None, ...]], Any]
+
+
+class EngineLayout(Protocol):
+    """What the engine (`jaxrl.inference.engine.Engine`) asks of the layout of its weights and cache.
+
+    cfg, slots, max_seq_len: the model, decode slots and cache positions it holds.
+    reads_training_weights: the engine reads the trainer's weights in place (no copy of its own).
+    prepare(params): engine params from `{"base", "lora"}` (outside jit, at each policy update).
+    cache(make): the decode state's KV cache {"k", "v"}, each buffer `make(shape, logical axes)`.
+    insert(cache, prefix_cache, slot): `cache` with a prefill's stacked cache [L, 1, T, K, H] at `slot`.
+    chunks(positions): the `decode` `chunks` that holds positions [0, positions), or None: all of the cache.
+    decode(model, params, tokens_B, positions_B, cache, chunks, mesh): one step's final-norm hidden states
+        [B, 1, D] and the updated cache (`jaxrl.model.decode.decode_step`).
+    logits(params, hidden_BTD): float32 [B, T, V] (`qwen3.logits`).
+    sample(params, hidden_BD, sampling, keys_B, *, truncate, seen_BV, ban_BV): (tokens int32 [B],
+        logprobs float32 [B]) as `jaxrl.inference.sampling.sample` of the logits.
+    """
+
+    cfg: ModelConfig
+    slots: int
+    max_seq_len: int
+    reads_training_weights: bool
+
+    def prepare(self, params: Params) -> Params: ...
+
+    def cache(self, make: MakeBuffer) -> KVCache: ...
+
+    def insert(self, cache: KVCache, prefix_cache: KVCache, slot: jax.Array) -> KVCache: ...
+
+    def chunks(self, positions: int) -> int | None: ...
+
+    def decode(self, model: modules.Qwen3, params: Params, tokens_B: jax.Array, positions_B: jax.Array,
+               cache: KVCache, chunks: int | None, mesh: Mesh) -> tuple[jax.Array, KVCache]: ...
+
+    def logits(self, params: Params, hidden_BTD: jax.Array) -> jax.Array: ...
+
+    def sample(self, params: Params, hidden_BD: jax.Array, sampling: SlotSampling, keys_B: jax.Array, *,
+               truncate: bool, seen_BV: jax.Array | None,
+               ban_BV: jax.Array | None) -> tuple[jax.Array, jax.Array]: ...
+
+
+@dataclasses.dataclass
+class Plain:
+    """The plain layout, what a TPU or GPU engine runs: the training weights read in place (a copy would
+    cost a second base model's HBM), one stacked cache {"k","v"} [L, B, S, K, H] per k and v
+    (`decode.STACKED`, the layers scanned over it), sampling from the [B, V] logits."""
+
+    cfg: ModelConfig
+    slots: int
+    max_seq_len: int
+    reads_training_weights = True
+
+    def prepare(self, params: Params) -> Params:
+        return {"base": params["base"], "lora": params.get("lora")}
+
+    def cache(self, make: MakeBuffer) -> KVCache:
+        c = self.cfg
+        shape = (c.num_layers, self.slots, self.max_seq_len, c.num_kv_heads, c.head_dim)
+        axes = (None, "batch", None, "kv_heads", None)
+        return {"k": make(shape, axes), "v": make(shape, axes)}
+
+    def insert(self, cache: KVCache, prefix_cache: KVCache, slot: jax.Array) -> KVCache:
+        return {n: jax.lax.dynamic_update_slice(cache[n], prefix_cache[n], (0, slot, 0, 0, 0)) for n in ("k", "v")}
+
+    def chunks(self, positions: int) -> None:
+        return None
+
+    def decode(self, model, params, tokens_B, positions_B, cache, chunks, mesh):
+        return model.decode(tokens_B, positions_B, cache, mesh=mesh, layout=decode.STACKED)
+
+    def logits(self, params: Params, hidden_BTD: jax.Array) -> jax.Array:
+        return qwen3.logits(params["base"], hidden_BTD)
+
+    def sample(self, params, hidden_BD, sampling, keys_B, *, truncate, seen_BV, ban_BV):
+        return sample(self.logits(params, hidden_BD[:, None])[:, 0], sampling, keys_B, truncate=truncate,
+                      seen_BV=seen_BV, ban_BV=ban_BV)
+
+
+def for_mesh(cfg: ModelConfig, mesh: Mesh, slots: int, max_seq_len: int) -> EngineLayout:
+    """The layout of an engine of `slots` slots and `max_seq_len` positions on `mesh`: `cpu.CpuLayout` on
+    a CPU mesh (`mesh_platform`: the mesh's devices decide, so `jaxrl compile`'s TPU programs traced on a
+    CPU host are the plain ones), else `Plain`."""
+    if mesh_platform(mesh) == "cpu":
+        return cpu.CpuLayout(cfg, slots, max_seq_len)
+    return Plain(cfg, slots, max_seq_len)
