@@ -71,11 +71,12 @@ def test_splash_matches_the_einsum_forward_and_gradient(dtype, packed):
         assert _relative(alone, out_s[:1, 100:]) < tol
 
 
-def test_splash_inside_shard_map_matches_one_device():
+def test_splash_inside_shard_map_matches_the_einsum():
     """On a mesh of fsdp 2 x tensor 2 (batch and heads split, kv heads 2 over tensor 2) and of tensor 4
-    (2 kv heads repeated to 4), splash gives the einsum's output and gradients."""
-    q, k, v = _qkv(jnp.float32)
-    positions, segments = _packed()
+    (2 kv heads repeated to 4), at T = 200 (run padded to 256), splash gives the einsum's output and
+    gradients."""
+    q, k, v = (x[:, :200] for x in _qkv(jnp.float32))
+    positions, segments = _packed(200)
     real = np.asarray(segments) > 0
     weight = jnp.asarray(real, jnp.float32)[:, :, None, None]
     for shape in ({"fsdp": 2, "tensor": 2}, {"tensor": 4}):
@@ -93,14 +94,15 @@ def test_splash_inside_shard_map_matches_one_device():
 
 
 def test_implementation_is_chosen_from_platform_shape_and_dtype():
-    """One table: splash on TPU where a block of 128, 256 or 512 divides T and heads are a multiple of
+    """One table: splash on TPU from 128 tokens (T padded to a multiple of 128) with heads a multiple of
     128; cuDNN on GPU for unsegmented
     bf16/fp16 rows, XLA's otherwise; the einsum on CPU and for short or odd rows."""
     choose = attention.implementation
     assert choose("tpu", 32768, jnp.bfloat16, 128, True) == "splash"
     assert attention.kernel_block(32768) == 512 and attention.kernel_block(384) == 128
+    assert attention.kernel_block(32767) == 512 and attention.kernel_block(3968) == 128  # T padded to 128s
     assert choose("tpu", 64, jnp.bfloat16, 128, False) == "einsum"
-    assert choose("tpu", 4095, jnp.bfloat16, 128, False) == "einsum"
+    assert choose("tpu", 4095, jnp.bfloat16, 128, False) == "splash"
     assert choose("tpu", 4096, jnp.bfloat16, 64, False) == "einsum"
     assert choose("gpu", 4096, jnp.bfloat16, 128, False) == "cudnn"
     assert choose("gpu", 4096, jnp.float32, 128, False) == "xla"

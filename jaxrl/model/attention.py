@@ -5,8 +5,8 @@ it runs, in one place, from the platform of the mesh's devices (not `jax.default
 compile` traces TPU programs on a CPU host):
 
   * "einsum": the reference, and the CPU path. float32 scores [B, K, G, T, S] and their softmax,
-    materialised (T x S per head), masked by position (`mask`). Below `MIN_KERNEL_T` tokens, or when no
-    kernel block divides T, every platform runs it.
+    materialised (T x S per head), masked by position (`mask`). Below `MIN_KERNEL_T` tokens every
+    platform runs it.
   * "splash": on TPU (heads of a multiple of 128), JAX's Pallas splash attention
     (`jax.experimental.pallas.ops.tpu.splash_attention`, the kernel MaxText and Tunix train with): blocks of
     `block` queries and keys, causal blocks above the diagonal skipped, packed rows by `SegmentIds`,
@@ -47,15 +47,22 @@ IMPLEMENTATIONS: tuple[str, ...] = ("einsum", "splash", "cudnn", "xla")
 
 MIN_KERNEL_T = 128  # shorter rows run the einsum: splash's key blocks are multiples of 128 with segment ids
 KERNEL_BLOCKS = (512, 256, 128)  # splash's block sizes, the largest dividing T first (MaxText uses 512)
+LANE = 128  # splash runs T padded up to a multiple of this (`padded_length`)
 RESIDUALS = "attention_residuals"  # the checkpoint name of splash's saved output and logsumexp (`remat_policy`)
 
 
+def padded_length(t: int) -> int:
+    """T as splash runs it: `t` rounded up to a multiple of `LANE` (a prefill bucket of 4095 tokens runs
+    as 4096; the padding keys come after every real query, so causality keeps them out)."""
+    return -(-t // LANE) * LANE
+
+
 def kernel_block(t: int) -> int | None:
-    """Splash's query and key block for T = `t` tokens: the largest of `KERNEL_BLOCKS` that divides `t`,
-    None when `t` < `MIN_KERNEL_T` or none divides it (then the einsum runs)."""
+    """Splash's query and key block for T = `t` tokens: the largest of `KERNEL_BLOCKS` that divides
+    `padded_length(t)`; None when `t` < `MIN_KERNEL_T` (then the einsum runs)."""
     if t < MIN_KERNEL_T:
         return None
-    return next((b for b in KERNEL_BLOCKS if t % b == 0), None)
+    return next(b for b in KERNEL_BLOCKS if padded_length(t) % b == 0)
 
 
 def implementation(platform: str, t: int, dtype, head_dim: int, segmented: bool) -> Implementation:
@@ -147,18 +154,31 @@ def splash_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array,
     """Causal splash attention on `mesh` (None: one device), q [B, T, N, H], k and v [B, T, K, H] ->
     [B, T, N, H] in q's dtype; `segment_ids_BT` int32 [B, T] or None (one segment a row).
 
-    Inside `shard_map`: the batch over the mesh axes of the `batch` rule that divide B, the query and kv
-    heads over `tensor` (kv heads repeated when `tensor` does not divide them, `_kv_repeats`), T whole.
-    `block`: the kernel's block (default `kernel_block(T)`); `interpret`: Pallas interpret mode (default:
-    on a CPU mesh).
+    T is padded to `padded_length(T)` at the end (zeros, and the last segment id for the padding), and the
+    padding's outputs dropped. Inside `shard_map`: the batch over the mesh axes of the `batch` rule that
+    divide B, the query and kv heads over `tensor` (kv heads repeated when `tensor` does not divide them,
+    `_kv_repeats`), T whole. `block`: the kernel's block (default `kernel_block(T)`); `interpret`: Pallas
+    interpret mode (default: on a CPU mesh).
 
     Raises:
-        ValueError: no block divides T, or a block that does not.
+        ValueError: T < `MIN_KERNEL_T`, or a `block` that does not divide the padded T.
     """
     b, t, n, hd = q_BTNH.shape
+    tp = padded_length(t)
     block = block or kernel_block(t)
-    if block is None or t % block:
-        raise ValueError(f"splash attention needs a block (a multiple of 128) dividing T = {t}; got {block}")
+    if block is None or tp % block:
+        raise ValueError(f"splash attention needs a block (a multiple of 128) dividing T = {tp}; got {block}")
+    if tp != t:
+        pad = [(0, 0), (0, tp - t), (0, 0), (0, 0)]
+        q_BTNH, k_BTKH, v_BTKH = (jnp.pad(x, pad) for x in (q_BTNH, k_BTKH, v_BTKH))
+        if segment_ids_BT is not None:
+            segment_ids_BT = jnp.pad(segment_ids_BT, [(0, 0), (0, tp - t)], mode="edge")
+    return _splash_sharded(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, mesh, block, interpret)[:, :t]
+
+
+def _splash_sharded(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, mesh, block, interpret) -> jax.Array:
+    """`splash_attention` on T a multiple of `block`: one kernel per chip inside `shard_map`."""
+    n = q_BTNH.shape[2]
     platform = "cpu" if mesh is None else mesh.devices.flat[0].platform
     interpret = platform == "cpu" if interpret is None else interpret
     local = functools.partial(_splash_local, block=block, interpret=interpret)
@@ -197,7 +217,7 @@ def attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, positi
         mask_BTS: the einsum's mask (`mask`), when the caller built it once for all layers.
 
     Raises:
-        ValueError: an unknown `impl`, or "splash" at a T no block divides.
+        ValueError: an unknown `impl`, or "splash" below `MIN_KERNEL_T` tokens.
     """
     _, t, _, hd = q_BTNH.shape
     if impl is None:
