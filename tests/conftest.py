@@ -41,8 +41,9 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 # The files that take minutes, longest first (a 2-core machine, 2026-11-24). `--dist loadfile` hands whole files
 # to the two workers in the order collected (pyproject.toml sets `--no-loadscope-reorder`; pytest-xdist's own
 # order, most tests first, started these last, and the other worker then waited idle for the last of them).
-LONGEST_FIRST = ("test_compile_hosted.py", "test_distributed_run.py", "test_distributed_async.py",
-                 "test_quickstart.py", "test_run.py", "test_distributed.py", "test_train_parity.py",
+LONGEST_FIRST = ("test_compile_hosted.py", "test_long_context.py", "test_distributed_run.py",
+                 "test_distributed_async.py", "test_quickstart.py", "test_run.py", "test_distributed.py",
+                 "test_train_parity.py",
                  "test_engine.py", "test_train.py", "test_moe.py", "test_classic.py", "test_resume.py",
                  "test_faults.py", "test_export.py", "test_runs.py", "test_multiturn.py", "test_metrics.py")
 

@@ -46,6 +46,11 @@ def test_cli_compiles_a_checkpoint_config_for_a_slice(tmp_path, tiny_model_dir):
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["fits"] and data["chips"] == 4 and data["bytes_per_chip"]["total"] < data["bytes_per_chip"]["hbm"]
     assert data["compiled_depths"] == [data["model_layers"]]
+    # no [jax] micro_batch_size: the largest that fits, by compiling (the whole batch, for the tiny model)
+    assert (data["micro_batch_size"], data["micro_batch_from"]) == (16, "the largest that fits (compiled)")
+    # the compiler's cost of a layer against the ideal (4 FLOPs per weight and token with LoRA, and attention)
+    cost = data["cost"]
+    assert cost["layer_flops"] > cost["ideal_layer_flops"] > 0 and "compiler cost" in result.output
     bad = runner.invoke(app, ["compile", str(config), "--topology", "v5p-7"])
     assert bad.exit_code == 2 and "--topology: slice 'v5p-7'" in bad.output
     wrong = runner.invoke(app, ["compile", str(config), "--topology", "v6e-8"])
@@ -54,7 +59,8 @@ def test_cli_compiles_a_checkpoint_config_for_a_slice(tmp_path, tiny_model_dir):
     # full fine-tuning: float32 master weights (twice the bfloat16 ones), AdamW moments and the step's new
     # weights and moments beside them (at least 5 x the weights), and the engine's bfloat16 copy
     config.write_text(config.read_text() + 'finetune = "full"\n')
-    full = runner.invoke(app, ["compile", str(config), "--topology", "v5litepod-4", "--json", str(tmp_path / "f.json")])
+    full = runner.invoke(app, ["compile", str(config), "--topology", "v5litepod-4", "--no-cost",
+                               "--json", str(tmp_path / "f.json")])
     assert full.exit_code == 0, full.output
     lora, full = data["bytes_per_chip"], json.loads((tmp_path / "f.json").read_text())["bytes_per_chip"]
     assert full["weights"] == 2 * lora["weights"] and full["engine_weights"] == lora["weights"] > 0
@@ -74,7 +80,8 @@ def _check_kl_reference(runner, app, config, tmp_path, lora: dict, full: dict):
 
     lora_text = config.read_text().replace('finetune = "full"\n', "")
     config.write_text(config.read_text() + "[jax.loss]\nkl_coef = 0.1\n")
-    kl = runner.invoke(app, ["compile", str(config), "--topology", "v5litepod-4", "--json", str(tmp_path / "k.json")])
+    kl = runner.invoke(app, ["compile", str(config), "--topology", "v5litepod-4", "--no-cost",
+                             "--json", str(tmp_path / "k.json")])
     assert kl.exit_code == 0, kl.output
     kl = json.loads((tmp_path / "k.json").read_text())
     train = f"train@{full['model_layers']}"
@@ -92,7 +99,9 @@ def _check_kl_reference(runner, app, config, tmp_path, lora: dict, full: dict):
     lora_kl = RunConfig.model_validate({**tomllib.loads(lora_text), "jax": {
         **tomllib.loads(lora_text)["jax"], "loss": {"kl_coef": 0.1}}})
     mesh = make_mesh({"fsdp": 4}, slices.topology_devices(slices.parse_slice("v5litepod-4")))
-    program = programs.compile_train(report.shapes_of(lora_kl, report.model_of(lora_kl), 4), mesh)
+    shapes = dataclasses.replace(report.shapes_of(lora_kl, report.model_of(lora_kl)),
+                                 micro_batch_size=lora["micro_batch_size"])
+    program = programs.compile_train(shapes, mesh)
     assert program.declared["reference"] == 0 and program.argument == lora["programs"][train]["argument"]
 
 
@@ -107,7 +116,7 @@ def test_overflow_advice_leaves_out_what_the_run_already_does():
     cfg = RunConfig.model_validate({"model": "Qwen/Qwen3-4B-Instruct-2507", "batch_size": 64,
                                     "rollouts_per_example": 8, "env": [{"id": "a/b"}],
                                     "jax": {"remat": True, "micro_batch_size": 16}})
-    on = report.shapes_of(cfg, report.model_of(cfg), 1)
+    on = report.shapes_of(cfg, report.model_of(cfg))
     off = dataclasses.replace(on, remat=False)
     assert report.advice("temporaries", off, {"fsdp": 4}) == report.ADVICE["temporaries"]
     assert report.advice("temporaries", on, {"fsdp": 4}).startswith("a smaller [jax] micro_batch_size, fewer")
@@ -142,7 +151,7 @@ def test_the_runs_engine_group_is_chosen_beside_its_compiled_train_step(tiny_mod
     from jaxrl.parallel import distributed
 
     cfg, mcfg, mesh = _tiny_on_v5p_16(tiny_model_dir)
-    shapes = report.shapes_of(cfg, mcfg, 8)
+    shapes = dataclasses.replace(report.shapes_of(cfg, mcfg), micro_batch_size=16)  # the whole batch: what fits
     train = programs.compile_train(shapes, mesh)
     assert train.temp > 0
     trainer = sum(train.declared.values()) + train.output + train.temp
@@ -181,7 +190,7 @@ def test_compile_picks_the_fewest_engine_hosts_that_fit_beside_the_compiled_trai
                                         "rollouts_per_example": 8, "env": [{"id": "a/b"}],
                                         "jax": {"mesh": mesh, "dtype": "bfloat16", "decode_slots": 128}})
         s = slices.parse_slice(slice_name)
-        return report.shapes_of(cfg, report.model_of(cfg), 32), make_mesh(mesh, slices.topology_devices(s)), s.chip
+        return report.shapes_of(cfg, report.model_of(cfg)), make_mesh(mesh, slices.topology_devices(s)), s.chip
 
     shapes, mesh, chip = setup("v5p-128", {"fsdp": 4, "tensor": 2, "expert": 8})
     assert programs.engine_declared_bytes(shapes, programs.engine_mesh(mesh, 8), True) / gib == \

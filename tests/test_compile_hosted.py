@@ -48,7 +48,9 @@ def run_config(case: str) -> RunConfig:
         "model": model, "batch_size": 256, "rollouts_per_example": 8, "lora_alpha": 32, "env": [{"id": "a/b"}],
         "sampling": {"max_tokens": 2048},
         "jax": {"mesh": mesh, "dtype": "bfloat16", "seq_len": 4096, "lora_rank": 16, "decode_slots": slots,
-                "remat": True, "engine_hosts": engine_hosts}})
+                "remat": True, "engine_hosts": engine_hosts,
+                # one sequence per batch shard (one compile; the largest that fits is chosen in test_long_context.py)
+                "micro_batch_size": math.prod(n for a, n in mesh.items() if a != "tensor")}})
 
 
 @pytest.fixture(scope="module")

@@ -248,11 +248,15 @@ def compile_(
                                                           "the run's fit rule (one host unless the engine's "
                                                           "weights and KV cache beside the trainer's state "
                                                           "exceed 90% of its HBM).")] = None,
+    cost: Annotated[bool, typer.Option(help="Also report the compiler's FLOPs and bytes per layer of the train "
+                                            "step (two more compiles, layers unrolled at depths 2 and 3), their "
+                                            "ratio to the model's ideal FLOPs, and a roofline from them.")] = True,
 ) -> None:
     """Compile the run's train step, prefill and decode programs for a TPU slice (on any machine: libtpu,
     no TPU) with abstract weights, and print per chip: weights, LoRA + optimizer, KV cache, temporaries,
-    the total against the chip's HBM (fits or not, and what to change), and roofline step times.
-    Exit 1 when it does not fit."""
+    the total against the chip's HBM (fits or not, and what to change), roofline step times, and the
+    compiler's cost per layer against the ideal. Without [jax] micro_batch_size, the largest micro-batch
+    that fits is found by compiling (as a run on accelerators does). Exit 1 when it does not fit."""
     import json
 
     from jaxrl.compile.programs import ProgramTooLarge
@@ -263,7 +267,7 @@ def compile_(
     if parts and (len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts) or parts[0] == parts[1]):
         raise _fail(f"--depths: {depths!r} is not two different layer counts, e.g. '2,3'")
     try:
-        report = compile_run(cfg, topology, tuple(int(p) for p in parts) or None, engine_hosts)
+        report = compile_run(cfg, topology, tuple(int(p) for p in parts) or None, engine_hosts, cost)
     except ProgramTooLarge as exc:
         err.print(str(exc), markup=False)
         raise typer.Exit(code=1) from None

@@ -42,10 +42,11 @@ class Shapes:
     remat: bool
     batch_rows: int  # sequences per train step
     seq_len: int
-    micro_batch_size: int
+    micro_batch_size: int | None  # None: the largest that fits, found by compiling (`report.compiled_micro_batch`)
     decode_slots: int
     full: bool = False  # `[jax] finetune = "full"`: every weight trains (float32 master weights, AdamW over them)
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)  # `[jax.loss]`: kl_coef > 0 runs a reference
+    unroll: bool = False  # the train step's layers unrolled, not scanned: `cost_analysis()` then counts each
 
     @property
     def kl_copy(self) -> bool:
@@ -61,7 +62,8 @@ class Shapes:
 class Program:
     """One compiled program, per chip: the compiler's argument / output / aliased / temporary bytes,
     the bytes of each argument group computed from the declared shapes and their shardings
-    (`declared`), and the compile time in seconds."""
+    (`declared`), the compile time in seconds, and the compiler's `cost_analysis()`: FLOPs and bytes
+    accessed (a loop's body counted once, whatever its trip count)."""
 
     name: str
     argument: int
@@ -70,6 +72,8 @@ class Program:
     temp: int
     declared: dict[str, int]
     compile_s: float
+    flops: float = 0.0
+    bytes_accessed: float = 0.0
 
 
 def _itemsize(dtype: Any) -> int:
@@ -137,8 +141,12 @@ def _compile(name: str, lowered: Any) -> tuple[Any, float]:
 
 def _program(name: str, compiled: Any, seconds: float, declared: dict[str, int]) -> Program:
     mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):  # older jax: one dict per computation
+        cost = cost[0] if cost else {}
     return Program(name, int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
-                   int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes), declared, seconds)
+                   int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes), declared, seconds,
+                   float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)))
 
 
 def _dict_keys(path: tuple) -> tuple[str, ...]:
@@ -169,8 +177,11 @@ def compile_train(s: Shapes, mesh: Mesh) -> Program:
     In full fine-tuning the weights are the float32 master weights (declared as `weights`), and with
     `kl_coef > 0` the step also takes the KL reference, the starting weights in `dtype` on the trainer's
     mesh as the run keeps them (`Run.init_training`; declared as `reference`)."""
+    if s.micro_batch_size is None:
+        raise ValueError("compile_train needs a micro_batch_size (report.compiled_micro_batch chooses one)")
     trainer = Trainer(s.model, mesh, make_optimizer(1e-5, full=s.full), lora_scale=s.lora_scale, loss_cfg=s.loss,
-                      remat=s.remat, micro_batch_size=s.micro_batch_size, full=s.full, dtype=s.dtype)
+                      remat=s.remat, micro_batch_size=s.micro_batch_size, full=s.full, dtype=s.dtype,
+                      unroll=s.unroll)
     base, lora = _weights(s, mesh, jnp.float32 if s.full else None)
     reference = _weights(s, mesh)[0] if s.kl_copy else None
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -193,7 +204,7 @@ def compile_train(s: Shapes, mesh: Mesh) -> Program:
     lowered = trainer._step.lower(state, reference if s.full else base, batch, micro_batches=k)
     declared = {"weights": shard_bytes(base), "lora": shard_bytes(lora), "optimizer": shard_bytes((opt, state.step)),
                 "batch": shard_bytes(batch), "reference": shard_bytes(reference)}
-    return _measure("train", lowered, declared)
+    return _measure("train" + (" unrolled" if s.unroll else ""), lowered, declared)
 
 
 def _engine(s: Shapes, mesh: Mesh) -> tuple[Engine, dict]:

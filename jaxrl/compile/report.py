@@ -30,7 +30,7 @@ from jaxrl.config.schema import ConfigError, RunConfig, locate_model_path
 from jaxrl.model import catalog, hf, moe
 from jaxrl.model.qwen3 import ModelConfig
 from jaxrl.parallel.sharding import MESH_AXES, RULES, batch_shards, make_mesh
-from jaxrl.rl.train import default_micro_batch, loss_config
+from jaxrl.rl.train import loss_config
 
 FIT_SHARE = 0.9  # a run fits when its total is at most this share of HBM (the rest: runtime, fragmentation)
 
@@ -66,6 +66,8 @@ class Report:
     decode_step_s: float
     compile_s: float
     engine_hosts_from: str = "set"  # "set" (--engine-hosts, [jax] engine_hosts) or the rule's description
+    micro_batch_from: str = "set"  # "set" ([jax] micro_batch_size) or the rule's description
+    cost: Cost | None = None  # the compiler's FLOPs and bytes of a train-step layer (`train_cost`)
 
     @property
     def total(self) -> int:
@@ -96,7 +98,9 @@ class Report:
             "engine_hosts_from": self.engine_hosts_from, "engine_mesh": self.engine_mesh,
             "model_layers": self.shapes.model.num_layers, "compiled_depths": list(self.depths),
             "batch_rows": self.shapes.batch_rows, "seq_len": self.shapes.seq_len,
-            "micro_batch_size": self.shapes.micro_batch_size, "decode_slots": self.shapes.decode_slots,
+            "micro_batch_size": self.shapes.micro_batch_size, "micro_batch_from": self.micro_batch_from,
+            "decode_slots": self.shapes.decode_slots,
+            "cost": None if self.cost is None else dataclasses.asdict(self.cost),
             "bytes_per_chip": {**self.terms, "total": self.total, "hbm": self.hbm},
             "fits": self.fits, "overflow": None if self.fits else self.overflow, "programs": self.programs,
             "train_step_s": self.train_step_s, "decode_step_s": self.decode_step_s,
@@ -111,7 +115,8 @@ class Report:
                  f"mesh {self.mesh}; engine on {self.engine_hosts} host(s) ({self.engine_hosts_from}), "
                  f"mesh {self.engine_mesh}",
                  f"model: {s.model.num_layers} layers; train {s.batch_rows} x {s.seq_len} tokens in micro-batches "
-                 f"of {s.micro_batch_size}; {s.decode_slots} decode slots x {s.seq_len}; trains "
+                 f"of {s.micro_batch_size} ({self.micro_batch_from}); {s.decode_slots} decode slots x {s.seq_len}; "
+                 "trains "
                  + ("every weight (finetune = \"full\": lora_optimizer is the weights' AdamW state and update)"
                     if s.full else f"LoRA r{s.lora_rank}"),
                  f"compiled at depth {', '.join(map(str, self.depths))}"
@@ -125,7 +130,98 @@ class Report:
                      f"{verdict}")
         lines.append(f"roofline: train step {self.train_step_s:.2f} s, decode step {self.decode_step_s * 1e3:.1f} ms "
                      f"= {self.decode_tokens_per_s:.0f} tok/s per engine ({self.slice.chip.source})")
+        if self.cost is not None:
+            lines += self.cost.lines(self.slice.chip)
         return "\n".join(lines)
+
+
+COST_DEPTHS = (2, 3)  # the unrolled train steps whose difference is one layer's cost (`train_cost`)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """The compiler's account of one train-step layer, per chip and micro-batch (`train_cost`), against the
+    model's ideal. FLOPs and bytes accessed from `cost_analysis()` of the train step compiled with its
+    layers unrolled at two depths (`COST_DEPTHS`), the deeper minus the shallower; `rest_*` is what the
+    shallower holds besides its layers (embedding, output head, loss, the optimizer's update), and
+    `micro_batches` how often the step runs a layer's body (the micro-batch loop, counted once by
+    `cost_analysis`)."""
+
+    layer_flops: float
+    layer_bytes: float
+    rest_flops: float
+    rest_bytes: float
+    ideal_layer_flops: float  # 6 (full) or 4 (LoRA) per active weight and token, causal attention counted once
+    remat_layer_flops: float  # what rematerialisation adds to the ideal: the layer's forward again (0: remat off)
+    layers: int
+    micro_batches: int
+
+    @property
+    def ratio(self) -> float:
+        """The compiler's FLOPs per layer over the ideal's."""
+        return self.layer_flops / self.ideal_layer_flops
+
+    def step(self) -> tuple[float, float]:
+        """(FLOPs, bytes accessed) of one train step per chip, from the per-layer figures."""
+        k = self.micro_batches
+        return (k * (self.layers * self.layer_flops + self.rest_flops),
+                k * (self.layers * self.layer_bytes + self.rest_bytes))
+
+    def roofline_s(self, chip: slices.Chip) -> float:
+        """A train step's seconds from the compiler's counts: max(FLOPs / peak, bytes / bandwidth)."""
+        flops, nbytes = self.step()
+        return max(flops / chip.flops, nbytes / chip.hbm_bandwidth)
+
+    def lines(self, chip: slices.Chip) -> list[str]:
+        """The report's lines: per-layer counts, the ratio, the roofline, and where the FLOPs beyond the
+        ideal go, as far as the counts tell."""
+        t = 1e12
+        beyond = self.layer_flops - self.ideal_layer_flops - self.remat_layer_flops
+        return [f"compiler cost (train step, one layer, per chip and micro-batch): {self.layer_flops / t:.3f} TFLOP, "
+                f"{self.layer_bytes / 2**30:.2f} GiB accessed; ideal {self.ideal_layer_flops / t:.3f} TFLOP: "
+                f"ratio {self.ratio:.2f}",
+                f"  roofline from the compiler's counts: train step {self.roofline_s(chip):.2f} s "
+                f"({self.micro_batches} micro-batch(es) x {self.layers} layers)",
+                f"  recomputation (remat): {self.remat_layer_flops / self.ideal_layer_flops:.0%} of the ideal",
+                f"  the rest beyond ideal + remat (masked attention blocks, LoRA's products, norms, relayouts): "
+                f"{beyond / self.ideal_layer_flops:+.0%} of the ideal"]
+
+
+def ideal_layer_flops(m: ModelConfig, s: Shapes, tokens: int, rows: int) -> tuple[float, float]:
+    """(ideal, remat's addition) FLOPs of one layer over `rows` sequences of `s.seq_len` (`tokens` in all):
+    per token 2 per active weight forward (the attention projections, the dense MLP or the router and top-k
+    experts), 4 backward with LoRA (activations' gradients only) or 6 in all with full fine-tuning; causal
+    attention's two products counted once (2·T²·N·H per sequence forward, T²/2 of each product, 3x that in
+    training); a KL reference adds one more forward. Remat adds the forward again."""
+    d, n_h, k_h = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    mlp = m.num_experts_per_tok * 3 * d * m.moe_intermediate_size + d * m.num_experts if m.is_moe \
+        else 3 * d * m.intermediate_size
+    weights = 2 * d * n_h + 2 * d * k_h + mlp
+    forward = 2 * weights * tokens + 2 * rows * s.seq_len**2 * n_h
+    per_weight = 6 if s.full else 4
+    ideal = per_weight * weights * tokens + 3 * 2 * rows * s.seq_len**2 * n_h
+    if s.loss.kl_coef > 0:
+        ideal += forward
+    return ideal, forward if s.remat else 0.0
+
+
+def train_cost(shapes: Shapes, mesh: Any) -> Cost:
+    """`Cost` of `shapes`' train step on `mesh` (its micro-batch set): compiled with its layers unrolled at
+    `COST_DEPTHS` (`cost_analysis()` counts a scanned layer once, whatever the depth). Two compiles.
+
+    Raises:
+        programs.ProgramTooLarge: the compiler refused one of them.
+    """
+    da, db = COST_DEPTHS
+    a, b = (programs.compile_train(dataclasses.replace(shapes.at_depth(d), unroll=True), mesh) for d in (da, db))
+    layer_flops, layer_bytes = (b.flops - a.flops) / (db - da), (b.bytes_accessed - a.bytes_accessed) / (db - da)
+    shards = batch_shards(mesh)
+    k = -(-shapes.batch_rows // shapes.micro_batch_size)
+    rows = -(-shapes.batch_rows // (k * shards)) * shards  # `Trainer.micro_rows`
+    ideal, remat = ideal_layer_flops(shapes.model, shapes, rows * shapes.seq_len, rows)
+    chips = mesh.devices.size
+    return Cost(layer_flops, layer_bytes, a.flops - da * layer_flops, a.bytes_accessed - da * layer_bytes,
+                ideal / chips, remat / chips, shapes.model.num_layers, k)
 
 
 def advice(term: str, shapes: Shapes, mesh: dict[str, int]) -> str:
@@ -185,21 +281,87 @@ def compiled_engine_hosts(shapes: Shapes, mesh: Any, hbm_bytes: int, trainer: in
     return hosts
 
 
-def run_engine_hosts(cfg: RunConfig, model: ModelConfig, mesh: Any, hbm_bytes: int) -> int:
+def run_engine_hosts(cfg: RunConfig, model: ModelConfig, mesh: Any, hbm_bytes: int,
+                     micro_batch_size: int | None = None) -> int:
     """Hosts per rollout engine for a run of `cfg` whose trainer's mesh is `mesh` (the run's own devices)
     and whose chips have `hbm_bytes` each, when `[jax] engine_hosts` is 0 on accelerators over several
     processes (`jaxrl.parallel.distributed.engine_hosts`): the train step compiled for `mesh` at full depth
     at the run's widest batch (`shapes_of`), then `compiled_engine_hosts` beside it. The same choice as
     `jaxrl compile` for that slice, so a seed TOML with `engine_hosts = 0` gets an engine group that fits.
     Costs one compile of the train step (the run compiles its own, at the batch's real width, later).
+    `micro_batch_size`: the run's (`run_micro_batch`); None: `[jax] micro_batch_size`, else chosen here.
 
     Raises:
         programs.ProgramTooLarge: the compiler refused the train step (it needs more than a chip's HBM).
     """
-    shapes = shapes_of(cfg, model, batch_shards(mesh))
-    train = programs.compile_train(shapes, mesh)
+    shapes = shapes_of(cfg, model)
     layers = model.num_layers
+    micro = micro_batch_size or shapes.micro_batch_size
+    if micro is None:
+        micro, train = compiled_micro_batch(shapes, mesh, hbm_bytes)
+        train = train[layers]
+    else:
+        train = programs.compile_train(dataclasses.replace(shapes, micro_batch_size=micro), mesh)
+    shapes = dataclasses.replace(shapes, micro_batch_size=micro)
     return compiled_engine_hosts(shapes, mesh, hbm_bytes, _trainer_bytes(_at_depth({layers: train}, (layers,), layers)))
+
+
+def micro_batch_candidates(rows: int, shards: int) -> list[int]:
+    """Sequences per micro-batch to choose among for a batch of `rows` on `shards` batch shards: a power of
+    two per shard, from 1 up to the batch's share (`ceil(rows / shards)`, itself the last), times `shards`."""
+    share = -(-rows // shards)
+    per_shard = [1 << i for i in range(share.bit_length()) if 1 << i < share] + [share]
+    return [p * shards for p in per_shard]
+
+
+def compiled_micro_batch(shapes: Shapes, mesh: Any, hbm_bytes: int,
+                         depths: tuple[int, ...] | None = None) -> tuple[int, dict[int, Program]]:
+    """The largest micro-batch (`micro_batch_candidates`) whose compiled train step fits: its bytes per chip,
+    scratch included (`_trainer_bytes`, extrapolated from `depths` when two are given; None: full depth),
+    plus the least an engine adds (its KV cache, on all the hosts, reading the trainer's weights:
+    `programs.engine_declared_bytes`) at most `FIT_SHARE` of `hbm_bytes`. Found by bisection (scratch
+    grows with the micro-batch): about log2(candidates) compiles per depth. Returns it and its compiled
+    train programs by depth; the smallest candidate, and its programs where it compiled, when none fits
+    (the report then says what overflows).
+
+    Raises:
+        programs.ProgramTooLarge: the smallest candidate's train step does not compile (more than a chip's HBM).
+    """
+    layers = shapes.model.num_layers
+    depths = tuple(depths or (layers,))
+    emesh = programs.engine_mesh(mesh, _hosts(mesh))
+    engine = programs.engine_declared_bytes(shapes, emesh, _engine_owns_weights(shapes, emesh, mesh))
+    candidates = micro_batch_candidates(shapes.batch_rows, batch_shards(mesh))
+    tried: dict[int, dict[int, Program] | None] = {}
+
+    def fits(i: int) -> bool:
+        micro = candidates[i]
+        try:
+            tried[micro] = {d: programs.compile_train(dataclasses.replace(shapes.at_depth(d), micro_batch_size=micro),
+                                                      mesh) for d in depths}
+        except programs.ProgramTooLarge:
+            if i == 0:
+                raise
+            tried[micro] = None
+            return False
+        return _trainer_bytes(_at_depth(tried[micro], depths, layers)) + engine <= FIT_SHARE * hbm_bytes
+
+    lo, hi = 0, len(candidates) - 1  # the answer lies in [lo, hi]; candidates[lo] is the fallback
+    if not fits(0):
+        return candidates[0], tried[candidates[0]]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return candidates[lo], tried[candidates[lo]]
+
+
+def run_micro_batch(cfg: RunConfig, model: ModelConfig, mesh: Any, hbm_bytes: int) -> int:
+    """Sequences per micro-batch of a run of `cfg` on `mesh` (its own devices, `hbm_bytes` a chip):
+    `[jax] micro_batch_size` when set, else `compiled_micro_batch` at full depth, the rule `jaxrl compile`
+    applies (there at its depths)."""
+    if cfg.jax.micro_batch_size:
+        return cfg.jax.micro_batch_size
+    return compiled_micro_batch(shapes_of(cfg, model), mesh, hbm_bytes)[0]
 
 
 def _trainer_bytes(train: dict[str, int]) -> int:
@@ -250,7 +412,8 @@ def roofline(m: ModelConfig, s: Shapes, chip: slices.Chip, chips: int, engine_ch
 
 
 def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slices.Slice, shapes: Shapes,
-                   depths: tuple[int, ...] | None = None, engine_hosts: int | None = None) -> Report:
+                   depths: tuple[int, ...] | None = None, engine_hosts: int | None = None,
+                   cost: bool = False) -> Report:
     """Compile the train step, the largest prefill bucket and the decode step for `slice_` and report.
 
     Args:
@@ -258,6 +421,9 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
         depths: two reduced depths to compile and extrapolate from; None compiles at full depth.
         engine_hosts: hosts per rollout engine; None: `compiled_engine_hosts`, beside the train step (which
             is compiled first).
+        cost: also compile the train step unrolled at `COST_DEPTHS` for the compiler's per-layer FLOPs and
+            bytes (`train_cost`; two more compiles).
+    A `shapes.micro_batch_size` of None is chosen by compiling (`compiled_micro_batch`).
     Raises:
         ProgramTooLarge: the compiler refused a program (it needs more than a chip's HBM).
         ValueError: the mesh does not use every chip of the slice, or the engine's hosts do not divide
@@ -281,7 +447,11 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
                                            f"by heads)") from None
 
     # The train step first: the engine group rule sets its compiled bytes, scratch included, beside the engine.
-    for depth in depths:
+    micro_from = "set"
+    if shapes.micro_batch_size is None:  # the largest that fits, by compiling
+        micro, compiled["train"] = compiled_micro_batch(shapes, mesh, slice_.chip.hbm_bytes, depths)
+        shapes, micro_from = dataclasses.replace(shapes, micro_batch_size=micro), "the largest that fits (compiled)"
+    for depth in (d for d in depths if d not in compiled["train"]):
         run("train", depth, lambda d=depth: programs.compile_train(shapes.at_depth(d), mesh))
     train = _at_depth(compiled["train"], depths, model.num_layers)
     g = engine_hosts or compiled_engine_hosts(shapes, mesh, slice_.chip.hbm_bytes, _trainer_bytes(train))
@@ -310,12 +480,14 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
     chunked = model.is_moe and moe.chunk_count(group, model.num_experts_per_tok, moe.ASSIGNMENTS_PER_CHUNK) > 1
     train_s, decode_s = roofline(model, shapes, slice_.chip, mesh.devices.size, emesh.devices.size,
                                  terms["weights"], decode["declared_weights"], terms["kv_cache"], k, chunked)
+    layer_cost = train_cost(shapes, mesh) if cost else None
     raw = {f"{n}@{d}": dataclasses.asdict(p) for n, ps in compiled.items() for d, p in sorted(ps.items())}
     full = {"train": train, "prefill": prefill, "decode": decode}
     return Report(slice_, hosts, dict(mesh.shape), g, dict(emesh.shape), shapes, depths, terms,
                   {**raw, **({f"{n}@{model.num_layers}": v for n, v in full.items()} if len(depths) > 1 else {})},
                   train_s, decode_s, time.perf_counter() - t0,
-                  "set" if engine_hosts else "the fewest that fit beside the compiled train step")
+                  "set" if engine_hosts else "the fewest that fit beside the compiled train step", micro_from,
+                  layer_cost)
 
 
 def model_of(cfg: RunConfig) -> ModelConfig:
@@ -354,18 +526,18 @@ def model_of(cfg: RunConfig) -> ModelConfig:
         raise ConfigError(cfg.source, [("model", str(exc))]) from None
 
 
-def shapes_of(cfg: RunConfig, model: ModelConfig, batch_shards: int) -> Shapes:
+def shapes_of(cfg: RunConfig, model: ModelConfig) -> Shapes:
     """The sizes a run of `cfg` compiles for: `batch_size` sequences of `[jax] seq_len` tokens (one sample
-    per rollout, the widest batch), `[jax] micro_batch_size` or its default for `batch_shards`."""
+    per rollout, the widest batch), `[jax] micro_batch_size` (None: chosen by compiling,
+    `compiled_micro_batch`)."""
     j = cfg.jax
     return Shapes(model, jnp.bfloat16 if j.dtype == "bfloat16" else jnp.float32, j.lora_rank, tuple(j.lora_targets),
-                  cfg.lora_alpha / j.lora_rank, j.remat, cfg.batch_size, j.seq_len,
-                  j.micro_batch_size or default_micro_batch(j.seq_len, batch_shards), j.decode_slots,
-                  full=j.finetune == "full", loss=loss_config(cfg))
+                  cfg.lora_alpha / j.lora_rank, j.remat, cfg.batch_size, j.seq_len, j.micro_batch_size,
+                  j.decode_slots, full=j.finetune == "full", loss=loss_config(cfg))
 
 
 def compile_run(cfg: RunConfig, slice_name: str, depths: tuple[int, ...] | None = None,
-                engine_hosts: int | None = None) -> Report:
+                engine_hosts: int | None = None, cost: bool = False) -> Report:
     """`compile_report` for a run config on the slice `slice_name` (`slices.parse_slice`).
 
     Raises:
@@ -384,7 +556,6 @@ def compile_run(cfg: RunConfig, slice_name: str, depths: tuple[int, ...] | None 
     elif math.prod(sizes) != slice_.chips:
         raise ConfigError(cfg.source, [("jax.mesh", f"{shape} has {math.prod(sizes)} devices; {slice_.name} has "
                                                     f"{slice_.chips} chips")])
-    shards = math.prod(shape.get(a, 1) for a in ("data", "fsdp", "expert"))
     # --engine-hosts, else the run's own `[jax] engine_hosts` (0: `compiled_engine_hosts`, as a run decides)
-    return compile_report(model, shape, slice_, shapes_of(cfg, model, shards), depths,
-                          engine_hosts or cfg.jax.engine_hosts or None)
+    return compile_report(model, shape, slice_, shapes_of(cfg, model), depths,
+                          engine_hosts or cfg.jax.engine_hosts or None, cost)

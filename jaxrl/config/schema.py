@@ -229,8 +229,9 @@ class JaxConfig(_Table):
     """Sequences per train pass (all chips together): a step's batch is trained in ceil(rows / this)
     micro-batches whose gradients are accumulated, the same update as one pass with one micro-batch's
     activations in memory; best a multiple of the batch shards (mesh data x fsdp x expert). Default None:
-    4096 tokens per batch shard, `batch shards x max(1, 4096 // seq_len)` sequences
-    (`jaxrl.rl.train.default_micro_batch`); a smaller batch is one pass."""
+    on accelerators the largest that fits, found by compiling the train step at startup (a power of two
+    per batch shard, or the whole batch: `jaxrl.compile.report.run_micro_batch`, what `jaxrl compile`
+    prints); on CPU 4096 tokens per batch shard (`jaxrl.rl.train.default_micro_batch`)."""
     engine_hosts: int = Field(0, ge=0)
     """Processes (hosts) that share one rollout engine: its mesh spans their devices and they step it in
     lockstep (`jaxrl.inference.lockstep`); must divide the number of processes. Default 0, the fit rule

@@ -101,7 +101,7 @@ id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
 # seed = 0
 # decode_slots = 32            # concurrent decodes in the rollout engine
 # remat = false                # recompute activations in the backward pass
-# micro_batch_size = 64        # most sequences per train pass (gradients accumulated); default 4096 tokens/shard
+# micro_batch_size = 64        # most sequences per train pass (gradients accumulated); default: largest that fits
 # engine_hosts = 0             # hosts per rollout engine (multi-host); 0 = the fewest that fit (see jaxrl compile)
 # host = "127.0.0.1"           # rollout server address
 # port = 0                     # rollout server port; 0 = a free one

@@ -41,15 +41,14 @@ from jaxrl.model.qwen3 import ModelConfig, Params
 from jaxrl.parallel.sharding import array_sharding, batch_shards
 from jaxrl.rl import cpu, losses
 
-TOKENS_PER_SHARD = 4096  # default micro-batch: tokens each batch shard trains per pass (`default_micro_batch`)
+TOKENS_PER_SHARD = 4096  # micro-batch where no chip memory is known: tokens a batch shard trains per pass
 
 
 def default_micro_batch(seq_len: int, batch_shards: int) -> int:
-    """Sequences per micro-batch when `[jax] micro_batch_size` is unset: `TOKENS_PER_SHARD` tokens on each
-    of the `batch_shards` chips the batch is split over (data x fsdp x expert), and at least one sequence
-    per shard. Attention materialises its float32 scores, [heads, T, T] per sequence (4096 tokens, 32
-    heads: 2 GiB), so more than one 4096-token sequence per chip in a pass is what `jaxrl compile` found
-    not to fit (Qwen3-4B, 4 sequences per chip: 72 GB of temporaries at two layers)."""
+    """Sequences per micro-batch when `[jax] micro_batch_size` is unset and the devices report no memory
+    (CPU; on accelerators a run compiles its train step to choose: `jaxrl.compile.report.run_micro_batch`):
+    `TOKENS_PER_SHARD` tokens on each of the `batch_shards` devices the batch is split over (data x fsdp x
+    expert), and at least one sequence per shard."""
     return batch_shards * max(1, TOKENS_PER_SHARD // seq_len)
 
 
@@ -246,15 +245,17 @@ def loss_config(cfg: RunConfig) -> LossConfig:
     return loss
 
 
-def trainer_for(cfg: RunConfig, mcfg: ModelConfig, mesh: Mesh, lora_scale: float) -> Trainer:
+def trainer_for(cfg: RunConfig, mcfg: ModelConfig, mesh: Mesh, lora_scale: float,
+                micro_batch_size: int | None = None) -> Trainer:
     """The run's `Trainer`: `[jax.loss]` (`loss_config`), `[jax.optim]` and its schedule over `max_steps`
-    from the top-level `learning_rate`."""
+    from the top-level `learning_rate`. `micro_batch_size`: what the run chose by compiling
+    (`jaxrl.compile.report.run_micro_batch`); None: `[jax] micro_batch_size`, else `default_micro_batch`."""
     o, loss = cfg.jax.optim, loss_config(cfg)
     full = cfg.jax.finetune == "full"
     tx = make_optimizer(1.0, o.max_grad_norm, o.weight_decay, (o.beta1, o.beta2), full=full)
     schedule = functools.partial(learning_rate, peak=cfg.learning_rate, schedule=o.schedule,
                                  warmup_steps=o.warmup_steps, total_steps=cfg.max_steps)
-    micro = cfg.jax.micro_batch_size or default_micro_batch(cfg.jax.seq_len, batch_shards(mesh))
+    micro = micro_batch_size or cfg.jax.micro_batch_size or default_micro_batch(cfg.jax.seq_len, batch_shards(mesh))
     return Trainer(mcfg, mesh, tx, lora_scale, loss_cfg=loss, remat=cfg.jax.remat, micro_batch_size=micro,
                    learning_rate=schedule, full=full,
                    dtype=jnp.bfloat16 if cfg.jax.dtype == "bfloat16" else jnp.float32)
@@ -288,6 +289,7 @@ class Trainer:
     full: bool = False
     dtype: Any = jnp.float32  # full fine-tuning: what the float32 master weights are cast to for the forward
     tuning: cpu.Tuning | None = None
+    unroll: bool = False  # layers unrolled whatever `tuning` says (`jaxrl compile`'s per-layer cost analysis)
 
     def __post_init__(self) -> None:
         if self.tuning is None:  # the platform's layer stack and head sizes
@@ -368,7 +370,7 @@ class Trainer:
         b, t = batch["inputs"].shape
         positions = batch.get("positions", jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
         segments = batch.get("segment_ids")  # None: one sample per row
-        scan = self.tuning.scan_layers
+        scan = not self.unroll and self.tuning.scan_layers
         hidden, _ = model(batch["inputs"], positions, remat=self.remat, mesh=self.mesh, segment_ids=segments,
                           scan_layers=scan)
         sft = self.objective == "sft"
