@@ -29,6 +29,7 @@ from jaxrl.config.model_path import HubModel, ModelNotFoundError, find_in_hf_cac
 from jaxrl.config.schema import ConfigError, RunConfig, locate_model_path
 from jaxrl.model import catalog, hf, moe
 from jaxrl.model.qwen3 import ModelConfig
+from jaxrl.parallel import distributed
 from jaxrl.parallel.sharding import MESH_AXES, RULES, batch_shards, make_mesh
 from jaxrl.rl.train import loss_config
 
@@ -370,6 +371,26 @@ def run_micro_batch(cfg: RunConfig, model: ModelConfig, mesh: Any, hbm_bytes: in
     if cfg.jax.micro_batch_size:
         return cfg.jax.micro_batch_size
     return compiled_micro_batch(shapes_of(cfg, model), mesh, hbm_bytes)[0]
+
+
+def startup_micro_batch(cfg: RunConfig, model: ModelConfig, mesh: Any, say: Any = print) -> int | None:
+    """A starting run's sequences per micro-batch: `[jax] micro_batch_size`; else, where the devices report
+    their memory (`jaxrl.parallel.distributed.chip_memory`: accelerators), `run_micro_batch`, saying so with
+    `say` first; else None (`jaxrl.rl.train.default_micro_batch`).
+
+    Raises:
+        ConfigError: (key `jax.micro_batch_size`) the compiler refuses even one sequence per batch shard.
+    """
+    chip_bytes = distributed.chip_memory()
+    if cfg.jax.micro_batch_size or chip_bytes is None:
+        return cfg.jax.micro_batch_size
+    say("micro_batch_size unset: compiling the train step to choose the largest micro-batch that fits "
+        "(set [jax] micro_batch_size to skip this; jaxrl compile prints the value)")
+    try:
+        return run_micro_batch(cfg, model, mesh, chip_bytes)
+    except programs.ProgramTooLarge as exc:
+        raise ConfigError(cfg.source, [("jax.micro_batch_size", f"one sequence per batch shard does not fit: "
+                                                                f"{exc}; `jaxrl compile` says more")]) from None
 
 
 def _trainer_bytes(train: dict[str, int]) -> int:

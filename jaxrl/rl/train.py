@@ -246,10 +246,11 @@ def loss_config(cfg: RunConfig) -> LossConfig:
 
 
 def trainer_for(cfg: RunConfig, mcfg: ModelConfig, mesh: Mesh, lora_scale: float,
-                micro_batch_size: int | None = None) -> Trainer:
+                micro_batch_size: int | None = None, objective: Literal["rl", "sft"] = "rl") -> Trainer:
     """The run's `Trainer`: `[jax.loss]` (`loss_config`), `[jax.optim]` and its schedule over `max_steps`
     from the top-level `learning_rate`. `micro_batch_size`: what the run chose by compiling
-    (`jaxrl.compile.report.run_micro_batch`); None: `[jax] micro_batch_size`, else `default_micro_batch`."""
+    (`jaxrl.compile.report.run_micro_batch`); None: `[jax] micro_batch_size`, else `default_micro_batch`.
+    `objective`: `Trainer.objective`."""
     o, loss = cfg.jax.optim, loss_config(cfg)
     full = cfg.jax.finetune == "full"
     tx = make_optimizer(1.0, o.max_grad_norm, o.weight_decay, (o.beta1, o.beta2), full=full)
@@ -257,7 +258,7 @@ def trainer_for(cfg: RunConfig, mcfg: ModelConfig, mesh: Mesh, lora_scale: float
                                  warmup_steps=o.warmup_steps, total_steps=cfg.max_steps)
     micro = micro_batch_size or cfg.jax.micro_batch_size or default_micro_batch(cfg.jax.seq_len, batch_shards(mesh))
     return Trainer(mcfg, mesh, tx, lora_scale, loss_cfg=loss, remat=cfg.jax.remat, micro_batch_size=micro,
-                   learning_rate=schedule, full=full,
+                   learning_rate=schedule, objective=objective, full=full,
                    dtype=jnp.bfloat16 if cfg.jax.dtype == "bfloat16" else jnp.float32)
 
 

@@ -219,8 +219,7 @@ class Run:
         `base`, the train step's: the frozen base, or in full fine-tuning the KL reference (the starting
         weights in `[jax] dtype`, kept only with an RL `kl_coef > 0`; else None, freeing them)."""
         cfg = self.cfg
-        self.trainer = dataclasses.replace(trainer_for(cfg, self.mcfg, self.mesh, self.lora_scale, self.micro_batch),
-                                           objective=objective)
+        self.trainer = trainer_for(cfg, self.mcfg, self.mesh, self.lora_scale, self.micro_batch, objective)
         self.state = self.trainer.init_state(self.base, None if self.full else self.init_lora())
         if self.full:
             self.base = self.engine_weights(self.base) if objective == "rl" and cfg.jax.loss.kl_coef > 0 else None
@@ -259,7 +258,7 @@ class Run:
         t0 = time.perf_counter()
         try:
             self.mcfg = mcfg = hf.load_config(self.model_path)
-            self.micro_batch = _micro_batch(cfg, mcfg, self.mesh, self.console)
+            self.micro_batch = report.startup_micro_batch(cfg, mcfg, self.mesh, self.console.print)
             self.engine_group = _engine_group(cfg, mcfg, self.mesh, self.console, self.micro_batch)
             self.engine_mesh = distributed.group_mesh(self.mesh, self.engine_group)  # its rollout engine's devices
             self.base = hf.load_hf(self.model_path, trained_dtype,
@@ -579,25 +578,7 @@ class Run:
         self.scheduler.stop()
 
 
-def _micro_batch(cfg: RunConfig, mcfg: ModelConfig, mesh: Mesh, console: Any) -> int | None:
-    """Sequences per micro-batch: `[jax] micro_batch_size`; else, where the devices report their memory
-    (accelerators), the largest whose compiled train step fits (`jaxrl.compile.report.run_micro_batch`, the
-    rule `jaxrl compile` applies); else None (`jaxrl.rl.train.default_micro_batch`). Raises ConfigError (key
-    `jax.micro_batch_size`) when the compiler refuses even one sequence per batch shard."""
-    chip_bytes = distributed.chip_memory()
-    if cfg.jax.micro_batch_size or chip_bytes is None:
-        return cfg.jax.micro_batch_size
-    console.print("micro_batch_size unset: compiling the train step to choose the largest micro-batch that fits "
-                  "(set [jax] micro_batch_size to skip this; jaxrl compile prints the value)")
-    try:
-        return report.run_micro_batch(cfg, mcfg, mesh, chip_bytes)
-    except ProgramTooLarge as exc:
-        raise ConfigError(cfg.source, [("jax.micro_batch_size", f"one sequence per batch shard does not fit: {exc}; "
-                                                                f"`jaxrl compile` says more")]) from None
-
-
-def _engine_group(cfg: RunConfig, mcfg: ModelConfig, mesh: Mesh, console: Any,
-                  micro_batch_size: int | None = None) -> range:
+def _engine_group(cfg: RunConfig, mcfg: ModelConfig, mesh: Mesh, console: Any, micro: int | None = None) -> range:
     """The processes whose devices this process's rollout engine spans: `[jax] engine_hosts` consecutive
     ones, or the fit rule's (`jaxrl.parallel.distributed.engine_hosts`; `jaxrl.compile.report.run_engine_hosts`).
     Raises ConfigError (key `jax.mesh` when the compiler refuses the train step, else `jax.engine_hosts`)."""
@@ -605,7 +586,7 @@ def _engine_group(cfg: RunConfig, mcfg: ModelConfig, mesh: Mesh, console: Any,
         console.print("engine_hosts = 0: compiling the train step to choose the rollout engine's hosts "
                       "(set [jax] engine_hosts to skip this; jaxrl compile prints the value)")
         try:
-            return report.run_engine_hosts(cfg, mcfg, mesh, chip_bytes, micro_batch_size)
+            return report.run_engine_hosts(cfg, mcfg, mesh, chip_bytes, micro)
         except Exception as exc:  # noqa: BLE001 - not the checkpoint's fault: say which step failed
             key = "jax.mesh" if isinstance(exc, ProgramTooLarge) else "jax.engine_hosts"
             raise ConfigError(cfg.source, [(key, f"compiling the train step to choose the engine hosts: "
