@@ -248,8 +248,8 @@ def abstract_decode_state(engine: Engine) -> DecodeState:
     (`EngineLayout.cache`; on an accelerator one buffer [L, B, S, K, H] per k and v), every per-slot array
     split over the slots' batch axis as the cache is."""
     c, b = engine.cfg, engine.max_concurrent_decodes
-    cache = engine.layout.cache(lambda shape, axes: jax.ShapeDtypeStruct(
-        shape, engine.cache_dtype, sharding=array_sharding(axes, shape, engine.mesh)))
+    cache = engine.layout.cache(lambda shape, axes, dtype=None: jax.ShapeDtypeStruct(
+        shape, dtype or engine.cache_dtype, sharding=array_sharding(axes, shape, engine.mesh)))
     vec_sh = array_sharding(("batch",), (b,), engine.mesh)
     slot_vocab_sh = array_sharding(("batch", None), (b, c.vocab_size), engine.mesh)
     per_slot = _placed(jax.eval_shape(lambda: (SlotSampling.neutral(b), jax.random.split(jax.random.key(0), b))),

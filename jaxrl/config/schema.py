@@ -223,6 +223,12 @@ class JaxConfig(_Table):
     `(seed * 1000003 + group) * rollouts_per_example + i` must fit in 63 bits. Default 0."""
     decode_slots: int = Field(32, ge=1)
     """Max concurrent decodes (KV cache rows) in the rollout engine. Default 32."""
+    kv_cache_tokens: int | None = Field(None, ge=1)
+    """Positions of the rollout engine's paged KV cache (`jaxrl.inference.paged`): a pool of pages of 16
+    positions handed to the sequences as their tokens arrive and returned when they finish, a group's
+    rollouts sharing their prompt's pages; must be >= `seq_len` (one sequence fits). Set, the engine runs
+    the paged cache (on CPU too, instead of the CPU's chunked dense cache); default None: the dense cache
+    of `decode_slots` x `seq_len` positions, as before."""
     remat: bool = False
     """Recompute activations in the backward pass to save memory (`jax.checkpoint`). Default false."""
     micro_batch_size: int | None = Field(None, ge=1)
@@ -369,6 +375,9 @@ class RunConfig(_Table):
         elif 0 < self.max_async_level < self.oversampling_factor and self.max_inflight_rollouts is None:
             problems.append(("max_async_level", f"{self.max_async_level} must be >= oversampling_factor "
                                                 f"({self.oversampling_factor})"))
+        if self.jax.kv_cache_tokens is not None and self.jax.kv_cache_tokens < self.jax.seq_len:
+            problems.append(("jax.kv_cache_tokens", f"{self.jax.kv_cache_tokens} must be >= jax.seq_len "
+                                                    f"({self.jax.seq_len}): one sequence must fit the pool"))
         if self.sampling.max_tokens is not None and self.sampling.max_tokens >= self.jax.seq_len:
             problems.append(("sampling.max_tokens", f"{self.sampling.max_tokens} must be < jax.seq_len "
                                                     f"({self.jax.seq_len}); raise [jax] seq_len"))

@@ -35,6 +35,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.inference import layout as layouts
+from jaxrl.inference.pages import PageAllocator
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.sampling import SlotSampling, mark_seen, sample, stop_ban
 from jaxrl.model import modules
@@ -102,7 +103,8 @@ class Engine:
     Engine params are what `prepare` makes of `{"base": params, "lora": lora_or_None}` (the layout's:
     the training arrays themselves on TPU and GPU; on CPU with its per-layer copies). LoRA products are
     scaled by `lora_scale` (alpha / rank). `max_seq_len` (S) is the cache length: prompt plus sampled
-    tokens. `layout` (None: `jaxrl.inference.layout.for_mesh`, from the mesh's platform) holds the weights
+    tokens. `layout` (None: `jaxrl.inference.layout.for_mesh`, from the mesh's platform and
+    `kv_cache_tokens`: given, a paged cache of that many positions, `jaxrl.inference.paged`) holds the weights
     and cache and samples (`EngineLayout`).
 
     Raises:
@@ -116,10 +118,12 @@ class Engine:
     lora_scale: float = 0.0
     cache_dtype: Any = jnp.float32
     layout: layouts.EngineLayout | None = None
+    kv_cache_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.layout is None:
-            self.layout = layouts.for_mesh(self.cfg, self.mesh, self.max_concurrent_decodes, self.max_seq_len)
+            self.layout = layouts.for_mesh(self.cfg, self.mesh, self.max_concurrent_decodes, self.max_seq_len,
+                                           self.kv_cache_tokens)
         got = (self.layout.cfg, self.layout.slots, self.layout.max_seq_len)
         if got != (self.cfg, self.max_concurrent_decodes, self.max_seq_len):
             raise ValueError(f"engine layout for (model, slots, max_seq_len) {got[1:]} given to an engine of "
@@ -158,8 +162,8 @@ class Engine:
         b = self.max_concurrent_decodes
         vec_sh = array_sharding(("batch",), (b,), self.mesh)
 
-        def zeros(shape, axes):
-            return jax.jit(lambda: jnp.zeros(shape, self.cache_dtype),
+        def zeros(shape, axes, dtype=None):
+            return jax.jit(lambda: jnp.zeros(shape, dtype or self.cache_dtype),
                            out_shardings=array_sharding(axes, shape, self.mesh))()
 
         cache = self.layout.cache(zeros)
@@ -222,8 +226,35 @@ class Engine:
         return stop_V
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
-        """Copy `prefix` into decode slot `slot` (the decode state's buffers are donated)."""
-        return self._insert(prefix, decode_state, jnp.int32(slot))
+        """Copy `prefix` into decode slot `slot` (the decode state's buffers are donated). With a paged
+        layout the slot's old pages are returned and the prompt's assigned (`PageAllocator.assign`: shared
+        with the slot inserted before it from the same `prefill_shared`).
+
+        Raises:
+            PoolExhausted: a paged layout's pool has too few free pages for the prompt.
+        """
+        pages = None
+        if (alloc := self.pages) is not None:
+            bucket = jax.tree.leaves(prefix.cache)[0].shape[2]
+            pages = jnp.asarray(alloc.assign(slot, int(prefix.length), bucket, prefix.cache))
+        return self._insert(prefix, decode_state, jnp.int32(slot), pages)
+
+    @property
+    def pages(self) -> PageAllocator | None:
+        """The paged layout's allocator (`jaxrl.inference.pages`), None with a dense cache."""
+        return getattr(self.layout, "pages", None)
+
+    def metrics(self) -> dict[str, float]:
+        """A paged layout's `engine/prefix_hits` (inserts that shared a prompt's pages, since the start) and
+        `engine/kv_pages` (pages in use now); {} with a dense cache."""
+        if (alloc := self.pages) is None:
+            return {}
+        return {"engine/prefix_hits": float(alloc.prefix_hits), "engine/kv_pages": float(alloc.in_use)}
+
+    def release(self, slot: int) -> None:
+        """Return the pages of `slot`, whose request finished or was cancelled (a dense cache: nothing)."""
+        if (alloc := self.pages) is not None:
+            alloc.release(slot)
 
     def generate(self, params: Params, decode_state: DecodeState, truncate: bool = True, penalize: bool = True,
                  ban: bool = True, chunks: int | None = None) -> tuple[DecodeState, ResultTokens]:
@@ -237,6 +268,13 @@ class Engine:
         slot that matters must be at a position it holds; a slot past it samples from a truncated cache.
         A slot's numbers are the same, bit for bit, for any `chunks` that holds its position
         (`jaxrl.model.cpu.Chunked.attend`). Each combination compiles once."""
+        if (alloc := self.pages) is not None:
+            alloc.step()  # each held slot's page for the position this step writes
+            if alloc.dirty:
+                # a copy: on CPU device_put may alias the host array, which later inserts change
+                table = jax.device_put(alloc.table.copy(), decode_state.cache["pages"].sharding)
+                decode_state = decode_state.replace(cache={**decode_state.cache, "pages": table})
+                alloc.dirty = False
         return self._generate(params, decode_state, truncate=truncate, penalize=penalize, ban=ban, chunks=chunks)
 
     def cache_chunks(self, positions: int) -> int | None:
@@ -268,11 +306,12 @@ class Engine:
         token, logprob = self._replicated(token), self._replicated(logprob)
         return token, logprob, key, mark_seen(seen_BV, token), stop_BV
 
-    def _insert_impl(self, prefix: Prefix, state: DecodeState, slot):
+    def _insert_impl(self, prefix: Prefix, state: DecodeState, slot, pages=None):
         def put1(dst, src):
             return jax.lax.dynamic_update_slice(dst, src, (slot,))
 
-        cache = self.layout.insert(state.cache, prefix.cache, slot)
+        cache = (self.layout.insert(state.cache, prefix.cache, slot) if pages is None else
+                 self.layout.insert(state.cache, prefix.cache, slot, pages))
         return DecodeState(
             cache=cache,
             tokens=put1(state.tokens, prefix.token),

@@ -16,14 +16,15 @@ from typing import Any, Protocol
 import jax
 from jax.sharding import Mesh
 
-from jaxrl.inference import cpu
+from jaxrl.inference import cpu, paged
 from jaxrl.inference.sampling import SlotSampling, sample
 from jaxrl.model import decode, modules, qwen3
 from jaxrl.model.qwen3 import KVCache, ModelConfig, Params
 from jaxrl.parallel.sharding import mesh_platform
 
-# `EngineLayout.cache`'s maker of one buffer: (shape, logical axes) -> an array or a ShapeDtypeStruct
-MakeBuffer = Callable[[tuple[int, ...], tuple[str | None, ...]], Any]
+# `EngineLayout.cache`'s maker of one buffer: (shape, logical axes[, dtype: None, the cache's]) -> an array
+# or a ShapeDtypeStruct
+MakeBuffer = Callable[..., Any]
 
 
 class EngineLayout(Protocol):
@@ -33,7 +34,8 @@ class EngineLayout(Protocol):
     reads_training_weights: the engine reads the trainer's weights in place (no copy of its own).
     prepare(params): engine params from `{"base", "lora"}` (outside jit, at each policy update).
     cache(make): the decode state's KV cache {"k", "v"}, each buffer `make(shape, logical axes)`.
-    insert(cache, prefix_cache, slot): `cache` with a prefill's stacked cache [L, 1, T, K, H] at `slot`.
+    insert(cache, prefix_cache, slot[, pages]): `cache` with a prefill's stacked cache [L, 1, T, K, H] at
+        `slot` (a paged layout: at `pages`, its allocator's, `jaxrl.inference.paged`).
     chunks(positions): the `decode` `chunks` that holds positions [0, positions), or None: all of the cache.
     decode(model, params, tokens_B, positions_B, cache, chunks, mesh): one step's final-norm hidden states
         [B, 1, D] and the updated cache (`jaxrl.model.decode.decode_step`).
@@ -102,10 +104,14 @@ class Plain:
                       seen_BV=seen_BV, ban_BV=ban_BV)
 
 
-def for_mesh(cfg: ModelConfig, mesh: Mesh, slots: int, max_seq_len: int) -> EngineLayout:
-    """The layout of an engine of `slots` slots and `max_seq_len` positions on `mesh`: `cpu.CpuLayout` on
-    a CPU mesh (`mesh_platform`: the mesh's devices decide, so `jaxrl compile`'s TPU programs traced on a
-    CPU host are the plain ones), else `Plain`."""
+def for_mesh(cfg: ModelConfig, mesh: Mesh, slots: int, max_seq_len: int,
+             kv_cache_tokens: int | None = None) -> EngineLayout:
+    """The layout of an engine of `slots` slots and `max_seq_len` positions on `mesh`: with `kv_cache_tokens`
+    the paged cache of that many positions (`jaxrl.inference.paged.PagedLayout`, any platform); else
+    `cpu.CpuLayout` on a CPU mesh (`mesh_platform`: the mesh's devices decide, so `jaxrl compile`'s TPU
+    programs traced on a CPU host are the plain ones), else `Plain`."""
+    if kv_cache_tokens is not None:
+        return paged.PagedLayout(cfg, slots, max_seq_len, kv_cache_tokens)
     if mesh_platform(mesh) == "cpu":
         return cpu.CpuLayout(cfg, slots, max_seq_len)
     return Plain(cfg, slots, max_seq_len)

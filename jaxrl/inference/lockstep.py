@@ -139,7 +139,8 @@ class GroupScheduler(Scheduler):
         pause = all(p["pause"] for p in posts)
         versions = {p["version"] for p in posts}
         version = versions.pop() if len(versions) == 1 and not pause else None
-        admit = [] if pause else [self._queue.popleft() for _ in range(min(self._slots.count(None), len(self._queue)))]
+        offer = [] if pause else [(len(q[2]), q[4]) for q in list(self._queue)[:self._slots.count(None)]]
+        admit = [self._queue.popleft() for _ in range(self._admissible(offer))]  # a paged cache: what fits
         idle = not self._queue and not admit and not self.active and not self._unread
         return {"admit": admit, "cancel": cancel, "version": version, "pause": pause,
                 "stop": all(p["stop"] for p in posts), "idle": idle}

@@ -33,6 +33,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -246,10 +247,28 @@ class Scheduler:
                 new, self.policy_version = self._pending
                 self._params = self.engine.prepare(new)
                 self._pending = None
-            admit = []
-            while self._waiting and len(admit) < self._slots.count(None):
-                admit.append(self._waiting.popleft())
+            free = min(self._slots.count(None), len(self._waiting))
+            n = self._admissible([(len(r.prompt_ids), r.max_tokens) for r in list(self._waiting)[:free]])
+            admit = [self._waiting.popleft() for _ in range(n)]
         return admit
+
+    def _admissible(self, entries: list[tuple[int, int]]) -> int:
+        """How many of `entries` (prompt length, max_tokens), the head of the queue in order, to admit now:
+        all of them with a dense cache (the caller offers no more than the free slots); with a paged one
+        (`Engine.pages`) as many as fit the pool beside the running requests, each reserving the pages of
+        every position it may write (its prompt and `max_tokens - 1` decode steps), so the pool never runs
+        out mid-decode (a request that does not fit waits; the head first: no request is passed over)."""
+        if (pages := self.engine.pages) is None:
+            return len(entries)
+
+        def need(length: int, max_tokens: int) -> int:
+            return math.ceil((length + max_tokens - 1) / pages.page)
+
+        left = pages.num_pages - 1 - sum(need(len(r.prompt_ids), r.max_tokens) for r in self._slots if r is not None)
+        for i, entry in enumerate(entries):
+            if (left := left - need(*entry)) < 0:
+                return i
+        return len(entries)
 
     def _dropped(self, req: _Request) -> bool:
         """Whether `req`'s caller gave up (its future is cancelled)."""
@@ -327,6 +346,7 @@ class Scheduler:
     def _release(self, req: _Request) -> None:
         if req.slot is not None:
             self._slots[req.slot] = None
+            self.engine.release(req.slot)  # a paged cache's pages go back to the pool
             req.slot = None
 
     def _fail_all(self, exc: BaseException) -> None:

@@ -24,6 +24,7 @@ step against `qwen3.forward` to 1e-4. The figures behind these choices are in do
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Protocol
 
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxrl.model import qwen3
+from jaxrl.model.cpu import chunk_sizes
 from jaxrl.model.qwen3 import KVCache, ModelConfig, Params, unstack_layers
 
 
@@ -60,20 +62,11 @@ class Stacked:
 
     @staticmethod
     def attend(q_BKGH, k_BKH, v_BKH, positions_B, k_BSKH, v_BSKH) -> jax.Array:
-        """A multiply-and-reduce over one layer's [B, S, K, H] as it is (`CacheLayout.attend`)."""
-        f32 = jnp.float32
-        scores_BKGS = jnp.sum(q_BKGH[:, None] * k_BSKH[:, :, :, None, :].astype(f32), axis=-1).transpose(0, 2, 3, 1)
-        before_B11S = (jnp.arange(scores_BKGS.shape[-1])[None] < positions_B[:, None])[:, None, None, :]
-        scores_BKGS = jnp.where(before_B11S, scores_BKGS, -1e30)
-        here_BKG = jnp.sum(q_BKGH * k_BKH[:, :, None, :].astype(f32), axis=-1)
-        top_BKG = jnp.maximum(jnp.max(scores_BKGS, axis=-1), here_BKG)
-        probs_BKGS = jnp.exp(scores_BKGS - top_BKG[..., None])
-        here_BKG = jnp.exp(here_BKG - top_BKG)
-        total_BKG = jnp.sum(probs_BKGS, axis=-1) + here_BKG
-        probs_BSKG = probs_BKGS.transpose(0, 3, 1, 2)
-        values_BKGH = jnp.sum(probs_BSKG[..., None] * v_BSKH[:, :, :, None, :].astype(f32), axis=1)
-        attn_BKGH = values_BKGH + here_BKG[..., None] * v_BKH[:, :, None, :].astype(f32)
-        return attn_BKGH / total_BKG[..., None]
+        """`attend_chunks` over one layer's [B, S, K, H] as it is, in `chunk_sizes(S)` (`CacheLayout.attend`)."""
+        sizes = chunk_sizes(k_BSKH.shape[1])
+        starts = itertools.accumulate(sizes[:-1], initial=0)
+        chunks = [(s, k_BSKH[:, s:s + c], v_BSKH[:, s:s + c]) for s, c in zip(starts, sizes, strict=True)]
+        return attend_chunks(q_BKGH, k_BKH, v_BKH, positions_B, chunks)
 
     @staticmethod
     def write(cache: KVCache, k_LBKH: jax.Array, v_LBKH: jax.Array, positions_B: jax.Array) -> KVCache:
@@ -84,6 +77,39 @@ class Stacked:
 
 
 STACKED = Stacked()
+
+
+def attend_chunks(q_BKGH: jax.Array, k_BKH: jax.Array, v_BKH: jax.Array, positions_B: jax.Array,
+                  chunks: list[tuple[int, jax.Array, jax.Array]]) -> jax.Array:
+    """Attention of each row's one new query (float32 [B, K, G, H], pre-scaled by 1/sqrt(H)) over cache
+    chunks `(start, keys [B, C, K, H], values [B, C, K, H])` (positions start .. start + C - 1, those at or
+    past a row's position masked out) and this step's key/value [B, K, H]; float32 [B, K, G, H].
+
+    Each chunk is a multiply-and-reduce (`q * k` summed over H, `p * v` summed over C) and the softmax is
+    merged chunk by chunk, this step's key/value first (the running max, sum and weighted values of
+    flash-decoding: Dao et al. 2023, as `jaxrl.model.cpu.Chunked.attend`), so a chunk wholly past a row's
+    position changes nothing, bit for bit, and masked positions are never read into the sums: a dense
+    cache (`Stacked`) and a paged one (`jaxrl.model.paged.Paged`) chunked alike give the same numbers,
+    whatever the masked positions hold (finite)."""
+    f32 = jnp.float32
+    top_BKG = jnp.sum(q_BKGH * k_BKH[:, :, None, :].astype(f32), axis=-1)  # this step's score: weight 1
+    total_BKG = jnp.ones_like(top_BKG)
+    attn_BKGH = jnp.broadcast_to(v_BKH[:, :, None, :].astype(f32), q_BKGH.shape)
+    for start, k_BCKH, v_BCKH in chunks:
+        c = k_BCKH.shape[1]
+        before_B11C = ((start + jnp.arange(c))[None] < positions_B[:, None])[:, None, None, :]
+        scores_BKGC = jnp.sum(q_BKGH[:, None] * k_BCKH[:, :, :, None, :].astype(f32), axis=-1).transpose(0, 2, 3, 1)
+        scores_BKGC = jnp.where(before_B11C, scores_BKGC, -1e30)
+        top_c_BKG = jnp.max(scores_BKGC, axis=-1)
+        probs_BKGC = jnp.where(before_B11C, jnp.exp(scores_BKGC - top_c_BKG[..., None]), 0.0)
+        new_top_BKG = jnp.maximum(top_BKG, top_c_BKG)
+        old_w_BKG, chunk_w_BKG = jnp.exp(top_BKG - new_top_BKG), jnp.exp(top_c_BKG - new_top_BKG)
+        total_BKG = total_BKG * old_w_BKG + jnp.sum(probs_BKGC, axis=-1) * chunk_w_BKG
+        values_BKGH = jnp.sum(probs_BKGC.transpose(0, 3, 1, 2)[..., None] * v_BCKH[:, :, :, None, :].astype(f32),
+                              axis=1)
+        attn_BKGH = attn_BKGH * old_w_BKG[..., None] + values_BKGH * chunk_w_BKG[..., None]
+        top_BKG = new_top_BKG
+    return attn_BKGH / total_BKG[..., None]
 
 
 def _layer(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | None, layout: CacheLayout, x_BTD,

@@ -335,7 +335,7 @@ class Run:
         cfg, jcfg = self.cfg, self.cfg.jax
         wandb_run = wandb_log.start(cfg, self.run_dir, self.secrets, self.console) if self.primary else None
         engine = Engine(self.mcfg, self.engine_mesh, jcfg.decode_slots, jcfg.seq_len, lora_scale=self.lora_scale,
-                        cache_dtype=self.dtype)
+                        cache_dtype=self.dtype, kv_cache_tokens=jcfg.kv_cache_tokens)
         self.engine_lora_sh = self.lora_shardings(self.engine_mesh)
         seed, hosts = cfg.sampling_seed * 1_000_003 + self.start_step, len(self.engine_group)
         self.console.print(f"rollout engine: one over {hosts} processes (engine_hosts = {hosts})" if hosts > 1
@@ -470,6 +470,7 @@ class Run:
         cfg, groups = self.cfg, s.groups
         s.metrics = rollouts.step_metrics(groups, [cfg.env[i].display_name for i, _ in s.jobs],
                                           len(cfg.env) > 1) | s.metrics
+        s.metrics |= self.scheduler.engine.metrics()  # a paged KV cache's prefix hits and pages in use
         played = sum(len(g) for g in groups)
         self.history.append((played - sum(r.ok for g in groups for r in g), played))
         if verdict := rollouts.failure_verdict(self.history):

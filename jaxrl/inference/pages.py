@@ -1,0 +1,134 @@
+"""The host side of the engine's paged KV cache (`jaxrl.model.paged`): which pages of the pool each decode
+slot holds, a free list and reference counts, as vLLM's block manager (Kwon et al. 2023, arXiv:2309.06180).
+
+Every process of an engine group makes the same calls in the same order (`jaxrl.inference.lockstep`), so
+their allocators agree page for page. Page 0 is scratch (never handed out): a table entry of 0 is a page
+the slot does not hold.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+class PoolExhausted(RuntimeError):
+    """No free page is left for a slot's next position."""
+
+
+class PageAllocator:
+    """Pages of `page` positions for `slots` slots of up to `max_seq_len` positions, from a pool of
+    `num_pages` pages (page 0, scratch, included).
+
+    `table` (int32 [slots, ceil(max_seq_len / page)]) is each slot's page table, `dirty` whether it
+    changed since the engine last put it on the device. A slot's host position mirrors the engine's
+    device one: set at `assign`, advanced by `step`.
+
+    Raises:
+        ValueError: a pool of fewer than 2 pages (scratch and one page).
+    """
+
+    def __init__(self, num_pages: int, page: int, slots: int, max_seq_len: int) -> None:
+        if num_pages < 2:
+            raise ValueError(f"a KV page pool of {num_pages} pages: at least 2 (a scratch page and one to use)")
+        self.num_pages, self.page, self.max_seq_len = num_pages, page, max_seq_len
+        self.table = np.zeros((slots, math.ceil(max_seq_len / page)), np.int32)
+        self.refs = np.zeros((num_pages,), np.int32)
+        self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out the lowest page first
+        self._positions: dict[int, int] = {}  # slot -> the position its next decode step writes
+        self._last: tuple[object, int, list[int]] | None = None  # (prefix cache, length, its full pages)
+        self.dirty = True
+        self.prefix_hits = 0  # inserts that reused another slot's prompt pages
+        self.shared_pages = 0  # pages those inserts did not write
+
+    @property
+    def free(self) -> int:
+        """Pages that can be handed out."""
+        return len(self._free)
+
+    @property
+    def in_use(self) -> int:
+        """Pages held by some slot (a shared page counts once)."""
+        return self.num_pages - 1 - len(self._free)
+
+    def _take(self) -> int:
+        if not self._free:
+            raise PoolExhausted(f"the KV page pool's {self.num_pages - 1} pages of {self.page} positions are all "
+                                "in use; raise [jax] kv_cache_tokens")
+        p = self._free.pop()
+        self.refs[p] = 1
+        return p
+
+    def _drop(self, p: int) -> None:
+        self.refs[p] -= 1
+        if self.refs[p] == 0:
+            self._free.append(p)
+            if self._last is not None and p in self._last[2]:  # a later insert must not share a freed page
+                self._last = None
+
+    def release(self, slot: int) -> None:
+        """Return `slot`'s pages (those shared with another slot stay with it); its entries become 0."""
+        for p in self.table[slot][self.table[slot] > 0]:
+            self._drop(int(p))
+        self.table[slot] = 0
+        self._positions.pop(slot, None)
+        self.dirty = True
+
+    def assign(self, slot: int, length: int, bucket: int, prefix: object) -> np.ndarray:
+        """Pages for a prompt of `length` positions inserted into `slot` (its old pages released first).
+        The whole pages of the prompt are shared (reference counted) with the slot inserted last when it
+        came from the same prefill (`prefix` is the same object: `Engine.prefill_shared`'s rollouts of a
+        group); the last, partial page is the slot's own copy (copy on write: decode writes into it).
+
+        Returns:
+            int32 [ceil(bucket / page)]: the page each page of the prefill's cache (padded to `bucket`
+            positions) is written to, 0 where nothing is written (shared or past the prompt).
+
+        Raises:
+            PoolExhausted: too few free pages (the slot then holds none).
+        """
+        self.release(slot)
+        full, partial = divmod(length, self.page)
+        dest = np.zeros((math.ceil(bucket / self.page),), np.int32)
+        shared = self._last is not None and self._last[0] is prefix and self._last[1] == length
+        try:
+            if shared:
+                pages = list(self._last[2])
+                for p in pages:
+                    self.refs[p] += 1
+                self.prefix_hits += 1
+                self.shared_pages += len(pages)
+            else:
+                pages = []
+                for _ in range(full):
+                    pages.append(self._take())
+                dest[:full] = pages
+            self.table[slot, :full] = pages
+            if partial:
+                self.table[slot, full] = dest[full] = self._take()
+        except PoolExhausted:
+            self.release(slot)
+            raise
+        self._last = (prefix, length, pages)
+        self._positions[slot] = length
+        self.dirty = True
+        return dest
+
+    def step(self) -> None:
+        """Before a decode step: give each held slot the page its next position falls in, then advance it
+        (as the engine, up to `max_seq_len - 1`).
+
+        Raises:
+            PoolExhausted: no page is left for some slot's position.
+        """
+        for slot, pos in self._positions.items():
+            i = pos // self.page
+            if self.table[slot, i] == 0:
+                self.table[slot, i] = self._take()
+                self.dirty = True
+            self._positions[slot] = min(pos + 1, self.max_seq_len - 1)
+
+    def forget_prefix(self) -> None:
+        """Drop the reference to the last inserted prefix (its cache may then be freed)."""
+        self._last = None
