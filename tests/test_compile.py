@@ -246,7 +246,7 @@ def test_cpu_only_choices_follow_the_mesh_not_the_host():
 
 
 def test_a_run_on_accelerator_hosts_compiles_to_choose_its_engine_group(tiny_model_dir, monkeypatch):
-    """The runner's side of the rule (`runner._engine_group`): with `engine_hosts = 0`, two processes and a
+    """The runner's side of the rule (`placement.engine_group`): with `engine_hosts = 0`, two processes and a
     chip memory figure (a TPU slice's, stood in for here: this machine has one process and no accelerator)
     it says it compiles, and the group is the compiled rule's (`report.run_engine_hosts`); a train step
     the compiler refuses is a config error naming `jax.mesh`."""
@@ -258,13 +258,13 @@ def test_a_run_on_accelerator_hosts_compiles_to_choose_its_engine_group(tiny_mod
     from jaxrl.compile import programs, report
     from jaxrl.config.schema import ConfigError
     from jaxrl.parallel import distributed
-    from jaxrl.run import runner
+    from jaxrl.run import placement
 
     cfg, mcfg, mesh = _tiny_on_v5p_16(tiny_model_dir)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(distributed, "chip_memory", lambda: 1 << 20)  # 1 MiB a chip: nothing fits one host
     out = io.StringIO()
-    assert runner._engine_group(cfg, mcfg, mesh, Console(file=out)) == range(0, 2)
+    assert placement.engine_group(cfg, mcfg, mesh, Console(file=out)) == range(0, 2)
     assert "engine_hosts = 0: compiling the train step" in out.getvalue()
     assert report.run_engine_hosts(cfg, mcfg, mesh, 1 << 20) == 2
 
@@ -273,4 +273,4 @@ def test_a_run_on_accelerator_hosts_compiles_to_choose_its_engine_group(tiny_mod
 
     monkeypatch.setattr(report, "run_engine_hosts", refused)
     with pytest.raises(ConfigError, match="jax.mesh.*choose the engine hosts: ProgramTooLarge: train step: 9 GiB"):
-        runner._engine_group(cfg, mcfg, mesh, Console(file=io.StringIO()))
+        placement.engine_group(cfg, mcfg, mesh, Console(file=io.StringIO()))

@@ -21,7 +21,7 @@ from jaxrl.model.qwen3 import ModelConfig
 from jaxrl.parallel import distributed
 from jaxrl.parallel.sharding import make_mesh
 from jaxrl.rl.buffer import Buffer, BufferState
-from jaxrl.rl.producer import Producer, VersionLog, in_flight_groups
+from jaxrl.rl.producer import Producer, ProducerSettings, VersionLog, in_flight_groups
 
 N = 2  # rollouts per group
 
@@ -58,10 +58,10 @@ class Run:
         self.played: list[int] = []
         self.temperatures: dict[int, float] = {}  # what each group's play was asked to sample at
         self.buffer = Buffer((20,), BufferConfig())
-        self.producer = Producer(self.loop, self.buffer, BufferState.fresh(1), self.play, self.log,
-                                 lambda t: 1000 + t * N, temperature_of, N, per_step, in_flight, level, step, next_t,
-                                 resumed,
-                                 last_step, processes, index, gather, poll_s=0.01)
+        settings = ProducerSettings(lambda t: 1000 + t * N, temperature_of, N, per_step, in_flight, level, last_step,
+                                    processes, index, gather, poll_s=0.01)
+        self.producer = Producer(self.loop, self.buffer, BufferState.fresh(1), self.play, self.log, settings, step,
+                                 next_t, resumed)
         RUNS.append(self)
 
     def gate(self, t: int) -> asyncio.Event:

@@ -52,9 +52,11 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl.config.schema import SEED_MULTIPLIER, RunConfig
 from jaxrl.envs.loader import Rollout
 from jaxrl.inference.protocol import Completion, GenerateBackend, SamplingParams
 from jaxrl.rl.buffer import Buffer, BufferExhausted, BufferState
+from jaxrl.rl.rollouts import temperature_at
 
 Job = tuple[int, int]
 """(env index, example index)."""
@@ -181,6 +183,49 @@ class Taken:
                 "async/in_flight": float(in_flight * rollouts_per_example)}
 
 
+@dataclasses.dataclass(frozen=True)
+class ProducerSettings:
+    """What a `Producer` launches and when.
+
+    seed_of: first rollout seed of group `t`; rollout i samples with `seed_of(t) + i`.
+    temperature_of: the sampling temperature of groups launched for step `step` (0-based: the step the
+        producer is filling; `jaxrl.rl.rollouts.temperature_at` of `step + 1`).
+    rollouts_per_example, per_step: rollouts of a group; groups a step trains on (all processes).
+    in_flight: groups kept launched and not trained on; `per_step` when `max_async_level` is 0.
+    max_async_level: policy versions the oldest token of a trained group may lag the trainer.
+    last_step: the run's last step (`max_steps`): no group is launched once it is taken (they would be
+        played for nothing). None: no end.
+    processes, index, gather: with several processes, their count, this one's index and the all-gather
+        that agrees on finished groups (`jaxrl.parallel.distributed.Exchange.gather`, blocking; run on a
+        thread of its own). Every process must build its producer alike.
+    poll_s: seconds between two rounds of `gather` while `take` waits.
+    """
+
+    seed_of: Callable[[int], int]
+    temperature_of: Callable[[int], float]
+    rollouts_per_example: int
+    per_step: int
+    in_flight: int
+    max_async_level: int
+    last_step: int | None = None
+    processes: int = 1
+    index: int = 0
+    gather: Callable[[Any], list[Any]] | None = None
+    poll_s: float = 0.05
+
+    @classmethod
+    def of_run(cls, cfg: RunConfig, processes: int = 1, index: int = 0,
+               gather: Callable[[Any], list[Any]] | None = None) -> ProducerSettings:
+        """A `jaxrl run`'s: group `t`'s seeds from `(sampling_seed * SEED_MULTIPLIER + t) * rollouts_per_example`,
+        `[sampling]`'s temperature schedule, `batch_size / rollouts_per_example` groups a step,
+        `in_flight_groups` of them in flight, `max_async_level`, up to `max_steps`."""
+        n, seed = cfg.rollouts_per_example, cfg.sampling_seed
+        return cls(lambda t: (seed * SEED_MULTIPLIER + t) * n,
+                   lambda step: temperature_at(cfg.sampling, step + 1, cfg.max_steps), n, cfg.batch_size // n,
+                   in_flight_groups(cfg.batch_size, n, cfg.oversampling_factor), cfg.max_async_level,
+                   last_step=cfg.max_steps, processes=processes, index=index, gather=gather)
+
+
 class Producer:
     """Keeps groups in flight on the running event loop; see the module docstring.
 
@@ -190,41 +235,29 @@ class Producer:
         play: `play(job, first_seed, temperature)` plays one group on the loop and never raises
             (`rollouts.collect`).
         log: the `VersionLog` the engine's server answers through.
-        seed_of: first rollout seed of group `t`; rollout i samples with `seed_of(t) + i`.
-        temperature_of: the sampling temperature of groups launched for step `step` (0-based: the step
-            the producer is filling; `jaxrl.rl.rollouts.temperature_at` of `step + 1`).
-        rollouts_per_example, per_step: rollouts of a group; groups a step trains on (all processes).
-        in_flight: groups kept launched and not trained on; `per_step` when `max_async_level` is 0.
-        max_async_level: policy versions the oldest token of a trained group may lag the trainer.
+        settings: what to launch and when (`ProducerSettings`).
         step: the next step to train (policy version `step` is the engine's).
         next_t, resumed: the next group number, and `(t, job)` of groups a checkpoint had in flight,
             launched again first (`checkpoint`).
-        last_step: the run's last step (`max_steps`): no group is launched once it is taken (they would
-            be played for nothing). None: no end.
-        processes, index, gather: with several processes, their count, this one's index and the
-            all-gather that agrees on finished groups (`jaxrl.parallel.distributed.Exchange.gather`,
-            blocking; run on a thread of its own). Every process must build its producer alike.
-        poll_s: seconds between two rounds of `gather` while `take` waits.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, buffer: Buffer, state: BufferState,
                  play: Callable[[Job, int, float], Awaitable[list[Rollout]]], log: VersionLog,
-                 seed_of: Callable[[int], int], temperature_of: Callable[[int], float], rollouts_per_example: int,
-                 per_step: int, in_flight: int,
-                 max_async_level: int, step: int, next_t: int,
-                 resumed: Sequence[tuple[int, Job]] = (), last_step: int | None = None, processes: int = 1,
-                 index: int = 0, gather: Callable[[Any], list[Any]] | None = None, poll_s: float = 0.05) -> None:
-        if (processes > 1) != (gather is not None):
+                 settings: ProducerSettings, step: int, next_t: int, resumed: Sequence[tuple[int, Job]] = ()) -> None:
+        st = settings
+        if (st.processes > 1) != (st.gather is not None):
             raise ValueError("several processes need a gather, and only they")
         self._loop, self.buffer, self.state, self.log = loop, buffer, state, log
-        self._play, self._seed_of, self._temperature_of, self._n = play, seed_of, temperature_of, rollouts_per_example
-        self.per_step, self.in_flight, self.max_async_level = per_step, max(in_flight, per_step), max_async_level
+        self._play, self._seed_of, self._temperature_of, self._n = play, st.seed_of, st.temperature_of, \
+            st.rollouts_per_example
+        self.per_step, self.in_flight = st.per_step, max(st.in_flight, st.per_step)
+        self.max_async_level = st.max_async_level
         self.version = self.next_step = step
         log.serve(step)
         self.next_t = next_t
-        self.last_step = last_step
-        self.processes, self.index, self._gather, self.poll_s = processes, index, gather, poll_s
-        self._gather_thread = ThreadPoolExecutor(1, thread_name_prefix="jaxrl-producer") if gather else None
+        self.last_step = st.last_step
+        self.processes, self.index, self._gather, self.poll_s = st.processes, st.index, st.gather, st.poll_s
+        self._gather_thread = ThreadPoolExecutor(1, thread_name_prefix="jaxrl-producer") if st.gather else None
         self.groups: list[Group] = []
         self._resumed = list(resumed)
         self._stale: list[Group] = []

@@ -16,7 +16,8 @@ curve moves only with the weights.
 Sampling is the run's `[sampling]`: the Hosted Training schema has no eval sampling table, prime-rl's
 eval sampling defaults to the inference server's defaults rather than greedy, and pass@k needs
 samples that differ. Seeds: training's rollout seeds count up from
-`jax.seed * 1_000_003 * rollouts_per_example` (`jaxrl.run.runner`); eval's count up from 2**30 below that
+`jax.seed * SEED_MULTIPLIER * rollouts_per_example` (`jaxrl.rl.producer.ProducerSettings.of_run`); eval's
+count up from 2**30 below that
 and val's from 2**29 below it, so neither meets training's, nor each other's, within 2**29 rollouts
 (and the producer's per-seed record of policy versions, `jaxrl.rl.producer.VersionLog`, never sees them).
 
@@ -45,7 +46,7 @@ import numpy as np
 from rich.console import Console
 from rich.markup import escape
 
-from jaxrl.config.schema import ConfigError, RunConfig
+from jaxrl.config.schema import SEED_MULTIPLIER, ConfigError, RunConfig
 from jaxrl.envs import loader
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.parallel import distributed
@@ -190,7 +191,7 @@ class Evaluator:
         self.cfg, self.client, self.sampling, self.console = cfg, client, sampling, console
         self.secrets, self.in_flight = secrets or [], in_flight
         self._own = eval_envs
-        seed0 = cfg.sampling_seed * 1_000_003 * cfg.rollouts_per_example
+        seed0 = cfg.sampling_seed * SEED_MULTIPLIER * cfg.rollouts_per_example
         self.suites: list[Suite] = []
         if cfg.eval is not None:
             e = cfg.eval

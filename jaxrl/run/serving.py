@@ -1,0 +1,131 @@
+"""The rollout side of a run: this host's engine and its scheduler, the OpenAI-compatible server in front
+of it, the run's event loop, the environments' CPU share and the evaluator (`[eval]`, `[val]`).
+
+An RL run plays its rollouts and its eval through it; an SFT run starts it only for `[eval]` / `[val]`.
+`Serving(...)` starts everything but compiles nothing; `compile_engine` compiles the engine's programs,
+`serve_envs` starts the environments' servers for the whole run, `note_tasks` records the tasks running
+before the first group (`close` settles them), `close` stops it all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+from rich.console import Console
+
+from jaxrl.config.schema import SEED_MULTIPLIER, RunConfig
+from jaxrl.envs import loader
+from jaxrl.inference.chat import ChatTemplate
+from jaxrl.inference.engine import Engine
+from jaxrl.inference.lockstep import GroupScheduler
+from jaxrl.inference.protocol import SamplingParams
+from jaxrl.inference.scheduler import Scheduler
+from jaxrl.inference.server import start_server
+from jaxrl.model.qwen3 import ModelConfig
+from jaxrl.parallel import distributed
+from jaxrl.rl import rollouts
+from jaxrl.rl.producer import VersionLog
+from jaxrl.run import evaluate, resources
+from jaxrl.run.placement import Placement
+
+
+def params_dtype(cfg: RunConfig) -> Any:
+    """The dtype of the engine's weights and cache, and of the frozen base: `[jax] dtype`."""
+    return jnp.bfloat16 if cfg.jax.dtype == "bfloat16" else jnp.float32
+
+
+def sampling_params(cfg: RunConfig) -> SamplingParams:
+    """The rollouts' sampling (`[sampling]`; `max_tokens` defaults to `[jax] seq_len - 1`)."""
+    s = cfg.sampling
+    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                          repetition_penalty=s.repetition_penalty or 1.0, min_tokens=s.min_tokens or 0,
+                          max_tokens=s.max_tokens or cfg.jax.seq_len - 1)
+
+
+class Serving:
+    """The engine (`jaxrl.inference.engine.Engine` on `placement.engine_mesh`, given `params` as policy
+    `start_step`) behind its scheduler (`scheduler`: one per process, or a `GroupScheduler` stepping one
+    engine over an engine group, which then pauses for device programs spanning hosts), `versions` (the
+    policy version of each token it samples, `jaxrl.rl.producer.VersionLog`), the server (`server`;
+    `client`: how the environments reach it), the run's event loop (`loop`) with the environments' CPU
+    share (`in_flight`: the bound on rollouts running at once, or None) and the `evaluator`. The engine's
+    seeds start at `sampling_seed * SEED_MULTIPLIER + start_step`."""
+
+    def __init__(self, cfg: RunConfig, mcfg: ModelConfig, placement: Placement, params: dict[str, Any],
+                 start_step: int, envs: list[loader.LoadedEnv], eval_envs: list[loader.LoadedEnv],
+                 chat_template: ChatTemplate | None, tokenizer_path: Path | str, console: Console,
+                 secrets: list[str]) -> None:
+        jcfg = cfg.jax
+        self.console, self.envs = console, envs
+        engine = Engine(mcfg, placement.engine_mesh, jcfg.decode_slots, jcfg.seq_len,
+                        lora_scale=cfg.lora_alpha / jcfg.lora_rank, cache_dtype=params_dtype(cfg),
+                        kv_cache_tokens=jcfg.kv_cache_tokens)
+        seed, hosts = cfg.sampling_seed * SEED_MULTIPLIER + start_step, placement.engine_hosts
+        console.print(f"rollout engine: one over {hosts} processes (engine_hosts = {hosts})" if hosts > 1
+                      else "rollout engine: one per process")
+        if hosts > 1:
+            self.scheduler: Scheduler | GroupScheduler = GroupScheduler(
+                engine, params, cfg.model, distributed.Exchange(placement.engine_group), seed=seed)
+            distributed.set_fence(self.scheduler.paused)  # device programs spanning hosts pause it
+        else:
+            self.scheduler = Scheduler(engine, params, model_name=cfg.model, seed=seed)
+        self.scheduler.policy_version = start_step
+        self.versions = VersionLog(self.scheduler)  # each sampled token's policy version
+        self.server = start_server(self.versions, host=jcfg.host, port=jcfg.port, chat_template=chat_template,
+                                   clamp_max_tokens=True)
+        self.sampling = sampling_params(cfg)
+        self.client = {"base_url": self.server.base_url, "model_name": cfg.model, "tokenizer_path": tokenizer_path,
+                       "enable_thinking": cfg.sampling.enable_thinking}
+        self.loop = asyncio.new_event_loop()  # one loop for the run: verifiers' HTTP clients outlive a step
+        env_resources = resources.env_resources(cfg.infrastructure.compute_size)
+        resources.apply(self.loop, env_resources)
+        self.in_flight = asyncio.Semaphore(env_resources.max_in_flight) if env_resources.max_in_flight else None
+        console.print(env_resources.describe(cfg.infrastructure.compute_size))
+        self.evaluator = evaluate.Evaluator(cfg, envs, eval_envs, self.client, self.sampling, console, secrets,
+                                            self.in_flight)  # [eval]
+        self.stack = contextlib.AsyncExitStack()  # the environments' servers
+        self.tasks: set[asyncio.Task] | None = None  # the tasks running before the first group
+
+    def compile_engine(self) -> None:
+        """Compile the engine's prefill buckets and decode step (`Scheduler.warmup`), printing the time."""
+        loop = self.loop
+        # Rollouts in flight are cancelled at every run's end, not only on a signal.
+        loop.set_exception_handler(lambda lp, context: None if isinstance(
+            context.get("exception"), asyncio.CancelledError) else lp.default_exception_handler(context))
+        t_warm = time.perf_counter()
+        buckets = loop.run_until_complete(self.scheduler.warmup(self.sampling))
+        self.console.print(f"engine compiled ({buckets} prefill buckets + decode) in "
+                           f"{time.perf_counter() - t_warm:.1f}s")
+
+    def serve_envs(self) -> None:
+        """Serve the environments (training and eval) for the whole run: one interception server and client
+        per environment, closed by `close`."""
+        for env in self.envs:
+            self.loop.run_until_complete(self.stack.enter_async_context(env.serving()))
+        self.loop.run_until_complete(self.stack.enter_async_context(self.evaluator.serving()))
+
+    def note_tasks(self) -> None:
+        """Record the tasks running now, before any group is launched: `close` settles them."""
+        self.tasks = asyncio.all_tasks(self.loop)
+
+    def publish(self, params: dict[str, Any], version: int) -> None:
+        """Hand the engine `params` as policy `version` (between two decode steps)."""
+        self.scheduler.update_params(params, version=version)
+
+    def evaluate(self, step: int, stop: Any) -> dict[str, float]:
+        """`[eval]` / `[val]` metrics when due after step `step` (`evaluate.Evaluator.run`), else {}."""
+        return self.evaluator.run(step, self.loop, stop)
+
+    def close(self) -> None:
+        """Stop the environments' servers, the event loop, the server and the scheduler."""
+        if self.tasks is not None:
+            self.loop.run_until_complete(rollouts.settle(self.tasks, timeout_s=10.0))
+        self.loop.run_until_complete(self.stack.aclose())
+        self.loop.close()
+        self.server.stop()
+        self.scheduler.stop()
