@@ -29,13 +29,13 @@ def test_killed_and_preempted_run_reproduces_the_uninterrupted_one(tmp_path, tin
     seed = int(os.environ.get("JAXRL_TEST_SEED", random.randrange(1 << 16)))
     rng = random.Random(seed)
     print(f"kill timing seed {seed} (set JAXRL_TEST_SEED to replay)")
-    steps = 3
+    steps = 5  # the kill may land a step or two late on a fast machine: SIGTERM must still find a step to cut
     (tmp_path / "ref").mkdir()
     ref_cfg = write_run_config(tmp_path / "ref" / "rl.toml", tiny_model_dir, name="ref", max_steps=steps)
     code, out = finish(start(ref_cfg, tmp_path / "ref.log"), tmp_path / "ref.log")
     assert code == 0, out
     reference = reproducible(read_metrics(tmp_path / "ref" / "runs" / "ref"))
-    assert [r["step"] for r in reference] == [1, 2, 3]
+    assert [r["step"] for r in reference] == list(range(1, steps + 1))
 
     (tmp_path / "cut").mkdir()
     url = "gs://jaxrl-test/resume"
@@ -63,7 +63,7 @@ def test_killed_and_preempted_run_reproduces_the_uninterrupted_one(tmp_path, tin
     assert code == 143, out
     assert "SIGTERM: stopped after step" in out and "Traceback" not in out
     preempted_at = int(out.split("SIGTERM: stopped after step ")[1].split(";")[0])
-    assert preempted_at >= after_kill + 1
+    assert after_kill + 1 < steps and preempted_at >= after_kill + 1
     assert Checkpointer(f"{url}/cut", read_only=True).latest_step() == preempted_at
 
     log = tmp_path / "cut-3.log"
@@ -72,7 +72,7 @@ def test_killed_and_preempted_run_reproduces_the_uninterrupted_one(tmp_path, tin
     if preempted_at < steps:
         assert f"resuming from checkpoint step {preempted_at}" in out
     assert reproducible(read_metrics(run_dir)) == reference
-    assert Checkpointer(f"{url}/cut", read_only=True).all_steps() == [1, 2, 3]
+    assert Checkpointer(f"{url}/cut", read_only=True).all_steps() == list(range(1, steps + 1))
     assert not (run_dir / "checkpoints").exists()  # checkpoints went to gs://, metrics stayed local
 
 
