@@ -5,6 +5,8 @@ several tables use (paths, folder names, environment ids, counts where -1 means 
 from __future__ import annotations
 
 import re
+import tomllib
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, field_validator
@@ -21,6 +23,31 @@ NAME_MAX_BYTES = 255
 APFS; a longer folder name fails with `OSError: [Errno 36] File name too long`."""
 ENV_ID = re.compile(r"[A-Za-z0-9._-]+/[A-Za-z0-9._-]+(@[A-Za-z0-9._-]+)?")
 """An Environments Hub id: `owner/name` with an optional `@version`."""
+
+
+class ConfigError(Exception):
+    """A config that cannot be used. `problems` holds `(key, reason)` pairs, `key` dotted (`env.0.id`)
+    or "" for the file as a whole; str() is one `<file>: <key>: <reason>` line per problem."""
+
+    def __init__(self, source: str | Path, problems: list[tuple[str, str]]):
+        self.source, self.problems = str(source), problems
+        super().__init__("\n".join(f"{self.source}: {k + ': ' if k else ''}{r}" for k, r in problems))
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """The tables of the TOML file at `path`.
+
+    Raises:
+        ConfigError: the file is missing, unreadable, not UTF-8 or not TOML (naming the file).
+    """
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(path, [("", "file not found")]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(path, [("", f"cannot read: {exc}")]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(path, [("", f"invalid TOML: {exc}")]) from None
 
 
 class _Table(BaseModel):

@@ -23,14 +23,13 @@ Unknown keys, wrong types and out-of-range values are errors naming the file (or
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
 
 from jaxrl.config.base import _Table
-from jaxrl.config.schema import ConfigError, SamplingConfig
+from jaxrl.config.schema import ConfigError, SamplingConfig, read_toml
 
 FLAGS = "flags"
 """The `source` of a config built from flags alone, as errors name it."""
@@ -162,14 +161,7 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         ConfigError: the file is missing, unreadable or not TOML.
     """
     path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(path, [("", "file not found")]) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(path, [("", f"cannot read: {exc}")]) from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(path, [("", f"invalid TOML: {exc}")]) from None
+    raw = read_toml(path)
     here = path.resolve().parent
     for key in ("run_dir", "endpoints_path"):
         if isinstance(raw.get(key), str) and not Path(raw[key]).expanduser().is_absolute():

@@ -10,14 +10,22 @@ types they share in `jaxrl.config.base`). Every table forbids unknown keys, TOML
 from __future__ import annotations
 
 import difflib
-import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from jaxrl.config.algorithms import AdvantageConfig, LossConfig, OptimConfig
-from jaxrl.config.base import AllOrPositive, FolderName, PathStr, _Table, folder_name_problem, minus_one_or_positive
+from jaxrl.config.base import (
+    AllOrPositive,
+    ConfigError,
+    FolderName,
+    PathStr,
+    _Table,
+    folder_name_problem,
+    minus_one_or_positive,
+    read_toml,
+)
 from jaxrl.config.envs import BufferConfig, EnvConfig, EvalConfig, ValConfig
 from jaxrl.config.model_path import HubModel, ModelNotFoundError, locate_model, resolve_model
 from jaxrl.config.sft import DataError, SftConfig, read_jsonl
@@ -26,15 +34,6 @@ LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 LORA_TARGETS: tuple[str, ...] = get_args(LoraTarget)
 SEED_MULTIPLIER = 1_000_003
 """Rollout seeds are `(jax.seed * SEED_MULTIPLIER + group number) * rollouts_per_example + i` (the run loop)."""
-
-
-class ConfigError(Exception):
-    """A config that cannot be used. `problems` holds `(key, reason)` pairs, `key` dotted (`env.0.id`)
-    or "" for the file as a whole; str() is one `<file>: <key>: <reason>` line per problem."""
-
-    def __init__(self, source: str | Path, problems: list[tuple[str, str]]):
-        self.source, self.problems = str(source), problems
-        super().__init__("\n".join(f"{self.source}: {k + ': ' if k else ''}{r}" for k, r in problems))
 
 
 class _Invalid(ValueError):
@@ -463,14 +462,7 @@ def load_config(path: str | Path) -> RunConfig:
     """Read, validate and resolve a TOML run config. `env_file` entries become absolute paths (relative
     ones are taken from the config file's folder). Raises ConfigError listing every problem found."""
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(path, [("", "file not found")]) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(path, [("", f"cannot read: {exc}")]) from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(path, [("", f"invalid TOML: {exc}")]) from None
+    data = read_toml(path)
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as exc:
