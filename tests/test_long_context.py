@@ -41,10 +41,10 @@ def test_splash_scratch_grows_far_less_than_t_squared():
     """v5p:2x2x1, heads over 4 chips: splash's forward + backward scratch at 8k, 16k and 32k tokens stays
     far below the einsum's and grows far less than T²: 0.05, 0.08 and 0.32 GiB (2026-11-26), under 0.5
     GiB at 32k and at most 8x from 8k to 32k (T² would be 16x), where the einsum's at 8k alone is over
-    4 GiB."""
+    1 GiB and 20x splash's (2.08 GiB, 2026-11-26: the float32 scores of 8 heads a chip, [8, T, T])."""
     mesh = make_mesh({"tensor": 4}, slices.topology_devices(slices.parse_slice("v5p-8")))
     splash = {t: _attention_scratch(mesh, t, "splash") for t in (8192, 16384, 32768)}
     print({t: round(b / GIB, 3) for t, b in splash.items()})  # for `pytest -s`
     assert splash[32768] < GIB / 2 and splash[32768] <= 8 * splash[8192]
     einsum = _attention_scratch(mesh, 8192, "einsum")
-    assert einsum > 4 * GIB > 20 * splash[8192]
+    assert einsum > GIB and einsum > 20 * splash[8192], (einsum, splash[8192])
