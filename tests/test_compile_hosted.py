@@ -93,10 +93,10 @@ def test_qwen3_4b_fits_a_v6e_8(compiled):
 def test_memory_is_affine_in_depth(compiled):
     """At depth 4 each program's outputs and aliased bytes are exactly where the line through depths 2
     and 3 puts them, its arguments within 64 KiB (the tile padding of each layer's small weights:
-    measured 11 KiB off for Qwen3-4B, 2026-11-24) and its temporaries within 1% (the compiler's
-    scheduling is not exactly affine: measured 0.95 MB above the line for the train step's 4.29 GB,
-    0.16 MB for decode, 0.82 MB for prefill). What lets `--depths 2,3` extrapolate to 36-94 layers,
-    temporaries to about that precision."""
+    measured 11 KiB off for Qwen3-4B, 2026-11-24) and its temporaries within 1% or 1 MiB, whichever is
+    more (the compiler's scheduling is not exactly affine: measured 0.95 MB above the line for the train
+    step's 4.29 GB, 0.16 MB for decode; prefill, whose temporaries splash attention cut to 42 MB, 0.62 MB,
+    2026-11-26). What lets `--depths 2,3` extrapolate to 36-94 layers, temporaries to about that precision."""
     r = compiled("4b-v6e-8")
     mesh = make_mesh(r.mesh, slices.topology_devices(r.slice))
     emesh = programs.engine_mesh(mesh, r.engine_hosts)
@@ -106,7 +106,7 @@ def test_memory_is_affine_in_depth(compiled):
         p2, p3 = r.programs[f"{name}@2"], r.programs[f"{name}@3"]
         off = {f: getattr(p4, f) - (2 * p3[f] - p2[f]) for f in ("argument", "output", "alias", "temp")}
         assert off["output"] == off["alias"] == 0, (name, off)
-        assert abs(off["argument"]) <= 2**16 and abs(off["temp"]) <= 0.01 * p4.temp, (name, off)
+        assert abs(off["argument"]) <= 2**16 and abs(off["temp"]) <= max(0.01 * p4.temp, 2**20), (name, off)
 
 
 def test_qwen3_30b_a3b_fits_one_v5p_host(compiled):
