@@ -140,15 +140,15 @@ def vocab_blocks(unembed_VD: jax.Array, block: int = BLOCK) -> tuple[jax.Array, 
     return tuple(unembed_VD[i:i + block] for i in range(0, unembed_VD.shape[0], block))
 
 
-def _block_stats(l_XB: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
-    """Of scaled logits [X, B] (X a multiple of `chunk`, padding at -inf), per chunk of `chunk` rows: the
-    max [X / chunk, B], and the sum of exp(l - the block's max) [X / chunk, B]. Two fused passes over the
-    logits (max, then exp-sum); no argmax, whose variadic (value, index) reduce cost XLA's CPU backend a
-    sixth of a 32-row decode step."""
-    x, b = l_XB.shape
-    l_KCB = l_XB.reshape(x // chunk, chunk, b)
-    m_KB = jnp.max(l_KCB, axis=1)
-    return m_KB, jnp.sum(jnp.exp(l_KCB - jnp.max(m_KB, axis=0)[None, None]), axis=1)
+def _block_stats(l_vB: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
+    """Of scaled logits [v, B] (v a vocabulary block's rows, a multiple of `chunk`, padding at -inf), per
+    chunk of `chunk` rows: the max [J, B] (J = v / chunk), and the sum of exp(l - the block's max) [J, B].
+    Two fused passes over the logits (max, then exp-sum); no argmax, whose variadic (value, index) reduce
+    cost XLA's CPU backend a sixth of a 32-row decode step."""
+    v, b = l_vB.shape
+    l_JCB = l_vB.reshape(v // chunk, chunk, b)
+    m_JB = jnp.max(l_JCB, axis=1)
+    return m_JB, jnp.sum(jnp.exp(l_JCB - jnp.max(m_JB, axis=0)[None, None]), axis=1)
 
 
 def _scaled(h_BD: jax.Array, inv_t_B: jax.Array) -> tuple[jax.Array, jax.Array | None]:
@@ -158,23 +158,23 @@ def _scaled(h_BD: jax.Array, inv_t_B: jax.Array) -> tuple[jax.Array, jax.Array |
     return (h_BD * inv_t_B[:, None], None) if h_BD.dtype == jnp.float32 else (h_BD, inv_t_B)
 
 
-def _blocks_stats(h_BD, blocks_XD, post_B, chunk: int):
-    """`_block_stats` of each vocabulary block's `rows_XD @ h_BD.T (* post_B)` (`_scaled`), unrolled over
-    the blocks (each its own buffer): the chunk maxima [B, N] and the chunk weights [B, N] (the chunk sums
-    scaled by exp(block max - row max)), N chunks in all, and the row max [B]. A block short of whole
-    chunks (the last) is padded at -inf."""
-    m_KB, e_KB = [], []
-    for rows_XD in blocks_XD:  # the rows as the dot's left operand, as `jaxrl.model.cpu.OutMajor`
-        l_XB = jax.lax.dot_general(rows_XD, h_BD, (((1,), (1,)), ((), ()))).astype(jnp.float32)
-        l_XB = l_XB if post_B is None else l_XB * post_B[None]
-        l_XB = jnp.pad(l_XB, ((0, -l_XB.shape[0] % chunk), (0, 0)), constant_values=-jnp.inf)
-        m, e = _block_stats(l_XB, chunk)
-        m_KB, e_KB = [*m_KB, m], [*e_KB, e]
-    top_JB = jnp.stack([jnp.max(m, axis=0) for m in m_KB])
-    top_B = jnp.max(top_JB, axis=0)
-    scale_JB = jnp.exp(top_JB - top_B[None])
-    w_BN = jnp.concatenate([e * scale_JB[j][None] for j, e in enumerate(e_KB)]).T
-    return jnp.concatenate(m_KB).T, w_BN, top_B
+def _blocks_stats(h_BD, blocks_vD, post_B, chunk: int):
+    """`_block_stats` of each vocabulary block's `rows_vD @ h_BD.T (* post_B)` (`_scaled`), unrolled over
+    the blocks (each its own buffer): the chunk maxima [B, J] and the chunk weights [B, J] (the chunk sums
+    scaled by exp(block max - row max)), J chunks of the whole vocabulary, and the row max [B]. A block
+    short of whole chunks (the last) is padded at -inf."""
+    maxima, sums = [], []  # per block: [J of the block, B]
+    for rows_vD in blocks_vD:  # the rows as the dot's left operand, as `jaxrl.model.cpu.OutMajor`
+        l_vB = jax.lax.dot_general(rows_vD, h_BD, (((1,), (1,)), ((), ()))).astype(jnp.float32)
+        l_vB = l_vB if post_B is None else l_vB * post_B[None]
+        l_vB = jnp.pad(l_vB, ((0, -l_vB.shape[0] % chunk), (0, 0)), constant_values=-jnp.inf)
+        m, e = _block_stats(l_vB, chunk)
+        maxima, sums = [*maxima, m], [*sums, e]
+    block_top = jnp.stack([jnp.max(m, axis=0) for m in maxima])  # [blocks, B]
+    top_B = jnp.max(block_top, axis=0)
+    block_scale = jnp.exp(block_top - top_B[None])
+    w_BJ = jnp.concatenate([e * block_scale[j][None] for j, e in enumerate(sums)]).T
+    return jnp.concatenate(maxima).T, w_BJ, top_B
 
 
 def sample_unembedded(hidden_BD: jax.Array, unembed_VD: jax.Array, s: SlotSampling, keys_B: jax.Array, *,
@@ -185,7 +185,7 @@ def sample_unembedded(hidden_BD: jax.Array, unembed_VD: jax.Array, s: SlotSampli
     same tokens up to float rounding near a chunk or token boundary. Returns (tokens int32 [B], logprobs
     float32 [B]).
 
-    The unembedding runs over vocabulary blocks (`vocab_blocks`), each block's logits [X, B] staying in
+    The unembedding runs over vocabulary blocks (`vocab_blocks`), each block's logits [v, B] staying in
     cache: per chunk of `chunk` tokens the max and the sum of exp(l - block max), as in the online softmax
     (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax", arXiv:1805.02867): rescaled
     by exp(block max - row max) afterwards they give the chunk weights and the log normaliser `lse` over
@@ -219,10 +219,10 @@ def sample_unembedded(hidden_BD: jax.Array, unembed_VD: jax.Array, s: SlotSampli
     greedy_B = s.temperature <= 0.0
     inv_t_B = 1.0 / jnp.where(greedy_B, 1.0, s.temperature).astype(jnp.float32)
     h_BD, post_B = _scaled(hidden_BD, inv_t_B)
-    m_BN, w_BN, top_B = _blocks_stats(h_BD, blocks, post_B, chunk)
+    m_BJ, w_BJ, top_B = _blocks_stats(h_BD, blocks, post_B, chunk)
     u_B = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, ()))(keys_B)  # (0, 1], as `sample`
-    drawn_B, rest_B, total_B = pick_chunk(w_BN, u_B)
-    c_B = jnp.where(greedy_B, jnp.argmax(m_BN, axis=-1), drawn_B)
+    drawn_B, rest_B, total_B = pick_chunk(w_BJ, u_B)
+    c_B = jnp.where(greedy_B, jnp.argmax(m_BJ, axis=-1), drawn_B)
     start_B = jnp.minimum(c_B * chunk, v - chunk)  # the last chunk may be short: its window ends at V
     rows_BCD = jax.vmap(lambda i: jax.lax.dynamic_slice_in_dim(unembed_VD, i, chunk))(start_B)
     l_BC = jnp.einsum("BD,BCD->BC", h_BD, rows_BCD).astype(jnp.float32)

@@ -16,9 +16,9 @@ the backward pass is one multiply. The plain formulation (`jax.checkpoint` over 
 the backward's transposed product. The entropy's gradient is `-s W (p (l - logsumexp(l) + entropy))`
 (d entropy / d l_v = -p_v (l_v - logsumexp(l) + entropy)), a third matmul, only with `entropy_grad`.
 
-Each chunk of C tokens visits the vocabulary in blocks of B entries (the online softmax of Milakov &
+Each chunk of C tokens visits the vocabulary in blocks of v entries (the online softmax of Milakov &
 Gimelshein 2018, "Online normalizer calculation for softmax", as flash attention does over keys, Dao et al.
-2022), so that the [C, B] logits and the block of W stay in cache; on a CPU the whole [C, V] logits of a
+2022), so that the [C, v] logits and the block of W stay in cache; on a CPU the whole [C, V] logits of a
 chunk did not, and the matmuls ran at about 60% of the rate of blocked ones. Relative to the running
 maximum m of the logits seen so far, a chunk carries
 
@@ -37,8 +37,9 @@ Full fine-tuning also differentiates the projection W (`w_grad`): `dW = s * h (o
 over tokens needs each chunk's probabilities again in the backward pass, so that path is the plain one,
 autodiff through a rematerialised chunk (`jax.checkpoint`), still one chunk's logits at a time.
 
-Letters as in `jaxrl.model.qwen3`: M tokens, C tokens per chunk, J chunks, B vocabulary entries per block,
-W rows of the second matmul (C, or 2C with the entropy's gradient).
+Letters as in `jaxrl.model.qwen3`: M tokens, C tokens per chunk, J chunks, v vocabulary entries per block
+(a lowercase letter is a slice of its capital's axis), W rows of the second matmul (C, or 2C with the
+entropy's gradient).
 """
 
 from __future__ import annotations
@@ -144,8 +145,8 @@ def _chunk_forward(w_VD, block: int, grads: int, xs):
     return ly_C - lse_C, entropy_C, dlogp_CD, dentropy_CD
 
 
-def _block_step(h_CD, s_C, grads: int, carry, w_BD):
-    """Fold one block of B vocabulary entries into the running sums of `_chunk_forward`.
+def _block_step(h_CD, s_C, grads: int, carry, w_vD):
+    """Fold one block of v vocabulary entries into the running sums of `_chunk_forward`.
 
     The carry, float32, relative to the running max m_C of the logits seen so far: (m_C, sum exp(l - m),
     sum exp(l - m) (l - m), and the [C or 2C, D] accumulators sum exp(l - m) w_v and (with grads 2)
@@ -153,20 +154,20 @@ def _block_step(h_CD, s_C, grads: int, carry, w_BD):
     (Milakov & Gimelshein 2018, as flash attention's accumulator, Dao et al. 2022).
     """
     m_C, sum_C, tilt_C, acc_WD = carry
-    l_CB = s_C[:, None] * jnp.einsum("CD,BD->CB", h_CD, w_BD, preferred_element_type=jnp.float32)
-    new_C = jnp.maximum(m_C, jnp.max(l_CB, axis=-1))
-    shift_C, rel_CB = m_C - new_C, l_CB - new_C[:, None]
+    l_Cv = s_C[:, None] * jnp.einsum("CD,vD->Cv", h_CD, w_vD, preferred_element_type=jnp.float32)
+    new_C = jnp.maximum(m_C, jnp.max(l_Cv, axis=-1))
+    shift_C, rel_Cv = m_C - new_C, l_Cv - new_C[:, None]
     decay_C = jnp.exp(shift_C)
-    e_CB = jnp.exp(rel_CB)
-    tilt_C = decay_C * (tilt_C + shift_C * sum_C) + jnp.sum(e_CB * rel_CB, axis=-1)
-    sum_C = decay_C * sum_C + jnp.sum(e_CB, axis=-1)
+    e_Cv = jnp.exp(rel_Cv)
+    tilt_C = decay_C * (tilt_C + shift_C * sum_C) + jnp.sum(e_Cv * rel_Cv, axis=-1)
+    sum_C = decay_C * sum_C + jnp.sum(e_Cv, axis=-1)
     if grads:
-        rows_WB = e_CB if grads == 1 else jnp.concatenate([e_CB, e_CB * rel_CB])
+        rows_Wv = e_Cv if grads == 1 else jnp.concatenate([e_Cv, e_Cv * rel_Cv])
         if grads == 2:
             c = len(m_C)
             acc_WD = jnp.concatenate([acc_WD[:c], acc_WD[c:] + shift_C[:, None] * acc_WD[:c]])
             decay_C = jnp.concatenate([decay_C, decay_C])
-        acc_WD = decay_C[:, None] * acc_WD + jnp.einsum("WB,BD->WD", rows_WB.astype(w_BD.dtype), w_BD,
+        acc_WD = decay_C[:, None] * acc_WD + jnp.einsum("Wv,vD->WD", rows_Wv.astype(w_vD.dtype), w_vD,
                                                         preferred_element_type=jnp.float32)
     return new_C, sum_C, tilt_C, acc_WD
 

@@ -11,6 +11,8 @@ Letters used in names and einsums:
   W rows of the output head's second matmul (C, or 2C with the entropy's gradient)
   Z whichever one axis a function takes (RoPE: N or K; sampling's last-positive: J or C)
   Y, O the flattened input and output features of a weight a LoRA adapts
+  lowercase: a slice of its capital's axis (h, in RoPE, half of H's rotated part; v a block of V in the
+  output head and the CPU sampler). In the engine, B is the decode slots.
 
 The architecture follows transformers' `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` (RMSNorm before
 attention and MLP, RMSNorm on every query and key head before RoPE, grouped-query attention, a SwiGLU
