@@ -56,14 +56,40 @@ def _scheduler_tokens(engine, params, prompts, max_tokens, stop):
     return [c.token_ids[:-1] if c.finish_reason == "stop" else c.token_ids for c in done]
 
 
-def test_orchestrator_decode_matches_scheduler(served):
+@pytest.fixture(scope="module")
+def want(served):
+    """The scheduler's greedy tokens for PROMPTS over the dense cache, 12 at most."""
     engine, params, adapter = served
-    want = _scheduler_tokens(engine, params, PROMPTS, 12, tuple(adapter.tokenizer.stop_tokens))
+    return _scheduler_tokens(engine, params, PROMPTS, 12, tuple(adapter.tokenizer.stop_tokens))
+
+
+def test_orchestrator_decode_matches_scheduler(served, want):
+    engine, params, adapter = served
     with js.in_process(adapter) as jet:
         got = jet.decode(PROMPTS, 12)
     assert got == want
     assert [len(t) for t in got] == [12, 12, SEQ_LEN - 30, 12]  # the 30-token prompt fills the cache
     assert all(len(set(t)) > 3 for t in got)  # not a repetition of one token
+
+
+def test_orchestrator_over_a_paged_cache_returns_its_pages(served, want):
+    """A paged engine whose pool holds one sequence of SEQ_LEN (3 pages of 16): JetStream gets one slot,
+    decodes the scheduler's tokens over the dense cache, and every page is back once the requests are done
+    (JetStream's freed slots return their pages: shim 5)."""
+    engine, params, adapter = served
+    paged = Engine(engine.cfg, engine.mesh, max_concurrent_decodes=2, max_seq_len=SEQ_LEN, kv_cache_tokens=48)
+    jet_engine = js.JetStreamEngine(paged, params, adapter.tokenizer)
+    assert jet_engine.max_concurrent_decodes == 1 and paged.pages.num_pages == 4
+    held = []
+    step = paged.generate
+    paged.generate = lambda *a, **k: (held.append(paged.pages.in_use), step(*a, **k))[1]  # the real step
+    with js.in_process(jet_engine) as jet:
+        got = jet.decode(PROMPTS, 12)
+        deadline = time.monotonic() + 30  # the last slot is put back just after its request closes
+        while paged.pages.in_use and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert got == want
+    assert paged.pages.in_use == 0 and max(held) == 3 and paged.pages.free == 3
 
 
 def test_driver_thread_error_is_raised_not_fatal(served, caplog):

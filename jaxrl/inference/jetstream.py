@@ -35,6 +35,13 @@ own modules (`jax` itself is not touched):
    with INVALID_ARGUMENT before they reach a worker.
 4. `server_lib.JetStreamServer` binds every interface (`[::]`) with no parameter; `serve` binds
    `host` instead (swapping `_HOST`, and `LLMOrchestrator` for the checking servicer, while it builds).
+5. JetStream frees a slot by putting it back on its queue of free slots (the detokenize thread, once the
+   request is complete); the engine is not told. With a paged cache (`jaxrl.inference.paged`) the driver's
+   queue's `put` first returns the slot's pages (`Engine.release`, under the adapter's lock: the generate
+   thread inserts and steps under it), so the pages in use follow the requests in flight. JetStream gives
+   the engine no request's `max_tokens`, so any slot may grow to `max_seq_len`: the adapter offers
+   JetStream only as many slots as the pool holds whole sequences (`max_concurrent_decodes`), and an
+   insert never finds the pool empty.
 """
 
 from __future__ import annotations
@@ -177,6 +184,7 @@ class JetStreamEngine(engine_api.Engine):
         self._params = engine.prepare(params)
         self._max_prefill_length = fits[-1]
         self.tokenizer = tokenizer
+        self._lock = threading.Lock()  # the page allocator: generate thread (insert, step), detokenize (release)
         s = engine.max_seq_len
         self._start = jax.jit(lambda emitted, room, slot, length: (emitted.at[slot].set(0),
                                                                    room.at[slot].set(s - 1 - length)))
@@ -210,11 +218,13 @@ class JetStreamEngine(engine_api.Engine):
 
     def insert(self, prefix: Prefix, decode_state: SlotState, slot: int) -> SlotState:
         emitted, room = self._start(decode_state.emitted, decode_state.room, jnp.int32(slot), prefix.length)
-        return SlotState(self.engine.insert(prefix, decode_state.decode, slot), emitted, room)
+        with self._lock:
+            return SlotState(self.engine.insert(prefix, decode_state.decode, slot), emitted, room)
 
     def generate(self, params: Params, decode_state: SlotState) -> tuple[SlotState, engine_api.ResultTokens]:
-        state, result = self.engine.generate(params, decode_state.decode, truncate=False,
-                                             penalize=False, ban=False)  # greedy, no min_tokens
+        with self._lock:
+            state, result = self.engine.generate(params, decode_state.decode, truncate=False,
+                                                 penalize=False, ban=False)  # greedy, no min_tokens
         data, emitted = self._pack(result.tokens, decode_state.emitted, decode_state.room)
         out = engine_api.ResultTokens(data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3),
                                       samples_per_slot=1)
@@ -234,9 +244,33 @@ class JetStreamEngine(engine_api.Engine):
     def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> HFTokenizer:
         return self.tokenizer
 
+    def release(self, slot: int) -> None:
+        """Return `slot`'s pages (a paged cache; else nothing): JetStream freed the slot (shim 5)."""
+        with self._lock:
+            self.engine.release(slot)
+
+    def watch(self, driver: orchestrator.Driver) -> None:
+        """Make `driver`'s queue of free slots return a freed slot's pages before the slot is free (shim
+        5; every put after the driver's own initial ones is a slot JetStream freed)."""
+        if self.engine.pages is None:
+            return
+        free = driver._generate_slots[0]  # 0.2.2: one queue per generate engine, no public handle
+        put = free.put
+
+        def release_then_put(slot: int, *args: Any, **kwargs: Any) -> None:
+            self.release(slot)
+            put(slot, *args, **kwargs)
+
+        free.put = release_then_put
+
     @property
     def max_concurrent_decodes(self) -> int:
-        return self.engine.max_concurrent_decodes
+        """The engine's slots; with a paged cache at most as many as its pool holds sequences of
+        `max_seq_len` positions (shim 5)."""
+        if (pages := self.engine.pages) is None:
+            return self.engine.max_concurrent_decodes
+        whole = (pages.num_pages - 1) // -(-self.engine.max_seq_len // pages.page)
+        return min(self.engine.max_concurrent_decodes, whole)
 
     @property
     def samples_per_slot(self) -> int:
@@ -288,8 +322,10 @@ def _swapped(module: Any, name: str, value: Any) -> Iterator[None]:
 def _driver(engine: JetStreamEngine) -> orchestrator.Driver:
     params = engine.load_params()
     # One engine prefills and generates: JetStream's interleaved mode (no transfer between slices).
-    return orchestrator.Driver(prefill_engines=[engine], generate_engines=[engine], prefill_params=[params],
-                               generate_params=[params], interleaved_mode=True, jax_padding=False)
+    driver = orchestrator.Driver(prefill_engines=[engine], generate_engines=[engine], prefill_params=[params],
+                                 generate_params=[params], interleaved_mode=True, jax_padding=False)
+    engine.watch(driver)
+    return driver
 
 
 def check_request(request: jetstream_pb2.DecodeRequest, vocab_size: int) -> str | None:
