@@ -10,7 +10,7 @@ import pytest
 from helpers import jaxrl, read_metrics, write_run_config
 from rich.console import Console
 
-from jaxrl.config.schema import ConfigError, RunConfig, load_config
+from jaxrl.config.schema import SEED_MULTIPLIER, ConfigError, RunConfig, load_config
 from jaxrl.envs import loader
 from jaxrl.run import evaluate
 from jaxrl.run.evaluate import Evaluator, Outcome, check_metrics, pass_at_k, pass_at_k_ks
@@ -82,7 +82,7 @@ def test_checks_play_the_configured_examples_rollouts_and_seeds(lowercase):
         ("val", "b", ["train-0", "train-1", "train-2", "train-3"], 3),  # no eval split: train examples
     ]
     assert "val b: 4 examples of its tasks (it has no eval split) x 3 rollouts" in console.file.getvalue()
-    training_first = 3 * 1_000_003 * 4  # jaxrl.run.runner: the first training seed of this config
+    training_first = 3 * SEED_MULTIPLIER * 4  # ProducerSettings.of_run: the first training seed of this config
     seeds = [(s.first_seed, s.first_seed + len(s.env.tasks) * s.rollouts_per_example) for s in ev.suites]
     assert seeds == [(training_first - 2**30, training_first - 2**30 + 12),
                      (training_first - 2**30 + 12, training_first - 2**30 + 16),

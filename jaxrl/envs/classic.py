@@ -169,6 +169,21 @@ def _fail_on_reward_errors(rubric: Rubric) -> None:
     rubric._call_individual_reward_func = strict_call  # type: ignore[method-assign]
 
 
+def extra_sampling_fields(sampling: SamplingParams) -> dict[str, Any]:
+    """The request's sampling settings beyond OpenAI's chat fields, as vLLM's extra request fields, each only
+    where it acts: `top_k` (> 0), `repetition_penalty` (when `sampling.penalizes`), `min_tokens` (> 0). A
+    classic rollout sends them in `extra_body`, a v1 rollout in its `vf.SamplingConfig`
+    (`jaxrl.envs.loader.model_context`); jaxrl's server reads both."""
+    fields: dict[str, Any] = {}
+    if sampling.top_k > 0:
+        fields["top_k"] = sampling.top_k
+    if sampling.penalizes:
+        fields["repetition_penalty"] = sampling.repetition_penalty
+    if sampling.min_tokens:
+        fields["min_tokens"] = sampling.min_tokens
+    return fields
+
+
 def sampling_args(environment: Environment, sampling: SamplingParams, seed_offset: int,
                   enable_thinking: bool | None = None) -> dict[str, Any]:
     """The rollout's sampling args: the env's own (`Environment.sampling_args`), then the run's
@@ -180,12 +195,7 @@ def sampling_args(environment: Environment, sampling: SamplingParams, seed_offse
     extra = {**(own.pop("extra_body", None) or {}), "return_token_ids": True}
     if enable_thinking is not None:
         extra["chat_template_kwargs"] = {**extra.get("chat_template_kwargs", {}), "enable_thinking": enable_thinking}
-    if sampling.top_k > 0:
-        extra["top_k"] = sampling.top_k
-    if sampling.penalizes:
-        extra["repetition_penalty"] = sampling.repetition_penalty
-    if sampling.min_tokens:
-        extra["min_tokens"] = sampling.min_tokens
+    extra |= extra_sampling_fields(sampling)
     args = {**own, "temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_tokens,
             "logprobs": True, "extra_body": extra}
     if sampling.seed is not None:

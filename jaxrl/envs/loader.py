@@ -371,13 +371,8 @@ def model_context(
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "max_tokens": sampling.max_tokens,
+        **classic.extra_sampling_fields(sampling),
     }
-    if sampling.top_k > 0:
-        fields["top_k"] = sampling.top_k
-    if sampling.penalizes:
-        fields["repetition_penalty"] = sampling.repetition_penalty
-    if sampling.min_tokens:
-        fields["min_tokens"] = sampling.min_tokens
     if sampling.seed is not None:
         fields["seed"] = sampling.seed + seed_offset
     return vf.ModelContext(model=model_name, client=client, sampling=vf.SamplingConfig(**fields))
