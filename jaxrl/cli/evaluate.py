@@ -10,7 +10,6 @@ JAX until the command runs.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -54,13 +53,12 @@ def fail(message: str) -> typer.Exit:
 
 def json_object(text: str, flag: str) -> dict[str, Any]:
     """`text` parsed as a JSON object; exit 2 naming `flag` otherwise."""
+    from jaxrl.config.base import json_object as parse
+
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise fail(f"{flag}: not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise fail(f"{flag}: must be a JSON object, got {text!r}")
-    return value
+        return parse(text)
+    except ValueError as exc:
+        raise fail(f"{flag}: {exc}") from None
 
 
 def sampling_config(raw: dict[str, Any], flag: str) -> Any:

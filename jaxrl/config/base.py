@@ -4,6 +4,7 @@ several tables use (paths, folder names, environment ids, counts where -1 means 
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from pathlib import Path
@@ -48,6 +49,22 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(path, [("", f"cannot read: {exc}")]) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(path, [("", f"invalid TOML: {exc}")]) from None
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """`text` parsed as a JSON object (a command-line flag's value, a JSONL line).
+
+    Raises:
+        ValueError: not JSON ("not JSON: <decoder's message>") or not an object ("must be a JSON object, got
+            <type>").
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 class _Table(BaseModel):

@@ -16,13 +16,12 @@ and packing are `jaxrl.rl.sft`'s.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field
 
-from jaxrl.config.base import _Table
+from jaxrl.config.base import _Table, json_object
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -100,12 +99,7 @@ def parse_line(text: str) -> tuple[list[dict[str, str]], int, list[dict[str, Any
         ValueError: not JSON, not an object, neither form, a malformed message, or no assistant message
             to train.
     """
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"must be a JSON object, got {type(obj).__name__}")
+    obj = json_object(text)
     tools = obj.pop("tools", None)
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise ValueError("'tools' must be a list of objects")
