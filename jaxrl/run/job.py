@@ -25,13 +25,12 @@ from jax.sharding import Mesh
 from rich.console import Console
 
 from jaxrl.config.schema import ConfigError, RunConfig, resolve_model_path, resolve_tokenizer_path
-from jaxrl.envs import loader
 from jaxrl.model import hf
 from jaxrl.model.modules import init_lora, lora_specs, param_specs
 from jaxrl.parallel import distributed
 from jaxrl.parallel.sharding import spec_shardings
 from jaxrl.rl.train import TrainState, trainer_for
-from jaxrl.run import evaluate, wandb_log
+from jaxrl.run import wandb_log
 from jaxrl.run.adapters import RunAdapters
 from jaxrl.run.checkpoint import Checkpointer
 from jaxrl.run.errors import Preempted
@@ -39,7 +38,7 @@ from jaxrl.run.identity import model_identity, restore_newest, warm_start_state
 from jaxrl.run.layout import METRICS, adapters_dir_of, checkpoint_dir_of, run_dir_of, write_run_config
 from jaxrl.run.metrics import MetricsLogger, trim_metrics
 from jaxrl.run.placement import Placement, trainer_mesh
-from jaxrl.run.serving import Serving, params_dtype
+from jaxrl.run.serving import RunEnvs, Serving, params_dtype
 from jaxrl.run.signals import StopRequest, stop_on_signals
 
 
@@ -55,9 +54,7 @@ class Job:
         self.stop: StopRequest | None = None
         self.serving: Serving | None = None  # the engine, server, event loop and evaluator, once started
         self.logger: MetricsLogger | None = None  # process 0's metrics rows
-        self.envs: list[loader.LoadedEnv] = []  # training environments
-        self.eval_envs: list[loader.LoadedEnv] = []  # [[eval.env]]
-        self.chat_template: Any = None  # what the server renders classic environments' chats with
+        self.envs = RunEnvs([], [], None)  # what the rollout side plays (`load_envs`)
 
     @property
     def primary(self) -> bool:
@@ -227,21 +224,9 @@ class Job:
         return jax.device_put(jax.device_get(lora), self.lora_shardings(self.placement.mesh))
 
     def load_envs(self) -> None:
-        """The training environments (`envs`), the eval ones (`eval_envs`) and the chat template the server
-        renders classic environments' chats with. Raises ConfigError (key `env.<i>.id` or `env`)."""
-        self.envs = []
-        for i, e in enumerate(self.cfg.env):
-            try:
-                env = loader.load_env(e.id, e.args, e.taskset, e.harness, e.version)
-                self.envs.append(dataclasses.replace(env, max_retries=e.max_retries or 0))
-            except loader.EnvLoadError as exc:
-                raise ConfigError(self.cfg.source, [(f"env.{i}.id", str(exc))]) from None
-        self.eval_envs = evaluate.load_eval_envs(self.cfg)  # [[eval.env]]
-        try:  # classic envs play over the server's /v1/chat/completions
-            self.chat_template = loader.chat_template(self.envs + self.eval_envs, self.tokenizer_path,
-                                                      self.model_path)
-        except loader.EnvLoadError as exc:
-            raise ConfigError(self.cfg.source, [("env", str(exc))]) from None
+        """The environments the rollout side plays (`envs`: `RunEnvs.load`). Raises ConfigError (key
+        `env.<i>.id`, `eval.env.<i>.id` or `env`)."""
+        self.envs = RunEnvs.load(self.cfg, self.tokenizer_path, self.model_path)
 
     # -- start and pre-flight --------------------------------------------------------------------------------
 
@@ -252,7 +237,7 @@ class Job:
         wandb_run = wandb_log.start(cfg, self.run_dir, self.secrets, self.console) if self.primary else None
         if self.serves:
             self.serving = Serving(cfg, self.mcfg, self.placement, self.engine_params(), self.start_step, self.envs,
-                                   self.eval_envs, self.chat_template, self.tokenizer_path, self.console, self.secrets)
+                                   self.tokenizer_path, self.console, self.secrets)
         self.logger = MetricsLogger(self.run_dir, cfg.max_steps, self.start_step, self.console,
                                     wandb_run) if self.primary else None
 

@@ -146,8 +146,8 @@ class Run(Job):
         """`Job.setup`, then the example buffer over the environments and its state (the checkpoint's, or
         fresh)."""
         super().setup()
-        self.buffer = Buffer(tuple(len(env.tasks) for env in self.envs), self.cfg.buffer)
-        self.buffer_state = BufferState.from_meta(self.meta) if self.meta else BufferState.fresh(len(self.envs))
+        self.buffer = Buffer(tuple(len(env.tasks) for env in self.envs.train), self.cfg.buffer)
+        self.buffer_state = BufferState.from_meta(self.meta) if self.meta else BufferState.fresh(len(self.envs.train))
 
     def start(self) -> None:
         """`Job.start`, then the rollout producer (resuming the checkpoint's groups in flight) and the train
@@ -165,7 +165,7 @@ class Run(Job):
         """The `rollouts_per_example` rollouts of one group at `temperature` (the producer's `play`)."""
         serving = self.serving
         sampling = dataclasses.replace(serving.sampling, temperature=temperature)
-        out = await rollouts.collect(self.envs, [job], self.cfg.rollouts_per_example, serving.client, sampling,
+        out = await rollouts.collect(self.envs.train, [job], self.cfg.rollouts_per_example, serving.client, sampling,
                                      first_seed, self.cfg.jax.rollout_timeout, serving.in_flight)
         return out[0]
 
@@ -184,7 +184,7 @@ class Run(Job):
             return
         t_check = time.perf_counter()
         failing = serving.loop.run_until_complete(rollouts.preflight(
-            self.envs, serving.client, serving.sampling, max(cfg.jax.rollout_timeout, PREFLIGHT_TIMEOUT_S),
+            self.envs.train, serving.client, serving.sampling, max(cfg.jax.rollout_timeout, PREFLIGHT_TIMEOUT_S),
             serving.in_flight))
         failing = list(dict.fromkeys(line for lines in distributed.all_gather_objects(failing) for line in lines))
         if failing:

@@ -4,13 +4,15 @@ of it, the run's event loop, the environments' CPU share and the evaluator (`[ev
 An RL run plays its rollouts and its eval through it; an SFT run starts it only for `[eval]` / `[val]`.
 `Serving(...)` starts everything but compiles nothing; `compile_engine` compiles the engine's programs,
 `serve_envs` starts the environments' servers for the whole run, `note_tasks` records the tasks running
-before the first group (`close` settles them), `close` stops it all.
+before the first group (`close` settles them), `close` stops it all. What it plays, the training and eval
+environments and the chat template classic ones need, is one `RunEnvs`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ from typing import Any
 import jax.numpy as jnp
 from rich.console import Console
 
-from jaxrl.config.schema import SEED_MULTIPLIER, RunConfig
+from jaxrl.config.schema import SEED_MULTIPLIER, ConfigError, RunConfig
 from jaxrl.envs import loader
 from jaxrl.inference.chat import ChatTemplate
 from jaxrl.inference.engine import Engine
@@ -47,6 +49,36 @@ def sampling_params(cfg: RunConfig) -> SamplingParams:
                           max_tokens=s.max_tokens or cfg.jax.seq_len - 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class RunEnvs:
+    """What a run's rollouts play: the training environments (`train`, `[[env]]` in order), the eval ones
+    (`eval`, `[[eval.env]]`) and the chat template the server renders classic environments' chats with
+    (`chat_template`, `jaxrl.envs.loader.chat_template`: None when none is classic)."""
+
+    train: list[loader.LoadedEnv]
+    eval: list[loader.LoadedEnv]
+    chat_template: ChatTemplate | None
+
+    @classmethod
+    def load(cls, cfg: RunConfig, tokenizer_path: Path | str, model_path: Path | str) -> RunEnvs:
+        """The run's environments, each `[[env]]` with its `max_retries`. Raises ConfigError (key
+        `env.<i>.id`, `eval.env.<i>.id` or `env`) when one cannot be loaded or the tokenizer has no chat
+        template a classic environment needs."""
+        train = []
+        for i, e in enumerate(cfg.env):
+            try:
+                env = loader.load_env(e.id, e.args, e.taskset, e.harness, e.version)
+                train.append(dataclasses.replace(env, max_retries=e.max_retries or 0))
+            except loader.EnvLoadError as exc:
+                raise ConfigError(cfg.source, [(f"env.{i}.id", str(exc))]) from None
+        eval_envs = evaluate.load_eval_envs(cfg)  # [[eval.env]]
+        try:  # classic envs play over the server's /v1/chat/completions
+            template = loader.chat_template(train + eval_envs, tokenizer_path, model_path)
+        except loader.EnvLoadError as exc:
+            raise ConfigError(cfg.source, [("env", str(exc))]) from None
+        return cls(train, eval_envs, template)
+
+
 class Serving:
     """The engine (`jaxrl.inference.engine.Engine` on `placement.engine_mesh`, given `params` as policy
     `start_step`) behind its scheduler (`scheduler`: one per process, or a `GroupScheduler` stepping one
@@ -57,8 +89,7 @@ class Serving:
     seeds start at `sampling_seed * SEED_MULTIPLIER + start_step`."""
 
     def __init__(self, cfg: RunConfig, mcfg: ModelConfig, placement: Placement, params: dict[str, Any],
-                 start_step: int, envs: list[loader.LoadedEnv], eval_envs: list[loader.LoadedEnv],
-                 chat_template: ChatTemplate | None, tokenizer_path: Path | str, console: Console,
+                 start_step: int, envs: RunEnvs, tokenizer_path: Path | str, console: Console,
                  secrets: list[str]) -> None:
         jcfg = cfg.jax
         self.console, self.envs = console, envs
@@ -76,7 +107,7 @@ class Serving:
             self.scheduler = Scheduler(engine, params, model_name=cfg.model, seed=seed)
         self.scheduler.policy_version = start_step
         self.versions = VersionLog(self.scheduler)  # each sampled token's policy version
-        self.server = start_server(self.versions, host=jcfg.host, port=jcfg.port, chat_template=chat_template,
+        self.server = start_server(self.versions, host=jcfg.host, port=jcfg.port, chat_template=envs.chat_template,
                                    clamp_max_tokens=True)
         self.sampling = sampling_params(cfg)
         self.client = {"base_url": self.server.base_url, "model_name": cfg.model, "tokenizer_path": tokenizer_path,
@@ -86,7 +117,7 @@ class Serving:
         resources.apply(self.loop, env_resources)
         self.in_flight = asyncio.Semaphore(env_resources.max_in_flight) if env_resources.max_in_flight else None
         console.print(env_resources.describe(cfg.infrastructure.compute_size))
-        self.evaluator = evaluate.Evaluator(cfg, envs, eval_envs, self.client, self.sampling, console, secrets,
+        self.evaluator = evaluate.Evaluator(cfg, envs.train, envs.eval, self.client, self.sampling, console, secrets,
                                             self.in_flight)  # [eval]
         self.stack = contextlib.AsyncExitStack()  # the environments' servers
         self.tasks: set[asyncio.Task] | None = None  # the tasks running before the first group
@@ -105,7 +136,7 @@ class Serving:
     def serve_envs(self) -> None:
         """Serve the environments (training and eval) for the whole run: one interception server and client
         per environment, closed by `close`."""
-        for env in self.envs:
+        for env in self.envs.train:
             self.loop.run_until_complete(self.stack.enter_async_context(env.serving()))
         self.loop.run_until_complete(self.stack.enter_async_context(self.evaluator.serving()))
 
