@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from jaxrl.inference import cpu, paged
 from jaxrl.inference.sampling import SlotSampling, sample
 from jaxrl.model import decode, modules, qwen3
+from jaxrl.model.attention import decode_implementation
 from jaxrl.model.qwen3 import KVCache, ModelConfig, Params
 from jaxrl.parallel.sharding import mesh_platform
 
@@ -107,11 +108,13 @@ class Plain:
 def for_mesh(cfg: ModelConfig, mesh: Mesh, slots: int, max_seq_len: int,
              kv_cache_tokens: int | None = None) -> EngineLayout:
     """The layout of an engine of `slots` slots and `max_seq_len` positions on `mesh`: with `kv_cache_tokens`
-    the paged cache of that many positions (`jaxrl.inference.paged.PagedLayout`, any platform); else
+    the paged cache of that many positions (`jaxrl.inference.paged.PagedLayout`, any platform, its decode
+    attention `decode_implementation`'s for the mesh: the Pallas kernel on TPU); else
     `cpu.CpuLayout` on a CPU mesh (`mesh_platform`: the mesh's devices decide, so `jaxrl compile`'s TPU
     programs traced on a CPU host are the plain ones), else `Plain`."""
     if kv_cache_tokens is not None:
-        return paged.PagedLayout(cfg, slots, max_seq_len, kv_cache_tokens)
+        return paged.PagedLayout(cfg, slots, max_seq_len, kv_cache_tokens,
+                                 decode_impl=decode_implementation(mesh_platform(mesh), cfg.head_dim))
     if mesh_platform(mesh) == "cpu":
         return cpu.CpuLayout(cfg, slots, max_seq_len)
     return Plain(cfg, slots, max_seq_len)

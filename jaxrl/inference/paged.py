@@ -18,8 +18,9 @@ import jax.numpy as jnp
 
 from jaxrl.inference.pages import PageAllocator
 from jaxrl.inference.sampling import sample
-from jaxrl.model import cpu, paged, qwen3
+from jaxrl.model import attention, cpu, paged, qwen3
 from jaxrl.model.qwen3 import KVCache, ModelConfig, Params
+from jaxrl.parallel.sharding import mesh_platform
 
 PAGE = 16  # positions per page (vLLM's default block size on GPU)
 
@@ -49,6 +50,7 @@ class PagedLayout:
     max_seq_len: int
     kv_cache_tokens: int | None = None
     page: int = PAGE
+    decode_impl: attention.DecodeImplementation | None = None  # None: `attention.decode_implementation`'s
     reads_training_weights = True
 
     def __post_init__(self) -> None:
@@ -62,11 +64,11 @@ class PagedLayout:
         return {"base": params["base"], "lora": params.get("lora")}
 
     def cache(self, make) -> KVCache:
-        """{"k", "v": [L, P, page, K, H], "pages": int32 [B, N]} (`jaxrl.model.paged`)."""
+        """{"k", "v": [K, L, P, page, H], "pages": int32 [B, N]}: the pools as the TPU kernel reads them
+        (`jaxrl.model.paged`, `POOL_AXES`), the same on every platform."""
         c = self.cfg
-        shape = (c.num_layers, self.num_pages, self.page, c.num_kv_heads, c.head_dim)
-        axes = (None, None, None, "kv_heads", None)
-        return {"k": make(shape, axes), "v": make(shape, axes),
+        shape = paged.pool_shape(c.num_kv_heads, c.num_layers, self.num_pages, self.page, c.head_dim)
+        return {"k": make(shape, paged.POOL_AXES), "v": make(shape, paged.POOL_AXES),
                 "pages": make(self.pages.table.shape, (None, None), jnp.int32)}
 
     def insert(self, cache: KVCache, prefix_cache: KVCache, slot: jax.Array, pages: jax.Array | None = None
@@ -77,15 +79,27 @@ class PagedLayout:
                 "pages": cache["pages"]}
 
     def chunks(self, positions: int) -> int | None:
-        """The fewest chunks of `chunk_sizes(max_seq_len)` that hold positions [0, `positions`) (as the CPU
+        """None with the Pallas kernel (`decode_impl`; it reads each slot's own length: one compiled step).
+        Else the fewest chunks of `chunk_sizes(max_seq_len)` that hold positions [0, `positions`) (as the CPU
         layout's: about log2(max_seq_len / 128) + 1 compiled steps); None when that is all of them."""
+        if self.decode_impl == "pallas":
+            return None
         held = itertools.accumulate(self.chunk_sizes)
         n = next((n for n, h in enumerate(held, 1) if h >= positions), len(self.chunk_sizes))
         return None if n == len(self.chunk_sizes) else n
 
     def decode(self, model, params, tokens_B, positions_B, cache, chunks, mesh):
-        return model.decode(tokens_B, positions_B, cache, mesh=mesh,
-                            layout=paged.Paged(cache["pages"], self.page, self.max_seq_len, chunks))
+        """The step over the pool: JAX's Pallas kernel where `attention.decode_implementation` picks it for
+        `mesh` (TPU; `self.decode_impl` forces one), else the gather-based reference over `chunks`."""
+        if self.implementation(mesh) == "pallas":
+            layout = paged.PagedKernel(cache["pages"], self.page, self.max_seq_len, mesh=mesh)
+        else:
+            layout = paged.Paged(cache["pages"], self.page, self.max_seq_len, chunks)
+        return model.decode(tokens_B, positions_B, cache, mesh=mesh, layout=layout)
+
+    def implementation(self, mesh) -> attention.DecodeImplementation:
+        """`self.decode_impl`, else `attention.decode_implementation` for `mesh`'s platform."""
+        return self.decode_impl or attention.decode_implementation(mesh_platform(mesh), self.cfg.head_dim)
 
     def logits(self, params: Params, hidden_BTD: jax.Array) -> jax.Array:
         return qwen3.logits(params["base"], hidden_BTD)

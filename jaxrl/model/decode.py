@@ -45,6 +45,10 @@ class CacheLayout(Protocol):
         (float32 [B, K, G, H], pre-scaled by 1/sqrt(H)) over the cache's positions before its own and this
         step's key/value [B, K, H]; float32 [B, K, G, H].
     write(cache, k_LBKH, v_LBKH, positions_B): the cache with this step's keys/values at `positions_B`.
+    indexed (optional, default False): the layout reads the whole cache at a layer index instead of the
+        scan's per-layer slice, through `attend_layer(q_BKGH, k_BKH, v_BKH, positions_B, cache, layer)` ->
+        (attention as `attend`'s, the cache): a paged pool (`jaxrl.model.paged`), whose TPU kernel writes
+        this step's key/value layer by layer (the cache is then the layer loop's carry).
     """
 
     per_layer: bool
@@ -112,29 +116,37 @@ def attend_chunks(q_BKGH: jax.Array, k_BKH: jax.Array, v_BKH: jax.Array, positio
     return attn_BKGH / total_BKG[..., None]
 
 
-def _layer(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | None, layout: CacheLayout, x_BTD,
-           positions_B, xs):
-    """One decoder layer for one new token per row; returns (x_BTD, k_BKH, v_BKH) of this step. `xs` ends
-    with this layer's cache, keys and values as `layout` holds them."""
-    w, lw, mw, mlw, k_cache, v_cache = xs
+def _layer(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | None, attend, cache_dtype, x_BTD,
+           positions_B, weights):
+    """One decoder layer for one new token per row; returns (x_BTD, k_BKH, v_BKH of this step, the cache
+    `attend` returned). `weights` are this layer's (w, lora, ffn weights, ffn lora); `attend(q_BKGH, k_BKH,
+    v_BKH)` -> (attention float32 [B, K, G, H], cache) reads the layer's cache as its layout holds it."""
+    w, lw, mw, mlw = weights
     lw = lw or {}
     b, nk, hd = x_BTD.shape[0], cfg.num_kv_heads, cfg.head_dim
     g = cfg.num_heads // nk
     q_BTNH, k_BTKH, v_BTKH = qwen3.attention_inputs(cfg, lora_scale, x_BTD, positions_B[:, None], w, lw)
-    cache_dtype = jax.tree.leaves(k_cache)[0].dtype
     k_BKH = k_BTKH[:, 0].astype(cache_dtype)
     v_BKH = v_BTKH[:, 0].astype(cache_dtype)
 
     # The cache is read as it is (a copy with this step's key substituted would be written and read
     # again: 3x the cache traffic); positions before this one come from it, this one from k_BKH/v_BKH.
     q_BKGH = q_BTNH[:, 0].reshape(b, nk, g, hd).astype(jnp.float32) / math.sqrt(hd)
-    attn_BKGH = layout.attend(q_BKGH, k_BKH, v_BKH, positions_B, k_cache, v_cache)
+    attn_BKGH, cache = attend(q_BKGH, k_BKH, v_BKH)
     attn_BTNH = attn_BKGH.reshape(b, 1, cfg.num_heads, hd).astype(x_BTD.dtype)
     # one contraction over N * H: with two contracting axes XLA's CPU backend transposed `wo` to [H, N, D]
     # (a copy of the weight) before every step's matmul
     out_BTD = qwen3.project(attn_BTNH.reshape(b, 1, -1), w["wo"].reshape(-1, cfg.hidden_size))
     out_BTD = out_BTD + qwen3.lora_delta(attn_BTNH, lw.get("wo"), lora_scale, (cfg.hidden_size,))
-    return qwen3.feed_forward(cfg, kind, lora_scale, mesh, x_BTD + out_BTD, w, mw, mlw), k_BKH, v_BKH
+    return qwen3.feed_forward(cfg, kind, lora_scale, mesh, x_BTD + out_BTD, w, mw, mlw), k_BKH, v_BKH, cache
+
+
+def _attend(layout: CacheLayout, positions_B, cache, layer, k_layer, v_layer):
+    """`_layer`'s `attend` for `layout`: `attend_layer` over the whole cache at `layer` (an `indexed`
+    layout), else `attend` over the layer's own `k_layer`, `v_layer` (the cache passed through)."""
+    if getattr(layout, "indexed", False):
+        return lambda q, k, v: layout.attend_layer(q, k, v, positions_B, cache, layer)
+    return lambda q, k, v: (layout.attend(q, k, v, positions_B, k_layer, v_layer), cache)
 
 
 def decode_step(cfg: ModelConfig, params: Params, tokens_B: jax.Array, positions_B: jax.Array, cache: KVCache, *,
@@ -159,26 +171,39 @@ def decode_step(cfg: ModelConfig, params: Params, tokens_B: jax.Array, positions
     """
     x_BTD = params["embed"][tokens_B][:, None]
     kinds = qwen3.layer_kinds(cfg)
+    indexed = getattr(layout, "indexed", False)
+    cache_dtype = jax.tree.leaves(cache["k"])[0].dtype
+    # an indexed layout carries the whole cache through the layers; the others' layers read their slice
+    carried = cache if indexed else None
     if layers is None and len(set(kinds)) == 1 and not layout.per_layer:
         kind, lora = kinds[0], lora or {}
 
-        def body(x, xs):
-            x, k, v = _layer(cfg, kind, lora_scale, mesh, layout, x, positions_B, xs)
-            return x, (k, v)
+        def body(carry, xs):
+            x, c = carry
+            *weights, layer, k_layer, v_layer = xs
+            x, k, v, c = _layer(cfg, kind, lora_scale, mesh, _attend(layout, positions_B, c, layer, k_layer, v_layer),
+                                cache_dtype, x, positions_B, weights)
+            return (x, c), (k, v)
 
-        xs = (params["layers"], lora.get("layers"), params[kind], lora.get(kind), cache["k"], cache["v"])
-        x_BTD, (k_LBKH, v_LBKH) = jax.lax.scan(body, x_BTD, xs)
+        per_layer = (None, None) if indexed else (cache["k"], cache["v"])
+        xs = (params["layers"], lora.get("layers"), params[kind], lora.get(kind), jnp.arange(cfg.num_layers),
+              *per_layer)
+        (x_BTD, carried), (k_LBKH, v_LBKH) = jax.lax.scan(body, (x_BTD, carried), xs)
     else:
         ks, vs = [], []
         if layers is None:
             layers = [(w, lw, mw, mlw) for (w, mw), (lw, mlw) in zip(unstack_layers(cfg, params),
                                                                      unstack_layers(cfg, lora), strict=True)]
-        for i, (w, lw, mw, mlw) in enumerate(layers):
-            x_BTD, k, v = _layer(cfg, kinds[i], lora_scale, mesh, layout, x_BTD, positions_B,
-                                 (w, lw, mw, mlw, cache["k"][i], cache["v"][i]))
+        for i, weights in enumerate(layers):
+            k_layer, v_layer = (None, None) if indexed else (cache["k"][i], cache["v"][i])
+            x_BTD, k, v, carried = _layer(cfg, kinds[i], lora_scale, mesh,
+                                          _attend(layout, positions_B, carried, i, k_layer, v_layer), cache_dtype,
+                                          x_BTD, positions_B, weights)
             ks.append(k)
             vs.append(v)
         k_LBKH, v_LBKH = jnp.stack(ks), jnp.stack(vs)
+    if indexed:
+        cache = carried
     # written after every layer has read the cache (the barrier orders it after the last layer): else
     # XLA copies the whole donated cache to keep the layers' reads from seeing this step's writes
     x_BTD, k_LBKH, v_LBKH = jax.lax.optimization_barrier((x_BTD, k_LBKH, v_LBKH))
