@@ -56,7 +56,7 @@ def _serve(layout, reqs, slots, seq_len):
 @pytest.mark.numerics
 def test_paged_engine_matches_the_dense_cache_bit_for_bit():
     """A stream of seeded and greedy requests through 3 slots (more requests than slots, prompts of whole
-    and partial pages, a group of 4 sharing one prompt, stops that free slots mid-stream): the paged engine,
+    and partial pages, a group of 8 sharing one prompt, stops that free slots mid-stream): the paged engine,
     with a pool smaller than the dense cache (requests wait for pages: admission by pages), samples the
     dense engine's tokens and logprobs exactly (steps reading one chunk or both: the same numbers), and
     every page is back in the pool after."""
@@ -66,21 +66,26 @@ def test_paged_engine_matches_the_dense_cache_bit_for_bit():
              SamplingParams(temperature=0.0 if i % 3 == 0 else 1.0, max_tokens=int(rng.integers(3, 40)), seed=i,
                             stop_token_ids=(5, 6) if i % 2 else ()))
             for i, n in enumerate((3, 16, 32, 17, 40, 1))]
-    reqs += [(group, SamplingParams(temperature=1.0, max_tokens=30, seed=100 + i)) for i in range(4)]
+    reqs += [(group, SamplingParams(temperature=1.0, max_tokens=10 + 3 * i, seed=100 + i)) for i in range(8)]
     reqs += [(rng.integers(1, 96, size=130).tolist(), SamplingParams(temperature=1.0, max_tokens=12, seed=9))]
-    dense, _, _ = _serve(Plain(CFG, 3, 160), reqs, 3, 160)  # chunks of 128 and 32 positions
+    dense, dense_engine, _ = _serve(Plain(CFG, 3, 160), reqs, 3, 160)  # chunks of 128 and 32 positions
     # a pool of 224 positions (14 pages), not 3 x 160: requests wait for pages (the 130-token prompt needs 9)
     paged, engine, peak = _serve(PagedLayout(CFG, 3, 160, kv_cache_tokens=224), reqs, 3, 160)
     for d, p in zip(dense, paged, strict=True):
         assert (p.token_ids, p.logprobs, p.finish_reason) == (d.token_ids, d.logprobs, d.finish_reason)
-    assert engine.pages.in_use == 0 and engine.pages.prefix_hits >= 1 and 9 <= peak <= 14
+    assert engine.pages.in_use == 0 and 9 <= peak <= 14
+    # the group of 8, admitted over several steps (3 slots), runs its prompt through the model once: each
+    # later rollout shares the pages a running one holds, copying the partial page on its first write
+    assert engine.metrics()["engine/prefills"] == 8 and dense_engine.metrics() == {"engine/prefills": 15}
+    assert engine.pages.prefix_hits == engine.pages.copies == 7
 
 
 @pytest.mark.numerics
 def test_pages_follow_the_tokens_in_flight_and_a_group_shares_its_prompt():
-    """Through the engine's API: a group of 4 rollouts of a 37-token prompt holds its 2 whole pages once
-    and 4 copies of the partial one; each decode step's pages are exactly those the positions need; a
-    released slot's pages return (the shared ones when their last holder goes)."""
+    """Through the engine's API: a group of 4 rollouts of a 37-token prompt holds its 3 pages once until
+    the first decode step, which gives 3 of them a copy of the partial page (copy on write); each decode
+    step's pages are exactly those the positions need; a later prefill of the prompt runs no forward while
+    a slot holds its pages; a released slot's pages return (the shared ones when their last holder goes)."""
     engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), 4, 80, lora_scale=0.5, layout=PagedLayout(CFG, 4, 80))
     alloc, params = engine.pages, engine.prepare(_params())
     prompt = list(range(1, 38))
@@ -90,17 +95,23 @@ def test_pages_follow_the_tokens_in_flight_and_a_group_shares_its_prompt():
     state = engine.init_decode_state()
     for slot, prefix in enumerate(prefixes):
         state = engine.insert(prefix, state, slot)
-    assert (alloc.prefix_hits, alloc.shared_pages, alloc.in_use) == (3, 6, 2 + 4)
-    assert engine.metrics() == {"engine/prefix_hits": 3.0, "engine/kv_pages": 6.0}
+    assert (alloc.prefix_hits, alloc.shared_pages, alloc.in_use) == (3, 9, 3)
+    assert engine.metrics() == {"engine/prefills": 1.0, "engine/prefix_hits": 3.0, "engine/kv_pages": 3.0}
     for step in range(30):
         state, _ = engine.generate(params, state)
         written = 37 + step + 1  # positions each slot holds after this step
         assert alloc.in_use == 2 + 4 * (math.ceil(written / PAGE) - 2)
+    assert alloc.copies == 3
     for slot in range(3):
         engine.release(slot)
     assert alloc.in_use == 2 + (math.ceil(67 / PAGE) - 2)  # the last holder keeps the shared pages
+    again = engine.prefill_shared(params, pad_prompt(prompt, engine.bucket(37)), 37, [SamplingParams()],
+                                  [jax.random.key(0)])
+    assert engine.prefills == 1 and again[0].cache is None  # its pages are still held: no forward
     engine.release(3)
     assert alloc.in_use == 0 and alloc.free == pool_pages(4, 80, None) - 1
+    with pytest.raises(ValueError, match="shares pages that were released since its prefill"):
+        engine.insert(again[0], state, 0)
 
 
 def test_allocator_refuses_past_the_pool_and_sizes_in_tokens():

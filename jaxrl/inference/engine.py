@@ -45,10 +45,12 @@ from jaxrl.parallel.sharding import array_sharding
 
 @struct.dataclass
 class Prefix:
-    """A prefilled prompt: its cache {"k","v"} [L, 1, T_bucket, K, H], the first sampled token and its
-    logprob ([1] each), the prompt's true length, the slot's sampling settings and PRNG key, the
-    tokens seen so far (prompt and first token; bool [1, V]) for the repetition penalty, and the
-    request's stop tokens (bool [1, V]) for `min_tokens`."""
+    """A prefilled prompt: its cache {"k","v"} [L, 1, T_bucket, K, H] (None: a paged engine's pool holds
+    the prompt's pages already, `Engine.prefill_shared`), the first sampled token and its logprob ([1]
+    each), the prompt's true length, the slot's sampling settings and PRNG key, the tokens seen so far
+    (prompt and first token; bool [1, V]) for the repetition penalty, and the request's stop tokens (bool
+    [1, V]) for `min_tokens`. `logits` (float32 [1, V]) are those after the prompt and `prompt` its token
+    ids (host only: not a leaf), which a paged engine keeps with the prompt's pages."""
 
     cache: KVCache
     token: jax.Array
@@ -58,6 +60,8 @@ class Prefix:
     key: jax.Array
     seen: jax.Array
     stop: jax.Array
+    logits: jax.Array | None = None
+    prompt: tuple[int, ...] = struct.field(pytree_node=False, default=())
 
 
 @struct.dataclass
@@ -133,6 +137,8 @@ class Engine:
         self._prefill_forward = jax.jit(self._prefill_forward_impl)
         self._prefill_sample = jax.jit(self._prefill_sample_impl, static_argnames=("truncate",))
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
+        self._copy_pages = jax.jit(self._copy_pages_impl, donate_argnums=(0,))
+        self.prefills = 0  # prompts run through the model (a group's shared prompt once)
         self._generate = jax.jit(self._generate_impl, donate_argnums=(1,),
                                  static_argnames=("truncate", "penalize", "ban", "chunks"))
 
@@ -205,18 +211,26 @@ class Engine:
     def prefill_shared(self, params: Params, padded_tokens: jax.Array, true_length: int,
                        samplings: list[SamplingParams], keys: list[jax.Array]) -> list[Prefix]:
         """One prefix per request for requests with the same prompt (`prefill`'s arguments): the prompt
-        runs through the model once (`_prefill_forward`), then each request samples its first token from
-        those logits with its own settings and key (`_prefill_sample`, a program of batch 1: the same
-        numbers as a prefill of its own). The prefixes share the cache arrays (`insert` copies them).
-        `prefill` is this with one request; `jaxrl.compile.programs.compile_prefill` compiles the same two
-        programs."""
-        cache, logits_1V = self._prefill_forward(params, jnp.asarray(padded_tokens, jnp.int32), jnp.int32(true_length))
+        runs through the model once (`_prefill_forward`, counted in `prefills`), then each request samples
+        its first token from those logits with its own settings and key (`_prefill_sample`, a program of
+        batch 1: the same numbers as a prefill of its own). The prefixes share the cache arrays (`insert`
+        copies them). With a paged cache whose pool still holds this prompt's pages (a slot inserted from
+        an earlier prefill of it, say an earlier rollout of the group), the forward does not run: the
+        prefixes sample from that prefill's logits and share its pages (`Prefix.cache` None). `prefill` is
+        this with one request; `jaxrl.compile.programs.compile_prefill` compiles the same two programs."""
+        tokens_T, prompt, cache, logits_1V = jnp.asarray(padded_tokens, jnp.int32), (), None, None
+        if self.pages is not None:  # the key of the prompt's pages
+            prompt = tuple(int(t) for t in np.asarray(jax.device_get(tokens_T))[:true_length])
+            logits_1V = self.pages.held(prompt)
+        if logits_1V is None:
+            cache, logits_1V = self._prefill_forward(params, tokens_T, jnp.int32(true_length))
+            self.prefills += 1
         out = []
         for params_i, key in zip(samplings, keys, strict=True):
             sampling, length = SlotSampling.of(params_i), jnp.int32(true_length)
-            parts = self._prefill_sample(logits_1V, jnp.asarray(padded_tokens, jnp.int32), length, sampling, key,
-                                         self._stop_tokens(params_i), truncate=params_i.truncates)
-            out.append(Prefix(cache, *parts[:2], length, sampling, *parts[2:]))
+            parts = self._prefill_sample(logits_1V, tokens_T, length, sampling, key, self._stop_tokens(params_i),
+                                         truncate=params_i.truncates)
+            out.append(Prefix(cache, *parts[:2], length, sampling, *parts[2:], logits=logits_1V, prompt=prompt))
         return out
 
     def _stop_tokens(self, sampling: SamplingParams) -> np.ndarray:
@@ -228,16 +242,22 @@ class Engine:
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
         """Copy `prefix` into decode slot `slot` (the decode state's buffers are donated). With a paged
         layout the slot's old pages are returned and the prompt's assigned (`PageAllocator.assign`: shared
-        with the slot inserted before it from the same `prefill_shared`).
+        with the slots that hold the same prompt's pages, else written from the prefix's cache).
 
         Raises:
             PoolExhausted: a paged layout's pool has too few free pages for the prompt.
+            ValueError: a prefix without its cache whose prompt's pages are no longer held.
         """
         pages = None
         if (alloc := self.pages) is not None:
-            bucket = jax.tree.leaves(prefix.cache)[0].shape[2]
-            pages = jnp.asarray(alloc.assign(slot, int(prefix.length), bucket, prefix.cache))
-        return self._insert(prefix, decode_state, jnp.int32(slot), pages)
+            length = int(prefix.length)
+            whole = len(prefix.prompt) == length  # JetStream's rewound prefix is not its prompt's: not shared
+            if prefix.cache is None and alloc.held(prefix.prompt) is None:
+                raise ValueError(f"a prefix of {length} tokens shares pages that were released since its prefill; "
+                                 "prefill it again")
+            bucket = self.bucket(length) if prefix.cache is None else jax.tree.leaves(prefix.cache)[0].shape[2]
+            pages = jnp.asarray(alloc.assign(slot, length, bucket, prefix.prompt if whole else None, prefix.logits))
+        return self._insert(prefix.replace(logits=None, prompt=()), decode_state, jnp.int32(slot), pages)
 
     @property
     def pages(self) -> PageAllocator | None:
@@ -245,11 +265,13 @@ class Engine:
         return getattr(self.layout, "pages", None)
 
     def metrics(self) -> dict[str, float]:
-        """A paged layout's `engine/prefix_hits` (inserts that shared a prompt's pages, since the start) and
-        `engine/kv_pages` (pages in use now); {} with a dense cache."""
+        """`engine/prefills` (prompts run through the model, since the start) and, with a paged layout,
+        `engine/prefix_hits` (inserts that shared a prompt's pages, since the start) and `engine/kv_pages`
+        (pages in use now)."""
         if (alloc := self.pages) is None:
-            return {}
-        return {"engine/prefix_hits": float(alloc.prefix_hits), "engine/kv_pages": float(alloc.in_use)}
+            return {"engine/prefills": float(self.prefills)}
+        return {"engine/prefills": float(self.prefills), "engine/prefix_hits": float(alloc.prefix_hits),
+                "engine/kv_pages": float(alloc.in_use)}
 
     def release(self, slot: int) -> None:
         """Return the pages of `slot`, whose request finished or was cancelled (a dense cache: nothing)."""
@@ -269,7 +291,11 @@ class Engine:
         A slot's numbers are the same, bit for bit, for any `chunks` that holds its position
         (`jaxrl.model.cpu.Chunked.attend`). Each combination compiles once."""
         if (alloc := self.pages) is not None:
-            alloc.step()  # each held slot's page for the position this step writes
+            # each held slot's page for the position this step writes; a shared one copied first
+            if copies := alloc.step():
+                src, dst = np.zeros((2, self.max_concurrent_decodes), np.int32)  # padding: scratch to scratch
+                src[:len(copies)], dst[:len(copies)] = zip(*copies, strict=True)
+                decode_state = self._copy_pages(decode_state, jnp.asarray(src), jnp.asarray(dst))
             if alloc.dirty:
                 # a copy: on CPU device_put may alias the host array, which later inserts change
                 table = jax.device_put(alloc.table.copy(), decode_state.cache["pages"].sharding)
@@ -322,6 +348,11 @@ class Engine:
             stop=jax.lax.dynamic_update_slice(state.stop, prefix.stop, (slot, 0)),
             generated=put1(state.generated, jnp.ones((1,), jnp.int32)),
         )
+
+    def _copy_pages_impl(self, state: DecodeState, src_B, dst_B) -> DecodeState:
+        """`state` with pool pages `src_B` copied to `dst_B` (int32 [B] each), every layer, k and v."""
+        cache = {**state.cache, **{n: state.cache[n].at[:, dst_B].set(state.cache[n][:, src_B]) for n in ("k", "v")}}
+        return state.replace(cache=cache)
 
     def _generate_impl(self, params, state: DecodeState, *, truncate, penalize, ban=True, chunks=None):
         model = modules.bind(self.cfg, params["base"], params.get("lora"), self.lora_scale)

@@ -74,7 +74,10 @@ class PagedLayout:
     def insert(self, cache: KVCache, prefix_cache: KVCache, slot: jax.Array, pages: jax.Array | None = None
                ) -> KVCache:
         """The prefill's [L, 1, T, K, H] written to `pages` (`PageAllocator.assign`'s, int32 [ceil(T / page)]);
-        the slot's table comes with the next decode step."""
+        the slot's table comes with the next decode step. None: nothing to write (the prompt's pages are
+        shared, `Engine.prefill_shared`)."""
+        if prefix_cache is None:
+            return cache
         return {**{n: paged.write_prompt(cache[n], prefix_cache[n][:, 0], pages, self.page) for n in ("k", "v")},
                 "pages": cache["pages"]}
 

@@ -9,6 +9,8 @@ the slot does not hold.
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
+from typing import Any
 
 import numpy as np
 
@@ -37,10 +39,12 @@ class PageAllocator:
         self.refs = np.zeros((num_pages,), np.int32)
         self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out the lowest page first
         self._positions: dict[int, int] = {}  # slot -> the position its next decode step writes
-        self._last: tuple[object, int, list[int]] | None = None  # (prefix cache, length, its full pages)
+        # prompt -> (its pages, the last one partial or not; what the engine keeps with it): while held
+        self._prompts: dict[Hashable, tuple[list[int], Any]] = {}
         self.dirty = True
         self.prefix_hits = 0  # inserts that reused another slot's prompt pages
         self.shared_pages = 0  # pages those inserts did not write
+        self.copies = 0  # pages copied on write (a shared partial page a slot's decode step writes into)
 
     @property
     def free(self) -> int:
@@ -64,8 +68,9 @@ class PageAllocator:
         self.refs[p] -= 1
         if self.refs[p] == 0:
             self._free.append(p)
-            if self._last is not None and p in self._last[2]:  # a later insert must not share a freed page
-                self._last = None
+            # a later insert must not share a freed page: the prompts it held are forgotten
+            for key in [k for k, (pages, _) in self._prompts.items() if p in pages]:
+                del self._prompts[key]
 
     def release(self, slot: int) -> None:
         """Return `slot`'s pages (those shared with another slot stay with it); its entries become 0."""
@@ -75,11 +80,19 @@ class PageAllocator:
         self._positions.pop(slot, None)
         self.dirty = True
 
-    def assign(self, slot: int, length: int, bucket: int, prefix: object) -> np.ndarray:
+    def held(self, prompt: Hashable) -> Any:
+        """What `assign` kept with `prompt` (the engine's logits after it) while some slot holds its pages,
+        else None."""
+        entry = self._prompts.get(prompt)
+        return None if entry is None else entry[1]
+
+    def assign(self, slot: int, length: int, bucket: int, prompt: Hashable | None = None,
+               keep: Any = None) -> np.ndarray:
         """Pages for a prompt of `length` positions inserted into `slot` (its old pages released first).
-        The whole pages of the prompt are shared (reference counted) with the slot inserted last when it
-        came from the same prefill (`prefix` is the same object: `Engine.prefill_shared`'s rollouts of a
-        group); the last, partial page is the slot's own copy (copy on write: decode writes into it).
+        When some slot holds the pages of the same `prompt` (a key: its token ids), `slot` shares all of
+        them, reference counted, the partial last one included, and nothing is written: the first decode
+        step that writes into a shared page copies it (`step`, copy on write, as vLLM's block manager).
+        Else new pages, kept under `prompt` (None: not shared) with `keep` (returned by `held`).
 
         Returns:
             int32 [ceil(bucket / page)]: the page each page of the prefill's cache (padded to `bucket`
@@ -89,46 +102,52 @@ class PageAllocator:
             PoolExhausted: too few free pages (the slot then holds none).
         """
         self.release(slot)
-        full, partial = divmod(length, self.page)
+        n = math.ceil(length / self.page)
         dest = np.zeros((math.ceil(bucket / self.page),), np.int32)
-        shared = self._last is not None and self._last[0] is prefix and self._last[1] == length
-        try:
-            if shared:
-                pages = list(self._last[2])
-                for p in pages:
-                    self.refs[p] += 1
-                self.prefix_hits += 1
-                self.shared_pages += len(pages)
-            else:
-                pages = []
-                for _ in range(full):
+        if (entry := self._prompts.get(prompt)) is not None:
+            pages = entry[0]
+            self.refs[pages] += 1
+            self.prefix_hits += 1
+            self.shared_pages += len(pages)
+        else:
+            pages = []
+            try:
+                while len(pages) < n:
                     pages.append(self._take())
-                dest[:full] = pages
-            self.table[slot, :full] = pages
-            if partial:
-                self.table[slot, full] = dest[full] = self._take()
-        except PoolExhausted:
-            self.release(slot)
-            raise
-        self._last = (prefix, length, pages)
+            except PoolExhausted:
+                for p in pages:
+                    self._drop(p)
+                raise
+            dest[:n] = pages
+            if prompt is not None:
+                self._prompts[prompt] = (pages, keep)
+        self.table[slot, :n] = pages
         self._positions[slot] = length
         self.dirty = True
         return dest
 
-    def step(self) -> None:
-        """Before a decode step: give each held slot the page its next position falls in, then advance it
-        (as the engine, up to `max_seq_len - 1`).
+    def step(self) -> list[tuple[int, int]]:
+        """Before a decode step: give each held slot the page its next position falls in (a new one past
+        its pages; a copy of a page it shares with another slot: copy on write), then advance it (as the
+        engine, up to `max_seq_len - 1`).
+
+        Returns:
+            The copies the engine makes before the step, (from page, to page).
 
         Raises:
             PoolExhausted: no page is left for some slot's position.
         """
+        copies = []
         for slot, pos in self._positions.items():
             i = pos // self.page
-            if self.table[slot, i] == 0:
+            if (p := int(self.table[slot, i])) == 0:
                 self.table[slot, i] = self._take()
                 self.dirty = True
+            elif self.refs[p] > 1:
+                self.table[slot, i] = new = self._take()
+                self.refs[p] -= 1  # others still hold it
+                copies.append((p, new))
+                self.copies += 1
+                self.dirty = True
             self._positions[slot] = min(pos + 1, self.max_seq_len - 1)
-
-    def forget_prefix(self) -> None:
-        """Drop the reference to the last inserted prefix (its cache may then be freed)."""
-        self._last = None
+        return copies
