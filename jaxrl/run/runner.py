@@ -230,7 +230,7 @@ class Run(Job):
         cfg, groups = self.cfg, s.groups
         s.metrics = rollouts.step_metrics(groups, [cfg.env[i].display_name for i, _ in s.jobs],
                                           len(cfg.env) > 1) | s.metrics
-        s.metrics |= self.serving.scheduler.engine.metrics()  # prefills; a paged KV cache's prefix hits and pages in use
+        s.metrics |= self.serving.scheduler.engine.metrics()  # prefills; a paged cache's hits, pages
         played = sum(len(g) for g in groups)
         self.history.append((played - sum(r.ok for g in groups for r in g), played))
         if verdict := rollouts.failure_verdict(self.history):
