@@ -11,6 +11,7 @@ import time
 
 import httpx
 import jax
+import openai
 import pytest
 
 from jaxrl.inference.chat import ChatTemplate, TextStream
@@ -105,6 +106,46 @@ def test_stream_equals_non_stream(url, template, sampling):
     assert [t for c in body_chunks for t in c.get("token_ids", [])] == ids
     streamed_lps = [e["logprob"] for c in body_chunks if c["logprobs"] for e in c["logprobs"]["content"]]
     assert streamed_lps == [e["logprob"] for e in choice["logprobs"]["content"]]
+
+
+def test_top_logprobs_through_the_openai_sdk(server):
+    """`top_logprobs` (issue 33) through the official SDK, on /v1/chat/completions and /v1/completions: k
+    entries per token, sorted, each <= 0, a greedy token first with its own logprob (and bytes); streaming
+    gives the same entries; and, as OpenAI answers, a 400 naming the field beyond 20."""
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    ask = {"model": MODEL, "messages": HELLO, "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 5}
+    whole = client.chat.completions.create(**ask)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens > 0
+    for e in content:
+        lps = [a.logprob for a in e.top_logprobs]
+        assert len(lps) == 5 and lps == sorted(lps, reverse=True) and all(lp <= 0 for lp in lps), lps
+        assert (e.top_logprobs[0].token, e.top_logprobs[0].logprob, e.top_logprobs[0].bytes) == \
+            (e.token, e.logprob, e.bytes)
+    streamed = [e for chunk in client.chat.completions.create(**ask, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(**{**ask, "top_logprobs": 21})
+    assert refused.value.status_code == 400 and refused.value.param == "top_logprobs"
+
+    # /v1/completions: `logprobs: k` gives a dict of the k most likely per token (the greedy token among them)
+    plain = {"model": MODEL, "prompt": "Say hello.", "max_tokens": 6, "temperature": 0, "logprobs": 3}
+    text = client.completions.create(**plain)
+    lp = text.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == text.usage.completion_tokens > 0
+    assert "".join(lp.tokens) == text.choices[0].text and lp.text_offset[0] == 0
+    for token, token_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 3 and list(top.values()) == sorted(top.values(), reverse=True) <= [0.0] * 3
+        assert next(iter(top.items())) == (token, token_lp)
+    chunks = list(client.completions.create(**plain, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == text.choices[0].text
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.top_logprobs] == lp.top_logprobs
+    assert chunks[-1].choices[0].finish_reason == text.choices[0].finish_reason
+    for fields in ({"logprobs": 21}, {"echo": True}, {"suffix": "!"}, {"prompt": ["a", "b"]}, {"n": 2}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(**{**plain, **fields})
+        assert refused.value.param == next(iter(fields)), refused.value
 
 
 def test_tokens_and_logprobs_match_the_token_route(server, url, template):
@@ -213,7 +254,10 @@ def test_text_stream_holds_back_partial_characters_and_stop_prefixes(template):
         ({"seed": 2**64}, 400, "seed"),
         ({"n": 2}, 400, "n=2"),
         ({"presence_penalty": 0.5}, 400, "presence_penalty"),
-        ({"top_logprobs": 3}, 400, "top_logprobs"),
+        ({"top_logprobs": 3}, 400, "top_logprobs needs logprobs: true"),
+        ({"top_logprobs": 21, "logprobs": True}, 400, "top_logprobs must be an integer in [0, 20]"),
+        ({"top_logprobs": -1, "logprobs": True}, 400, "top_logprobs must be an integer in [0, 20]"),
+        ({"top_logprobs": 2.0, "logprobs": True}, 400, "top_logprobs must be an integer"),
         ({"logprobs": "yes"}, 400, "logprobs"),
         ({"stream": 1}, 400, "stream"),
         ({"stop": 5}, 400, "stop"),

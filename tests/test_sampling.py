@@ -8,7 +8,7 @@ import pytest
 
 from jaxrl.inference.cpu import sample_unembedded, vocab_blocks
 from jaxrl.inference.protocol import SamplingParams
-from jaxrl.inference.sampling import CHUNK, SlotSampling, draw, mark_seen, sample, stop_ban
+from jaxrl.inference.sampling import CHUNK, SlotSampling, draw, mark_seen, sample, sample_with_top, stop_ban
 
 LOGITS = jnp.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 N = 40_000
@@ -139,6 +139,30 @@ def test_stop_ban_masks_stop_tokens_until_min_tokens_and_the_logprob_is_renormal
     every, _ = sample(LOGITS[None], _rows(1, temperature=0.0), keys[:1], truncate=False,
                       ban_BV=jnp.ones((1, 8), bool))
     assert int(every[0]) == 0
+
+
+def test_top_logprobs_rank_the_distribution_the_token_logprob_is_from():
+    """`sample_with_top`'s alternatives: the top of log_softmax(penalised, banned logits / T) (T = 1 when
+    greedy), before top_k cuts what is drawn; the same tokens and logprobs as `sample`; a greedy row's token
+    first in its list with the very same logprob."""
+    seen = jnp.zeros((2, 8), bool).at[:, 0].set(True)
+    ban = jnp.zeros((2, 8), bool).at[:, 1].set(True)
+    rows = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), _rows(1, temperature=0.7, top_k=2,
+                                                                    repetition_penalty=2.0), _rows(1, temperature=0.0))
+    keys = jax.random.split(jax.random.key(5), 2)
+    logits = jnp.broadcast_to(LOGITS, (2, 8))
+    toks, lps, ids, top_lps = jax.jit(lambda lg, k: sample_with_top(lg, rows, k, truncate=True, seen_BV=seen,
+                                                                    ban_BV=ban, top=4))(logits, keys)
+    for row, (t, penalty) in enumerate(((0.7, 2.0), (1.0, 1.0))):
+        processed = np.where(np.arange(8) == 1, -np.inf, np.asarray(LOGITS) / np.where(np.arange(8) == 0, penalty, 1))
+        with np.errstate(divide="ignore"):  # the banned token: log 0 = -inf, as the engine reports it
+            want = np.log(_softmax(processed / t))
+        assert np.asarray(ids[row]).tolist() == np.argsort(-want, kind="stable")[:4].tolist()
+        np.testing.assert_allclose(np.asarray(top_lps[row]), np.sort(want)[::-1][:4], rtol=1e-5)
+    assert int(ids[1, 0]) == int(toks[1]) and float(top_lps[1, 0]) == float(lps[1])
+    plain = sample(logits, rows, keys, truncate=True, seen_BV=seen, ban_BV=ban)
+    assert np.asarray(plain[0]).tolist() == np.asarray(toks).tolist()
+    assert np.asarray(plain[1]).tolist() == np.asarray(lps).tolist()
 
 
 def test_seed_fixes_the_draws_and_different_seeds_differ():

@@ -1,22 +1,24 @@
 """The inference engine, with JetStream's Engine API (prefill / insert / generate over decode slots).
 
-A decode state holds `B = max_concurrent_decodes` slots. `prefill` runs one prompt (right-padded to a
-length bucket) through the model, keeps its key/value cache as a `Prefix` and samples the first token;
-`insert` copies a prefix into a free slot; `generate` advances every slot by one token. Sampling runs on
-device (`jaxrl.inference.sampling`: temperature, top_p, top_k, min_p, repetition penalty, `min_tokens`,
-per-slot PRNG keys), and every sampled token comes with its logprob under the sampling distribution after
+A decode state holds `B = max_concurrent_decodes` slots. `prefill` runs one prompt (right-padded to a length
+bucket) through the model, keeps its key/value cache as a `Prefix` and samples the first token; `insert`
+copies a prefix into a free slot; `generate` advances every slot by one token. Sampling runs on device
+(`jaxrl.inference.sampling`: temperature, top_p, top_k, min_p, repetition penalty, `min_tokens`, per-slot
+PRNG keys), and every sampled token comes with its logprob under the sampling distribution after
 temperature, `log_softmax(logits / T)` of the logits as the penalty and `min_tokens`' ban left them (the
 trainer recomputes the same quantity from the raw logits; with T = 0, greedy, T = 1 is used for the
-logprob). The truncations cut the distribution that is sampled from but not the reported logprob, as in
+logprob), and, for a request that asks for `top_logprobs`, the most likely tokens of that same distribution
+(`sampling.sample_with_top`, in a variant of each step compiled with `top`; ordinary steps neither compile
+nor run it). The truncations cut the distribution that is sampled from but not the reported logprob, as in
 vLLM's default. `min_tokens` is counted per slot on device (`DecodeState.generated`): while a slot has
-sampled fewer, its stop tokens (`DecodeState.stop`) are banned, in the same compiled decode step for
-every request. Both jitted steps rebuild the model, `jaxrl.model.modules.Qwen3`, over the engine params'
-arrays (`modules.bind`: `nnx.merge`, no copies, so the engine reads the trainer's base weights in place):
-prefill calls it (`qwen3.forward`), a decode step calls `Qwen3.decode` (`jaxrl.model.decode`, the same
-layers with a bandwidth-minded attention over the cache). How the engine holds its weights and cache and
-samples is its `layout` (`jaxrl.inference.layout`: the plain one on TPU and GPU, the CPU's copies and
-chunked cache on CPU, `jaxrl.inference.cpu`). The decode state is donated to `insert` and `generate`, so
-the cache is updated in place.
+sampled fewer, its stop tokens (`DecodeState.stop`) are banned, in the same compiled decode step for every
+request. Both jitted steps rebuild the model, `jaxrl.model.modules.Qwen3`, over the engine params' arrays
+(`modules.bind`: `nnx.merge`, no copies, so the engine reads the trainer's base weights in place): prefill
+calls it (`qwen3.forward`), a decode step calls `Qwen3.decode` (`jaxrl.model.decode`, the same layers with a
+bandwidth-minded attention over the cache). How the engine holds its weights and cache and samples is its
+`layout` (`jaxrl.inference.layout`: the plain one on TPU and GPU, the CPU's copies and chunked cache on CPU,
+`jaxrl.inference.cpu`). The decode state is donated to `insert` and `generate`, so the cache is updated in
+place.
 
 The method names and arguments follow `jetstream.engine.engine_api.Engine` (google-jetstream 0.2.2) so
 that JetStream's orchestrator can drive this engine; `prefill` and `insert` take extra keyword
@@ -36,8 +38,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.inference import layout as layouts
 from jaxrl.inference.pages import PageAllocator
-from jaxrl.inference.protocol import SamplingParams
-from jaxrl.inference.sampling import SlotSampling, mark_seen, sample, stop_ban
+from jaxrl.inference.protocol import MAX_TOP_LOGPROBS, SamplingParams
+from jaxrl.inference.sampling import SlotSampling, mark_seen, sample_with_top, stop_ban
 from jaxrl.model import modules
 from jaxrl.model.qwen3 import KVCache, ModelConfig, Params
 from jaxrl.parallel.sharding import array_sharding
@@ -48,9 +50,11 @@ class Prefix:
     """A prefilled prompt: its cache {"k","v"} [L, 1, T_bucket, K, H] (None: a paged engine's pool holds
     the prompt's pages already, `Engine.prefill_shared`), the first sampled token and its logprob ([1]
     each), the prompt's true length, the slot's sampling settings and PRNG key, the tokens seen so far
-    (prompt and first token; bool [1, V]) for the repetition penalty, and the request's stop tokens (bool
-    [1, V]) for `min_tokens`. `logits` (float32 [1, V]) are those after the prompt and `prompt` its token
-    ids (host only: not a leaf), which a paged engine keeps with the prompt's pages."""
+    (prompt and first token; bool [1, V]) for the repetition penalty, the request's stop tokens (bool
+    [1, V]) for `min_tokens`, and the first token's alternatives (`top_ids` int32 and `top_logprobs`
+    float32 [1, top]; top 0 unless the request asked, `Engine.top_for`). `logits` (float32 [1, V]) are
+    those after the prompt and `prompt` its token ids (host only: not a leaf), which a paged engine keeps
+    with the prompt's pages."""
 
     cache: KVCache
     token: jax.Array
@@ -60,6 +64,8 @@ class Prefix:
     key: jax.Array
     seen: jax.Array
     stop: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
     logits: jax.Array | None = None
     prompt: tuple[int, ...] = struct.field(pytree_node=False, default=())
 
@@ -85,10 +91,13 @@ class DecodeState:
 
 @struct.dataclass
 class ResultTokens:
-    """One decode step's output: sampled token ids int32 [B] and their logprobs float32 [B]."""
+    """One decode step's output: sampled token ids int32 [B], their logprobs float32 [B], and each slot's
+    most likely tokens int32 [B, top] with their logprobs float32 [B, top] (top 0: none asked)."""
 
     tokens: jax.Array
     logprobs: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
 
 
 def prefill_buckets(max_prefill_length: int, smallest: int = 16) -> tuple[int, ...]:
@@ -135,12 +144,12 @@ class Engine:
         self.max_prefill_length = self.max_seq_len - 1
         self.buckets = prefill_buckets(self.max_prefill_length)
         self._prefill_forward = jax.jit(self._prefill_forward_impl)
-        self._prefill_sample = jax.jit(self._prefill_sample_impl, static_argnames=("truncate",))
+        self._prefill_sample = jax.jit(self._prefill_sample_impl, static_argnames=("truncate", "top"))
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
         self._copy_pages = jax.jit(self._copy_pages_impl, donate_argnums=(0,))
         self.prefills = 0  # prompts run through the model (a group's shared prompt once)
         self._generate = jax.jit(self._generate_impl, donate_argnums=(1,),
-                                 static_argnames=("truncate", "penalize", "ban", "chunks"))
+                                 static_argnames=("truncate", "penalize", "ban", "chunks", "top"))
 
     def prepare(self, params: Params) -> Params:
         """Engine params for `prefill` / `generate` from `{"base", "lora"}` (`EngineLayout.prepare`)."""
@@ -229,9 +238,15 @@ class Engine:
         for params_i, key in zip(samplings, keys, strict=True):
             sampling, length = SlotSampling.of(params_i), jnp.int32(true_length)
             parts = self._prefill_sample(logits_1V, tokens_T, length, sampling, key, self._stop_tokens(params_i),
-                                         truncate=params_i.truncates)
+                                         truncate=params_i.truncates, top=self.top_for([params_i]))
             out.append(Prefix(cache, *parts[:2], length, sampling, *parts[2:], logits=logits_1V, prompt=prompt))
         return out
+
+    @staticmethod
+    def top_for(samplings: list[SamplingParams]) -> int:
+        """The `top` to compile a prefill or decode step with for requests with `samplings`: 0 when none asks
+        for `top_logprobs`, else `MAX_TOP_LOGPROBS` (one variant for any k; each request keeps its first k)."""
+        return MAX_TOP_LOGPROBS if any(p.top_logprobs for p in samplings) else 0
 
     def _stop_tokens(self, sampling: SamplingParams) -> np.ndarray:
         """`sampling`'s stop tokens as bool [V] (ids past the vocabulary dropped: never sampled)."""
@@ -257,7 +272,10 @@ class Engine:
                                  "prefill it again")
             bucket = self.bucket(length) if prefix.cache is None else jax.tree.leaves(prefix.cache)[0].shape[2]
             pages = jnp.asarray(alloc.assign(slot, length, bucket, prefix.prompt if whole else None, prefix.logits))
-        return self._insert(prefix.replace(logits=None, prompt=()), decode_state, jnp.int32(slot), pages)
+        prefix = prefix.replace(logits=None, prompt=())
+        if prefix.top_ids.shape[1]:  # not inserted: dropped, so that one compiled insert serves every prefix
+            prefix = prefix.replace(top_ids=prefix.top_ids[:, :0], top_logprobs=prefix.top_logprobs[:, :0])
+        return self._insert(prefix, decode_state, jnp.int32(slot), pages)
 
     @property
     def pages(self) -> PageAllocator | None:
@@ -279,7 +297,7 @@ class Engine:
             alloc.release(slot)
 
     def generate(self, params: Params, decode_state: DecodeState, truncate: bool = True, penalize: bool = True,
-                 ban: bool = True, chunks: int | None = None) -> tuple[DecodeState, ResultTokens]:
+                 ban: bool = True, chunks: int | None = None, top: int = 0) -> tuple[DecodeState, ResultTokens]:
         """One decode step for every slot (the decode state's buffers are donated). `truncate=False`
         skips min_p / top_k / top_p, `penalize=False` the repetition penalty and its bookkeeping, and
         `ban=False` the `min_tokens` ban (`stop_ban`): faster, for when no active slot uses them (no
@@ -289,7 +307,10 @@ class Engine:
         holds positions before those, so attention reads the positions in use, not `max_seq_len`: every
         slot that matters must be at a position it holds; a slot past it samples from a truncated cache.
         A slot's numbers are the same, bit for bit, for any `chunks` that holds its position
-        (`jaxrl.model.cpu.Chunked.attend`). Each combination compiles once."""
+        (`jaxrl.model.cpu.Chunked.attend`). `top` (`top_for`; 0: none): each slot's `top` most likely tokens
+        come back in the result, all slots sampling from the [B, V] logits (the CPU's blocked sampler,
+        `cpu.blocked_sampling_pays`, then sits the step out: the same distribution, its tokens the same up to
+        float rounding at a chunk boundary). Each combination compiles once."""
         if (alloc := self.pages) is not None:
             # each held slot's page for the position this step writes; a shared one copied first
             if copies := alloc.step():
@@ -301,7 +322,8 @@ class Engine:
                 table = jax.device_put(alloc.table.copy(), decode_state.cache["pages"].sharding)
                 decode_state = decode_state.replace(cache={**decode_state.cache, "pages": table})
                 alloc.dirty = False
-        return self._generate(params, decode_state, truncate=truncate, penalize=penalize, ban=ban, chunks=chunks)
+        return self._generate(params, decode_state, truncate=truncate, penalize=penalize, ban=ban, chunks=chunks,
+                              top=top)
 
     def cache_chunks(self, positions: int) -> int | None:
         """`generate`'s `chunks` for slots at positions below `positions` (`EngineLayout.chunks`: on CPU the
@@ -320,17 +342,19 @@ class Engine:
         logits_BV = self.layout.logits(params, last_BD[None])[:, 0]
         return {k: v.astype(self.cache_dtype) for k, v in kv.items()}, logits_BV
 
-    def _prefill_sample_impl(self, logits_BV, tokens_T, true_length, sampling, key, stop_V, *, truncate):
-        """The first token and its logprob [1], the slot's next key, seen and stop tokens [1, V]."""
+    def _prefill_sample_impl(self, logits_BV, tokens_T, true_length, sampling, key, stop_V, *, truncate, top=0):
+        """The first token and its logprob [1], the slot's next key, seen and stop tokens [1, V], and the
+        `top` most likely tokens and their logprobs [1, top]."""
         t = tokens_T.shape[0]
         prompt_T = jnp.where(jnp.arange(t) < true_length, tokens_T, self.cfg.vocab_size)  # padding: dropped
         seen_BV = jnp.zeros((1, self.cfg.vocab_size), jnp.bool_).at[0, prompt_T].set(True, mode="drop")
         key, sub = jax.random.split(key)
         stop_BV = stop_V[None]
-        token, logprob = sample(logits_BV, sampling, sub[None], truncate=truncate, seen_BV=seen_BV,
-                                ban_BV=stop_ban(stop_BV, jnp.zeros((1,), jnp.int32), sampling.min_tokens))
-        token, logprob = self._replicated(token), self._replicated(logprob)
-        return token, logprob, key, mark_seen(seen_BV, token), stop_BV
+        token, logprob, top_ids, top_lps = sample_with_top(
+            logits_BV, sampling, sub[None], truncate=truncate, seen_BV=seen_BV,
+            ban_BV=stop_ban(stop_BV, jnp.zeros((1,), jnp.int32), sampling.min_tokens), top=top)
+        token, logprob, top_ids, top_lps = (self._replicated(x) for x in (token, logprob, top_ids, top_lps))
+        return token, logprob, key, mark_seen(seen_BV, token), stop_BV, top_ids, top_lps
 
     def _insert_impl(self, prefix: Prefix, state: DecodeState, slot, pages=None):
         def put1(dst, src):
@@ -354,20 +378,24 @@ class Engine:
         cache = {**state.cache, **{n: state.cache[n].at[:, dst_B].set(state.cache[n][:, src_B]) for n in ("k", "v")}}
         return state.replace(cache=cache)
 
-    def _generate_impl(self, params, state: DecodeState, *, truncate, penalize, ban=True, chunks=None):
+    def _generate_impl(self, params, state: DecodeState, *, truncate, penalize, ban=True, chunks=None, top=0):
         model = modules.bind(self.cfg, params["base"], params.get("lora"), self.lora_scale)
         hidden_BTD, cache = self.layout.decode(model, params, state.tokens, state.positions, state.cache, chunks,
                                                self.mesh)
         split = jax.vmap(jax.random.split)(state.keys)
-        tokens, logprobs = self.layout.sample(
-            params, hidden_BTD[:, 0], state.sampling, split[:, 1], truncate=truncate,
-            seen_BV=state.seen if penalize else None,
-            ban_BV=stop_ban(state.stop, state.generated, state.sampling.min_tokens) if ban else None)
+        rules = {"truncate": truncate, "seen_BV": state.seen if penalize else None,
+                 "ban_BV": stop_ban(state.stop, state.generated, state.sampling.min_tokens) if ban else None}
+        if top:  # the alternatives need the [B, V] logits: every layout's `sample` samples from these
+            tokens, logprobs, top_ids, top_lps = sample_with_top(
+                self.layout.logits(params, hidden_BTD)[:, 0], state.sampling, split[:, 1], top=top, **rules)
+        else:
+            tokens, logprobs = self.layout.sample(params, hidden_BTD[:, 0], state.sampling, split[:, 1], **rules)
+            top_ids, top_lps = jnp.zeros((tokens.shape[0], 0), jnp.int32), jnp.zeros((tokens.shape[0], 0), jnp.float32)
         positions = jnp.minimum(state.positions + 1, self.max_seq_len - 1)
         seen = mark_seen(state.seen, tokens) if penalize else state.seen
         new = DecodeState(cache=cache, tokens=tokens, positions=positions, sampling=state.sampling,
                           keys=split[:, 0], seen=seen, stop=state.stop, generated=state.generated + 1)
-        return new, ResultTokens(self._replicated(tokens), self._replicated(logprobs))
+        return new, ResultTokens(*(self._replicated(x) for x in (tokens, logprobs, top_ids, top_lps)))
 
     def _replicated(self, x: jax.Array) -> jax.Array:
         """`x` (sampled tokens or logprobs) on every device of the mesh: each host reads them from its own

@@ -6,6 +6,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Literal, Protocol
 
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives per sampled token a request may ask for (OpenAI's `top_logprobs` limit, 0..20)."""
+
 
 class BackendStopped(RuntimeError):
     """A request that the backend dropped because it is shutting down (the scheduler was stopped while the
@@ -26,7 +29,9 @@ class SamplingParams:
     stops after emitting one of these (it is kept in the output). min_tokens: >= 0; the first
     `min_tokens` sampled tokens are never one of `stop_token_ids` (their logits are masked out of the
     distribution, as vLLM's `min_tokens`); 0 disables it. seed: makes the request's samples
-    reproducible; None draws from the engine's key.
+    reproducible; None draws from the engine's key. top_logprobs: in [0, `MAX_TOP_LOGPROBS`]; with each
+    sampled token, that many most likely tokens and their logprobs under the distribution the token's own
+    logprob is reported from (`jaxrl.inference.sampling.sample_with_top`); 0: none (no ranking on device).
     """
 
     temperature: float = 1.0
@@ -38,6 +43,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
     seed: int | None = None
+    top_logprobs: int = 0
 
     @property
     def truncates(self) -> bool:
@@ -52,14 +58,17 @@ class SamplingParams:
 @dataclasses.dataclass
 class Completion:
     """A finished request: sampled tokens, the logprob of each under the sampling distribution (after
-    temperature), why it stopped, the policy version that produced each token, and the seconds from
-    queueing to the first token (None when the backend does not measure it)."""
+    temperature), why it stopped, the policy version that produced each token, the seconds from
+    queueing to the first token (None when the backend does not measure it), and, when the request asked
+    for `top_logprobs`, each token's alternatives: (token id, logprob) pairs, most likely first (None
+    otherwise)."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: Literal["stop", "length"]
     policy_versions: list[int]
     ttft_s: float | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class GenerateBackend(Protocol):
@@ -69,9 +78,10 @@ class GenerateBackend(Protocol):
     max_model_len: int
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       on_token: Callable[[int, float], None] | None = None) -> Completion:
+                       on_token: Callable[..., None] | None = None) -> Completion:
         """Raises ValueError for a request the engine cannot serve (e.g. prompt too long).
         `on_token(token, logprob)`, when given, is called on the caller's event loop as each token is
-        sampled (the chat route streams and checks stop strings with it); cancelling the awaiting task
-        stops the request."""
+        sampled (the chat route streams and checks stop strings with it), as `on_token(token, logprob,
+        top)` with the token's `Completion.top_logprobs` entry when `params.top_logprobs` > 0; cancelling
+        the awaiting task stops the request."""
         ...

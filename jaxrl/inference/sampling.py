@@ -18,6 +18,8 @@ default. The ban and the penalty change the distribution itself, so the logprob 
 early token of a `min_tokens` request reports its probability renormalised over the tokens that were
 allowed); the trainer recomputes `log_softmax(logits / T)` with neither, so its importance ratio sees
 both as the difference between the sampling and the trained policy. T = 0, greedy, reports T = 1.
+A request's `top_logprobs` alternatives come from that same distribution (`sample_with_top`: one
+`lax.top_k` pass over [B, V], compiled and run only in steps where some row asked for them).
 
 The rollout engine on CPU may draw without the [B, V] logits where only a temperature applies
 (`jaxrl.inference.cpu.sample_unembedded`, over `pick_chunk` and `pick_within`).
@@ -138,6 +140,21 @@ def sample(logits_BV: jax.Array, s: SlotSampling, keys_B: jax.Array, *, truncate
         ban_BV: bool, tokens each row may not sample (`min_tokens`: `stop_ban`); a row that bans every
             token bans none. None: no ban.
     """
+    tokens_B, logprobs_B, _, _ = sample_with_top(logits_BV, s, keys_B, truncate=truncate, seen_BV=seen_BV,
+                                                 ban_BV=ban_BV, top=0)
+    return tokens_B, logprobs_B
+
+
+def sample_with_top(logits_BV: jax.Array, s: SlotSampling, keys_B: jax.Array, *, truncate: bool,
+                    seen_BV: jax.Array | None = None, ban_BV: jax.Array | None = None,
+                    top: int = 0) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """`sample`, and each row's `top` most likely tokens under the distribution the sampled token's logprob
+    is reported from (`log_softmax(processed_logits / T)`, T = 1 for a greedy row; before the truncations,
+    as that logprob): (tokens int32 [B], logprobs float32 [B], top ids int32 [B, top], top logprobs float32
+    [B, top], most likely first; ties: the lower id first). The top logprobs are the same float32 numbers
+    as the sampled token's (`rel - log_z`), so a greedy row's token is its first entry, logprob for logprob
+    (OpenAI's `top_logprobs`; vLLM reports its alternatives from the same distribution as the token's).
+    A banned token's logprob is -inf. `top` (static) 0: no ranking pass, [B, 0] arrays."""
     logits_BV = logits_BV.astype(jnp.float32)
     if seen_BV is not None:
         r_B1 = s.repetition_penalty[:, None]
@@ -154,7 +171,12 @@ def sample(logits_BV: jax.Array, s: SlotSampling, keys_B: jax.Array, *, truncate
     w_BV = _truncate(p_BV, s) if truncate else p_BV
     u_B = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, ()))(keys_B)  # (0, 1]
     tokens_B = jnp.where(greedy_B, jnp.argmax(logits_BV, axis=-1), draw(w_BV, u_B)).astype(jnp.int32)
-    return tokens_B, jnp.take_along_axis(rel_BV, tokens_B[:, None], axis=-1)[:, 0] - log_z_B
+    logprobs_B = jnp.take_along_axis(rel_BV, tokens_B[:, None], axis=-1)[:, 0] - log_z_B
+    if not top:
+        b = logits_BV.shape[0]
+        return tokens_B, logprobs_B, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32)
+    top_rel_BK, top_ids_BK = jax.lax.top_k(rel_BV, top)
+    return tokens_B, logprobs_B, top_ids_BK.astype(jnp.int32), top_rel_BK - log_z_B[:, None]
 
 
 def mark_seen(seen_BV: jax.Array, tokens_B: jax.Array) -> jax.Array:

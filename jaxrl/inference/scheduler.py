@@ -61,30 +61,36 @@ class _Request:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
+    top: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     queued_at: float = dataclasses.field(default_factory=time.perf_counter)
     ttft_s: float | None = None
-    on_token: Callable[[int, float], None] | None = None
+    on_token: Callable[..., None] | None = None
     slot: int | None = None  # the decode slot it holds, None once its last token is dispatched
     dispatched: int = 0  # tokens dispatched to the device, read or not
     done: bool = False  # finished or cancelled: tokens still in flight for it are discarded
     origin: tuple[int, int] | None = None  # (process, number) in an engine group
 
-    def add(self, token: int, logprob: float, version: int) -> bool:
-        """Record a sampled token; True when the request is finished."""
+    def add(self, token: int, logprob: float, version: int, top: list[tuple[int, float]] | None = None) -> bool:
+        """Record a sampled token (and its alternatives, for a request that asked for `top_logprobs`); True
+        when the request is finished."""
         if self.ttft_s is None:
             self.ttft_s = time.perf_counter() - self.queued_at
         self.tokens.append(token)
         self.logprobs.append(logprob)
         self.versions.append(version)
+        if top is not None:
+            self.top.append(top)
         if self.on_token is not None:
-            self.loop.call_soon_threadsafe(self.on_token, token, logprob)
+            args = (token, logprob) if top is None else (token, logprob, top)
+            self.loop.call_soon_threadsafe(self.on_token, *args)
         return token in self.params.stop_token_ids or len(self.tokens) >= self.max_tokens
 
     def finish(self) -> None:
         if self.future is None:
             return
         stopped = bool(self.tokens) and self.tokens[-1] in self.params.stop_token_ids
-        done = Completion(self.tokens, self.logprobs, "stop" if stopped else "length", self.versions, self.ttft_s)
+        done = Completion(self.tokens, self.logprobs, "stop" if stopped else "length", self.versions, self.ttft_s,
+                          self.top if self.params.top_logprobs else None)
         self.loop.call_soon_threadsafe(_resolve, self.future, done)
 
     def fail(self, exc: BaseException) -> None:
@@ -95,12 +101,15 @@ class _Request:
 @dataclasses.dataclass
 class _Sampled:
     """What a dispatched prefill or decode step samples, not read yet: token ids int32 [R] and logprobs
-    float32 [R] (device arrays), the request of each row (None: a free slot), and the policy version."""
+    float32 [R] (device arrays), the request of each row (None: a free slot), the policy version, and each
+    row's most likely tokens and their logprobs [R, top] (top 0: no request asked)."""
 
     tokens: jax.Array
     logprobs: jax.Array
     rows: list[_Request | None]
     version: int
+    top_ids: jax.Array
+    top_logprobs: jax.Array
 
 
 def _resolve(fut: asyncio.Future, value: Completion) -> None:
@@ -144,9 +153,10 @@ class Scheduler:
 
     # GenerateBackend ------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       on_token: Callable[[int, float], None] | None = None) -> Completion:
+                       on_token: Callable[..., None] | None = None) -> Completion:
         """Queue a request and wait for its completion. `on_token(token, logprob)` is called on the
-        caller's event loop for each sampled token, before the completion is returned.
+        caller's event loop for each sampled token, before the completion is returned (`on_token(token,
+        logprob, top)` when `params.top_logprobs` > 0: `GenerateBackend.generate`'s).
 
         Raises:
             ValueError: an empty prompt, a token id outside the vocabulary, or a prompt that leaves no
@@ -302,7 +312,8 @@ class Scheduler:
             if (prefix := prefixes.get(id(req))) is None:
                 continue
             req.dispatched = 1
-            self._unread.append(_Sampled(prefix.token, prefix.logprob, [req], self.policy_version))
+            self._unread.append(_Sampled(prefix.token, prefix.logprob, [req], self.policy_version, prefix.top_ids,
+                                         prefix.top_logprobs))
             if req.dispatched < req.max_tokens:
                 req.slot = self._slots.index(None)
                 self._state = self.engine.insert(prefix, self._state, req.slot)
@@ -324,9 +335,10 @@ class Scheduler:
                                                    truncate=any(r.params.truncates for r in active),
                                                    penalize=any(r.params.penalizes for r in active),
                                                    ban=any(r.dispatched < r.params.min_tokens for r in active),
-                                                   chunks=chunks)
+                                                   chunks=chunks, top=self.engine.top_for([r.params for r in active]))
         self.decode_steps += 1
-        self._unread.append(_Sampled(result.tokens, result.logprobs, rows, self.policy_version))
+        self._unread.append(_Sampled(result.tokens, result.logprobs, rows, self.policy_version, result.top_ids,
+                                     result.top_logprobs))
         for req in active:
             req.dispatched += 1
             if req.dispatched >= req.max_tokens:
@@ -335,10 +347,14 @@ class Scheduler:
     def _hand_out(self, sampled: _Sampled) -> None:
         """Read `sampled` (waits for the device) and give each live request its token."""
         tokens, logprobs = np.asarray(sampled.tokens), np.asarray(sampled.logprobs)
+        top_ids, top_lps = (np.asarray(sampled.top_ids), np.asarray(sampled.top_logprobs)) \
+            if sampled.top_ids.shape[1] else (None, None)
         for row, req in enumerate(sampled.rows):
             if req is None or req.done:
                 continue
-            if self._dropped(req) or req.add(int(tokens[row]), float(logprobs[row]), sampled.version):
+            k = req.params.top_logprobs
+            top = list(zip(top_ids[row, :k].tolist(), top_lps[row, :k].tolist(), strict=True)) if k else None
+            if self._dropped(req) or req.add(int(tokens[row]), float(logprobs[row]), sampled.version, top):
                 req.done = True
                 self._release(req)
                 req.finish()

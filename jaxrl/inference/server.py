@@ -4,12 +4,14 @@ verifiers' train client (`verifiers.v1.clients.train.TrainClient`, via `renderer
 renders chats to token ids itself and POSTs them to `/inference/v1/generate`; it checks that every
 sampled token comes with a finite logprob tagged `token_id:<id>`. `/v1/models` tells it the context
 length, so it refuses an overlong prompt before sending it. Eval clients and people use
-`/v1/chat/completions` (`jaxrl.inference.chat`; served when the app is given a chat template).
+`/v1/chat/completions` (`jaxrl.inference.chat`) and `/v1/completions` (`jaxrl.inference.completions`), both
+served when the app is given a chat template, both with `top_logprobs` from the engine's distribution.
 
     POST /inference/v1/generate  {"model", "token_ids", "sampling_params": {...}}
       -> {"request_id", "prompt_token_ids", "choices": [{"index", "token_ids",
           "logprobs": {"content": [{"token": "token_id:<id>", "logprob"}]}, "finish_reason"}], "usage"}
     POST /v1/chat/completions    OpenAI's format, streaming or not (see `jaxrl.inference.chat`)
+    POST /v1/completions         OpenAI's text completions, streaming or not (`jaxrl.inference.completions`)
     GET  /v1/models              -> {"object": "list", "data": [{"id", "object", "max_model_len", ...}]}
     GET  /v1/models/{id}         -> {"id", "object", "max_model_len", ...} (404 for another name)
     GET  /health                 -> {"status": "ok", "pending": <generation requests queued or running>}
@@ -44,7 +46,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import uvicorn
@@ -55,7 +57,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from jaxrl.inference import chat
+from jaxrl.inference import chat, completions
 from jaxrl.inference.chat import ChatTemplate
 from jaxrl.inference.protocol import BackendStopped, Completion, GenerateBackend, SamplingParams
 from jaxrl.inference.wire import BadRequest, check_penalties, error_body, is_int, sampling_from
@@ -216,6 +218,22 @@ class ClientGone(Exception):
     """The client closed its connection before the response was ready."""
 
 
+def backend_failure(exc: Exception, route: str) -> JSONResponse:
+    """The refusal for a request on `route` whose backend work raised `exc`, one mapping for every route:
+    499 when the client left (`ClientGone`), 400 for a `ValueError` (the backend's contract: a request it
+    cannot serve), 503 for `BackendStopped` (shutting down: no failure to log), else 500, logged with its
+    traceback."""
+    match exc:
+        case ClientGone():
+            return error_response("client disconnected", 499)
+        case ValueError():
+            return error_response(str(exc), 400)
+        case BackendStopped():
+            return error_response(f"{exc}; the request was dropped", 503)
+    logger.error("backend failed on a %s request", route, exc_info=exc)
+    return error_response(f"backend error: {type(exc).__name__}: {exc}", 500)
+
+
 async def _disconnected(request: Request) -> None:
     """Returns when the client disconnects. Only after the body has been read: uvicorn then answers
     `receive()` with `http.disconnect` once the connection closes, and not before."""
@@ -296,15 +314,8 @@ class _Routes:
             return self.overloaded()
         try:
             completion = await unless_disconnected(request, self.backend.generate(prompt_ids, params))
-        except ClientGone:
-            return error_response("client disconnected", 499)
-        except ValueError as e:  # the backend's contract: a request it cannot serve
-            return error_response(str(e), 400)
-        except BackendStopped as e:  # shutting down: no failure to log
-            return error_response(f"{e}; the request was dropped", 503)
         except Exception as e:  # noqa: BLE001 - one failed request must not take the server down
-            logger.exception("backend failed on a generate request")
-            return error_response(f"backend error: {type(e).__name__}: {e}", 500)
+            return backend_failure(e, "generate")
         finally:
             self.admission.leave()
         try:
@@ -316,32 +327,37 @@ class _Routes:
 
     async def chat_completions(self, request: Request) -> Response:
         """`POST /v1/chat/completions`, streaming or not (served only with a chat template)."""
+        return await self._text(request, chat.parse_chat_request, chat.complete, chat.stream, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        """`POST /v1/completions`, streaming or not (served only with a chat template: its tokenizer)."""
+        return await self._text(request, completions.parse_completion_request, completions.complete,
+                                completions.stream, "completions")
+
+    async def _text(self, request: Request, parse: Callable[..., chat.ChatRequest],
+                    complete: Callable[[chat.ChatRun, str], Awaitable[dict]],
+                    stream: Callable[[chat.ChatRun, str], AsyncIterator[str]], route: str) -> Response:
+        """A route that answers in text over `chat.ChatRun`: `parse(body, template, model name, context,
+        clamp_max_tokens)` the request, then `complete` it or `stream` its events."""
         backend, template = self.backend, self.chat_template
         assert template is not None
         try:
             body = await read_json(request, self.max_body_bytes)
             # rendering and tokenizing in a worker thread: /health and the other requests go on meanwhile
-            req = await asyncio.to_thread(chat.parse_chat_request, body, template, backend.model_name,
-                                          backend.max_model_len, self.clamp_max_tokens)
+            req = await asyncio.to_thread(parse, body, template, backend.model_name, backend.max_model_len,
+                                          self.clamp_max_tokens)
         except BadRequest as e:
             return error_response(str(e), e.status, param=e.param)
         if not self.admission.enter():
             return self.overloaded()
         run = chat.ChatRun(backend, template, req, self.admission.leave)
         if req.stream:
-            return StreamingResponse(chat.stream(run, backend.model_name), media_type="text/event-stream",
+            return StreamingResponse(stream(run, backend.model_name), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            return JSONResponse(await unless_disconnected(request, chat.complete(run, backend.model_name)))
-        except ClientGone:
-            return error_response("client disconnected", 499)
-        except ValueError as e:
-            return error_response(str(e), 400)
-        except BackendStopped as e:  # shutting down: no failure to log
-            return error_response(f"{e}; the request was dropped", 503)
+            return JSONResponse(await unless_disconnected(request, complete(run, backend.model_name)))
         except Exception as e:  # noqa: BLE001 - one failed request must not take the server down
-            logger.exception("backend failed on a chat request")
-            return error_response(f"backend error: {type(e).__name__}: {e}", 500)
+            return backend_failure(e, route)
 
     async def models(self, request: Request) -> JSONResponse:
         """`GET /v1/models`."""
@@ -372,7 +388,8 @@ def build_app(backend: GenerateBackend, *, chat_template: ChatTemplate | None = 
     """The ASGI app serving `backend` (routes in the module docstring).
 
     Args:
-        chat_template: the tokenizer `/v1/chat/completions` renders with; None: no chat route.
+        chat_template: the tokenizer `/v1/chat/completions` renders with and `/v1/completions` tokenizes
+            with; None: neither route.
         api_key: when set, required as `Authorization: Bearer <key>` on every route but `/health`.
         max_pending: generation requests (both routes) queued or running at once; one more gets a 503
             with `Retry-After`.
@@ -390,6 +407,7 @@ def build_app(backend: GenerateBackend, *, chat_template: ChatTemplate | None = 
     ]
     if chat_template is not None:
         routes.append(Route(chat.CHAT_ROUTE, r.chat_completions, methods=["POST"]))
+        routes.append(Route(completions.ROUTE, r.completions, methods=["POST"]))
     app: ASGIApp = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     return RequireApiKey(app, api_key) if api_key else app
 

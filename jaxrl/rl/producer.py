@@ -125,7 +125,7 @@ class VersionLog:
         await future
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       on_token: Callable[[int, float], None] | None = None) -> Completion:
+                       on_token: Callable[..., None] | None = None) -> Completion:
         if params.seed is not None:
             await self._wait_for_version(params.seed)
         completion = await self._backend.generate(prompt_ids, params, on_token=on_token)
