@@ -374,9 +374,8 @@ class Engine:
         )
 
     def _copy_pages_impl(self, state: DecodeState, src_B, dst_B) -> DecodeState:
-        """`state` with pool pages `src_B` copied to `dst_B` (int32 [B] each), every layer, k and v."""
-        cache = {**state.cache, **{n: state.cache[n].at[:, dst_B].set(state.cache[n][:, src_B]) for n in ("k", "v")}}
-        return state.replace(cache=cache)
+        """`state` with pool pages `src_B` copied to `dst_B` (int32 [B] each: `PagedLayout.copy_pages`)."""
+        return state.replace(cache=self.layout.copy_pages(state.cache, src_B, dst_B))
 
     def _generate_impl(self, params, state: DecodeState, *, truncate, penalize, ban=True, chunks=None, top=0):
         model = modules.bind(self.cfg, params["base"], params.get("lora"), self.lora_scale)

@@ -81,6 +81,11 @@ class PagedLayout:
         return {**{n: paged.write_prompt(cache[n], prefix_cache[n][:, 0], pages, self.page) for n in ("k", "v")},
                 "pages": cache["pages"]}
 
+    def copy_pages(self, cache: KVCache, src_B: jax.Array, dst_B: jax.Array) -> KVCache:
+        """`cache` with pool pages `src_B` copied to `dst_B` (int32 [B] each; 0 to 0 where nothing is copied),
+        every layer and head, k and v: copy on write (`PageAllocator.step`)."""
+        return {**cache, **{n: cache[n].at[:, :, dst_B].set(cache[n][:, :, src_B]) for n in ("k", "v")}}
+
     def chunks(self, positions: int) -> int | None:
         """None with the Pallas kernel (`decode_impl`; it reads each slot's own length: one compiled step).
         Else the fewest chunks of `chunk_sizes(max_seq_len)` that hold positions [0, `positions`) (as the CPU
