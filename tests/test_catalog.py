@@ -75,6 +75,9 @@ def test_models_command_sizes_shards_for_the_mesh():
     assert rows["Qwen/Qwen3-4B-Instruct-2507"][:3] == ["4.02 B", "4.02 B", "0.94 GiB"]  # 8.04 GB bf16 / 8
     # full fine-tuning: float32 weights and two moments (6x the bf16 weights) plus the engine's bf16 copy
     assert rows["Qwen/Qwen3-4B-Instruct-2507"][4] == "6.56 GiB"
+    # a paged KV pool's token: 2 x 36 layers x 8 kv heads x 128 x 2 bytes, its heads over expert 4 (fsdp 8
+    # would not divide them)
+    assert rows["Qwen/Qwen3-4B-Instruct-2507"][5] == "36.0 KiB"
 
 
 def test_models_command_rejects_a_bad_mesh():

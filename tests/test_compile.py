@@ -51,6 +51,10 @@ def test_cli_compiles_a_checkpoint_config_for_a_slice(tmp_path, tiny_model_dir):
     # the compiler's cost of a layer against the ideal (4 FLOPs per weight and token with LoRA, and attention)
     cost = data["cost"]
     assert cost["layer_flops"] > cost["ideal_layer_flops"] > 0 and "compiler cost" in result.output
+    # the dense cache in tokens (8 slots x 128), its room beside the run, rollouts of 64 tokens (seq_len / 2)
+    assert (data["kv_pool_tokens"], data["kv_pool_paged"], data["engines"]) == (8 * 128, False, 1)
+    assert data["kv_pool_tokens_fit"] > data["kv_pool_tokens"] and "KV cache: 1,024 tokens" in result.output
+    assert data["concurrent_rollouts"] == {"mean_tokens": 64, "per_engine": 8, "per_slice": 8, "per_slice_fit": 8}
     bad = runner.invoke(app, ["compile", str(config), "--topology", "v5p-7"])
     assert bad.exit_code == 2 and "--topology: slice 'v5p-7'" in bad.output
     wrong = runner.invoke(app, ["compile", str(config), "--topology", "v6e-8"])

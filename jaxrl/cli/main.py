@@ -193,12 +193,15 @@ def models(
     """List the supported architectures and Hosted Training models: parameters (total and active per
     token), and the bytes each device holds on a mesh for the weights, for LoRA + AdamW state, and for full
     fine-tuning (`[jax] finetune = "full"`): float32 master weights and two AdamW moments (12 bytes a
-    parameter) plus, in bfloat16, the engine's copy (a KL reference adds one more copy in the dtype)."""
+    parameter) plus, in bfloat16, the engine's copy (a KL reference adds one more copy in the dtype), and a
+    paged KV pool's bytes per cached token (a pool of T tokens per engine: T x that; `jaxrl compile` sizes
+    the pool that fits beside the run)."""
     import math
 
     import jax
     from rich.table import Table
 
+    from jaxrl.compile.pool import token_bytes
     from jaxrl.config.model_path import hf_cache_dir, hub_endpoint
     from jaxrl.model import catalog, modules, qwen3
     from jaxrl.parallel.sharding import bytes_per_device
@@ -215,7 +218,7 @@ def models(
     out.print("architectures: " + ", ".join(f"{k} ({v})" for k, v in catalog.ARCHITECTURES.items()))
     table = Table(title=f"Hosted Training models on mesh {shape or {'fsdp': 1}} ({devices} devices), {dtype}")
     for col in ("model", "params", "active/token", "weights/device", f"LoRA r{lora_rank}+AdamW/device",
-                "full FT/device"):
+                "full FT/device", "KV pool/token/device"):
         table.add_column(col, justify="left" if col == "model" else "right")
     for name, hf_config in catalog.HOSTED_MODELS.items():
         mcfg = qwen3.ModelConfig.from_hf(hf_config)
@@ -229,8 +232,9 @@ def models(
         weights = bytes_per_device(specs, dims, shape, itemsize)
         full = 3 * bytes_per_device(specs, dims, shape, 4) + (weights if itemsize != 4 else 0)
         table.add_row(name, f"{total / 1e9:.2f} B", f"{active / 1e9:.2f} B", f"{weights / 2**30:.2f} GiB",
-                      f"{3 * lora / 2**30:.2f} GiB", f"{full / 2**30:.2f} GiB")
-    Console(width=max(out.width, 130), highlight=False).print(table)
+                      f"{3 * lora / 2**30:.2f} GiB", f"{full / 2**30:.2f} GiB",
+                      f"{token_bytes(mcfg, shape, itemsize) / 2**10:.1f} KiB")
+    Console(width=max(out.width, 160), highlight=False).print(table)
     out.print("A model name in a config is found as a local folder, a gs:// URL, or an id in the local "
               f"Hugging Face cache ({hf_cache_dir()}); an id that is not there is downloaded from the Hub "
               f"({hub_endpoint()}) by `jaxrl run`.", markup=False)

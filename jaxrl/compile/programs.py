@@ -47,6 +47,7 @@ class Shapes:
     full: bool = False  # `[jax] finetune = "full"`: every weight trains (float32 master weights, AdamW over them)
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)  # `[jax.loss]`: kl_coef > 0 runs a reference
     unroll: bool = False  # the train step's layers unrolled, not scanned: `cost_analysis()` then counts each
+    kv_cache_tokens: int | None = None  # `[jax] kv_cache_tokens`: the engine's paged pool; None, the dense cache
 
     @property
     def kl_copy(self) -> bool:
@@ -208,7 +209,8 @@ def compile_train(s: Shapes, mesh: Mesh) -> Program:
 
 
 def _engine(s: Shapes, mesh: Mesh) -> tuple[Engine, dict]:
-    engine = Engine(s.model, mesh, s.decode_slots, s.seq_len, lora_scale=s.lora_scale, cache_dtype=s.dtype)
+    engine = Engine(s.model, mesh, s.decode_slots, s.seq_len, lora_scale=s.lora_scale, cache_dtype=s.dtype,
+                    kv_cache_tokens=s.kv_cache_tokens)
     base, lora = _weights(s, mesh)
     return engine, {"base": base, "lora": lora}
 
@@ -245,7 +247,8 @@ def compile_prefill(s: Shapes, mesh: Mesh, bucket: int | None = None) -> Program
 
 def abstract_decode_state(engine: Engine) -> DecodeState:
     """The decode state `Engine.init_decode_state` makes, as ShapeDtypeStructs: the cache its layout declares
-    (`EngineLayout.cache`; on an accelerator one buffer [L, B, S, K, H] per k and v), every per-slot array
+    (`EngineLayout.cache`, placed by the same logical axes: on an accelerator one buffer [L, B, S, K, H] per k
+    and v, or a paged pool [K, L, P, page, H] per k and v and its page table), every per-slot array
     split over the slots' batch axis as the cache is."""
     c, b = engine.cfg, engine.max_concurrent_decodes
     cache = engine.layout.cache(lambda shape, axes, dtype=None: jax.ShapeDtypeStruct(

@@ -22,7 +22,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jaxrl.compile import programs, slices
+from jaxrl.compile import pool, programs, slices
 from jaxrl.compile.programs import Program, Shapes
 from jaxrl.config.hub import download_config
 from jaxrl.config.model_path import HubModel, ModelNotFoundError, find_in_hf_cache
@@ -69,6 +69,7 @@ class Report:
     engine_hosts_from: str = "set"  # "set" (--engine-hosts, [jax] engine_hosts) or the rule's description
     micro_batch_from: str = "set"  # "set" ([jax] micro_batch_size) or the rule's description
     cost: Cost | None = None  # the compiler's FLOPs and bytes of a train-step layer (`train_cost`)
+    pool: pool.PoolSize | None = None  # the engine's KV cache in tokens, and the rollouts it runs at once
 
     @property
     def total(self) -> int:
@@ -106,7 +107,7 @@ class Report:
             "fits": self.fits, "overflow": None if self.fits else self.overflow, "programs": self.programs,
             "train_step_s": self.train_step_s, "decode_step_s": self.decode_step_s,
             "decode_tokens_per_s_per_engine": self.decode_tokens_per_s, "compile_s": self.compile_s,
-            "chip": dataclasses.asdict(self.slice.chip),
+            "chip": dataclasses.asdict(self.slice.chip), **(self.pool.to_json() if self.pool else {}),
         }
 
     def text(self) -> str:
@@ -131,6 +132,7 @@ class Report:
                      f"{verdict}")
         lines.append(f"roofline: train step {self.train_step_s:.2f} s, decode step {self.decode_step_s * 1e3:.1f} ms "
                      f"= {self.decode_tokens_per_s:.0f} tok/s per engine ({self.slice.chip.source})")
+        lines += self.pool.lines() if self.pool else []
         if self.cost is not None:
             lines += self.cost.lines(self.slice.chip)
         return "\n".join(lines)
@@ -442,7 +444,7 @@ def roofline(m: ModelConfig, s: Shapes, chip: slices.Chip, chips: int, engine_ch
 
 def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slices.Slice, shapes: Shapes,
                    depths: tuple[int, ...] | None = None, engine_hosts: int | None = None,
-                   cost: bool = False) -> Report:
+                   cost: bool = False, rollout_tokens: int | None = None) -> Report:
     """Compile the train step, the largest prefill bucket and the decode step for `slice_` and report.
 
     Args:
@@ -452,6 +454,7 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
             is compiled first).
         cost: also compile the train step unrolled at `COST_DEPTHS` for the compiler's per-layer FLOPs and
             bytes (`train_cost`; two more compiles).
+        rollout_tokens: the mean length of the rollouts counted at once (`pool.PoolSize`; default seq_len / 2).
     A `shapes.micro_batch_size` of None is chosen by compiling (`compiled_micro_batch`).
     Raises:
         ProgramTooLarge: the compiler refused a program (it needs more than a chip's HBM).
@@ -510,13 +513,15 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
     train_s, decode_s = roofline(model, shapes, slice_.chip, mesh.devices.size, emesh.devices.size,
                                  terms["weights"], decode["declared_weights"], terms["kv_cache"], k, chunked)
     layer_cost = train_cost(shapes, mesh) if cost else None
+    free = int(FIT_SHARE * slice_.chip.hbm_bytes) - sum(terms.values()) + terms["kv_cache"]  # the cache's room
+    kv = pool.of(shapes, emesh, hosts // g, free, rollout_tokens or shapes.seq_len // 2)
     raw = {f"{n}@{d}": dataclasses.asdict(p) for n, ps in compiled.items() for d, p in sorted(ps.items())}
     full = {"train": train, "prefill": prefill, "decode": decode}
     return Report(slice_, hosts, dict(mesh.shape), g, dict(emesh.shape), shapes, depths, terms,
                   {**raw, **({f"{n}@{model.num_layers}": v for n, v in full.items()} if len(depths) > 1 else {})},
                   train_s, decode_s, time.perf_counter() - t0,
                   "set" if engine_hosts else "the fewest that fit beside the compiled train step", micro_from,
-                  layer_cost)
+                  layer_cost, kv)
 
 
 def model_of(cfg: RunConfig) -> ModelConfig:
@@ -562,12 +567,13 @@ def shapes_of(cfg: RunConfig, model: ModelConfig) -> Shapes:
     j = cfg.jax
     return Shapes(model, jnp.bfloat16 if j.dtype == "bfloat16" else jnp.float32, j.lora_rank, tuple(j.lora_targets),
                   cfg.lora_alpha / j.lora_rank, j.remat, cfg.batch_size, j.seq_len, j.micro_batch_size,
-                  j.decode_slots, full=j.finetune == "full", loss=loss_config(cfg))
+                  j.decode_slots, full=j.finetune == "full", loss=loss_config(cfg), kv_cache_tokens=j.kv_cache_tokens)
 
 
 def compile_run(cfg: RunConfig, slice_name: str, depths: tuple[int, ...] | None = None,
                 engine_hosts: int | None = None, cost: bool = False) -> Report:
-    """`compile_report` for a run config on the slice `slice_name` (`slices.parse_slice`).
+    """`compile_report` for a run config on the slice `slice_name` (`slices.parse_slice`), counting rollouts
+    of `[sampling] max_tokens` (else half of `[jax] seq_len`) at once.
 
     Raises:
         ConfigError: the slice name, the mesh (its product must be the slice's chip count) or the model
@@ -587,4 +593,4 @@ def compile_run(cfg: RunConfig, slice_name: str, depths: tuple[int, ...] | None 
                                                     f"{slice_.chips} chips")])
     # --engine-hosts, else the run's own `[jax] engine_hosts` (0: `compiled_engine_hosts`, as a run decides)
     return compile_report(model, shape, slice_, shapes_of(cfg, model), depths,
-                          engine_hosts or cfg.jax.engine_hosts or None, cost)
+                          engine_hosts or cfg.jax.engine_hosts or None, cost, cfg.sampling.max_tokens)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +45,9 @@ from jaxrl.model.decode import attend_chunks
 from jaxrl.model.qwen3 import KVCache
 from jaxrl.parallel.sharding import RULES, logical_spec
 
-POOL_AXES = ("kv_heads", None, None, None, None)  # the pool's logical axes: kv heads split over `tensor`
+# the pool's logical axes: its kv heads split over `tensor` and the batch axes, as many as divide them (no
+# axis splits it by slot: any slot may hold any page, and slots share pages)
+POOL_AXES = ("kv_pool", None, None, None, None)
 KERNEL_BLOCK = 128  # positions the kernel reads per compute block (pages_per_compute_block x page)
 
 
@@ -108,8 +111,8 @@ class Paged:
 class PagedKernel(Paged):
     """The TPU `CacheLayout` over the same pool: JAX's Pallas paged-attention kernel. Each layer first writes
     this step's key/value into its page (so the kernel sees positions 0 .. position of each slot), then runs
-    the kernel inside `shard_map` on `mesh` (kv heads over `tensor`, slots over the batch axes that divide
-    them; the pool is never split by slot, so slots share pages). On a CPU mesh it runs in Pallas interpret
+    the kernel inside `shard_map` on `mesh` (`kernel_attention`: heads split as the pool is; the pool is never
+    split by slot, so slots share pages). On a CPU mesh it runs in Pallas interpret
     mode (tests). The kernel reads pages in bfloat16 (it casts what it loads), so a float32 pool attends at
     bfloat16 precision. `reads` is not used: the kernel reads each slot's own length."""
 
@@ -149,9 +152,10 @@ def kernel_attention(q_BNH: jax.Array, k_KLPCH: jax.Array, v_KLPCH: jax.Array, l
                      table_BN: jax.Array, layer, mesh: Mesh | None) -> jax.Array:
     """Attention of each slot's query (q [B, N, H], pre-scaled: the kernel has no scale) over positions
     0 .. `lengths_B` - 1 of its pages `table_BN` at layer `layer` (int32 scalar) of the pools [K, L, P,
-    page, H]: [B, N, H] in q's dtype. On `mesh` (None: one device) inside `shard_map`: kv and query heads
-    over the mesh axes of the `kv_heads` rule when they divide K (else whole), slots over the batch axes
-    that divide B. Interpret mode on a CPU mesh."""
+    page, H]: [B, N, H] in q's dtype. On `mesh` (None: one device) inside `shard_map`: the kv and query
+    heads split as the pool is (`POOL_AXES`: `tensor`, then the batch axes, as many as divide K), each chip
+    attending every slot over its heads, except over the batch axes the heads leave free, which split the
+    slots (where they divide B). Interpret mode on a CPU mesh."""
     platform = "cpu" if mesh is None else mesh.devices.flat[0].platform
     local = functools.partial(_kernel_local, interpret=platform == "cpu")
     layer = jnp.asarray(layer, jnp.int32)
@@ -159,8 +163,11 @@ def kernel_attention(q_BNH: jax.Array, k_KLPCH: jax.Array, v_KLPCH: jax.Array, l
         return local(q_BNH, k_KLPCH, v_KLPCH, lengths_B, table_BN, layer)
     pool_spec = logical_spec(POOL_AXES, k_KLPCH.shape, mesh, RULES)
     heads = pool_spec[0]
+    used = set(heads if isinstance(heads, tuple) else (heads,))
+    free = tuple(a for a in RULES["batch"] if a not in used and mesh.shape[a] > 1)
     b = q_BNH.shape[0]
-    batch = logical_spec(("batch",), (b,), mesh, RULES)[0]
+    batch = (free if len(free) > 1 else free[0]) if free and b % math.prod(mesh.shape[a] for a in free) == 0 \
+        else None
     q_spec = PartitionSpec(batch, heads, None)
     return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, pool_spec, pool_spec, PartitionSpec(batch),
                                                      PartitionSpec(batch, None), PartitionSpec()),

@@ -35,7 +35,13 @@ RULES: Rules = {
     "mlp": ("tensor",),
     "vocab": ("tensor",),
     "experts": ("expert",),
+    # a paged KV pool's kv heads (`jaxrl.model.paged`): its pages are shared by every slot, so the pool is
+    # split by heads over every axis that divides them, the batch axes too (`PARTIAL`)
+    "kv_pool": ("tensor", "expert", "fsdp", "data"),
 }
+# logical axes split over the longest prefix of their mesh axes (size > 1) whose product divides the
+# dimension, not all or nothing
+PARTIAL = frozenset({"kv_pool"})
 
 
 def check_rules(rules: Rules) -> None:
@@ -88,7 +94,8 @@ def logical_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
                  rules: Rules = RULES) -> PartitionSpec:
     """PartitionSpec for an array with logical `axes` and `shape` on `mesh`.
 
-    Mesh axes of size 1 are dropped; a dimension they do not divide is replicated.
+    Mesh axes of size 1 are dropped; a dimension they do not divide is replicated (a `PARTIAL` axis: split
+    over the longest prefix of them that divides it).
 
     Raises:
         ValueError: two dimensions map to the same mesh axis.
@@ -97,6 +104,9 @@ def logical_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
     out: list[Any] = []
     for name, dim in zip(axes, shape, strict=True):
         mesh_axes = tuple(a for a in rules.get(name, ()) if name is not None and mesh.shape[a] > 1)
+        if name in PARTIAL:
+            while mesh_axes and dim % math.prod(mesh.shape[a] for a in mesh_axes):
+                mesh_axes = mesh_axes[:-1]
         if used & set(mesh_axes):
             raise ValueError(f"logical axes {tuple(axes)} map mesh axes {sorted(used & set(mesh_axes))} twice")
         if not mesh_axes or dim % math.prod(mesh.shape[a] for a in mesh_axes):
