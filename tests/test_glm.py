@@ -2,10 +2,11 @@
 tiny random checkpoints, one per option set, on one device and on an expert-parallel mesh; the load /
 save round trip; the KV-cache decode against the full forward.
 
-Two option sets cover every option, each a 2-layer model (one compile per mesh):
-  * "air": GLM-4.5-Air's options: q/k/v biases, no qk-norm, a dense first layer, a shared expert,
-    norm_topk_prob on, routed scaling 2.5, partial RoPE (half of each head);
-  * "grouped": no biases, qk-norm, both layers MoE (a scanned stack), a shared expert, norm_topk_prob off,
+Two option sets cover every option (one compile per mesh):
+  * "air": GLM-4.5-Air's options, 3 layers: q/k/v biases, no qk-norm, a dense first layer, a shared expert,
+    norm_topk_prob on, routed scaling 2.5, partial RoPE (half of each head); its stack runs as two scans
+    (`qwen3.scan_runs`: the dense layer, then the two MoE layers), reading `layers` and the cache by index;
+  * "grouped": 2 layers, no biases, qk-norm, both MoE (one scan), a shared expert, norm_topk_prob off,
     routed scaling 1.0, grouped top-k (8 experts in 4 groups, 2 chosen), RoPE on a quarter of each head.
 The torch models get random weights of std 0.1, norms near 1 and a score-correction bias of std 0.3 (HF's
 zeros would hide a bias that chooses nothing), as tests/test_hf.py does for Qwen3.
@@ -13,6 +14,7 @@ zeros would hide a bias that chooses nothing), as tests/test_hf.py does for Qwen
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.model import hf, modules, qwen3
+from jaxrl.model import decode, hf, modules, qwen3
 from jaxrl.parallel.sharding import make_mesh, spec_shardings
 from jaxrl.parallel.spec import is_spec
 
@@ -34,21 +36,22 @@ TOKENS_BT = np.random.default_rng(0).integers(0, VOCAB, size=(4, 10)).astype(np.
 _forward = jax.jit(qwen3.forward, static_argnums=0, static_argnames="mesh")
 
 OPTIONS = {
-    "air": dict(attention_bias=True, use_qk_norm=False, first_k_dense_replace=1, n_routed_experts=4,
-                norm_topk_prob=True, routed_scaling_factor=2.5, n_group=1, topk_group=1, partial_rotary_factor=0.5),
-    "grouped": dict(attention_bias=False, use_qk_norm=True, first_k_dense_replace=0, n_routed_experts=8,
-                    norm_topk_prob=False, routed_scaling_factor=1.0, n_group=4, topk_group=2,
+    "air": dict(num_hidden_layers=3, attention_bias=True, use_qk_norm=False, first_k_dense_replace=1,
+                n_routed_experts=4, norm_topk_prob=True, routed_scaling_factor=2.5, n_group=1, topk_group=1,
+                partial_rotary_factor=0.5),
+    "grouped": dict(num_hidden_layers=2, attention_bias=False, use_qk_norm=True, first_k_dense_replace=0,
+                    n_routed_experts=8, norm_topk_prob=False, routed_scaling_factor=1.0, n_group=4, topk_group=2,
                     partial_rotary_factor=0.25),
 }
 
 
 def hf_glm(options: dict, seed: int = 0):
-    """A random transformers `Glm4MoeForCausalLM` with `options` (2 layers, hidden 32, 4 heads of 16)."""
+    """A random transformers `Glm4MoeForCausalLM` with `options` (hidden 32, 4 heads of 16)."""
     torch.manual_seed(seed)
     opts = dict(options)
     rope = {"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": opts.pop("partial_rotary_factor")}
     cfg = transformers.Glm4MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, moe_intermediate_size=16, num_experts_per_tok=3, n_shared_experts=1,
         max_position_embeddings=256, rope_parameters=rope, tie_word_embeddings=False, **opts)
     m = transformers.Glm4MoeForCausalLM(cfg).eval()
@@ -118,8 +121,9 @@ def test_round_trip_through_save_hf(checkpoint, tmp_path):
 
 @pytest.mark.numerics
 def test_kv_cache_decode_matches_full_forward(checkpoint):
-    """Prefill then one token at a time through the cache (biases and partial RoPE on every step); on the
-    "air" options only (the other set's attention differs by qk-norm alone, which Qwen3's tests cover)."""
+    """Prefill then one token at a time through the cache (biases and partial RoPE on every step), by
+    `qwen3.forward` and by the engine's `decode.decode_step`; on the "air" options only (the other set's
+    attention differs by qk-norm alone, which Qwen3's tests cover)."""
     if checkpoint[0] != "air":
         pytest.skip("one option set suffices")
     cfg, params = hf.load_hf(checkpoint[1])
@@ -130,11 +134,15 @@ def test_kv_cache_decode_matches_full_forward(checkpoint):
     shape = (cfg.num_layers, b, t, cfg.num_kv_heads, cfg.head_dim)
     cache = {"k": jnp.zeros(shape), "v": jnp.zeros(shape)}
     first_BTD, cache = _forward(cfg, params, tokens_BT[:, :6], positions_BT[:, :6], cache=cache)
-    steps = [first_BTD]
+    steps, fast, fast_cache = [first_BTD], [first_BTD], cache
+    step = jax.jit(functools.partial(decode.decode_step, cfg))
     for s in range(6, t):
         step_BTD, cache = _forward(cfg, params, tokens_BT[:, s:s + 1], positions_BT[:, s:s + 1], cache=cache)
         steps.append(step_BTD)
-    assert float(jnp.max(jnp.abs(jnp.concatenate(steps, axis=1) - full_BTD))) <= ATOL
+        fast_BTD, fast_cache = step(params, tokens_BT[:, s], positions_BT[:, s], fast_cache)
+        fast.append(fast_BTD)
+    for got in (steps, fast):
+        assert float(jnp.max(jnp.abs(jnp.concatenate(got, axis=1) - full_BTD))) <= ATOL
 
 
 def test_config_reads_glm_fields_and_skips_mtp_layers(tmp_path: Path):

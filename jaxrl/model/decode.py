@@ -162,7 +162,8 @@ def decode_step(cfg: ModelConfig, params: Params, tokens_B: jax.Array, positions
             head-major chunks (those given are all the step reads and writes). Donate it to update in place.
         layers: per layer `(weights, lora, ffn weights, ffn lora)` from `unstack_layers` of `params`
             and of `lora` (the CPU engine's copies, `jaxrl.inference.cpu`), run unrolled; None scans the
-            stacked `params` / `lora` (a mixed dense/MoE stack, or a `per_layer` cache, is unrolled).
+            stacked `params` / `lora`, one scan per run of layers of one kind (`qwen3.scan_runs`; a
+            `per_layer` cache is unrolled).
         layout: how the cache is held (`CacheLayout`).
 
     Returns:
@@ -175,20 +176,17 @@ def decode_step(cfg: ModelConfig, params: Params, tokens_B: jax.Array, positions
     cache_dtype = jax.tree.leaves(cache["k"])[0].dtype
     # an indexed layout carries the whole cache through the layers; the others' layers read their slice
     carried = cache if indexed else None
-    if layers is None and len(set(kinds)) == 1 and not layout.per_layer:
-        kind, lora = kinds[0], lora or {}
-
-        def body(carry, xs):
+    if layers is None and not layout.per_layer:
+        def layer(kind, carry, xs):
             x, c = carry
-            *weights, layer, k_layer, v_layer = xs
-            x, k, v, c = _layer(cfg, kind, lora_scale, mesh, _attend(layout, positions_B, c, layer, k_layer, v_layer),
+            *weights, index, k_layer, v_layer = xs
+            x, k, v, c = _layer(cfg, kind, lora_scale, mesh, _attend(layout, positions_B, c, index, k_layer, v_layer),
                                 cache_dtype, x, positions_B, weights)
             return (x, c), (k, v)
 
         per_layer = (None, None) if indexed else (cache["k"], cache["v"])
-        xs = (params["layers"], lora.get("layers"), params[kind], lora.get(kind), jnp.arange(cfg.num_layers),
-              *per_layer)
-        (x_BTD, carried), (k_LBKH, v_LBKH) = jax.lax.scan(body, (x_BTD, carried), xs)
+        (x_BTD, carried), (k_LBKH, v_LBKH) = qwen3.scan_runs(cfg, layer, (x_BTD, carried), params, lora,
+                                                             (jnp.arange(cfg.num_layers), *per_layer))
     else:
         ks, vs = [], []
         if layers is None:

@@ -22,8 +22,9 @@ head, dense first layers, GLM's router and a shared expert. This module holds th
 functions over the params pytree; the weights are declared once, as Flax NNX modules, in
 `jaxrl.model.modules` (`param_specs`, `init_params`, `Qwen3`, whose methods call these functions). The
 params have three stacks: `layers` (attention and norms, [L, ...]), `mlp` (dense MLPs, [Q, ...]) and
-`moe` (router and experts, [U, ...]). A model whose layers are all of one kind runs them with
-`jax.lax.scan` (compile time flat in depth); a mixed stack is unrolled.
+`moe` (router and experts, [U, ...]). The stack runs as one `jax.lax.scan` per run of layers of one kind
+(`scan_runs`: compile time and the compiler's live memory flat in depth): one scan for a Qwen3, two for
+GLM-4.5 (its dense first layers, then its MoE layers).
 """
 
 from __future__ import annotations
@@ -193,6 +194,61 @@ def layer_kinds(cfg: ModelConfig) -> list[str]:
     return ["moe" if cfg.layer_is_moe(i) else "mlp" for i in range(cfg.num_layers)]
 
 
+def layer_runs(cfg: ModelConfig) -> list[tuple[str, int, int, int]]:
+    """The stack as runs of consecutive layers of one kind, in order: `(kind, first layer, end layer, index
+    of the first in the kind's group)`. A Qwen3 or Qwen3-MoE is one run; GLM-4.5 two, its dense first
+    layers (`mlp` [0, Q)) then its MoE layers (`moe` [0, U))."""
+    runs: list[list] = []
+    seen = {"mlp": 0, "moe": 0}
+    for i, kind in enumerate(layer_kinds(cfg)):
+        if runs and runs[-1][0] == kind:
+            runs[-1][2] = i + 1
+        else:
+            runs.append([kind, i, i + 1, seen[kind]])
+        seen[kind] += 1
+    return [(kind, start, stop, first) for kind, start, stop, first in runs]
+
+
+def scan_runs(cfg: ModelConfig, layer: Any, x: Any, params: Params, lora: Params | None,
+              per_layer: tuple[Any, ...] = (), remat_policy: Any = False) -> tuple[Any, Any]:
+    """The carry `x` (the residual stream, or any pytree the layers carry) through every layer, one
+    `jax.lax.scan` per run of `layer_runs` (so the compiler keeps one layer's weights and scratch live per
+    run, not every layer's as an unrolled stack does; a run of one layer is a loop of one trip, which XLA
+    inlines).
+
+    `layer(kind, x, (w, lw, mw, mlw, *per_layer rows)) -> (x, ys)` is one layer of `kind`: its `layers`
+    weights and LoRA, its `mlp` or `moe` weights and LoRA (None where absent) and its row of each tree of
+    `per_layer` ([L, ...] stacks, or None: the KV cache, the layer indices). A stack that a run covers whole
+    (every stack of a one-run model, GLM-4.5's `moe` group) is the scan's `xs`; one it covers in part
+    (`layers` and the cache of a mixed stack) is read in the body at the layer's index
+    (`lax.dynamic_index_in_dim`), inside the rematerialised body: a static slice of it would be a new
+    buffer (the loop's operand), for INTELLECT-3's decode cache most of 23 GiB a chip. `remat_policy`:
+    False, no remat; else the `jax.checkpoint` policy (None: save nothing) of each layer. Returns `x` and
+    each run's `ys` joined along their first axis ([L, ...])."""
+    lora = lora or {}
+    outs = []
+    for kind, start, stop, first in layer_runs(cfg):
+        n = stop - start
+        trees = ((params["layers"], start), (lora.get("layers"), start), (params[kind], first),
+                 (lora.get(kind), first), *((t, start) for t in per_layer))
+        whole = tuple(t is None or (off == 0 and jax.tree.leaves(t)[0].shape[0] == n) for t, off in trees)
+        xs = tuple(t if w else None for (t, _), w in zip(trees, whole, strict=True))
+
+        def body(x, xs, kind=kind, trees=trees, whole=whole):
+            if all(whole):
+                return layer(kind, x, xs)
+            j, rows = xs
+            rows = tuple(r if w else jax.tree.map(lambda a, off=off: jax.lax.dynamic_index_in_dim(a, off + j, 0, False),
+                                                  t) for r, w, (t, off) in zip(rows, whole, trees, strict=True))
+            return layer(kind, x, rows)
+
+        if remat_policy is not False:
+            body = jax.checkpoint(body, policy=remat_policy)
+        x, ys = jax.lax.scan(body, x, xs if all(whole) else (jnp.arange(n), xs))
+        outs.append(ys)
+    return x, (outs[0] if len(outs) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *outs))
+
+
 def unstack_layers(cfg: ModelConfig, tree: Params | None) -> list[tuple[Any, Any]]:
     """The per-layer view of stacked base weights or LoRA factors: one `(layers slice, mlp or moe slice)`
     pair per layer (the feed-forward group as `layer_kinds` says), each leaf a slice of its stack;
@@ -256,19 +312,17 @@ def decoder_stack(
     kc, vc = (None, None) if cache is None else (cache["k"], cache["v"])
     kinds = layer_kinds(cfg)
 
-    def body_of(kind):
-        def body(x, xs):
-            x, k, v = _decoder_layer(cfg, kind, lora_scale, mesh, x, positions_BT, attend, xs)
-            return x, (k, v, x)
-        return jax.checkpoint(body, policy=attention.remat_policy(impl)) if remat else body
+    def layer(kind, x, xs):
+        x, k, v = _decoder_layer(cfg, kind, lora_scale, mesh, x, positions_BT, attend, xs)
+        return x, (k, v, x)
 
-    if layers is None and scan_layers and len(set(kinds)) == 1:
-        kind = kinds[0]
-        xs = (params["layers"], lora.get("layers"), params[kind], lora.get(kind), kc, vc)
-        x_BTD, (k_L, v_L, h_L) = jax.lax.scan(body_of(kind), x_BTD, xs)
+    policy = attention.remat_policy(impl) if remat else False
+    if layers is None and scan_layers:
+        x_BTD, (k_L, v_L, h_L) = scan_runs(cfg, layer, x_BTD, params, lora, (kc, vc), policy)
         return x_BTD, {"k": k_L, "v": v_L}, h_L
 
-    bodies = {kind: body_of(kind) for kind in set(kinds)}
+    bodies = {kind: (functools.partial(layer, kind) if policy is False
+                     else jax.checkpoint(functools.partial(layer, kind), policy=policy)) for kind in set(kinds)}
     outs = []
     if layers is None:
         layers = [(w, lw, mw, mlw) for (w, mw), (lw, mlw) in zip(unstack_layers(cfg, params),
@@ -311,8 +365,8 @@ def forward(
         remat: rematerialise each layer's activations in the backward pass.
         mesh: the device mesh the params live on; MoE blocks are expert parallel when its `expert` axis
             is larger than 1 (`jaxrl.model.moe.moe_block`). None: no expert parallelism.
-        scan_layers: run a stack whose layers are all of one kind with `lax.scan` (compile time flat in
-            depth); False unrolls it (as a mixed dense/MoE stack always is).
+        scan_layers: run the stack with `lax.scan`, one scan per run of layers of one kind (`scan_runs`:
+            compile time flat in depth); False unrolls it.
         segment_ids: int32 [B, T] (no cache only): a query attends only to keys of its own segment, so
             several samples packed into one row (each with positions from 0) stay independent (SFT's
             packing, `jaxrl.rl.sft`). None: one segment per row.
