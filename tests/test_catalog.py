@@ -78,6 +78,10 @@ def test_models_command_sizes_shards_for_the_mesh():
     # a paged KV pool's token: 2 x 36 layers x 8 kv heads x 128 x 2 bytes, its heads over expert 4 (fsdp 8
     # would not divide them)
     assert rows["Qwen/Qwen3-4B-Instruct-2507"][5] == "36.0 KiB"
+    # the model's longest context / the longest compiled to train at a Hosted batch (catalog.COMPILED_CONTEXT,
+    # compiled by tests/test_compile_hosted.py); the Thinking variant shares the Instruct one's architecture
+    assert rows["Qwen/Qwen3-4B-Thinking-2507"][6] == "262,144 / 32,768 on v5p-8 (tensor 4, 16 slots)"
+    assert rows["Qwen/Qwen3-235B-A22B-Instruct-2507"][6] == "262,144 / -"
 
 
 def test_models_command_rejects_a_bad_mesh():

@@ -39,13 +39,14 @@ def test_cli_compiles_a_checkpoint_config_for_a_slice(tmp_path, tiny_model_dir):
                       f'[jax]\nmodel_path = "{tiny_model_dir}"\nseq_len = 128\ndecode_slots = 8\n'
                       f'dtype = "bfloat16"\nmesh = {{ fsdp = 4 }}\n')
     runner = CliRunner()
-    result = runner.invoke(app, ["compile", str(config), "--topology", "v5litepod-4",
+    # --no-context: the context search is tested on its own (test_context_is_the_longest_length_that_fits)
+    result = runner.invoke(app, ["compile", str(config), "--topology", "v5litepod-4", "--no-context",
                                  "--json", str(tmp_path / "r.json")])
     assert result.exit_code == 0, result.output
     assert "v5litepod-4 (v5e:2x2): 4 chips on 1 hosts" in result.output and "fits" in result.output
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["fits"] and data["chips"] == 4 and data["bytes_per_chip"]["total"] < data["bytes_per_chip"]["hbm"]
-    assert data["compiled_depths"] == [data["model_layers"]]
+    assert data["compiled_depths"] == [data["model_layers"]] and data["context"] is None
     # no [jax] micro_batch_size: the largest that fits, by compiling (the whole batch, for the tiny model)
     assert (data["micro_batch_size"], data["micro_batch_from"]) == (16, "the largest that fits (compiled)")
     # the compiler's cost of a layer against the ideal (4 FLOPs per weight and token with LoRA, and attention)
@@ -63,7 +64,7 @@ def test_cli_compiles_a_checkpoint_config_for_a_slice(tmp_path, tiny_model_dir):
     # full fine-tuning: float32 master weights (twice the bfloat16 ones), AdamW moments and the step's new
     # weights and moments beside them (at least 5 x the weights), and the engine's bfloat16 copy
     config.write_text(config.read_text() + 'finetune = "full"\n')
-    full = runner.invoke(app, ["compile", str(config), "--topology", "v5litepod-4", "--no-cost",
+    full = runner.invoke(app, ["compile", str(config), "--topology", "v5litepod-4", "--no-cost", "--no-context",
                                "--json", str(tmp_path / "f.json")])
     assert full.exit_code == 0, full.output
     lora, full = data["bytes_per_chip"], json.loads((tmp_path / "f.json").read_text())["bytes_per_chip"]
@@ -126,6 +127,37 @@ def test_overflow_advice_leaves_out_what_the_run_already_does():
     assert report.advice("temporaries", on, {"fsdp": 4}).startswith("a smaller [jax] micro_batch_size, fewer")
     assert report.advice("temporaries", on, {"fsdp": 2, "expert": 8}) == "fewer decode_slots, or a larger slice"
     assert report.advice("kv_cache", on, {}) == report.ADVICE["kv_cache"]
+
+
+def test_context_is_the_longest_length_that_fits(tiny_model_dir):
+    """`jaxrl compile`'s context line (`jaxrl.compile.context.compiled_context`): the longest power of two
+    (or the model's longest) whose train step at one sequence per batch shard, compiled, fits beside the
+    engine's KV cache at that length. The tiny Qwen3 with its longest context lowered to 4096 (candidates
+    1024, 2048, 4096), on v5litepod-4, fsdp 4: on an ample chip, 4096, the model's longest; on a chip that
+    leaves a byte too few for 4096's bytes, 2048, and 4096 named with the same bytes; the bytes grow from
+    2048 to 4096 by at least the KV cache's growth. Four compiles of the tiny train step."""
+    import math
+
+    from jaxrl.compile import context, programs, report
+    from jaxrl.config.schema import RunConfig
+    from jaxrl.model import hf
+    from jaxrl.parallel.sharding import make_mesh
+
+    cfg = RunConfig.model_validate({"model": "tiny", "batch_size": 16, "rollouts_per_example": 4,
+                                    "env": [{"id": "a/b"}], "jax": {"model_path": str(tiny_model_dir), "seq_len": 128,
+                                                                    "decode_slots": 8, "mesh": {"fsdp": 4}}})
+    mcfg = dataclasses.replace(hf.load_config(str(tiny_model_dir)), max_position_embeddings=4096)
+    shapes = report.shapes_of(cfg, mcfg)
+    mesh = make_mesh({"fsdp": 4}, slices.topology_devices(slices.parse_slice("v5litepod-4")))
+    assert context.candidates(4096) == [1024, 2048, 4096] and context.candidates(40960)[-2:] == [32768, 40960]
+    ample = context.compiled_context(shapes, mesh, 2**40)
+    assert (ample.tokens, ample.longer, ample.compiled) == (4096, None, (2048, 4096)), ample
+    assert "up to 4,096 tokens" in ample.line(2**40) and "the model's longest" in ample.line(2**40)
+    tight = context.compiled_context(shapes, mesh, math.ceil(ample.bytes / report.FIT_SHARE) - 1)
+    assert (tight.tokens, tight.longer, tight.longer_bytes) == (2048, 4096, ample.bytes), tight
+    assert "4,096 does not fit" in tight.line(2**40)
+    cache = [programs.engine_declared_bytes(dataclasses.replace(shapes, seq_len=t), mesh, False) for t in (2048, 4096)]
+    assert ample.bytes - tight.bytes >= cache[1] - cache[0] > 0
 
 
 def _tiny_on_v5p_16(tiny_model_dir):

@@ -32,25 +32,26 @@ pytestmark = pytest.mark.skipif(os.environ.get("JAXRL_HOSTED_COMPILE") == "0",
 DEPTHS = (2, 3)  # from 1 to 2 layers memory is not affine (a 1-step scan compiles differently)
 QWEN3_4B, QWEN3_30B, QWEN3_235B = ("Qwen/Qwen3-4B-Instruct-2507", "Qwen/Qwen3-30B-A3B-Instruct-2507",
                                    "Qwen/Qwen3-235B-A22B-Instruct-2507")
-# case: (model, slice, mesh, decode_slots, [jax] engine_hosts); every case trains a Hosted batch, 256 rollouts of up to
-# 4096 tokens (2048 sampled), LoRA r16, bfloat16 weights, remat
+# case: (model, slice, mesh, decode_slots, [jax] engine_hosts, seq_len); every case trains a Hosted batch, 256
+# rollouts of up to seq_len tokens (half of them sampled), LoRA r16, bfloat16 weights, remat
 CASES = {
-    "4b-v6e-8": (QWEN3_4B, "v6e-8", {"fsdp": 2, "tensor": 4}, 128, 0),
-    "30b-v5p-8": (QWEN3_30B, "v5p-8", {"expert": 4}, 256, 0),
-    "30b-v5p-16": (QWEN3_30B, "v5p-16", {"fsdp": 2, "expert": 4}, 256, 0),
+    # the longest context `jaxrl models` gives Qwen3-4B (catalog.COMPILED_CONTEXT)
+    "4b-v5p-8-32k": (QWEN3_4B, "v5p-8", {"tensor": 4}, 16, 0, 32768),
+    "30b-v5p-8": (QWEN3_30B, "v5p-8", {"expert": 4}, 256, 0, 4096),
+    "30b-v5p-16": (QWEN3_30B, "v5p-16", {"fsdp": 2, "expert": 4}, 256, 0, 4096),
     # engine_hosts 0: `jaxrl compile` picks the fewest engine hosts that fit beside the compiled train step
-    "235b-v5p-64": (QWEN3_235B, "v5p-64", {"fsdp": 2, "tensor": 2, "expert": 8}, 128, 0),
+    "235b-v5p-64": (QWEN3_235B, "v5p-64", {"fsdp": 2, "tensor": 2, "expert": 8}, 128, 0, 4096),
 }
 
 
 def run_config(case: str) -> RunConfig:
-    model, _, mesh, slots, engine_hosts = CASES[case]
+    model, _, mesh, slots, engine_hosts, seq_len = CASES[case]
     return RunConfig.model_validate({
         "model": model, "batch_size": 256, "rollouts_per_example": 8, "lora_alpha": 32, "env": [{"id": "a/b"}],
-        "sampling": {"max_tokens": 2048},
-        "jax": {"mesh": mesh, "dtype": "bfloat16", "seq_len": 4096, "lora_rank": 16, "decode_slots": slots,
+        "sampling": {"max_tokens": seq_len // 2},
+        "jax": {"mesh": mesh, "dtype": "bfloat16", "seq_len": seq_len, "lora_rank": 16, "decode_slots": slots,
                 "remat": True, "engine_hosts": engine_hosts,
-                # one sequence per batch shard (one compile; the largest that fits is chosen in test_long_context.py)
+                # one sequence per batch shard (one compile; the largest that fits: tests/test_compile.py)
                 "micro_batch_size": math.prod(n for a, n in mesh.items() if a != "tensor")}})
 
 
@@ -84,21 +85,27 @@ def check(r: report.Report, case: str) -> None:
     json.dumps(r.to_json())
 
 
-def test_qwen3_4b_fits_a_v6e_8(compiled):
-    """v6e-8 is one host of 8 chips: the engine reads the trainer's weights in place (no engine copy)."""
-    r = compiled("4b-v6e-8")
-    check(r, "4b-v6e-8")
+def test_qwen3_4b_trains_32k_token_rows_on_a_v5p_8(compiled):
+    """Qwen3-4B on v5p-8 (one host of 4 chips, tensor 4) trains a Hosted batch of 32,768-token rows beside
+    16 decode slots of 32,768 tokens and a prefill of 32,767 (splash attention; 40.85 of 95 GiB a chip:
+    18.00 KV cache, 19.36 temporaries, 2026-11-26); the engine reads the trainer's weights in place. What
+    `jaxrl models` says Qwen3-4B trains (catalog.COMPILED_CONTEXT)."""
+    r = compiled("4b-v5p-8-32k")
+    check(r, "4b-v5p-8-32k")
     assert (r.hosts, r.engine_hosts, r.terms["engine_weights"]) == (1, 1, 0)
+    model, slice_, mesh, slots, _, seq_len = CASES["4b-v5p-8-32k"]
+    assert catalog.COMPILED_CONTEXT[model] == (seq_len, slice_, "tensor 4", slots) and mesh == {"tensor": 4}
 
 
 def test_memory_is_affine_in_depth(compiled):
     """At depth 4 each program's outputs and aliased bytes are exactly where the line through depths 2
     and 3 puts them, its arguments within 64 KiB (the tile padding of each layer's small weights:
-    measured 11 KiB off for Qwen3-4B, 2026-11-24) and its temporaries within 1% or 1 MiB, whichever is
-    more (the compiler's scheduling is not exactly affine: measured 0.95 MB above the line for the train
-    step's 4.29 GB, 0.16 MB for decode; prefill, whose temporaries splash attention cut to 42 MB, 0.62 MB,
-    2026-11-26). What lets `--depths 2,3` extrapolate to 36-94 layers, temporaries to about that precision."""
-    r = compiled("4b-v6e-8")
+    measured 21 KiB off for Qwen3-4B at 32,768 tokens, 2026-11-26) and its temporaries within 1% or 1 MiB,
+    whichever is more (the compiler's scheduling is not exactly affine: at 32,768 tokens measured 1.7 MB
+    below the line for the train step's 4.25 GB, 0.43 MB below for decode's 1.07 GB, 0.29 MB above for
+    prefill's 1.16 GB, 2026-11-26). What lets `--depths 2,3` extrapolate to 36-94 layers, temporaries to
+    about that precision."""
+    r = compiled("4b-v5p-8-32k")
     mesh = make_mesh(r.mesh, slices.topology_devices(r.slice))
     emesh = programs.engine_mesh(mesh, r.engine_hosts)
     at4 = r.shapes.at_depth(4)

@@ -193,9 +193,10 @@ def models(
     """List the supported architectures and Hosted Training models: parameters (total and active per
     token), and the bytes each device holds on a mesh for the weights, for LoRA + AdamW state, and for full
     fine-tuning (`[jax] finetune = "full"`): float32 master weights and two AdamW moments (12 bytes a
-    parameter) plus, in bfloat16, the engine's copy (a KL reference adds one more copy in the dtype), and a
+    parameter) plus, in bfloat16, the engine's copy (a KL reference adds one more copy in the dtype), a
     paged KV pool's bytes per cached token (a pool of T tokens per engine: T x that; `jaxrl compile` sizes
-    the pool that fits beside the run)."""
+    the pool that fits beside the run), and the model's longest context and the longest compiled to train
+    at a Hosted batch on a slice (`catalog.COMPILED_CONTEXT`; `jaxrl compile` finds it for a run)."""
     import math
 
     import jax
@@ -218,7 +219,7 @@ def models(
     out.print("architectures: " + ", ".join(f"{k} ({v})" for k, v in catalog.ARCHITECTURES.items()))
     table = Table(title=f"Hosted Training models on mesh {shape or {'fsdp': 1}} ({devices} devices), {dtype}")
     for col in ("model", "params", "active/token", "weights/device", f"LoRA r{lora_rank}+AdamW/device",
-                "full FT/device", "KV pool/token/device"):
+                "full FT/device", "KV pool/token/device", "context: model / trains (compiled)"):
         table.add_column(col, justify="left" if col == "model" else "right")
     for name, hf_config in catalog.HOSTED_MODELS.items():
         mcfg = qwen3.ModelConfig.from_hf(hf_config)
@@ -231,10 +232,13 @@ def models(
         lora = bytes_per_device(modules.lora_specs(mcfg, lora_rank, targets), {**dims, "R": lora_rank}, shape, 4)
         weights = bytes_per_device(specs, dims, shape, itemsize)
         full = 3 * bytes_per_device(specs, dims, shape, 4) + (weights if itemsize != 4 else 0)
+        trains = catalog.compiled_context(name)
+        trains = "-" if trains is None else f"{trains[0]:,} on {trains[1]} ({trains[2]}, {trains[3]} slots)"
         table.add_row(name, f"{total / 1e9:.2f} B", f"{active / 1e9:.2f} B", f"{weights / 2**30:.2f} GiB",
                       f"{3 * lora / 2**30:.2f} GiB", f"{full / 2**30:.2f} GiB",
-                      f"{token_bytes(mcfg, shape, itemsize) / 2**10:.1f} KiB")
-    Console(width=max(out.width, 160), highlight=False).print(table)
+                      f"{token_bytes(mcfg, shape, itemsize) / 2**10:.1f} KiB",
+                      f"{mcfg.max_position_embeddings:,} / {trains}")
+    Console(width=max(out.width, 200), highlight=False).print(table)
     out.print("A model name in a config is found as a local folder, a gs:// URL, or an id in the local "
               f"Hugging Face cache ({hf_cache_dir()}); an id that is not there is downloaded from the Hub "
               f"({hub_endpoint()}) by `jaxrl run`.", markup=False)
@@ -255,12 +259,15 @@ def compile_(
     cost: Annotated[bool, typer.Option(help="Also report the compiler's FLOPs and bytes per layer of the train "
                                             "step (two more compiles, layers unrolled at depths 2 and 3), their "
                                             "ratio to the model's ideal FLOPs, and a roofline from them.")] = True,
+    context: Annotated[bool, typer.Option(help="Also find the longest sequences the slice trains at this batch "
+                                               "(powers of two, bisected, each train step compiled).")] = True,
 ) -> None:
     """Compile the run's train step, prefill and decode programs for a TPU slice (on any machine: libtpu,
     no TPU) with abstract weights, and print per chip: weights, LoRA + optimizer, KV cache, temporaries,
-    the total against the chip's HBM (fits or not, and what to change), roofline step times, and the
-    compiler's cost per layer against the ideal. Without [jax] micro_batch_size, the largest micro-batch
-    that fits is found by compiling (as a run on accelerators does). Exit 1 when it does not fit."""
+    the total against the chip's HBM (fits or not, and what to change), roofline step times, the compiler's
+    cost per layer against the ideal, and the longest sequences the slice trains. Without [jax]
+    micro_batch_size, the largest micro-batch that fits is found by compiling (as a run on accelerators
+    does). Exit 1 when it does not fit."""
     import json
 
     from jaxrl.compile.programs import ProgramTooLarge
@@ -271,7 +278,7 @@ def compile_(
     if parts and (len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts) or parts[0] == parts[1]):
         raise _fail(f"--depths: {depths!r} is not two different layer counts, e.g. '2,3'")
     try:
-        report = compile_run(cfg, topology, tuple(int(p) for p in parts) or None, engine_hosts, cost)
+        report = compile_run(cfg, topology, tuple(int(p) for p in parts) or None, engine_hosts, cost, context)
     except ProgramTooLarge as exc:
         err.print(str(exc), markup=False)
         raise typer.Exit(code=1) from None

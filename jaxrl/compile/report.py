@@ -23,6 +23,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from jaxrl.compile import pool, programs, slices
+from jaxrl.compile.cost import Cost, train_cost
 from jaxrl.compile.programs import Program, Shapes
 from jaxrl.config.hub import download_config
 from jaxrl.config.model_path import HubModel, ModelNotFoundError, find_in_hf_cache
@@ -70,6 +71,7 @@ class Report:
     micro_batch_from: str = "set"  # "set" ([jax] micro_batch_size) or the rule's description
     cost: Cost | None = None  # the compiler's FLOPs and bytes of a train-step layer (`train_cost`)
     pool: pool.PoolSize | None = None  # the engine's KV cache in tokens, and the rollouts it runs at once
+    context: Any = None  # `jaxrl.compile.context.Context`: the longest sequences this slice trains
 
     @property
     def total(self) -> int:
@@ -103,6 +105,7 @@ class Report:
             "micro_batch_size": self.shapes.micro_batch_size, "micro_batch_from": self.micro_batch_from,
             "decode_slots": self.shapes.decode_slots,
             "cost": None if self.cost is None else dataclasses.asdict(self.cost),
+            "context": None if self.context is None else dataclasses.asdict(self.context),
             "bytes_per_chip": {**self.terms, "total": self.total, "hbm": self.hbm},
             "fits": self.fits, "overflow": None if self.fits else self.overflow, "programs": self.programs,
             "train_step_s": self.train_step_s, "decode_step_s": self.decode_step_s,
@@ -135,96 +138,9 @@ class Report:
         lines += self.pool.lines() if self.pool else []
         if self.cost is not None:
             lines += self.cost.lines(self.slice.chip)
+        if self.context is not None:
+            lines.append(self.context.line(self.hbm))
         return "\n".join(lines)
-
-
-COST_DEPTHS = (2, 3)  # the unrolled train steps whose difference is one layer's cost (`train_cost`)
-
-
-@dataclasses.dataclass(frozen=True)
-class Cost:
-    """The compiler's account of one train-step layer, per chip and micro-batch (`train_cost`), against the
-    model's ideal. FLOPs and bytes accessed from `cost_analysis()` of the train step compiled with its
-    layers unrolled at two depths (`COST_DEPTHS`), the deeper minus the shallower; `rest_*` is what the
-    shallower holds besides its layers (embedding, output head, loss, the optimizer's update), and
-    `micro_batches` how often the step runs a layer's body (the micro-batch loop, counted once by
-    `cost_analysis`)."""
-
-    layer_flops: float
-    layer_bytes: float
-    rest_flops: float
-    rest_bytes: float
-    ideal_layer_flops: float  # 6 (full) or 4 (LoRA) per active weight and token, causal attention counted once
-    remat_layer_flops: float  # what rematerialisation adds to the ideal: the layer's forward again (0: remat off)
-    layers: int
-    micro_batches: int
-
-    @property
-    def ratio(self) -> float:
-        """The compiler's FLOPs per layer over the ideal's."""
-        return self.layer_flops / self.ideal_layer_flops
-
-    def step(self) -> tuple[float, float]:
-        """(FLOPs, bytes accessed) of one train step per chip, from the per-layer figures."""
-        k = self.micro_batches
-        return (k * (self.layers * self.layer_flops + self.rest_flops),
-                k * (self.layers * self.layer_bytes + self.rest_bytes))
-
-    def roofline_s(self, chip: slices.Chip) -> float:
-        """A train step's seconds from the compiler's counts: max(FLOPs / peak, bytes / bandwidth)."""
-        flops, nbytes = self.step()
-        return max(flops / chip.flops, nbytes / chip.hbm_bandwidth)
-
-    def lines(self, chip: slices.Chip) -> list[str]:
-        """The report's lines: per-layer counts, the ratio, the roofline, and where the FLOPs beyond the
-        ideal go, as far as the counts tell."""
-        t = 1e12
-        beyond = self.layer_flops - self.ideal_layer_flops - self.remat_layer_flops
-        return [f"compiler cost (train step, one layer, per chip and micro-batch): {self.layer_flops / t:.3f} TFLOP, "
-                f"{self.layer_bytes / 2**30:.2f} GiB accessed; ideal {self.ideal_layer_flops / t:.3f} TFLOP: "
-                f"ratio {self.ratio:.2f}",
-                f"  roofline from the compiler's counts: train step {self.roofline_s(chip):.2f} s "
-                f"({self.micro_batches} micro-batch(es) x {self.layers} layers)",
-                f"  recomputation (remat): {self.remat_layer_flops / self.ideal_layer_flops:.0%} of the ideal",
-                f"  the rest beyond ideal + remat (masked attention blocks, LoRA's products, norms, relayouts): "
-                f"{beyond / self.ideal_layer_flops:+.0%} of the ideal"]
-
-
-def ideal_layer_flops(m: ModelConfig, s: Shapes, tokens: int, rows: int) -> tuple[float, float]:
-    """(ideal, remat's addition) FLOPs of one layer over `rows` sequences of `s.seq_len` (`tokens` in all):
-    per token 2 per active weight forward (the attention projections, the dense MLP or the router and top-k
-    experts), 4 backward with LoRA (activations' gradients only) or 6 in all with full fine-tuning; causal
-    attention's two products counted once (2·T²·N·H per sequence forward, T²/2 of each product, 3x that in
-    training); a KL reference adds one more forward. Remat adds the forward again."""
-    d, n_h, k_h = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    mlp = m.num_experts_per_tok * 3 * d * m.moe_intermediate_size + d * m.num_experts if m.is_moe \
-        else 3 * d * m.intermediate_size
-    weights = 2 * d * n_h + 2 * d * k_h + mlp
-    forward = 2 * weights * tokens + 2 * rows * s.seq_len**2 * n_h
-    per_weight = 6 if s.full else 4
-    ideal = per_weight * weights * tokens + 3 * 2 * rows * s.seq_len**2 * n_h
-    if s.loss.kl_coef > 0:
-        ideal += forward
-    return ideal, forward if s.remat else 0.0
-
-
-def train_cost(shapes: Shapes, mesh: Any) -> Cost:
-    """`Cost` of `shapes`' train step on `mesh` (its micro-batch set): compiled with its layers unrolled at
-    `COST_DEPTHS` (`cost_analysis()` counts a scanned layer once, whatever the depth). Two compiles.
-
-    Raises:
-        programs.ProgramTooLarge: the compiler refused one of them.
-    """
-    da, db = COST_DEPTHS
-    a, b = (programs.compile_train(dataclasses.replace(shapes.at_depth(d), unroll=True), mesh) for d in (da, db))
-    layer_flops, layer_bytes = (b.flops - a.flops) / (db - da), (b.bytes_accessed - a.bytes_accessed) / (db - da)
-    shards = batch_shards(mesh)
-    k = -(-shapes.batch_rows // shapes.micro_batch_size)
-    rows = -(-shapes.batch_rows // (k * shards)) * shards  # `Trainer.micro_rows`
-    ideal, remat = ideal_layer_flops(shapes.model, shapes, rows * shapes.seq_len, rows)
-    chips = mesh.devices.size
-    return Cost(layer_flops, layer_bytes, a.flops - da * layer_flops, a.bytes_accessed - da * layer_bytes,
-                ideal / chips, remat / chips, shapes.model.num_layers, k)
 
 
 def advice(term: str, shapes: Shapes, mesh: dict[str, int]) -> str:
@@ -442,9 +358,17 @@ def roofline(m: ModelConfig, s: Shapes, chip: slices.Chip, chips: int, engine_ch
     return train, decode
 
 
+def longest_context(shapes: Shapes, mesh: Any, hbm_bytes: int, depths: tuple[int, ...]) -> Any:
+    """`jaxrl.compile.context.compiled_context`: the longest sequences `shapes`' run trains on `mesh`, found
+    by compiling the train step at about log2(model length / 1024) lengths per depth."""
+    from jaxrl.compile.context import compiled_context  # it reads this module's fit rule
+
+    return compiled_context(shapes, mesh, hbm_bytes, depths)
+
+
 def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slices.Slice, shapes: Shapes,
                    depths: tuple[int, ...] | None = None, engine_hosts: int | None = None,
-                   cost: bool = False, rollout_tokens: int | None = None) -> Report:
+                   cost: bool = False, rollout_tokens: int | None = None, context: bool = False) -> Report:
     """Compile the train step, the largest prefill bucket and the decode step for `slice_` and report.
 
     Args:
@@ -455,6 +379,7 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
         cost: also compile the train step unrolled at `COST_DEPTHS` for the compiler's per-layer FLOPs and
             bytes (`train_cost`; two more compiles).
         rollout_tokens: the mean length of the rollouts counted at once (`pool.PoolSize`; default seq_len / 2).
+        context: also find the longest sequences the slice trains (`longest_context`; more compiles).
     A `shapes.micro_batch_size` of None is chosen by compiling (`compiled_micro_batch`).
     Raises:
         ProgramTooLarge: the compiler refused a program (it needs more than a chip's HBM).
@@ -462,8 +387,7 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
             the slice's.
         RuntimeError: libtpu is missing.
     """
-    devices = slices.topology_devices(slice_)
-    mesh = make_mesh(mesh_shape, devices)
+    mesh = make_mesh(mesh_shape, slices.topology_devices(slice_))
     hosts = _hosts(mesh)
     shapes = dataclasses.replace(shapes, model=model)
     depths = tuple(depths or (model.num_layers,))
@@ -521,7 +445,7 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
                   {**raw, **({f"{n}@{model.num_layers}": v for n, v in full.items()} if len(depths) > 1 else {})},
                   train_s, decode_s, time.perf_counter() - t0,
                   "set" if engine_hosts else "the fewest that fit beside the compiled train step", micro_from,
-                  layer_cost, kv)
+                  layer_cost, kv, longest_context(shapes, mesh, slice_.chip.hbm_bytes, depths) if context else None)
 
 
 def model_of(cfg: RunConfig) -> ModelConfig:
@@ -571,7 +495,7 @@ def shapes_of(cfg: RunConfig, model: ModelConfig) -> Shapes:
 
 
 def compile_run(cfg: RunConfig, slice_name: str, depths: tuple[int, ...] | None = None,
-                engine_hosts: int | None = None, cost: bool = False) -> Report:
+                engine_hosts: int | None = None, cost: bool = False, context: bool = False) -> Report:
     """`compile_report` for a run config on the slice `slice_name` (`slices.parse_slice`), counting rollouts
     of `[sampling] max_tokens` (else half of `[jax] seq_len`) at once.
 
@@ -593,4 +517,4 @@ def compile_run(cfg: RunConfig, slice_name: str, depths: tuple[int, ...] | None 
                                                     f"{slice_.chips} chips")])
     # --engine-hosts, else the run's own `[jax] engine_hosts` (0: `compiled_engine_hosts`, as a run decides)
     return compile_report(model, shape, slice_, shapes_of(cfg, model), depths,
-                          engine_hosts or cfg.jax.engine_hosts or None, cost, cfg.sampling.max_tokens)
+                          engine_hosts or cfg.jax.engine_hosts or None, cost, cfg.sampling.max_tokens, context)

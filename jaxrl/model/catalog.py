@@ -52,3 +52,20 @@ HOSTED_MODELS: dict[str, dict[str, Any]] = {
     "Qwen/Qwen3-235B-A22B-Thinking-2507": _QWEN3_235B_A22B,
     "PrimeIntellect/INTELLECT-3": _GLM45_AIR,
 }
+
+
+# The longest sequences a Hosted model has been compiled to train, by `jaxrl compile` for a TPU slice at a
+# Hosted batch (256 rows of that length, LoRA r16, bfloat16, remat, one sequence per batch shard in a
+# micro-batch, the train step, a prefill of the whole length and the decode step beside each other):
+# model -> (tokens, slice, mesh, decode_slots). Lower bounds where longer was not compiled; the rows that
+# tests/test_compile_hosted.py compiles and how the others were: docs/tpu.md section 7.
+COMPILED_CONTEXT: dict[str, tuple[int, str, str, int]] = {
+    "Qwen/Qwen3-4B-Instruct-2507": (32_768, "v5p-8", "tensor 4", 16),
+}
+
+
+def compiled_context(model: str) -> tuple[int, str, str, int] | None:
+    """`COMPILED_CONTEXT` of `model`, or of the Hosted model with the same architecture (the Instruct and
+    Thinking variants share one); None when none was compiled."""
+    facts = HOSTED_MODELS.get(model)
+    return next((c for name, c in COMPILED_CONTEXT.items() if HOSTED_MODELS[name] is facts), None)
