@@ -12,7 +12,9 @@ Sections, in order (a section that would start past `--budget` seconds is skippe
   * train steps, random weights, bf16, remat, one micro-batch: Qwen3-0.6B and Qwen3-4B shapes, LoRA r16 on
     the 7 projections and full fine-tuning (float32 master weights, AdamW), tokens/s and MFU;
   * decode steps (`Engine.generate`, greedy, LoRA on) at 8 / 64 / 256 slots with every slot at position
-    `--decode-pos`: tokens/s and the step's bytes over the chip's HBM bandwidth;
+    `--decode-pos`: tokens/s and the step's bytes over the chip's HBM bandwidth; at 64 / 256 slots also
+    over the paged KV cache (`jaxrl.inference.paged`, a pool the dense cache's size, each slot holding
+    the pages of its positions), beside the dense cache's figures;
   * attention alone, causal, Qwen3-4B's heads (32 q, 8 kv, 128 dims), one sequence, forward + backward:
     each implementation `jax.nn.dot_product_attention` offers ("cudnn", "xla") and jaxrl's own
     `jaxrl.model.attention` where it exists, at 4k / 8k / 32k tokens: seconds and peak memory.
@@ -148,12 +150,17 @@ def train_step(name: str, cfg: ModelConfig, b: int, t: int, full: bool, peak: fl
             "mfu": flops / s / peak}
 
 
-def decode_step(name: str, cfg: ModelConfig, slots: int, seq: int, pos: int, bw: float, reps: int) -> dict:
-    """Tokens/s of one decode step with every slot at position `pos`, and its bytes over HBM bandwidth."""
+def decode_step(name: str, cfg: ModelConfig, slots: int, seq: int, pos: int, bw: float, reps: int,
+                paged: bool = False) -> dict:
+    """Tokens/s of one decode step with every slot at position `pos`, and its bytes over HBM bandwidth;
+    `paged`: over the paged cache (a pool of slots x `seq` positions, each slot's pages of positions
+    [0, pos) assigned, their contents zeros as the dense cache's)."""
     mesh, base, lora = build(cfg, jnp.bfloat16)
     engine = Engine(cfg, mesh, max_concurrent_decodes=slots, max_seq_len=seq, lora_scale=1.0,
-                    cache_dtype=jnp.bfloat16)
+                    cache_dtype=jnp.bfloat16, kv_cache_tokens=slots * seq if paged else None)
     params = engine.prepare({"base": base, "lora": lora})
+    for slot in range(slots if paged else 0):
+        engine.pages.assign(slot, pos, pos)
     holder = {"state": engine.init_decode_state()}
     holder["state"] = holder["state"].replace(positions=jnp.full((slots,), pos, jnp.int32))
 
@@ -168,7 +175,8 @@ def decode_step(name: str, cfg: ModelConfig, slots: int, seq: int, pos: int, bw:
     s = _best(one, reps)
     weights = 2 * (matmul_weights(cfg) + sum(int(np.prod(x.shape)) for x in jax.tree.leaves(lora)))
     cache = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * pos * 2 * slots
-    return {"section": "decode", "shape": name, "slots": slots, "position": pos, "first_step_s": first,
+    return {"section": "decode", "cache": "paged" if paged else "dense", "shape": name, "slots": slots,
+            "position": pos, "first_step_s": first,
             "step_s": s, "tokens_per_s": slots / s, "bytes_per_step": weights + cache,
             "hbm_share": (weights + cache) / s / bw}
 
@@ -225,8 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         return (f"train {name} {'full' if full else 'lora'} {b}x{t}",
                 lambda: train_step(name, SHAPES[name], b, t, full, peak, args.reps))
 
-    def decode(name, s):
-        return f"decode {name} {s} slots", lambda: decode_step(name, SHAPES[name], s, dseq, dpos, bw, args.reps)
+    def decode(name, s, paged=False):
+        return (f"decode {'paged ' if paged else ''}{name} {s} slots",
+                lambda: decode_step(name, SHAPES[name], s, dseq, dpos, bw, args.reps, paged))
 
     def attn(t, impl):
         return f"attention {impl} {t}", lambda: attention_alone(t, impl, peak, args.reps, args.smoke)
@@ -234,12 +243,14 @@ def main(argv: list[str] | None = None) -> int:
     first, second = names[0], names[-1]
     jobs.append(train(first, rows, seq, False))
     jobs += [decode(first, s) for s in slots]
+    jobs += [decode(first, s, paged=True) for s in slots[1:]]
     # the kernels against the [N, T, S] scores (xla, einsum: 8 GiB of float32 scores at 8k, 128 at 32k)
     jobs += [attn(t, i) for t in lengths for i in impls if i == impls[0] or t <= lengths[1]]
     if not args.smoke:
         jobs.append(train(second, rows, seq, False))
         jobs.append(train(second, 1, lengths[-1], False))  # one 32k-token sequence
         jobs += [decode(second, s) for s in slots]
+        jobs += [decode(second, s, paged=True) for s in slots[1:]]
     jobs += [train(n, rows, seq, True) for n in names]
     results = [info]
     for label, job in jobs:

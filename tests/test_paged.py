@@ -51,6 +51,7 @@ def _serve(layout, reqs, slots, seq_len):
         return asyncio.run(go()), engine, max(peak, default=0)
     finally:
         sched.stop()
+        engine.preemptions = sched.preemptions
 
 
 @pytest.mark.numerics
@@ -78,6 +79,20 @@ def test_paged_engine_matches_the_dense_cache_bit_for_bit():
     # later rollout shares the pages a running one holds, copying the partial page on its first write
     assert engine.metrics()["engine/prefills"] == 8 and dense_engine.metrics() == {"engine/prefills": 15}
     assert engine.pages.prefix_hits == engine.pages.copies == 7
+
+
+@pytest.mark.numerics
+def test_a_request_the_pool_cannot_hold_is_preempted_and_completes():
+    """Two requests of up to 50 positions admitted together into a pool of 64 (4 pages: admission counts
+    their prompts' pages and one of growth each): at position 32 both need a page and one is free, so the
+    one admitted last is preempted, computed again once the other is done, and both sample the dense
+    cache's tokens and logprobs."""
+    reqs = [([3 + i] * 10, SamplingParams(temperature=1.0, max_tokens=40, seed=i)) for i in range(2)]
+    dense, _, _ = _serve(Plain(CFG, 2, 64), reqs, 2, 64)
+    paged, engine, peak = _serve(PagedLayout(CFG, 2, 64, kv_cache_tokens=64), reqs, 2, 64)
+    for d, p in zip(dense, paged, strict=True):
+        assert (p.token_ids, p.logprobs, p.policy_versions) == (d.token_ids, d.logprobs, d.policy_versions)
+    assert engine.preemptions == 1 and peak == 4 and engine.pages.in_use == 0
 
 
 @pytest.mark.numerics

@@ -46,7 +46,9 @@ def _params_json(params: SamplingParams) -> dict[str, Any]:
 
 
 class GroupScheduler(Scheduler):
-    """A `Scheduler` whose engine spans the processes of `exchange` (see the module docstring).
+    """A `Scheduler` whose engine spans the processes of `exchange` (see the module docstring). With a
+    paged cache it admits a request when every position it may write fits (`preempts` off: a preempted
+    request would have to go back to the leader's queue on every process).
 
     Args:
         engine, params, model_name, seed: as `Scheduler`'s; every process of the group passes the same.
@@ -54,6 +56,8 @@ class GroupScheduler(Scheduler):
         idle_s: how long an idle round waits for local work before it posts (the group polls at most
             this often while nothing runs).
     """
+
+    preempts = False
 
     def __init__(self, engine: Engine, params: Params, model_name: str, exchange: Exchange, seed: int = 0,
                  idle_s: float = 0.01) -> None:

@@ -126,6 +126,12 @@ class PageAllocator:
         self.dirty = True
         return dest
 
+    def needed(self) -> int:
+        """Pages the next `step` takes: a new one for each held slot whose position falls past its pages
+        or into a page it shares."""
+        return sum(int(self.table[slot, pos // self.page] == 0 or self.refs[self.table[slot, pos // self.page]] > 1)
+                   for slot, pos in self._positions.items())
+
     def step(self) -> list[tuple[int, int]]:
         """Before a decode step: give each held slot the page its next position falls in (a new one past
         its pages; a copy of a page it shares with another slot: copy on write), then advance it (as the

@@ -69,6 +69,9 @@ class _Request:
     dispatched: int = 0  # tokens dispatched to the device, read or not
     done: bool = False  # finished or cancelled: tokens still in flight for it are discarded
     origin: tuple[int, int] | None = None  # (process, number) in an engine group
+    key: jax.Array | None = None  # its PRNG key, kept for a recompute after preemption
+    admitted: int = 0  # the scheduler's count of admissions when it took its slot
+    streamed: int = 0  # tokens given to `on_token` (a recompute after preemption does not give them again)
 
     def add(self, token: int, logprob: float, version: int, top: list[tuple[int, float]] | None = None) -> bool:
         """Record a sampled token (and its alternatives, for a request that asked for `top_logprobs`); True
@@ -80,10 +83,16 @@ class _Request:
         self.versions.append(version)
         if top is not None:
             self.top.append(top)
-        if self.on_token is not None:
+        if self.on_token is not None and len(self.tokens) > self.streamed:
+            self.streamed += 1
             args = (token, logprob) if top is None else (token, logprob, top)
             self.loop.call_soon_threadsafe(self.on_token, *args)
         return token in self.params.stop_token_ids or len(self.tokens) >= self.max_tokens
+
+    def restart(self) -> None:
+        """Forget what was sampled: the request is preempted and will be computed again from its prompt."""
+        self.tokens, self.logprobs, self.versions, self.top = [], [], [], []
+        self.dispatched = 0
 
     def finish(self) -> None:
         if self.future is None:
@@ -148,6 +157,8 @@ class Scheduler:
         self._base_key = jax.random.key(seed)
         self._n_requests = 0
         self.decode_steps = 0
+        self.preemptions = 0  # requests put back to wait for pages, to be computed again (a paged cache)
+        self._admitted = 0  # admissions so far: a running request's order, the last admitted preempted first
         self._thread = threading.Thread(target=self._run, name="jaxrl-scheduler", daemon=True)
         self._thread.start()
 
@@ -262,33 +273,62 @@ class Scheduler:
             admit = [self._waiting.popleft() for _ in range(n)]
         return admit
 
+    preempts = True  # a paged cache: admit beside the running requests' next pages, preempt when out
+
     def _admissible(self, entries: list[tuple[int, int]]) -> int:
-        """How many of `entries` (prompt length, max_tokens), the head of the queue in order, to admit now:
-        all of them with a dense cache (the caller offers no more than the free slots); with a paged one
-        (`Engine.pages`) as many as fit the pool beside the running requests, each reserving the pages of
-        every position it may write (its prompt and `max_tokens - 1` decode steps), so the pool never runs
-        out mid-decode (a request that does not fit waits; the head first: no request is passed over)."""
+        """How many of `entries` (prompt length, max_tokens), the head of the queue in order, to admit now
+        (the head first: no request is passed over): all of them with a dense cache (the caller offers no
+        more than the free slots). With a paged one (`Engine.pages`), as vLLM's scheduler, as many as fit
+        the free pages with their prompts' pages and one page of growth for each running request, theirs
+        included; a step that then finds too few pages preempts (`_make_room`). Where `preempts` is off
+        (an engine group), each running request reserves the pages of every position it may write (its
+        prompt and `max_tokens - 1` decode steps), so the pool never runs out mid-decode."""
         if (pages := self.engine.pages) is None:
             return len(entries)
 
         def need(length: int, max_tokens: int) -> int:
             return math.ceil((length + max_tokens - 1) / pages.page)
 
-        left = pages.num_pages - 1 - sum(need(len(r.prompt_ids), r.max_tokens) for r in self._slots if r is not None)
+        running = [r for r in self._slots if r is not None]
+        if self.preempts:
+            left = pages.free - len(running)
+            for i, (length, _) in enumerate(entries):
+                if (left := left - math.ceil(length / pages.page) - 1) < 0:
+                    return i
+            return len(entries)
+        left = pages.num_pages - 1 - sum(need(len(r.prompt_ids), r.max_tokens) for r in running)
         for i, entry in enumerate(entries):
             if (left := left - need(*entry)) < 0:
                 return i
         return len(entries)
+
+    def _make_room(self) -> None:
+        """Before a decode step over a paged cache: while the step needs more pages than are free, preempt
+        the running request admitted last (vLLM's recompute preemption): its slot and pages are returned,
+        what it sampled is forgotten (tokens still in flight for it discarded) and it waits again at the
+        head of the queue, with its PRNG key, to be computed again: with the same weights the same tokens
+        (a slot's numbers do not depend on the others'); `on_token` is not given again the tokens it had."""
+        pages = self.engine.pages
+        while pages is not None and pages.needed() > pages.free:
+            victim = max((r for r in self._slots if r is not None), key=lambda r: r.admitted)
+            self._release(victim)
+            for sampled in self._unread:
+                sampled.rows = [None if r is victim else r for r in sampled.rows]
+            victim.restart()
+            self.preemptions += 1
+            with self._cv:
+                self._waiting.appendleft(victim)
 
     def _dropped(self, req: _Request) -> bool:
         """Whether `req`'s caller gave up (its future is cancelled)."""
         return req.future.cancelled()
 
     def _key(self, req: _Request) -> jax.Array:
-        self._n_requests += 1
-        if req.params.seed is not None:
-            return jax.random.key(req.params.seed)
-        return jax.random.fold_in(self._base_key, self._n_requests)
+        if req.key is None:
+            self._n_requests += 1
+            req.key = (jax.random.key(req.params.seed) if req.params.seed is not None else
+                       jax.random.fold_in(self._base_key, self._n_requests))
+        return req.key
 
     def _admit(self, admit: list[_Request]) -> None:
         """Dispatch the prefills of `admit` (one per distinct prompt: `Engine.prefill_shared`) and, for
@@ -318,6 +358,7 @@ class Scheduler:
                 req.slot = self._slots.index(None)
                 self._state = self.engine.insert(prefix, self._state, req.slot)
                 self._slots[req.slot] = req
+                req.admitted = self._admitted = self._admitted + 1
 
     def _step(self) -> None:
         """Dispatch one decode step over the occupied slots, if any."""
@@ -325,6 +366,8 @@ class Scheduler:
             if req is not None and self._dropped(req):
                 req.done = True
                 self._release(req)
+        if self.preempts:
+            self._make_room()
         rows = list(self._slots)
         active = [r for r in rows if r is not None]
         if not active:
