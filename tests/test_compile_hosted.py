@@ -21,7 +21,7 @@ import pytest
 
 from jaxrl.compile import pool, programs, report, slices
 from jaxrl.config.schema import RunConfig
-from jaxrl.model import catalog
+from jaxrl.model import catalog, qwen3
 from jaxrl.model.modules import param_specs
 from jaxrl.model.qwen3 import ModelConfig
 from jaxrl.parallel.sharding import bytes_per_device, make_mesh
@@ -164,3 +164,24 @@ def test_paged_decode_compiles_the_pallas_kernel_for_qwen3_30b_a3b_at_8k():
     assert kv.tokens >= 256 * 2048 and kv.bytes_per_token == 24 * 2**10 and kv.rollouts(kv.tokens) == 256
     assert programs.shard_bytes({n: state.cache[n] for n in ("k", "v")}) == 2 * (kv.tokens + 16) * 24 * 2**10 / 48
     assert p.temp < 2**30, p.temp / 2**30
+
+
+def test_intellect_3_decode_reads_each_layers_cache_in_place():
+    """INTELLECT-3 (GLM-4.5-Air: a dense first layer, then MoE layers) at a Hosted batch on v5p-16, its decode
+    step alone at 3 layers (one compile): the mixed stack runs as two scans (`qwen3.scan_runs`), reading
+    each layer's KV cache in the donated buffer, so the step's scratch is the sampler's, not the cache's.
+    Unrolled (before 2026-11-26) the compiler kept each layer's cache slices beside the cache: 5.62 GiB
+    of temporaries a chip at 3 layers, growing 1.08 GB a layer (2x a layer's 0.54 GB of k and v); scanned,
+    1.19 GiB at 3 layers and at 4. The whole model's report is docs/tpu.md's INTELLECT-3 row."""
+    cfg = RunConfig.model_validate({
+        "model": "PrimeIntellect/INTELLECT-3", "batch_size": 256, "rollouts_per_example": 8, "lora_alpha": 32,
+        "env": [{"id": "a/b"}], "sampling": {"max_tokens": 2048},
+        "jax": {"mesh": {"fsdp": 2, "expert": 4}, "dtype": "bfloat16", "seq_len": 4096, "lora_rank": 16,
+                "decode_slots": 256, "micro_batch_size": 8}})
+    model = report.model_of(cfg)
+    assert [(kind, stop - start) for kind, start, stop, _ in qwen3.layer_runs(model)] == [("mlp", 1), ("moe", 45)]
+    shapes = report.shapes_of(cfg, model).at_depth(3)
+    mesh = make_mesh(cfg.jax.mesh.model_dump(), slices.topology_devices(slices.parse_slice("v5p-16")))
+    p = programs.compile_decode(shapes, mesh)
+    assert p.declared["kv_cache"] == 3 * 2 * 256 * 4096 * 8 * 128 * 2 // 8  # 3 layers' k and v, bfloat16, 8 chips
+    assert p.temp < 2 * 2**30, p  # under 4 layers' cache slices; unrolled, 5.62 GiB
