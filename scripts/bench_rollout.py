@@ -19,6 +19,7 @@ scheduler. Reports:
     python scripts/bench_rollout.py                 # 8 and 32 concurrent requests, float32
     python scripts/bench_rollout.py --concurrency 8 --dtype bfloat16 --json out.json
     python scripts/bench_rollout.py --concurrency 8 --cpu-devices 2   # the engine tensor-parallel over 2 CPU devices
+    python scripts/bench_rollout.py --concurrency 8 --paged           # over the paged KV cache
 
 `--cpu-devices N` splits the host into N XLA CPU devices (`jax_num_cpu_devices`) and runs the engine on a
 mesh of `tensor` N over them: each device's program streams its share of every weight on its own thread
@@ -90,11 +91,12 @@ def step_bytes(cfg: ModelConfig, params, slots: int, seq: int, cache_dtype) -> i
 
 
 def bench(cfg: ModelConfig, params, dtype, slots: int, prompt_len: int, n_tokens: int, steps: int,
-          devices: int = 1) -> dict:
+          devices: int = 1, paged: bool = False) -> dict:
     mesh = make_mesh({"tensor": devices} if devices > 1 else {}, jax.devices()[:devices])
     params = jax.device_put(params, spec_shardings(modules.param_specs(cfg), cfg.dims(), mesh))
     seq = prompt_len + n_tokens
-    engine = Engine(cfg, mesh, max_concurrent_decodes=slots, max_seq_len=seq, cache_dtype=dtype)
+    engine = Engine(cfg, mesh, max_concurrent_decodes=slots, max_seq_len=seq, cache_dtype=dtype,
+                    kv_cache_tokens=slots * seq if paged else None)
     p = engine.prepare({"base": params, "lora": None})
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, size=prompt_len).tolist() for _ in range(slots)]
@@ -165,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=28, help="decoder layers of the 0.6B shape (fewer: less memory)")
     ap.add_argument("--cpu-devices", type=int, default=1,
                     help="split the host into this many XLA CPU devices; the engine runs tensor-parallel over them")
+    ap.add_argument("--paged", action="store_true",
+                    help="the paged KV cache (jaxrl.inference.paged, a pool of concurrency x seq positions)")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args(argv)
     if args.cpu_devices > 1:
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results = []
     for c in args.concurrency:
-        r = bench(cfg, params, dtype, c, args.prompt, args.tokens, args.steps, args.cpu_devices)
+        r = bench(cfg, params, dtype, c, args.prompt, args.tokens, args.steps, args.cpu_devices, args.paged)
         bw = memory_read_gbps()  # measured right after, under the same load
         flops = matmul_gflops()
         limit_mem = c / (r["step_bytes"] / (bw * 1e9))
