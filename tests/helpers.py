@@ -16,7 +16,10 @@ import jax
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-NOT_REPRODUCIBLE = ("time/", "tokens_per_s")  # wall-clock metrics
+# wall-clock metrics, and the engine's counts of its own work (`Engine.metrics`: prompts prefilled since the engine
+# started, which a resumed run restarts and an engine group over processes, which does not share a group's
+# prefill, counts differently)
+NOT_REPRODUCIBLE = ("time/", "tokens_per_s", "engine/")
 
 
 # --- a tiny run's config --------------------------------------------------------------------------------------
@@ -147,7 +150,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def reproducible(rows: list[dict]) -> list[dict]:
-    """`rows` without their wall-clock metrics."""
+    """`rows` without their wall-clock metrics and engine work counts (`NOT_REPRODUCIBLE`)."""
     return [{k: v for k, v in r.items() if not k.startswith(NOT_REPRODUCIBLE)} for r in rows]
 
 
