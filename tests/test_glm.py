@@ -156,11 +156,12 @@ def test_config_reads_glm_fields_and_skips_mtp_layers(tmp_path: Path):
     (tmp_path / "config.json").write_text(json.dumps(hf_cfg))
     cfg = hf.load_config(tmp_path)
     assert (cfg.use_qk_norm, cfg.n_group, cfg.routed_scaling_factor, cfg.partial_rotary_factor) == (False, 1, 1.0, 0.5)
-    assert cfg.rms_norm_eps == 1e-5 and cfg.first_k_dense_replace == 1 and cfg.moe_layers == (1,)
+    assert cfg.rms_norm_eps == 1e-5 and cfg.first_k_dense_replace == 1 and cfg.moe_layers == (1, 2)
 
     import safetensors.numpy
     tensors = safetensors.numpy.load_file(tmp_path / hf.WEIGHTS_FILE)
-    tensors["model.layers.2.eh_proj.weight"] = np.zeros((32, 64), np.float32)  # an MTP layer's tensor
+    mtp = hf_cfg["num_hidden_layers"]  # GLM-4.5's MTP layer comes after the decoder's layers
+    tensors[f"model.layers.{mtp}.eh_proj.weight"] = np.zeros((32, 64), np.float32)  # an MTP layer's tensor
     safetensors.numpy.save_file(tensors, tmp_path / hf.WEIGHTS_FILE)
     hf.load_hf(tmp_path)
     with pytest.raises(ValueError, match="n_shared_experts = 2"):
