@@ -5,9 +5,12 @@ Each case compiles the train step, the largest prefill bucket and the decode ste
 `test_memory_is_affine_in_depth` compiles a third depth and bounds the extrapolation's error. Compiled
 reports are shared by the module's tests.
 
-In the default suite since 2026-11-24 (late): on this project's 2-core machine the file took 513 s of
-wall time alone and 957 s of CPU (the TPU compiler uses about two threads), 3.9 GB of memory at most;
-1044 s beside the rest of the suite on the other worker, which it takes from 864 s to 1405 s in all.
+In the default suite since 2026-11-24 (late), the slowest file in it: on this project's 2-core machine it took
+1,677 s beside the rest of the suite in CI's run of 2026-11-26 (the 30B cases 458 and 326 s, Qwen3-4B at
+32,768 tokens 353 s, the depth-4 check 266 s). Qwen3-30B-A3B on two v5p hosts (fsdp 2, expert 4: each host's
+engine holding its own copy of the weights) was a case until then; it left the suite to keep it within its
+30 minutes (its figures: docs/tpu.md section 7; the engine-copy rule is compiled for the tiny model in
+`tests/test_compile.py::test_the_runs_engine_group_is_chosen_beside_its_compiled_train_step`).
 `JAXRL_HOSTED_COMPILE=0` skips it, for a quicker local run. `tests/test_compile.py` compiles the same
 programs for the tiny model.
 """
@@ -38,7 +41,6 @@ CASES = {
     # the longest context `jaxrl models` gives Qwen3-4B (catalog.COMPILED_CONTEXT)
     "4b-v5p-8-32k": (QWEN3_4B, "v5p-8", {"tensor": 4}, 16, 0, 32768),
     "30b-v5p-8": (QWEN3_30B, "v5p-8", {"expert": 4}, 256, 0, 4096),
-    "30b-v5p-16": (QWEN3_30B, "v5p-16", {"fsdp": 2, "expert": 4}, 256, 0, 4096),
     # engine_hosts 0: `jaxrl compile` picks the fewest engine hosts that fit beside the compiled train step
     "235b-v5p-64": (QWEN3_235B, "v5p-64", {"fsdp": 2, "tensor": 2, "expert": 8}, 128, 0, 4096),
 }
@@ -122,13 +124,6 @@ def test_qwen3_30b_a3b_fits_one_v5p_host(compiled):
     r = compiled("30b-v5p-8")
     check(r, "30b-v5p-8")
     assert (r.hosts, r.engine_hosts, r.terms["engine_weights"]) == (1, 1, 0)
-
-
-def test_qwen3_30b_a3b_fits_two_v5p_hosts(compiled):
-    """Two hosts: the trainer's mesh spans both, each host's engine holds the weights on its own 4 chips."""
-    r = compiled("30b-v5p-16")
-    check(r, "30b-v5p-16")
-    assert (r.hosts, r.engine_hosts) == (2, 1) and r.terms["engine_weights"] > r.terms["weights"]
 
 
 def test_qwen3_235b_a22b_fits_v5p_64_with_an_engine_over_hosts(compiled):
