@@ -85,7 +85,7 @@ def test_defaults_follow_the_reference(tmp_path):
         "seq_len": 4096, "finetune": "lora", "lora_rank": 16,
         "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         "dtype": "float32", "output_dir": "runs", "checkpoint_dir": None, "rollout_timeout": 600.0, "seed": 0,
-        "decode_slots": 32, "kv_cache_tokens": None,
+        "decode_slots": 32, "kv_cache_tokens": None, "kv_reuse_turns": False,
         "remat": False, "micro_batch_size": None, "engine_hosts": 0, "host": "127.0.0.1", "port": 0,
         "sft": None}
 
@@ -198,6 +198,7 @@ LE = "Input should be less than or equal to"
     ("[jax]\nseq_len = 1", f"jax.seq_len: {GE} 2, got 1"),
     ("[jax]\nkv_cache_tokens = 4000", "jax.kv_cache_tokens: 4000 must be >= jax.seq_len (4096): one sequence must "
                                       "fit the pool"),
+    ("[jax]\nkv_reuse_turns = true", "jax.kv_reuse_turns: needs the paged cache: set [jax] kv_cache_tokens"),
 ])
 def test_table_rules(tmp_path, table, expected):
     assert problems(tmp_path, MINIMAL + table + "\n") == [expected]

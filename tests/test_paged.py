@@ -111,7 +111,8 @@ def test_pages_follow_the_tokens_in_flight_and_a_group_shares_its_prompt():
     for slot, prefix in enumerate(prefixes):
         state = engine.insert(prefix, state, slot)
     assert (alloc.prefix_hits, alloc.shared_pages, alloc.in_use) == (3, 9, 3)
-    assert engine.metrics() == {"engine/prefills": 1.0, "engine/prefix_hits": 3.0, "engine/kv_pages": 3.0}
+    assert engine.metrics() == {"engine/prefills": 1.0, "engine/prefix_hits": 3.0, "engine/prefill_tokens": 37.0,
+                                "engine/prefix_tokens": 3 * 37.0, "engine/kv_pages": 3.0, "engine/kv_kept_pages": 0.0}
     for step in range(30):
         state, _ = engine.generate(params, state)
         written = 37 + step + 1  # positions each slot holds after this step
@@ -141,3 +142,83 @@ def test_allocator_refuses_past_the_pool_and_sizes_in_tokens():
     assert alloc.in_use == 3 and not alloc.table[1].any()
     alloc.release(0)
     assert alloc.in_use == 0
+
+
+
+def _conversation(layout, keep: bool):
+    """Two conversations of 3 turns (one greedy, one seeded) through a scheduler over `layout` (3 slots of
+    64 positions): each next prompt is the last prompt, its completion of 8 tokens and 5 new tokens (a
+    multi-turn environment's reply). The weights are updated (the same values, a new version) before the
+    third turn. Returns per turn the prompts, their completions and the engine's metrics after them."""
+    engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), 3, 64, lora_scale=0.5, layout=layout)
+    params = _params()
+    sched = Scheduler(engine, params, "tiny", keep_turns=keep)
+    rng = np.random.default_rng(0)
+
+    async def go():
+        turns, prompts = [], [rng.integers(1, 96, size=n).tolist() for n in (17, 20)]
+        for turn in range(3):
+            if turn == 2:
+                sched.update_params(params, 1)
+            done = await asyncio.gather(*[sched.generate(p, SamplingParams(temperature=float(i), max_tokens=8,
+                                                                           seed=7 + i + 10 * turn))
+                                          for i, p in enumerate(prompts)])
+            turns.append((prompts, done, engine.metrics()))
+            replies = [rng.integers(1, 96, size=5).tolist() for _ in prompts]
+            prompts = [p + d.token_ids + r for p, d, r in zip(prompts, done, replies, strict=True)]
+        return turns
+
+    try:
+        return asyncio.run(go())
+    finally:
+        sched.stop()
+
+
+@pytest.mark.numerics
+def test_a_conversations_next_turn_shares_its_last_turns_pages():
+    """Multi-turn continuation, greedy and seeded, keeping each finished turn's pages (`keep_turns`): the
+    next turn prefills only the positions after the tokens they hold (the 5 new ones and the completion's
+    last, never fed back: 6 a conversation, not 30 and 33), and samples the dense engine's tokens with
+    logprobs within float rounding of its whole prefill's (the kept keys and values of sampled tokens come
+    from decode steps, not a prefill: not bit for bit). The first turn, and the turn after new weights
+    (which drop the kept pages: prefilled whole), are the dense engine's bit for bit."""
+    dense = _conversation(Plain(CFG, 3, 64), False)
+    kept = _conversation(PagedLayout(CFG, 3, 64), True)
+    for turn, ((_, d, _), (_, k, _)) in enumerate(zip(dense, kept, strict=True)):
+        for a, b in zip(d, k, strict=True):
+            assert b.token_ids == a.token_ids and len(a.token_ids) == 8
+            if turn == 1:
+                np.testing.assert_allclose(b.logprobs, a.logprobs, rtol=0, atol=1e-5)
+            else:
+                assert (b.logprobs, b.policy_versions) == (a.logprobs, a.policy_versions)
+    lengths = [[len(p) for p in prompts] for prompts, _, _ in kept]
+    assert lengths[1] == [30, 33]
+    ran = [m["engine/prefill_tokens"] for _, _, m in kept]
+    assert ran[0] == sum(lengths[0]) and ran[1] - ran[0] == 2 * 6 and ran[2] - ran[1] == sum(lengths[2])
+    shared = [n - 6 for n in lengths[1]]  # the turn-1 prompt and the 7 completion tokens fed back
+    assert kept[1][2]["engine/prefix_tokens"] == sum(shared) and kept[1][2]["engine/prefix_hits"] == 2
+    assert kept[2][2]["engine/prefix_tokens"] == sum(shared)  # nothing shared after the update
+    assert kept[2][2]["engine/kv_pages"] == 0 and kept[2][2]["engine/kv_kept_pages"] > 0
+
+
+def test_kept_pages_are_shared_by_prefix_and_evicted_least_recently_used():
+    """The allocator's kept sequences (`retire`, `remember`): a prompt extending one shares its whole pages
+    (the partial one is read, then let go), kept pages count as free and go least recently used first when
+    a page is needed, and `forget_all` (new weights) drops them all."""
+    alloc = PageAllocator(9, PAGE, 2, 128)  # 8 pages to hand out
+    alloc.assign(0, 40, 64)  # 3 pages
+    alloc.step()
+    alloc.retire(0, handle=1)
+    alloc.remember(1, list(range(45)))  # its 45 positions: still 3 pages
+    assert (alloc.kept, alloc.in_use, alloc.free) == (3, 0, 8)
+    assert alloc.match(tuple(range(30)) + (99,)) == 30  # 30 of the 31 shared; 2 pages read (one partial)
+    dest = alloc.assign(1, 31, 32, prompt=tuple(range(30)) + (99,))
+    assert dest.tolist() == [0, 4] and alloc.table[1, :2].tolist() == [1, 4]  # the partial page's copy: page 4
+    assert (alloc.prefix_hits, alloc.prefix_tokens, alloc.in_use) == (1, 30, 2)
+    alloc.assign(0, 96, 128)  # 6 pages: the kept sequence goes, its pages not shared (2, 3) back to the pool
+    assert alloc.match(tuple(range(50))) == 0 and alloc.evictions == 1 and alloc.kept == 0
+    alloc.retire(0, handle=2)
+    alloc.remember(2, [7] * 100)  # only 96 positions were written: 6 pages
+    assert alloc.kept == 6 and alloc.free == 6
+    alloc.forget_all()
+    assert alloc.kept == 0 and alloc.free == 6 and alloc.in_use == 2

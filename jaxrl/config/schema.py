@@ -228,6 +228,11 @@ class JaxConfig(_Table):
     rollouts sharing their prompt's pages; must be >= `seq_len` (one sequence fits). Set, the engine runs
     the paged cache (on CPU too, instead of the CPU's chunked dense cache); default None: the dense cache
     of `decode_slots` x `seq_len` positions, as before."""
+    kv_reuse_turns: bool = False
+    """With `kv_cache_tokens`: keep a finished rollout's pages for a multi-turn conversation's next turn,
+    which then prefills only its new tokens (`Scheduler`'s `keep_turns`; dropped at each weight update; not
+    in an engine group over processes). Its logprobs then differ from a whole prefill's by float rounding
+    (about 1e-6 in float32): no longer the dense cache's bit for bit. Default false."""
     remat: bool = False
     """Recompute activations in the backward pass to save memory (`jax.checkpoint`). Default false."""
     micro_batch_size: int | None = Field(None, ge=1)
@@ -377,6 +382,8 @@ class RunConfig(_Table):
         if self.jax.kv_cache_tokens is not None and self.jax.kv_cache_tokens < self.jax.seq_len:
             problems.append(("jax.kv_cache_tokens", f"{self.jax.kv_cache_tokens} must be >= jax.seq_len "
                                                     f"({self.jax.seq_len}): one sequence must fit the pool"))
+        if self.jax.kv_reuse_turns and self.jax.kv_cache_tokens is None:
+            problems.append(("jax.kv_reuse_turns", "needs the paged cache: set [jax] kv_cache_tokens"))
         if self.sampling.max_tokens is not None and self.sampling.max_tokens >= self.jax.seq_len:
             problems.append(("sampling.max_tokens", f"{self.sampling.max_tokens} must be < jax.seq_len "
                                                     f"({self.jax.seq_len}); raise [jax] seq_len"))

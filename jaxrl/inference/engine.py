@@ -147,7 +147,9 @@ class Engine:
         self._prefill_sample = jax.jit(self._prefill_sample_impl, static_argnames=("truncate", "top"))
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
         self._copy_pages = jax.jit(self._copy_pages_impl, donate_argnums=(0,))
+        self._extend_forward = jax.jit(self._extend_forward_impl)
         self.prefills = 0  # prompts run through the model (a group's shared prompt once)
+        self.prefill_tokens = 0  # positions they ran (a conversation's next turn: those after its kept pages)
         self._generate = jax.jit(self._generate_impl, donate_argnums=(1,),
                                  static_argnames=("truncate", "penalize", "ban", "chunks", "top"))
 
@@ -218,22 +220,29 @@ class Engine:
         return self.prefill_shared(params, padded_tokens, true_length, [sampling or SamplingParams()], [key])[0]
 
     def prefill_shared(self, params: Params, padded_tokens: jax.Array, true_length: int,
-                       samplings: list[SamplingParams], keys: list[jax.Array]) -> list[Prefix]:
+                       samplings: list[SamplingParams], keys: list[jax.Array],
+                       pool: KVCache | None = None) -> list[Prefix]:
         """One prefix per request for requests with the same prompt (`prefill`'s arguments): the prompt
         runs through the model once (`_prefill_forward`, counted in `prefills`), then each request samples
         its first token from those logits with its own settings and key (`_prefill_sample`, a program of
         batch 1: the same numbers as a prefill of its own). The prefixes share the cache arrays (`insert`
         copies them). With a paged cache whose pool still holds this prompt's pages (a slot inserted from
         an earlier prefill of it, say an earlier rollout of the group), the forward does not run: the
-        prefixes sample from that prefill's logits and share its pages (`Prefix.cache` None). `prefill` is
-        this with one request; `jaxrl.compile.programs.compile_prefill` compiles the same two programs."""
+        prefixes sample from that prefill's logits and share its pages (`Prefix.cache` None). Given the
+        decode state's paged `pool`, a prompt that extends a kept sequence's tokens (`PageAllocator.match`:
+        a conversation's next turn) runs only its positions after them (`_extend_forward`, reading the kept
+        pages). `prefill` is this with one request; `jaxrl.compile.programs.compile_prefill` compiles the
+        same two programs."""
         tokens_T, prompt, cache, logits_1V = jnp.asarray(padded_tokens, jnp.int32), (), None, None
         if self.pages is not None:  # the key of the prompt's pages
             prompt = tuple(int(t) for t in np.asarray(jax.device_get(tokens_T))[:true_length])
             logits_1V = self.pages.held(prompt)
-        if logits_1V is None:
+        if logits_1V is None and pool is not None and (start := self.pages.match(prompt)):
+            cache, logits_1V = self._extend(params, pool, prompt, start)
+        elif logits_1V is None:
             cache, logits_1V = self._prefill_forward(params, tokens_T, jnp.int32(true_length))
             self.prefills += 1
+            self.prefill_tokens += true_length
         out = []
         for params_i, key in zip(samplings, keys, strict=True):
             sampling, length = SlotSampling.of(params_i), jnp.int32(true_length)
@@ -241,6 +250,21 @@ class Engine:
                                          truncate=params_i.truncates, top=self.top_for([params_i]))
             out.append(Prefix(cache, *parts[:2], length, sampling, *parts[2:], logits=logits_1V, prompt=prompt))
         return out
+
+    def _extend(self, params: Params, pool: KVCache, prompt: tuple[int, ...], start: int) -> tuple[KVCache, jax.Array]:
+        """`prompt`'s cache {"k","v"} [L, 1, S, K, H] (S: whole pages over the smallest bucket that holds
+        it) and its logits [1, V], from the pages `PageAllocator.match` pinned for its first `start`
+        positions and a forward over the rest, padded to a bucket (counted in `prefills`, `prefill_tokens`)."""
+        page, new = self.pages.page, len(prompt) - start
+        n = -(-self.bucket(len(prompt)) // page)
+        read = np.zeros((n,), np.int32)
+        pinned = self.pages.pinned(prompt)
+        read[:len(pinned)] = pinned
+        tokens = pad_prompt(list(prompt[start:]), self.bucket(new))
+        self.prefills += 1
+        self.prefill_tokens += new
+        return self._extend_forward(params, {name: pool[name] for name in ("k", "v")}, jnp.asarray(read), tokens,
+                                    jnp.int32(start), jnp.int32(new))
 
     @staticmethod
     def top_for(samplings: list[SamplingParams]) -> int:
@@ -284,12 +308,16 @@ class Engine:
 
     def metrics(self) -> dict[str, float]:
         """`engine/prefills` (prompts run through the model, since the start) and, with a paged layout,
-        `engine/prefix_hits` (inserts that shared a prompt's pages, since the start) and `engine/kv_pages`
-        (pages in use now)."""
+        `engine/prefix_hits` (inserts that shared a prompt's pages or a kept sequence's, since the start),
+        `engine/prefill_tokens` (positions prefills ran) and `engine/prefix_tokens` (prompt positions
+        inserts shared instead, since the start), `engine/kv_pages` (pages slots hold now) and
+        `engine/kv_kept_pages` (pages kept sequences hold now, `PageAllocator.retire`)."""
         if (alloc := self.pages) is None:
             return {"engine/prefills": float(self.prefills)}
         return {"engine/prefills": float(self.prefills), "engine/prefix_hits": float(alloc.prefix_hits),
-                "engine/kv_pages": float(alloc.in_use)}
+                "engine/prefill_tokens": float(self.prefill_tokens),
+                "engine/prefix_tokens": float(alloc.prefix_tokens), "engine/kv_pages": float(alloc.in_use),
+                "engine/kv_kept_pages": float(alloc.kept)}
 
     def release(self, slot: int) -> None:
         """Return the pages of `slot`, whose request finished or was cancelled (a dense cache: nothing)."""
@@ -372,6 +400,22 @@ class Engine:
             stop=jax.lax.dynamic_update_slice(state.stop, prefix.stop, (slot, 0)),
             generated=put1(state.generated, jnp.ones((1,), jnp.int32)),
         )
+
+    def _extend_forward_impl(self, params, pool, read_N, tokens_T, start, true_length):
+        """`_prefill_forward_impl` for positions `start` .. `start` + `true_length` - 1 of a prompt whose
+        earlier ones are in pool pages `read_N` (int32 [N], 0 past them): those pages gathered into a dense
+        [L, 1, N * page, K, H] cache, which `tokens_T` (padded; positions past N * page are dropped) is
+        written into and attends over (`qwen3.forward` with a cache: a query reads keys at positions <= its
+        own). Returns that cache, in the pool's dtype, and the logits after the last token, [1, V]."""
+        t = tokens_T.shape[0]
+        k, layers, _, page, h = pool["k"].shape
+        s = read_N.shape[0] * page
+        cache = {n: x[:, :, read_N].reshape(k, layers, s, h).transpose(1, 2, 0, 3)[:, None] for n, x in pool.items()}
+        model = modules.bind(self.cfg, params["base"], params.get("lora"), self.lora_scale)
+        hidden_BTD, kv = model(tokens_T[None], (start + jnp.arange(t, dtype=jnp.int32))[None], cache=cache,
+                               mesh=self.mesh)
+        last_BD = jax.lax.dynamic_index_in_dim(hidden_BTD[0], true_length - 1, keepdims=True)
+        return kv, self.layout.logits(params, last_BD[None])[:, 0]
 
     def _copy_pages_impl(self, state: DecodeState, src_B, dst_B) -> DecodeState:
         """`state` with pool pages `src_B` copied to `dst_B` (int32 [B] each: `PagedLayout.copy_pages`)."""

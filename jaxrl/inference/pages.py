@@ -4,10 +4,17 @@ slot holds, a free list and reference counts, as vLLM's block manager (Kwon et a
 Every process of an engine group makes the same calls in the same order (`jaxrl.inference.lockstep`), so
 their allocators agree page for page. Page 0 is scratch (never handed out): a table entry of 0 is a page
 the slot does not hold.
+
+A finished sequence's pages may be kept (`retire`, then `remember` with the tokens whose keys and values
+they hold), so that a later prompt extending those tokens (a multi-turn conversation's next turn: the last
+prompt, its completion, the environment's reply) shares them (`match`) and prefills only what follows
+(`Engine.prefill_shared`), as vLLM's automatic prefix caching. Kept pages are evicted, least recently used
+sequence first, when a page is needed and none is free; they count as free for admission (`free`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Hashable
 from typing import Any
@@ -17,6 +24,16 @@ import numpy as np
 
 class PoolExhausted(RuntimeError):
     """No free page is left for a slot's next position."""
+
+
+@dataclasses.dataclass
+class _Kept:
+    """A finished sequence's pages: `tokens` (int32 [n]; None until `remember`) whose keys and values
+    `pages` (ceil(n / page)) hold, and when it was last used (the allocator's clock, for LRU eviction)."""
+
+    pages: list[int]
+    used: int
+    tokens: np.ndarray | None = None
 
 
 class PageAllocator:
@@ -42,21 +59,37 @@ class PageAllocator:
         # prompt -> (its pages, the last one partial or not; what the engine keeps with it): while held
         self._prompts: dict[Hashable, tuple[list[int], Any]] = {}
         self.dirty = True
-        self.prefix_hits = 0  # inserts that reused another slot's prompt pages
+        self.prefix_hits = 0  # inserts that reused another slot's prompt pages or a kept sequence's
         self.shared_pages = 0  # pages those inserts did not write
+        self.prefix_tokens = 0  # prompt positions those inserts did not prefill
         self.copies = 0  # pages copied on write (a shared partial page a slot's decode step writes into)
+        self.evictions = 0  # kept sequences dropped for a page
+        self._kept: dict[int, _Kept] = {}  # finished sequences' pages, by the caller's handle
+        self._kept_refs = np.zeros((num_pages,), np.int32)  # the references to each page `_kept` holds
+        self._clock = 0
+        self._pinned: dict[Hashable, tuple[list[int], int]] = {}  # prompt -> (pages `match` read, positions)
 
     @property
     def free(self) -> int:
-        """Pages that can be handed out."""
-        return len(self._free)
+        """Pages that can be handed out: free ones and those only kept sequences hold (evicted on demand)."""
+        if not self._kept:
+            return len(self._free)
+        return len(self._free) + int(np.sum((self.refs > 0) & (self.refs == self._kept_refs)))
 
     @property
     def in_use(self) -> int:
-        """Pages held by some slot (a shared page counts once)."""
-        return self.num_pages - 1 - len(self._free)
+        """Pages held by some slot (a shared page counts once; pages only kept sequences hold are not)."""
+        return self.num_pages - 1 - self.free
+
+    @property
+    def kept(self) -> int:
+        """Pages held by kept sequences (some may be shared with slots)."""
+        return int(np.sum(self._kept_refs > 0))
 
     def _take(self) -> int:
+        while not self._free and self._kept:  # the least recently used kept sequence goes
+            self._forget(min(self._kept, key=lambda h: self._kept[h].used))
+            self.evictions += 1
         if not self._free:
             raise PoolExhausted(f"the KV page pool's {self.num_pages - 1} pages of {self.page} positions are all "
                                 "in use; raise [jax] kv_cache_tokens")
@@ -71,6 +104,82 @@ class PageAllocator:
             # a later insert must not share a freed page: the prompts it held are forgotten
             for key in [k for k, (pages, _) in self._prompts.items() if p in pages]:
                 del self._prompts[key]
+
+    def retire(self, slot: int, handle: int) -> None:
+        """Keep `slot`'s pages under `handle` (a number unique to the sequence) instead of returning them;
+        the slot holds none after. Not shared until `remember` says what they hold."""
+        pages = [int(p) for p in self.table[slot][self.table[slot] > 0]]
+        self._forget(handle)
+        self._clock += 1
+        self._kept[handle] = _Kept(pages, self._clock)
+        self._kept_refs[pages] += 1
+        self.table[slot] = 0
+        self._positions.pop(slot, None)
+        self.dirty = True
+
+    def remember(self, handle: int, tokens: list[int]) -> None:
+        """The retired sequence `handle` holds the keys and values of `tokens` (positions 0 .. len - 1):
+        its pages past them are returned, the rest may be shared (`match`); no tokens: all returned.
+        Nothing when it was evicted."""
+        if (kept := self._kept.get(handle)) is None:
+            return
+        if not tokens:
+            self._forget(handle)
+            return
+        n = min(len(tokens), len(kept.pages) * self.page)
+        keep = math.ceil(n / self.page)
+        for p in kept.pages[keep:]:
+            self._kept_refs[p] -= 1
+            self._drop(p)
+        kept.pages, kept.tokens = kept.pages[:keep], np.asarray(tokens[:n], np.int32)
+
+    def _forget(self, handle: int) -> None:
+        if (kept := self._kept.pop(handle, None)) is not None:
+            for p in kept.pages:
+                self._kept_refs[p] -= 1
+                self._drop(p)
+
+    def forget_all(self) -> None:
+        """Share nothing computed so far (new weights: those keys and values are the old policy's): kept
+        sequences are dropped and running slots' prompts are no longer shared (`held`)."""
+        for handle in list(self._kept):
+            self._forget(handle)
+        self._prompts.clear()
+
+    def match(self, prompt: tuple[int, ...]) -> int:
+        """The most positions of `prompt` whose keys and values a kept sequence holds (its tokens a prefix
+        of `prompt`'s, up to len(prompt) - 1: the last token must run for its logits), 0 under one page.
+        Their pages are held for `prompt`'s `assign` (`pinned`) until then or `unpin`."""
+        if not self._kept or prompt in self._pinned:
+            return self._pinned.get(prompt, ((), 0))[1]
+        ids = np.asarray(prompt, np.int32)
+        best, best_m = None, 0
+        for kept in self._kept.values():
+            if kept.tokens is None:
+                continue
+            n = min(len(kept.tokens), len(ids) - 1)
+            differ = np.flatnonzero(kept.tokens[:n] != ids[:n])
+            if (m := int(differ[0]) if differ.size else n) > best_m:
+                best, best_m = kept, m
+        if best is None or best_m < self.page:
+            return 0
+        self._clock += 1
+        best.used = self._clock
+        pages = best.pages[:math.ceil(best_m / self.page)]
+        self.refs[pages] += 1
+        self._pinned[prompt] = (pages, best_m)
+        return best_m
+
+    def pinned(self, prompt: tuple[int, ...]) -> list[int]:
+        """The pages `match` holds for `prompt` (positions 0 .. its count, the last page maybe partial)."""
+        return self._pinned[prompt][0]
+
+    def unpin(self) -> None:
+        """Let go of the pages `match` held for prompts that were not assigned."""
+        for pages, _ in self._pinned.values():
+            for p in pages:
+                self._drop(p)
+        self._pinned.clear()
 
     def release(self, slot: int) -> None:
         """Return `slot`'s pages (those shared with another slot stay with it); its entries become 0."""
@@ -92,7 +201,9 @@ class PageAllocator:
         When some slot holds the pages of the same `prompt` (a key: its token ids), `slot` shares all of
         them, reference counted, the partial last one included, and nothing is written: the first decode
         step that writes into a shared page copies it (`step`, copy on write, as vLLM's block manager).
-        Else new pages, kept under `prompt` (None: not shared) with `keep` (returned by `held`).
+        Else new pages, kept under `prompt` (None: not shared) with `keep` (returned by `held`); where
+        `match` pinned a kept sequence's pages for `prompt`, its whole pages are shared and the rest new
+        (the partial one among them: written whole from the prefill, which read it: copy on write).
 
         Returns:
             int32 [ceil(bucket / page)]: the page each page of the prefill's cache (padded to `bucket`
@@ -109,8 +220,11 @@ class PageAllocator:
             self.refs[pages] += 1
             self.prefix_hits += 1
             self.shared_pages += len(pages)
+            self.prefix_tokens += length
         else:
-            pages = []
+            read, m = self._pinned.pop(prompt, ([], 0)) if prompt is not None else ([], 0)
+            shared = read[:m // self.page]
+            pages = list(shared)
             try:
                 while len(pages) < n:
                     pages.append(self._take())
@@ -118,7 +232,14 @@ class PageAllocator:
                 for p in pages:
                     self._drop(p)
                 raise
-            dest[:n] = pages
+            finally:
+                for p in read[len(shared):]:  # the partial page, read by the prefill: let go
+                    self._drop(p)
+            dest[len(shared):n] = pages[len(shared):]
+            if shared:
+                self.prefix_hits += 1
+                self.shared_pages += len(shared)
+                self.prefix_tokens += m
             if prompt is not None:
                 self._prompts[prompt] = (pages, keep)
         self.table[slot, :n] = pages

@@ -24,6 +24,14 @@ step reads only the cache chunks that hold the busy slots' positions (`Engine.ca
 slot's numbers do not depend on how many that is (`jaxrl.model.cpu.Chunked.attend`). Packing several
 prompts into one prefill would not keep that: one prompt's logits moved by 2-4e-6 when packed beside
 others into a longer row (Qwen3-0.6B shape, Nov 2026).
+
+With a paged engine and `keep_turns`, a finished request's pages are kept (`PageAllocator.retire`, then
+`remember` once its tokens are read) and a later prompt that extends its tokens (a multi-turn
+conversation's next turn) prefills only the positions after them, over the kept pages
+(`Engine.prefill_shared`). New weights drop every kept page before the next admission, and a request whose
+decode spanned new weights keeps none, so no reused key or value is an older policy's. The reused keys and
+values of sampled tokens come from decode steps, so such a turn's numbers are a whole prefill's only up to
+float rounding (and depend on whether its last turn's pages were still kept): off by default.
 """
 
 from __future__ import annotations
@@ -72,6 +80,7 @@ class _Request:
     key: jax.Array | None = None  # its PRNG key, kept for a recompute after preemption
     admitted: int = 0  # the scheduler's count of admissions when it took its slot
     streamed: int = 0  # tokens given to `on_token` (a recompute after preemption does not give them again)
+    epoch: int = 0  # the scheduler's weights (`Scheduler._epoch`) when it was prefilled
 
     def add(self, token: int, logprob: float, version: int, top: list[tuple[int, float]] | None = None) -> bool:
         """Record a sampled token (and its alternatives, for a request that asked for `top_logprobs`); True
@@ -139,10 +148,17 @@ class Scheduler:
         params: engine params `{"base", "lora"}`.
         model_name: the name `/v1/models` reports.
         seed: base PRNG seed for requests without their own `seed`.
+        keep_turns: with a paged engine, keep a finished request's pages so that a later prompt extending
+            its tokens (a multi-turn conversation's next turn) shares them and prefills only the rest
+            (`keeps`). Its numbers then differ from a prefill of the whole prompt by float rounding (the
+            kept keys and values of sampled tokens come from decode steps): off, every prompt is prefilled
+            whole and the outputs are the dense cache's bit for bit.
     """
 
-    def __init__(self, engine: Engine, params: Params, model_name: str, seed: int = 0) -> None:
+    def __init__(self, engine: Engine, params: Params, model_name: str, seed: int = 0,
+                 keep_turns: bool = False) -> None:
         self.engine = engine
+        self.keeps = keep_turns and engine.pages is not None
         self.model_name = model_name
         self.max_model_len = engine.max_seq_len
         self.policy_version = 0
@@ -159,6 +175,7 @@ class Scheduler:
         self.decode_steps = 0
         self.preemptions = 0  # requests put back to wait for pages, to be computed again (a paged cache)
         self._admitted = 0  # admissions so far: a running request's order, the last admitted preempted first
+        self._epoch, self._epoch_params = 0, None  # weight sets the engine's cache has seen, the last one
         self._thread = threading.Thread(target=self._run, name="jaxrl-scheduler", daemon=True)
         self._thread.start()
 
@@ -333,6 +350,10 @@ class Scheduler:
     def _admit(self, admit: list[_Request]) -> None:
         """Dispatch the prefills of `admit` (one per distinct prompt: `Engine.prefill_shared`) and, for
         each request whose prefill does not sample its last token, its insert into a free slot, in order."""
+        if self._params is not self._epoch_params:  # new weights: keys and values computed so far are stale
+            self._epoch, self._epoch_params = self._epoch + 1, self._params
+            if self.engine.pages is not None:
+                self.engine.pages.forget_all()
         live = [(req, self._key(req)) for req in admit if not self._dropped(req)]
         groups: dict[tuple[int, ...], list[tuple[_Request, jax.Array]]] = {}
         for req, key in live:
@@ -342,7 +363,8 @@ class Scheduler:
             try:
                 bucket = self.engine.bucket(len(prompt))
                 done = self.engine.prefill_shared(self._params, pad_prompt(list(prompt), bucket), len(prompt),
-                                                  [r.params for r, _ in group], [k for _, k in group])
+                                                  [r.params for r, _ in group], [k for _, k in group],
+                                                  pool=self._state.cache if self.keeps else None)
             except Exception as exc:  # noqa: BLE001 - a bad request must not stop the loop
                 for req, _ in group:
                     req.fail(exc)
@@ -359,6 +381,9 @@ class Scheduler:
                 self._state = self.engine.insert(prefix, self._state, req.slot)
                 self._slots[req.slot] = req
                 req.admitted = self._admitted = self._admitted + 1
+                req.epoch = self._epoch
+        if self.engine.pages is not None:
+            self.engine.pages.unpin()  # kept pages matched for prompts not inserted (finished at their first token)
 
     def _step(self) -> None:
         """Dispatch one decode step over the occupied slots, if any."""
@@ -385,7 +410,7 @@ class Scheduler:
         for req in active:
             req.dispatched += 1
             if req.dispatched >= req.max_tokens:
-                self._release(req)
+                self._release(req, keep=True)  # its tokens come with `_hand_out`
 
     def _hand_out(self, sampled: _Sampled) -> None:
         """Read `sampled` (waits for the device) and give each live request its token."""
@@ -397,16 +422,37 @@ class Scheduler:
                 continue
             k = req.params.top_logprobs
             top = list(zip(top_ids[row, :k].tolist(), top_lps[row, :k].tolist(), strict=True)) if k else None
-            if self._dropped(req) or req.add(int(tokens[row]), float(logprobs[row]), sampled.version, top):
+            if self._dropped(req):
                 req.done = True
                 self._release(req)
+                self._remember(req, None)
+            elif req.add(int(tokens[row]), float(logprobs[row]), sampled.version, top):
+                req.done = True
+                self._release(req, keep=True)
+                self._remember(req, req.prompt_ids + req.tokens)
                 req.finish()
 
-    def _release(self, req: _Request) -> None:
+    def _release(self, req: _Request, keep: bool = False) -> None:
+        """Free `req`'s slot; a paged cache's pages go back to the pool, or with `keep` (a finished
+        request, where `keeps`) are kept under its admission number until `_remember` says what they hold."""
         if req.slot is not None:
             self._slots[req.slot] = None
-            self.engine.release(req.slot)  # a paged cache's pages go back to the pool
+            if keep and self.keeps:
+                self.engine.pages.retire(req.slot, req.admitted)
+            else:
+                self.engine.release(req.slot)
             req.slot = None
+
+    def _remember(self, req: _Request, tokens: list[int] | None) -> None:
+        """The kept pages of finished `req` hold `tokens`' keys and values up to the last token a decode
+        step ran (its prompt and `dispatched - 1` sampled tokens), if all of them were computed with the
+        weights in use now; else (None, or new weights since its prefill) they go back to the pool."""
+        if not self.keeps:
+            return
+        if tokens is None or req.epoch != self._epoch or self._params is not self._epoch_params:
+            self.engine.pages.remember(req.admitted, [])
+            return
+        self.engine.pages.remember(req.admitted, tokens[:len(req.prompt_ids) + req.dispatched - 1])
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._cv:

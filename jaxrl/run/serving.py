@@ -104,7 +104,8 @@ class Serving:
                 engine, params, cfg.model, distributed.Exchange(placement.engine_group), seed=seed)
             distributed.set_fence(self.scheduler.paused)  # device programs spanning hosts pause it
         else:
-            self.scheduler = Scheduler(engine, params, model_name=cfg.model, seed=seed)
+            self.scheduler = Scheduler(engine, params, model_name=cfg.model, seed=seed,
+                                       keep_turns=jcfg.kv_reuse_turns)
         self.scheduler.policy_version = start_step
         self.versions = VersionLog(self.scheduler)  # each sampled token's policy version
         self.server = start_server(self.versions, host=jcfg.host, port=jcfg.port, chat_template=envs.chat_template,
