@@ -146,3 +146,51 @@ def test_multiturn_config_trains_with_branching(tmp_path, tiny_model_dir):
     (row,) = read_metrics(tmp_path / "runs" / "multiturn")
     assert row["rollouts/failed"] == 0 and row["train/samples"] == 4 * TURNS
     assert 0.0 <= row["reward/mean"] <= 1.0 and math.isfinite(row["loss"])
+
+
+def test_next_turns_share_the_last_turns_pages_through_the_real_server(tiny_model_dir):
+    """The follow-rules environment (verifiers' MultiTurnEnv, 2 turns) against a paged engine that keeps
+    finished turns' pages (`[jax] kv_reuse_turns`): each rollout's next prompt extends its last prompt and
+    completion, so turn 2 of both rollouts shares those pages and prefill only what follows them
+    (the environment's reply, and the completion's last token or two: the engine feeds back all but the
+    last sampled token, one more when the step after a stop token was already dispatched)."""
+    import jax
+    from helpers import Recording
+
+    from jaxrl.inference.chat import ChatTemplate
+    from jaxrl.inference.engine import Engine
+    from jaxrl.inference.scheduler import Scheduler
+    from jaxrl.inference.server import start_server
+    from jaxrl.model import hf
+    from jaxrl.parallel.sharding import make_mesh
+
+    turns = 2
+    mcfg, base = hf.load_hf(tiny_model_dir)
+    engine = Engine(mcfg, make_mesh({}, jax.devices()[:1]), 4, 160, kv_cache_tokens=640)
+    backend = Recording(Scheduler(engine, {"base": base, "lora": None}, model_name="policy", keep_turns=True))
+    server = start_server(backend, chat_template=ChatTemplate.load(tiny_model_dir))
+    env = load_env("jaxrl/follow-rules", {"num_train_examples": 4, "num_eval_examples": 1, "num_turns": turns})
+
+    async def go():
+        async with env.serving():
+            return await run_group(env, env.tasks[1], 2, base_url=server.base_url, model_name=SERVED_MODEL,
+                                   tokenizer_path=tiny_model_dir,
+                                   sampling=SamplingParams(temperature=1.0, max_tokens=8, seed=11))
+
+    try:
+        rollouts = asyncio.run(go())
+    finally:
+        server.stop()
+        backend.scheduler.stop()
+    assert all(r.ok for r in rollouts) and len(backend.calls) == 2 * turns
+    metrics = engine.metrics()
+    # every prompt position is prefilled or shared: the group's first prompt once each way, then the turns
+    assert metrics["engine/prefill_tokens"] + metrics["engine/prefix_tokens"] == sum(len(p) for p, *_ in backend.calls)
+    assert metrics["engine/prefix_hits"] == 1 + 2 * (turns - 1)
+    first = len(backend.calls[0][0])
+    new = 0  # the tokens each later turn's prompt adds to its last prompt and completion
+    for r in rollouts:
+        mine = sorted((len(p), p, c) for p, c, _, _ in backend.calls if r.token_ids[:len(p) + len(c)] == p + c)
+        assert len(mine) == turns and mine[0][0] == first
+        new += sum(len(p) - len(q) - len(c) for (_, q, c), (_, p, _) in zip(mine, mine[1:], strict=False))
+    assert new <= metrics["engine/prefill_tokens"] - first <= new + 2 * (turns - 1)

@@ -147,24 +147,25 @@ def test_allocator_refuses_past_the_pool_and_sizes_in_tokens():
 
 def _conversation(layout, keep: bool):
     """Two conversations of 3 turns (one greedy, one seeded) through a scheduler over `layout` (3 slots of
-    64 positions): each next prompt is the last prompt, its completion of 8 tokens and 5 new tokens (a
-    multi-turn environment's reply). The weights are updated (the same values, a new version) before the
-    third turn. Returns per turn the prompts, their completions and the engine's metrics after them."""
+    64 positions): each next prompt is the last prompt, its completion of 5 tokens and 2 new tokens (a
+    multi-turn environment's reply; every prompt in one prefill bucket). The weights are updated (the same
+    values, a new version) before the third turn. Returns per turn the prompts, their completions and the
+    engine's metrics after them."""
     engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), 3, 64, lora_scale=0.5, layout=layout)
     params = _params()
     sched = Scheduler(engine, params, "tiny", keep_turns=keep)
     rng = np.random.default_rng(0)
 
     async def go():
-        turns, prompts = [], [rng.integers(1, 96, size=n).tolist() for n in (17, 20)]
+        turns, prompts = [], [rng.integers(1, 96, size=n).tolist() for n in (17, 18)]
         for turn in range(3):
             if turn == 2:
                 sched.update_params(params, 1)
-            done = await asyncio.gather(*[sched.generate(p, SamplingParams(temperature=float(i), max_tokens=8,
+            done = await asyncio.gather(*[sched.generate(p, SamplingParams(temperature=float(i), max_tokens=5,
                                                                            seed=7 + i + 10 * turn))
                                           for i, p in enumerate(prompts)])
             turns.append((prompts, done, engine.metrics()))
-            replies = [rng.integers(1, 96, size=5).tolist() for _ in prompts]
+            replies = [rng.integers(1, 96, size=2).tolist() for _ in prompts]
             prompts = [p + d.token_ids + r for p, d, r in zip(prompts, done, replies, strict=True)]
         return turns
 
@@ -177,8 +178,8 @@ def _conversation(layout, keep: bool):
 @pytest.mark.numerics
 def test_a_conversations_next_turn_shares_its_last_turns_pages():
     """Multi-turn continuation, greedy and seeded, keeping each finished turn's pages (`keep_turns`): the
-    next turn prefills only the positions after the tokens they hold (the 5 new ones and the completion's
-    last, never fed back: 6 a conversation, not 30 and 33), and samples the dense engine's tokens with
+    next turn prefills only the positions after the tokens they hold (the 2 new ones and the completion's
+    last, never fed back: 3 a conversation, not 24 and 25), and samples the dense engine's tokens with
     logprobs within float rounding of its whole prefill's (the kept keys and values of sampled tokens come
     from decode steps, not a prefill: not bit for bit). The first turn, and the turn after new weights
     (which drop the kept pages: prefilled whole), are the dense engine's bit for bit."""
@@ -186,16 +187,16 @@ def test_a_conversations_next_turn_shares_its_last_turns_pages():
     kept = _conversation(PagedLayout(CFG, 3, 64), True)
     for turn, ((_, d, _), (_, k, _)) in enumerate(zip(dense, kept, strict=True)):
         for a, b in zip(d, k, strict=True):
-            assert b.token_ids == a.token_ids and len(a.token_ids) == 8
+            assert b.token_ids == a.token_ids and len(a.token_ids) == 5
             if turn == 1:
                 np.testing.assert_allclose(b.logprobs, a.logprobs, rtol=0, atol=1e-5)
             else:
                 assert (b.logprobs, b.policy_versions) == (a.logprobs, a.policy_versions)
     lengths = [[len(p) for p in prompts] for prompts, _, _ in kept]
-    assert lengths[1] == [30, 33]
+    assert lengths[1] == [24, 25]
     ran = [m["engine/prefill_tokens"] for _, _, m in kept]
-    assert ran[0] == sum(lengths[0]) and ran[1] - ran[0] == 2 * 6 and ran[2] - ran[1] == sum(lengths[2])
-    shared = [n - 6 for n in lengths[1]]  # the turn-1 prompt and the 7 completion tokens fed back
+    assert ran[0] == sum(lengths[0]) and ran[1] - ran[0] == 2 * 3 and ran[2] - ran[1] == sum(lengths[2])
+    shared = [n - 3 for n in lengths[1]]  # the turn-1 prompt and the 4 completion tokens fed back
     assert kept[1][2]["engine/prefix_tokens"] == sum(shared) and kept[1][2]["engine/prefix_hits"] == 2
     assert kept[2][2]["engine/prefix_tokens"] == sum(shared)  # nothing shared after the update
     assert kept[2][2]["engine/kv_pages"] == 0 and kept[2][2]["engine/kv_kept_pages"] > 0
