@@ -204,22 +204,33 @@ def test_a_conversations_next_turn_shares_its_last_turns_pages():
 
 def test_kept_pages_are_shared_by_prefix_and_evicted_least_recently_used():
     """The allocator's kept sequences (`retire`, `remember`): a prompt extending one shares its whole pages
-    (the partial one is read, then let go), kept pages count as free and go least recently used first when
-    a page is needed, and `forget_all` (new weights) drops them all."""
+    (the partial one is read, then let go: the new sequence writes its own), a kept sequence that a later
+    one extends is dropped, kept pages count as free and go least recently used first when a page is
+    needed, and `forget_all` (new weights) drops them all."""
     alloc = PageAllocator(9, PAGE, 2, 128)  # 8 pages to hand out
-    alloc.assign(0, 40, 64)  # 3 pages
+    alloc.assign(0, 40, 64)  # pages 1, 2, 3
     alloc.step()
     alloc.retire(0, handle=1)
     alloc.remember(1, list(range(45)))  # its 45 positions: still 3 pages
     assert (alloc.kept, alloc.in_use, alloc.free) == (3, 0, 8)
-    assert alloc.match(tuple(range(30)) + (99,)) == 30  # 30 of the 31 shared; 2 pages read (one partial)
-    dest = alloc.assign(1, 31, 32, prompt=tuple(range(30)) + (99,))
-    assert dest.tolist() == [0, 4] and alloc.table[1, :2].tolist() == [1, 4]  # the partial page's copy: page 4
+    turn = list(range(30)) + [99]
+    assert alloc.match(tuple(turn)) == 30  # 2 pages read, the second partial
+    assert alloc.assign(1, 31, 32, prompt=tuple(turn)).tolist() == [0, 4]  # the partial page's copy: page 4
+    assert alloc.table[1, :2].tolist() == [1, 4]
     assert (alloc.prefix_hits, alloc.prefix_tokens, alloc.in_use) == (1, 30, 2)
-    alloc.assign(0, 96, 128)  # 6 pages: the kept sequence goes, its pages not shared (2, 3) back to the pool
-    assert alloc.match(tuple(range(50))) == 0 and alloc.evictions == 1 and alloc.kept == 0
-    alloc.retire(0, handle=2)
-    alloc.remember(2, [7] * 100)  # only 96 positions were written: 6 pages
-    assert alloc.kept == 6 and alloc.free == 6
+    alloc.step()
+    alloc.retire(1, handle=2)
+    alloc.remember(2, turn + [5])  # 32 positions, pages 1 and 4; sequence 1 is not a prefix of it: both kept
+    assert alloc.kept == 4 and alloc.match(tuple(turn + [5, 8])) == 32
+    alloc.assign(1, 33, 48, prompt=tuple(turn + [5, 8]))  # pages 1, 4 shared whole, 5 new
+    alloc.step()
+    alloc.retire(1, handle=3)
+    alloc.remember(3, turn + [5, 8, 9])  # extends sequence 2, which goes (its pages are sequence 3's)
+    assert sorted(alloc._kept) == [1, 3] and alloc.kept == 5 and alloc.free == 8
+    alloc.assign(0, 128, 128)  # 8 pages: 6, 7, 8 free, then sequence 1 (least recently used), then 3
+    assert alloc.evictions == 2 and alloc.kept == 0 and alloc.match(tuple(range(50))) == 0
+    alloc.retire(0, handle=4)
+    alloc.remember(4, [7] * 100)
+    assert (alloc.kept, alloc.free, alloc.in_use) == (7, 8, 0)  # 100 positions: 7 pages, the 8th returned
     alloc.forget_all()
-    assert alloc.kept == 0 and alloc.free == 6 and alloc.in_use == 2
+    assert (alloc.kept, alloc.free, alloc.in_use) == (0, 8, 0)

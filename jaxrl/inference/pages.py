@@ -68,6 +68,7 @@ class PageAllocator:
         self._kept_refs = np.zeros((num_pages,), np.int32)  # the references to each page `_kept` holds
         self._clock = 0
         self._pinned: dict[Hashable, tuple[list[int], int]] = {}  # prompt -> (pages `match` read, positions)
+        self._heads: dict[bytes, set[int]] = {}  # a first page's tokens -> the kept sequences that start so
 
     @property
     def free(self) -> int:
@@ -119,8 +120,9 @@ class PageAllocator:
 
     def remember(self, handle: int, tokens: list[int]) -> None:
         """The retired sequence `handle` holds the keys and values of `tokens` (positions 0 .. len - 1):
-        its pages past them are returned, the rest may be shared (`match`); no tokens: all returned.
-        Nothing when it was evicted."""
+        its pages past them are returned, the rest may be shared (`match`); no tokens, or under a page: all
+        returned. A kept sequence whose tokens are a prefix of these is dropped (this one holds its positions). Nothing
+        when it was evicted."""
         if (kept := self._kept.get(handle)) is None:
             return
         if not tokens:
@@ -132,9 +134,22 @@ class PageAllocator:
             self._kept_refs[p] -= 1
             self._drop(p)
         kept.pages, kept.tokens = kept.pages[:keep], np.asarray(tokens[:n], np.int32)
+        if n < self.page:  # never shared (`match` wants a page at least)
+            self._forget(handle)
+            return
+        head = kept.tokens[:self.page].tobytes()
+        for other in list(self._heads.get(head, ())):  # a kept sequence this one extends: its pages are not needed
+            if other != handle and len(t := self._kept[other].tokens) <= n and np.array_equal(t, kept.tokens[:len(t)]):
+                self._forget(other)
+        self._heads.setdefault(head, set()).add(handle)
 
     def _forget(self, handle: int) -> None:
         if (kept := self._kept.pop(handle, None)) is not None:
+            if kept.tokens is not None and len(kept.tokens) >= self.page:
+                heads = self._heads[head := kept.tokens[:self.page].tobytes()]
+                heads.discard(handle)
+                if not heads:
+                    del self._heads[head]
             for p in kept.pages:
                 self._kept_refs[p] -= 1
                 self._drop(p)
@@ -148,15 +163,14 @@ class PageAllocator:
 
     def match(self, prompt: tuple[int, ...]) -> int:
         """The most positions of `prompt` whose keys and values a kept sequence holds (its tokens a prefix
-        of `prompt`'s, up to len(prompt) - 1: the last token must run for its logits), 0 under one page.
+        of `prompt`'s, up to len(prompt) - 1: the last token must run for its logits), 0 under one page;
+        only the kept sequences that start with `prompt`'s first page are compared (`_heads`).
         Their pages are held for `prompt`'s `assign` (`pinned`) until then or `unpin`."""
         if not self._kept or prompt in self._pinned:
             return self._pinned.get(prompt, ((), 0))[1]
         ids = np.asarray(prompt, np.int32)
         best, best_m = None, 0
-        for kept in self._kept.values():
-            if kept.tokens is None:
-                continue
+        for kept in (self._kept[h] for h in self._heads.get(ids[:self.page].tobytes(), ())):
             n = min(len(kept.tokens), len(ids) - 1)
             differ = np.flatnonzero(kept.tokens[:n] != ids[:n])
             if (m := int(differ[0]) if differ.size else n) > best_m:
