@@ -232,7 +232,8 @@ class JaxConfig(_Table):
     """With `kv_cache_tokens`: keep a finished rollout's pages for a multi-turn conversation's next turn,
     which then prefills only its new tokens (`Scheduler`'s `keep_turns`; dropped at each weight update; not
     in an engine group over processes). Its logprobs then differ from a whole prefill's by float rounding
-    (about 1e-6 in float32): no longer the dense cache's bit for bit. Default false."""
+    (about 1e-6 in float32; with a bfloat16 cache, whose rounding a whole prefill's own keys skip, up to
+    5e-2 on the tiny test model): no longer the dense cache's bit for bit. Default false."""
     remat: bool = False
     """Recompute activations in the backward pass to save memory (`jax.checkpoint`). Default false."""
     micro_batch_size: int | None = Field(None, ge=1)

@@ -214,14 +214,15 @@ class Scheduler:
         traffic, so that no request's latency, and no rollout's timeout, includes XLA compilation. Runs
         one short request per bucket through the normal path, one at a time, so that each count of cache
         chunks a decode step reads (`Engine.cache_chunks`) compiles too (and one with `min_tokens` after
-        them).
+        them). A next turn's prefill over kept pages (`keep_turns`) compiles on first use.
 
         Returns:
             The number of prefill buckets compiled.
         """
         probe = dataclasses.replace(params, max_tokens=2, stop_token_ids=(), seed=0, min_tokens=0)
-        for n in self.engine.buckets:  # alone: its decode step reads the chunks up to its own position
-            await self.generate([0] * n, probe)
+        for i, n in enumerate(self.engine.buckets):  # alone: its decode step reads the chunks up to its own position
+            # a token of its own: no probe extends another's kept pages (`keep_turns`), so each prefills whole
+            await self.generate([i % self.engine.cfg.vocab_size] * n, probe)
         if params.min_tokens:  # a step with a slot short of its min_tokens bans; the steps after it do not
             await self.generate([0], dataclasses.replace(probe, min_tokens=2))
         return len(self.engine.buckets)
