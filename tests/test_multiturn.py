@@ -132,13 +132,15 @@ def test_multiturn_traces_through_the_real_server(recording_server, tiny_model_d
 
 def test_multiturn_config_trains_with_branching(tmp_path, tiny_model_dir):
     """configs/multiturn.toml, shrunk to one small step, runs through the real CLI with
-    trajectory_strategy = "branching": every rollout of the step trains as one sample per turn."""
+    trajectory_strategy = "branching": every rollout of the step trains as one sample per turn. Its engine
+    keeps finished turns' pages (`[jax] kv_reuse_turns`, a paged cache): each later turn prefills only what
+    follows its last prompt and reply (each turn's reply and the user turn are well under a prompt)."""
     text = shrink((REPO / "configs" / "multiturn.toml").read_text(), [
         ("max_steps = 10", "max_steps = 1"), ("batch_size = 16", "batch_size = 4"),
         ("rollouts_per_example = 8", "rollouts_per_example = 2"), ("max_tokens = 16", "max_tokens = 4"),
         ('trajectory_strategy = "interleaved"', 'trajectory_strategy = "branching"'),
         ('model_path = "../assets/qwen3-tiny"', f'model_path = "{tiny_model_dir}"\noutput_dir = "{tmp_path / "runs"}"'),
-        ("decode_slots = 32", "decode_slots = 4")])
+        ("decode_slots = 32", "decode_slots = 4\nkv_cache_tokens = 1024\nkv_reuse_turns = true")])
     cfg = tmp_path / "multiturn.toml"
     cfg.write_text(text + "\n[buffer]\nskip_verification = true\n")  # the rollout test above covers the env
     out = jaxrl("run", cfg)
@@ -146,6 +148,10 @@ def test_multiturn_config_trains_with_branching(tmp_path, tiny_model_dir):
     (row,) = read_metrics(tmp_path / "runs" / "multiturn")
     assert row["rollouts/failed"] == 0 and row["train/samples"] == 4 * TURNS
     assert 0.0 <= row["reward/mean"] <= 1.0 and math.isfinite(row["loss"])
+    # each later turn of the 4 rollouts (and of any started ahead) shares a page or more of its conversation,
+    # and each group's second rollout its first prompt
+    assert row["engine/prefix_hits"] >= 4 * (TURNS - 1) + 2 and row["engine/kv_kept_pages"] > 0
+    assert row["engine/prefix_tokens"] >= 4 * (TURNS - 1) * 16
 
 
 def test_next_turns_share_the_last_turns_pages_through_the_real_server(tiny_model_dir):
