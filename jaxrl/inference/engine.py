@@ -281,7 +281,8 @@ class Engine:
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
         """Copy `prefix` into decode slot `slot` (the decode state's buffers are donated). With a paged
         layout the slot's old pages are returned and the prompt's assigned (`PageAllocator.assign`: shared
-        with the slots that hold the same prompt's pages, else written from the prefix's cache).
+        with the slots that hold the same prompt's pages, else written from the prefix's cache, but for the
+        whole pages of a kept sequence it extends, `prefill_shared`, which are shared).
 
         Raises:
             PoolExhausted: a paged layout's pool has too few free pages for the prompt.

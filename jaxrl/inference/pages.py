@@ -204,8 +204,8 @@ class PageAllocator:
         self.dirty = True
 
     def held(self, prompt: Hashable) -> Any:
-        """What `assign` kept with `prompt` (the engine's logits after it) while some slot holds its pages,
-        else None."""
+        """What `assign` kept with `prompt` (the engine's logits after it) while some slot or kept sequence
+        holds its pages (until `forget_all`), else None."""
         entry = self._prompts.get(prompt)
         return None if entry is None else entry[1]
 
