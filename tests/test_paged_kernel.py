@@ -1,9 +1,10 @@
 """The TPU decode attention over the paged KV cache (JAX's Pallas paged-attention kernel, `jaxrl.model.paged.
 PagedKernel`) against the gather-based reference (`Paged`), in Pallas interpret mode on CPU: a decode step of
 a tiny GQA model over slots at different lengths, float32 and bfloat16 pools, on one device and inside
-`shard_map` (kv heads over `tensor`, slots over `fsdp`)."""
+`shard_map` (kv heads over `tensor`, three a chip, slots over `fsdp`)."""
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +18,8 @@ from jaxrl.model.paged import Paged, PagedKernel, pool_shape
 from jaxrl.model.qwen3 import ModelConfig
 from jaxrl.parallel.sharding import make_mesh
 
-# 4 query heads over 2 kv heads (G = 2) of 128, as every Qwen3's head_dim (the kernel's lanes)
-CFG = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+# 12 query heads over 6 kv heads (G = 2) of 128, as every Qwen3's head_dim (the kernel's lanes)
+CFG = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=2, num_heads=12, num_kv_heads=6,
                   head_dim=128)
 PAGE, SEQ = 16, 80  # 5 table entries a slot
 
@@ -38,7 +39,10 @@ def test_pallas_kernel_matches_the_gather_reference(dtype, mesh_shape):
     page read unmasked shows): the kernel's hidden states match the reference's, and the two caches hold
     the same keys and values (the kernel writes them layer by layer, the reference after the last layer).
     The kernel reads pages in bfloat16 (it casts what it loads): float32 agrees to bfloat16's precision."""
-    mesh = make_mesh(mesh_shape, jax.devices()[:max(1, len(mesh_shape) * 2)])
+    # on the mesh, 3 of the 6 kv heads a chip (fsdp does not divide 3: it splits the slots), several a chip
+    # as Qwen3-4B's 8 over 4 chips (each layer's write of the step's keys spans the chip's heads). Interpret
+    # mode on 8 CPU devices deadlocked here (its cross-device barrier, 2 cores): 4 devices.
+    mesh = make_mesh(mesh_shape, jax.devices()[:math.prod(mesh_shape.values())])
     rng = np.random.default_rng(0)
     positions = jnp.array([0, 9, 37, 79], jnp.int32)
     pages = rng.permutation(np.arange(1, 24))  # page 0 is scratch

@@ -119,8 +119,13 @@ class PagedKernel(Paged):
     mesh: Mesh | None = None
 
     def attend_layer(self, q_BKGH, k_BKH, v_BKH, positions_B, cache: KVCache, layer) -> tuple[jax.Array, KVCache]:
+        # one row of H per (head, slot), every index given: a write whose window spans the heads ([K, H]
+        # per slot) made TPU's layout assignment keep the pool K-minor ({4,0,3,2,1}) in the layer loop and
+        # copy it to the kernel's layout at every layer (Qwen3-4B on 4 chips, 2 heads a chip: decode
+        # temporaries 1.01 GiB at 2 layers, the whole pool; 0.02 GiB so). A chip holding one head was spared.
         page_B, off_B = self._where(positions_B)
-        pools = {n: cache[n].at[:, layer, page_B, off_B].set(x.transpose(1, 0, 2))
+        heads_K1 = jnp.arange(k_BKH.shape[1])[:, None]
+        pools = {n: cache[n].at[heads_K1, layer, page_B, off_B].set(x.transpose(1, 0, 2))
                  for n, x in (("k", k_BKH), ("v", v_BKH))}
         b, k, g, h = q_BKGH.shape
         out_BNH = kernel_attention(q_BKGH.reshape(b, k * g, h), pools["k"], pools["v"], positions_B + 1,
