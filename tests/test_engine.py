@@ -92,8 +92,7 @@ def test_decode_step_matches_model_forward_with_cache(unstacked, split):
     params = _params(lora_seed=1)
     layers = None
     if unstacked:
-        pairs = zip(decode.unstack_layers(CFG, params["base"]), decode.unstack_layers(CFG, params["lora"]), strict=True)
-        layers = [(w, lw, mw, mlw) for (w, mw), (lw, mlw) in pairs]
+        layers = qwen3.join_layers(qwen3.unstack_layers(CFG, params["base"]), qwen3.unstack_layers(CFG, params["lora"]))
     b, s = 3, 24
     ks = jax.random.split(jax.random.key(5), 3)
     cache = {"k": jax.random.normal(ks[0], (CFG.num_layers, b, s, CFG.num_kv_heads, CFG.head_dim)),
@@ -121,8 +120,7 @@ def test_decode_step_over_the_first_chunks_is_the_same_bit_for_bit():
     rows whose positions they hold exactly as over every chunk (`cpu.Chunked.attend` merges the softmax
     chunk by chunk), writes their keys/values in them, and leaves the other chunks to the caller."""
     params = _params(lora_seed=1)
-    pairs = zip(decode.unstack_layers(CFG, params["base"]), decode.unstack_layers(CFG, params["lora"]), strict=True)
-    layers = [(w, lw, mw, mlw) for (w, mw), (lw, mlw) in pairs]
+    layers = qwen3.join_layers(qwen3.unstack_layers(CFG, params["base"]), qwen3.unstack_layers(CFG, params["lora"]))
     ks = jax.random.split(jax.random.key(6), 2)
     shape = (CFG.num_layers, 3, 32, CFG.num_kv_heads, CFG.head_dim)
     cache = cpu.split_cache({"k": jax.random.normal(ks[0], shape), "v": jax.random.normal(ks[1], shape)},

@@ -72,7 +72,7 @@ class CpuLayout:
             self._base_views = (base, cpu.out_major(self.cfg, qwen3.unstack_layers(self.cfg, base)), unembed, blocks)
         _, base_layers, unembed, blocks = self._base_views
         lora_layers = qwen3.unstack_layers(self.cfg, params.get("lora"))
-        layers = [(w, lw, mw, mlw) for (w, mw), (lw, mlw) in zip(base_layers, lora_layers, strict=True)]
+        layers = qwen3.join_layers(base_layers, lora_layers)
         return {"base": base, "lora": params.get("lora"), "layers": layers, "unembed": unembed,
                 **({"unembed_blocks": blocks} if self.blocked_sampling else {})}
 

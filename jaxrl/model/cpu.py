@@ -126,6 +126,7 @@ class Chunked:
     the same numbers for those rows, bit for bit (`attend`)."""
 
     per_layer = True
+    indexed = False  # `CacheLayout`'s default, declared here: `decode` imports this module, so it is not a base
 
     @staticmethod
     def attend(q_BKGH, k_BKH, v_BKH, positions_B, k_chunks, v_chunks) -> jax.Array:

@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 
 from jaxrl.model import qwen3
 from jaxrl.model.cpu import chunk_sizes
-from jaxrl.model.qwen3 import KVCache, ModelConfig, Params, unstack_layers
+from jaxrl.model.qwen3 import KVCache, LayerWeights, ModelConfig, Params, join_layers, unstack_layers
 
 
 class CacheLayout(Protocol):
@@ -45,13 +45,14 @@ class CacheLayout(Protocol):
         (float32 [B, K, G, H], pre-scaled by 1/sqrt(H)) over the cache's positions before its own and this
         step's key/value [B, K, H]; float32 [B, K, G, H].
     write(cache, k_LBKH, v_LBKH, positions_B): the cache with this step's keys/values at `positions_B`.
-    indexed (optional, default False): the layout reads the whole cache at a layer index instead of the
-        scan's per-layer slice, through `attend_layer(q_BKGH, k_BKH, v_BKH, positions_B, cache, layer)` ->
+    indexed (default False): the layout reads the whole cache at a layer index instead of the scan's
+        per-layer slice, through `attend_layer(q_BKGH, k_BKH, v_BKH, positions_B, cache, layer)` ->
         (attention as `attend`'s, the cache): a paged pool (`jaxrl.model.paged`), whose TPU kernel writes
         this step's key/value layer by layer (the cache is then the layer loop's carry).
     """
 
     per_layer: bool
+    indexed: bool = False
 
     def attend(self, q_BKGH: jax.Array, k_BKH: jax.Array, v_BKH: jax.Array, positions_B: jax.Array,
                k_layer, v_layer) -> jax.Array: ...
@@ -59,7 +60,7 @@ class CacheLayout(Protocol):
     def write(self, cache: KVCache, k_LBKH: jax.Array, v_LBKH: jax.Array, positions_B: jax.Array) -> KVCache: ...
 
 
-class Stacked:
+class Stacked(CacheLayout):
     """The plain cache layout: {"k","v"} [L, B, S, K, H], index s holding position s (`qwen3.forward`'s)."""
 
     per_layer = False
@@ -117,12 +118,11 @@ def attend_chunks(q_BKGH: jax.Array, k_BKH: jax.Array, v_BKH: jax.Array, positio
 
 
 def _layer(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | None, attend, cache_dtype, x_BTD,
-           positions_B, weights):
+           positions_B, weights: LayerWeights):
     """One decoder layer for one new token per row; returns (x_BTD, k_BKH, v_BKH of this step, the cache
-    `attend` returned). `weights` are this layer's (w, lora, ffn weights, ffn lora); `attend(q_BKGH, k_BKH,
-    v_BKH)` -> (attention float32 [B, K, G, H], cache) reads the layer's cache as its layout holds it."""
-    w, lw, mw, mlw = weights
-    lw = lw or {}
+    `attend` returned). `weights` are this layer's; `attend(q_BKGH, k_BKH, v_BKH)` -> (attention float32
+    [B, K, G, H], cache) reads the layer's cache as its layout holds it."""
+    w, lw = weights.attn, weights.attn_lora or {}
     b, nk, hd = x_BTD.shape[0], cfg.num_kv_heads, cfg.head_dim
     g = cfg.num_heads // nk
     q_BTNH, k_BTKH, v_BTKH = qwen3.attention_inputs(cfg, lora_scale, x_BTD, positions_B[:, None], w, lw)
@@ -138,20 +138,21 @@ def _layer(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | None, at
     # (a copy of the weight) before every step's matmul
     out_BTD = qwen3.project(attn_BTNH.reshape(b, 1, -1), w["wo"].reshape(-1, cfg.hidden_size))
     out_BTD = out_BTD + qwen3.lora_delta(attn_BTNH, lw.get("wo"), lora_scale, (cfg.hidden_size,))
-    return qwen3.feed_forward(cfg, kind, lora_scale, mesh, x_BTD + out_BTD, w, mw, mlw), k_BKH, v_BKH, cache
+    return (qwen3.feed_forward(cfg, kind, lora_scale, mesh, x_BTD + out_BTD, w, weights.ffn, weights.ffn_lora),
+            k_BKH, v_BKH, cache)
 
 
 def _attend(layout: CacheLayout, positions_B, cache, layer, k_layer, v_layer):
     """`_layer`'s `attend` for `layout`: `attend_layer` over the whole cache at `layer` (an `indexed`
     layout), else `attend` over the layer's own `k_layer`, `v_layer` (the cache passed through)."""
-    if getattr(layout, "indexed", False):
+    if layout.indexed:
         return lambda q, k, v: layout.attend_layer(q, k, v, positions_B, cache, layer)
     return lambda q, k, v: (layout.attend(q, k, v, positions_B, k_layer, v_layer), cache)
 
 
 def decode_step(cfg: ModelConfig, params: Params, tokens_B: jax.Array, positions_B: jax.Array, cache: KVCache, *,
                 lora: Params | None = None, lora_scale: float = 0.0, mesh: Mesh | None = None,
-                layers: list[tuple] | None = None, layout: CacheLayout = STACKED) -> tuple[jax.Array, KVCache]:
+                layers: list[LayerWeights] | None = None, layout: CacheLayout = STACKED) -> tuple[jax.Array, KVCache]:
     """Advance every row by one token: what `qwen3.forward` returns for `tokens_B[:, None]` at
     `positions_B[:, None]` with `cache`, faster.
 
@@ -160,8 +161,8 @@ def decode_step(cfg: ModelConfig, params: Params, tokens_B: jax.Array, positions
         cache: the KV cache as `layout` holds it: for `STACKED`, {"k","v"} [L, B, S, K, H] where index s
             holds position s; for the CPU engine's `jaxrl.model.cpu.CHUNKED`, per layer a list of
             head-major chunks (those given are all the step reads and writes). Donate it to update in place.
-        layers: per layer `(weights, lora, ffn weights, ffn lora)` from `unstack_layers` of `params`
-            and of `lora` (the CPU engine's copies, `jaxrl.inference.cpu`), run unrolled; None scans the
+        layers: per layer `LayerWeights` from `unstack_layers` of `params` and of `lora` (`join_layers`;
+            the CPU engine's copies, `jaxrl.inference.cpu`), run unrolled; None scans the
             stacked `params` / `lora`, one scan per run of layers of one kind (`qwen3.scan_runs`; a
             `per_layer` cache is unrolled).
         layout: how the cache is held (`CacheLayout`).
@@ -172,14 +173,14 @@ def decode_step(cfg: ModelConfig, params: Params, tokens_B: jax.Array, positions
     """
     x_BTD = params["embed"][tokens_B][:, None]
     kinds = qwen3.layer_kinds(cfg)
-    indexed = getattr(layout, "indexed", False)
+    indexed = layout.indexed
     cache_dtype = jax.tree.leaves(cache["k"])[0].dtype
     # an indexed layout carries the whole cache through the layers; the others' layers read their slice
     carried = cache if indexed else None
     if layers is None and not layout.per_layer:
-        def layer(kind, carry, xs):
+        def layer(kind, carry, weights, rows):
             x, c = carry
-            *weights, index, k_layer, v_layer = xs
+            index, k_layer, v_layer = rows
             x, k, v, c = _layer(cfg, kind, lora_scale, mesh, _attend(layout, positions_B, c, index, k_layer, v_layer),
                                 cache_dtype, x, positions_B, weights)
             return (x, c), (k, v)
@@ -190,8 +191,7 @@ def decode_step(cfg: ModelConfig, params: Params, tokens_B: jax.Array, positions
     else:
         ks, vs = [], []
         if layers is None:
-            layers = [(w, lw, mw, mlw) for (w, mw), (lw, mlw) in zip(unstack_layers(cfg, params),
-                                                                     unstack_layers(cfg, lora), strict=True)]
+            layers = join_layers(unstack_layers(cfg, params), unstack_layers(cfg, lora))
         for i, weights in enumerate(layers):
             k_layer, v_layer = (None, None) if indexed else (cache["k"][i], cache["v"][i])
             x_BTD, k, v, carried = _layer(cfg, kinds[i], lora_scale, mesh,

@@ -41,7 +41,7 @@ from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl.model.cpu import chunk_sizes
-from jaxrl.model.decode import attend_chunks
+from jaxrl.model.decode import CacheLayout, attend_chunks
 from jaxrl.model.qwen3 import KVCache
 from jaxrl.parallel.sharding import RULES, logical_spec
 
@@ -64,7 +64,7 @@ def _gather(pool_KLPCH: jax.Array, layer, table_BN: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class Paged:
+class Paged(CacheLayout):
     """The gather-based `CacheLayout` over a page pool with the page table `table_BN` (int32 [B, N], traced)
     for slots of `max_seq_len` positions, `page` positions per page (a divisor of
     `jaxrl.model.cpu.CACHE_CHUNK`). The positions are read in `chunk_sizes(max_seq_len)` chunks as

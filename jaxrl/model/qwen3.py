@@ -30,7 +30,7 @@ GLM-4.5 (its dense first layers, then its MoE layers).
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,29 @@ from jaxrl.parallel.sharding import mesh_platform
 
 Params = dict[str, Any]
 KVCache = dict[str, jax.Array]  # {"k": [L,B,S,K,H], "v": [L,B,S,K,H]}
+
+
+class LayerWeights(NamedTuple):
+    """One decoder layer's weights, as a layer reads them: a row of the stacks in a scan (`scan_runs`), a
+    layer's slices (`unstack_layers`, `join_layers`), or the CPU engine's per-layer copy
+    (`jaxrl.inference.cpu`). A NamedTuple: a pytree whose leaves are its fields' in order, as a tuple's.
+
+    attn: the layer's row of the `layers` stack (`jaxrl.model.modules.Layers` without L): norms
+        `attn_norm`, `mlp_norm` [D], projections `wq` [D, N, H], `wk`, `wv` [D, K, H], `wo` [N, H, D],
+        optional biases (`bq` [N, H], `bk`, `bv` [K, H]) and per-head norms (`q_norm`, `k_norm` [H]); on
+        the CPU engine the projections as `jaxrl.model.cpu.OutMajor`.
+    attn_lora: the LoRA factors of those projections ({name: {"a", "b"}}, `modules.LoRA` without L), or
+        None (no LoRA; an empty dict reads the same).
+    ffn: the layer's feed-forward, as `layer_kinds` says: its row of the `mlp` stack (`w_gate`, `w_up`
+        [D, F], `w_down` [F, D]) or of the `moe` stack (`router` [D, E], experts `w_gate`, `w_up`
+        [E, D, I], `w_down` [E, I, D], GLM-4.5's `e_bias` [E] and shared expert).
+    ffn_lora: the LoRA factors of those, or None.
+    """
+
+    attn: Params
+    attn_lora: Params | None
+    ffn: Params
+    ffn_lora: Params | None
 
 # HF projection name -> (our weight name, how many of its non-stack axes are the projection's input)
 LORA_TARGETS: dict[str, tuple[str, int]] = {
@@ -216,15 +239,15 @@ def scan_runs(cfg: ModelConfig, layer: Any, x: Any, params: Params, lora: Params
     run, not every layer's as an unrolled stack does; a run of one layer is a loop of one trip, which XLA
     inlines).
 
-    `layer(kind, x, (w, lw, mw, mlw, *per_layer rows)) -> (x, ys)` is one layer of `kind`: its `layers`
-    weights and LoRA, its `mlp` or `moe` weights and LoRA (None where absent) and its row of each tree of
-    `per_layer` ([L, ...] stacks, or None: the KV cache, the layer indices). A stack that a run covers whole
-    (every stack of a one-run model, GLM-4.5's `moe` group) is the scan's `xs`; one it covers in part
-    (`layers` and the cache of a mixed stack) is read in the body at the layer's index
-    (`lax.dynamic_index_in_dim`), inside the rematerialised body: a static slice of it would be a new
-    buffer (the loop's operand), for INTELLECT-3's decode cache most of 23 GiB a chip. `remat_policy`:
-    False, no remat; else the `jax.checkpoint` policy (None: save nothing) of each layer. Returns `x` and
-    each run's `ys` joined along their first axis ([L, ...])."""
+    `layer(kind, x, weights, rows) -> (x, ys)` is one layer of `kind`: its `LayerWeights` (rows of the
+    `layers` stack and its LoRA, of the `mlp` or `moe` stack and its LoRA; None where absent) and `rows`,
+    its row of each tree of `per_layer` ([L, ...] stacks, or None: the KV cache, the layer indices). A
+    stack that a run covers whole (every stack of a one-run model, GLM-4.5's `moe` group) is the scan's
+    `xs`; one it covers in part (`layers` and the cache of a mixed stack) is read in the body at the
+    layer's index (`lax.dynamic_index_in_dim`), inside the rematerialised body: a static slice of it would
+    be a new buffer (the loop's operand), for INTELLECT-3's decode cache most of 23 GiB a chip.
+    `remat_policy`: False, no remat; else the `jax.checkpoint` policy (None: save nothing) of each layer.
+    Returns `x` and each run's `ys` joined along their first axis ([L, ...])."""
     lora = lora or {}
     outs = []
     for kind, start, stop, first in layer_runs(cfg):
@@ -235,18 +258,21 @@ def scan_runs(cfg: ModelConfig, layer: Any, x: Any, params: Params, lora: Params
         xs = tuple(t if w else None for (t, _), w in zip(trees, whole, strict=True))
 
         def body(x, xs, kind=kind, trees=trees, whole=whole):
-            if all(whole):
-                return layer(kind, x, xs)
-            j, rows = xs
-            rows = tuple(r if w else jax.tree.map(lambda a, off=off: jax.lax.dynamic_index_in_dim(a, off + j, 0, False),
-                                                  t) for r, w, (t, off) in zip(rows, whole, trees, strict=True))
-            return layer(kind, x, rows)
+            if not all(whole):  # (index in the run, the whole stacks' rows): the others are read at the index
+                j, xs = xs
+                xs = tuple(r if w else _row(t, off, j) for r, w, (t, off) in zip(xs, whole, trees, strict=True))
+            return layer(kind, x, LayerWeights(*xs[:4]), xs[4:])
 
         if remat_policy is not False:
             body = jax.checkpoint(body, policy=remat_policy)
         x, ys = jax.lax.scan(body, x, xs if all(whole) else (jnp.arange(n), xs))
         outs.append(ys)
     return x, (outs[0] if len(outs) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *outs))
+
+
+def _row(tree: Any, offset: int, j: jax.Array) -> Any:
+    """Row `offset + j` (`j` traced) of each [n, ...] leaf of `tree`, the leading axis dropped."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, offset + j, 0, False), tree)
 
 
 def unstack_layers(cfg: ModelConfig, tree: Params | None) -> list[tuple[Any, Any]]:
@@ -265,13 +291,44 @@ def unstack_layers(cfg: ModelConfig, tree: Params | None) -> list[tuple[Any, Any
     return out
 
 
+def join_layers(base_layers: list[tuple[Any, Any]], lora_layers: list[tuple[Any, Any]]) -> list[LayerWeights]:
+    """Each layer's `LayerWeights` from `unstack_layers`' pairs of the base weights and of the LoRA."""
+    return [LayerWeights(w, lw, mw, mlw) for (w, mw), (lw, mlw) in zip(base_layers, lora_layers, strict=True)]
+
+
 def _decoder_layer(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | None, x_BTD, positions_BT,
-                   attend, xs):
-    """One decoder layer of `kind` ("mlp" or "moe"); `xs` holds its weights, LoRA and cache slices;
-    `attend` as in `_attention`."""
-    w, lw, mw, mlw, kc, vc = xs
-    x_BTD, k, v = _attention(cfg, lora_scale, x_BTD, positions_BT, w, lw, kc, vc, attend)
-    return feed_forward(cfg, kind, lora_scale, mesh, x_BTD, w, mw, mlw), k, v
+                   attend, weights: LayerWeights, cache_rows):
+    """One decoder layer of `kind` ("mlp" or "moe") with its `weights` and its cache slices `cache_rows`
+    (k, v; None without a cache); `attend` as in `_attention`."""
+    w = weights.attn
+    kc, vc = cache_rows
+    x_BTD, k, v = _attention(cfg, lora_scale, x_BTD, positions_BT, w, weights.attn_lora, kc, vc, attend)
+    return feed_forward(cfg, kind, lora_scale, mesh, x_BTD, w, weights.ffn, weights.ffn_lora), k, v
+
+
+def _attend_for(cfg: ModelConfig, x_BTD: jax.Array, positions_BT: jax.Array, cache: KVCache | None,
+                mesh: Mesh | None, segment_ids: jax.Array | None,
+                attention_impl: attention.Implementation | None) -> tuple[str, Any]:
+    """(the attention implementation, `_attention`'s `attend`) of a stack over activations `x_BTD` at
+    `positions_BT`: self-attention by `attention_impl` (None: `attention.implementation`'s pick for
+    the mesh's platform and the shapes), or with a `cache` the einsum over it. The einsum's mask is built
+    here, once for every layer.
+
+    Raises:
+        ValueError: `segment_ids` with a cache.
+    """
+    b, t = x_BTD.shape[:2]
+    if cache is None:
+        impl = attention_impl or attention.implementation(
+            "cpu" if mesh is None else mesh_platform(mesh), t, x_BTD.dtype, cfg.head_dim, segment_ids is not None)
+        mask_BTS = attention.mask(positions_BT, positions_BT, segment_ids) if impl in ("einsum", "xla") else None
+        return impl, functools.partial(attention.attention, positions_BT=positions_BT, segment_ids_BT=segment_ids,
+                                       mesh=mesh, impl=impl, mask_BTS=mask_BTS)
+    if segment_ids is not None:
+        raise ValueError("segment_ids apply to self-attention within tokens_BT, not to a KV cache")
+    s = cache["k"].shape[2]
+    mask_BTS = attention.mask(positions_BT, jnp.broadcast_to(jnp.arange(s, dtype=positions_BT.dtype), (b, s)))
+    return "einsum", functools.partial(attention.einsum_attention, mask_BTS=mask_BTS)
 
 
 def decoder_stack(
@@ -287,71 +344,10 @@ def decoder_stack(
     mesh: Mesh | None = None,
     scan_layers: bool = True,
     segment_ids: jax.Array | None = None,
-    layers: list[tuple] | None = None,
+    layers: list[LayerWeights] | None = None,
     attention_impl: attention.Implementation | None = None,
 ) -> tuple[jax.Array, KVCache, jax.Array]:
-    """`forward` before the final norm, plus every layer's output: returns (residual stream [B, T, D],
-    cache, layer outputs [L, B, T, D]). Arguments as in `forward`."""
-    x_BTD = params["embed"][tokens_BT]
-    b, t = tokens_BT.shape
-    if cache is None:
-        impl = attention_impl or attention.implementation(
-            "cpu" if mesh is None else mesh_platform(mesh), t, x_BTD.dtype, cfg.head_dim, segment_ids is not None)
-        # the einsum's mask, built once for every layer
-        mask_BTS = attention.mask(positions_BT, positions_BT, segment_ids) if impl in ("einsum", "xla") else None
-        attend = functools.partial(attention.attention, positions_BT=positions_BT, segment_ids_BT=segment_ids,
-                                   mesh=mesh, impl=impl, mask_BTS=mask_BTS)
-    else:
-        if segment_ids is not None:
-            raise ValueError("segment_ids apply to self-attention within tokens_BT, not to a KV cache")
-        s = cache["k"].shape[2]
-        impl = "einsum"
-        mask_BTS = attention.mask(positions_BT, jnp.broadcast_to(jnp.arange(s, dtype=positions_BT.dtype), (b, s)))
-        attend = functools.partial(attention.einsum_attention, mask_BTS=mask_BTS)
-    lora = lora or {}
-    kc, vc = (None, None) if cache is None else (cache["k"], cache["v"])
-    kinds = layer_kinds(cfg)
-
-    def layer(kind, x, xs):
-        x, k, v = _decoder_layer(cfg, kind, lora_scale, mesh, x, positions_BT, attend, xs)
-        return x, (k, v, x)
-
-    policy = attention.remat_policy(impl) if remat else False
-    if layers is None and scan_layers:
-        x_BTD, (k_L, v_L, h_L) = scan_runs(cfg, layer, x_BTD, params, lora, (kc, vc), policy)
-        return x_BTD, {"k": k_L, "v": v_L}, h_L
-
-    bodies = {kind: (functools.partial(layer, kind) if policy is False
-                     else jax.checkpoint(functools.partial(layer, kind), policy=policy)) for kind in set(kinds)}
-    outs = []
-    if layers is None:
-        layers = [(w, lw, mw, mlw) for (w, mw), (lw, mlw) in zip(unstack_layers(cfg, params),
-                                                                 unstack_layers(cfg, lora), strict=True)]
-    for i, (w, lw, mw, mlw) in enumerate(layers):
-        kc_i, vc_i = (None, None) if kc is None else (kc[i], vc[i])
-        x_BTD, out = bodies[kinds[i]](x_BTD, (w, lw, mw, mlw, kc_i, vc_i))
-        outs.append(out)
-    k_L, v_L, h_L = (jnp.stack(z) for z in zip(*outs, strict=True))
-    return x_BTD, {"k": k_L, "v": v_L}, h_L
-
-
-def forward(
-    cfg: ModelConfig,
-    params: Params,
-    tokens_BT: jax.Array,
-    positions_BT: jax.Array,
-    *,
-    lora: Params | None = None,
-    lora_scale: float = 0.0,
-    cache: KVCache | None = None,
-    remat: bool = False,
-    mesh: Mesh | None = None,
-    scan_layers: bool = True,
-    segment_ids: jax.Array | None = None,
-    layers: list[tuple] | None = None,
-    attention_impl: attention.Implementation | None = None,
-) -> tuple[jax.Array, KVCache]:
-    """Run the decoder stack; return final-norm hidden states and the key/value cache.
+    """The decoder stack before the final norm (`forward` adds it), with every layer's output.
 
     Args:
         tokens_BT: int32 token ids [B, T].
@@ -370,25 +366,57 @@ def forward(
         segment_ids: int32 [B, T] (no cache only): a query attends only to keys of its own segment, so
             several samples packed into one row (each with positions from 0) stay independent (SFT's
             packing, `jaxrl.rl.sft`). None: one segment per row.
-        layers: per layer `(weights, lora, ffn weights, ffn lora)` as separate arrays (the rollout engine's
-            copy on CPU, `jaxrl.inference.cpu`: XLA's CPU backend copies each layer's weights out of a
-            stack before reading them), run unrolled in place of `params`' and `lora`'s stacks. The same
-            numbers. None: the stacks.
+        layers: per layer `LayerWeights` as separate arrays (the rollout engine's copy on CPU,
+            `jaxrl.inference.cpu`: XLA's CPU backend copies each layer's weights out of a stack before
+            reading them), run unrolled in place of `params`' and `lora`'s stacks. The same numbers.
+            None: the stacks.
         attention_impl: how self-attention runs (`jaxrl.model.attention.IMPLEMENTATIONS`); None: chosen
             from the mesh's platform and the shapes (`attention.implementation`; the einsum without a
             mesh). A decode over a cache always runs the einsum.
 
     Returns:
-        hidden_BTD in the params' dtype, and {"k","v"}: [L, B, T, K, H] (no cache given) or the
-        updated [L, B, S, K, H] cache.
+        the residual stream [B, T, D] in the params' dtype (before the final norm); {"k","v"}: [L, B, T,
+        K, H] (no cache given) or the updated [L, B, S, K, H] cache; and every layer's output [L, B, T, D].
 
     Raises:
         ValueError: the expert count is not a multiple of the mesh's `expert` axis, or `segment_ids` with
             a cache.
     """
-    x_BTD, cache, _ = decoder_stack(cfg, params, tokens_BT, positions_BT, lora=lora, lora_scale=lora_scale,
-                                    cache=cache, remat=remat, mesh=mesh, scan_layers=scan_layers,
-                                    segment_ids=segment_ids, layers=layers, attention_impl=attention_impl)
+    x_BTD = params["embed"][tokens_BT]
+    impl, attend = _attend_for(cfg, x_BTD, positions_BT, cache, mesh, segment_ids, attention_impl)
+    lora = lora or {}
+    kc, vc = (None, None) if cache is None else (cache["k"], cache["v"])
+    kinds = layer_kinds(cfg)
+
+    def layer(kind, x, weights, cache_rows):
+        x, k, v = _decoder_layer(cfg, kind, lora_scale, mesh, x, positions_BT, attend, weights, cache_rows)
+        return x, (k, v, x)
+
+    policy = attention.remat_policy(impl) if remat else False
+    if layers is None and scan_layers:
+        x_BTD, (k_L, v_L, h_L) = scan_runs(cfg, layer, x_BTD, params, lora, (kc, vc), policy)
+        return x_BTD, {"k": k_L, "v": v_L}, h_L
+
+    bodies = {kind: (functools.partial(layer, kind) if policy is False
+                     else jax.checkpoint(functools.partial(layer, kind), policy=policy)) for kind in set(kinds)}
+    outs = []
+    if layers is None:
+        layers = join_layers(unstack_layers(cfg, params), unstack_layers(cfg, lora))
+    for i, weights in enumerate(layers):
+        kc_i, vc_i = (None, None) if kc is None else (kc[i], vc[i])
+        x_BTD, out = bodies[kinds[i]](x_BTD, weights, (kc_i, vc_i))
+        outs.append(out)
+    k_L, v_L, h_L = (jnp.stack(z) for z in zip(*outs, strict=True))
+    return x_BTD, {"k": k_L, "v": v_L}, h_L
+
+
+def forward(cfg: ModelConfig, params: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
+            **options: Any) -> tuple[jax.Array, KVCache]:
+    """Run the decoder stack; return final-norm hidden states [B, T, D] in the params' dtype and the
+    key/value cache ({"k","v"}: [L, B, T, K, H] with no cache given, else the updated [L, B, S, K, H]).
+    `decoder_stack`, whose keyword `options` (lora, lora_scale, cache, remat, mesh, scan_layers,
+    segment_ids, layers, attention_impl) and errors are documented there, then the final norm."""
+    x_BTD, cache, _ = decoder_stack(cfg, params, tokens_BT, positions_BT, **options)
     return rms_norm(x_BTD, params["final_norm"], cfg.rms_norm_eps), cache
 
 
