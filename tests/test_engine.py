@@ -7,6 +7,7 @@ import pytest
 
 from jaxrl.inference.cpu import CpuLayout
 from jaxrl.inference.engine import Engine, pad_prompt
+from jaxrl.inference.engine_params import EngineParams
 from jaxrl.inference.layout import Plain
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
@@ -62,17 +63,18 @@ def test_prefill_insert_generate_match_full_forward(plain):
     params = _params(lora_seed=1)
     engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=3, max_seq_len=48, lora_scale=0.5,
                     layout=Plain(CFG, 3, 48) if plain else None)
+    weights = EngineParams.of(params)  # not `prepare`d: the CPU layout over the stacks
     state = engine.init_decode_state()
     prompts = {0: [5, 7, 9, 11, 3], 2: list(range(1, 20))}
     out = {}
     for slot, prompt in prompts.items():
-        prefix = engine.prefill(params=params, padded_tokens=pad_prompt(prompt, engine.bucket(len(prompt))),
+        prefix = engine.prefill(params=weights, padded_tokens=pad_prompt(prompt, engine.bucket(len(prompt))),
                                 true_length=len(prompt), sampling=SamplingParams(temperature=1.0),
                                 key=jax.random.key(slot))
         state = engine.insert(prefix, state, slot)
         out[slot] = ([int(prefix.token[0])], [float(prefix.logprob[0])])
     for _ in range(12):
-        state, res = engine.generate(params, state, truncate=False)
+        state, res = engine.generate(weights, state, truncate=False)
         for slot in prompts:
             out[slot][0].append(int(res.tokens[slot]))
             out[slot][1].append(float(res.logprobs[slot]))
@@ -369,7 +371,7 @@ def test_sharded_engine_matches_single_device(plain):
     for shape in ({}, {"data": 2, "fsdp": 2, "tensor": 2}):
         mesh = make_mesh(shape, jax.devices()[: 8 if shape else 1])
         base = jax.device_put(params["base"], spec_shardings(modules.param_specs(CFG), CFG.dims(), mesh))
-        p = {"base": base, "lora": params["lora"]}
+        p = EngineParams(base=base, lora=params["lora"])
         engine = Engine(CFG, mesh, max_concurrent_decodes=4, max_seq_len=32, lora_scale=0.5,
                         layout=Plain(CFG, 4, 32) if plain else None)
         state = engine.init_decode_state()
@@ -400,9 +402,10 @@ def test_weight_copies_only_on_cpu_and_the_same_tokens_without_them():
         engine = Engine(CFG, mesh, max_concurrent_decodes=2, max_seq_len=32, lora_scale=0.5, layout=layout)
         prepared = engine.prepare(params)
         if layout is None:  # decided by the CPU mesh
-            assert isinstance(engine.layout, CpuLayout) and {"layers", "unembed"} <= prepared.keys()
+            assert isinstance(engine.layout, CpuLayout) and None not in (prepared.layers, prepared.unembed)
         else:
-            assert prepared.keys() == {"base", "lora"} and prepared["base"] is params["base"]
+            assert (prepared.layers, prepared.unembed, prepared.unembed_blocks) == (None, None, None)
+            assert prepared.base is params["base"] and prepared.lora is params["lora"]
             assert engine.init_decode_state().cache["k"].shape == (CFG.num_layers, 2, 32, 2, 8)
         state = engine.init_decode_state()
         prefix = engine.prefill(params=prepared, padded_tokens=pad_prompt([3, 1, 4, 1, 5], 16), true_length=5,
@@ -439,10 +442,10 @@ def test_prefill_through_the_per_layer_copy_matches_the_stacks(cfg):
     for layout in (None, Plain(cfg, 2, 32)):
         engine = Engine(cfg, mesh, max_concurrent_decodes=2, max_seq_len=32, lora_scale=0.5, layout=layout)
         prepared = engine.prepare({"base": base, "lora": lora})
-        assert ("layers" in prepared) == (layout is None)
+        assert (prepared.layers is not None) == (layout is None)
         outs.append(engine._prefill_forward(prepared, tokens, jnp.int32(7)))
         if layout is None:  # the copy is what it reads: its layers in reverse order give other logits
-            swapped = engine._prefill_forward({**prepared, "layers": prepared["layers"][::-1]}, tokens, jnp.int32(7))
+            swapped = engine._prefill_forward(prepared.replace(layers=prepared.layers[::-1]), tokens, jnp.int32(7))
             assert np.abs(np.asarray(swapped[1]) - np.asarray(outs[0][1])).max() > 1e-2
     (cache, logits), (want_cache, want_logits) = outs
     np.testing.assert_allclose(logits, want_logits, rtol=1e-4, atol=1e-4)

@@ -510,6 +510,6 @@ def test_full_finetuning_run_resumes_and_exports_the_whole_model(tmp_path, tiny_
     try:
         assert "full fine-tuning of" in loaded.description
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
-                     loaded.scheduler.params["base"], weights)
+                     loaded.scheduler.params.base, weights)
     finally:
         loaded.scheduler.stop()

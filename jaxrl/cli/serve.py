@@ -158,6 +158,6 @@ def start_jetstream(loaded: Loaded, host: str, port: int) -> Any:
     template, scheduler = loaded.chat_template, loaded.scheduler
     try:
         tokenizer = js.HFTokenizer(template.tokenizer.backend_tokenizer, template.stop_token_ids)
-        return js.serve(js.JetStreamEngine(scheduler.engine, scheduler.params, tokenizer), port, host)
+        return js.serve(js.JetStreamEngine(scheduler.engine, scheduler.params.weights(), tokenizer), port, host)
     except ValueError as exc:
         raise ServeError(str(exc)) from None

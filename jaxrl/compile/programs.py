@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.config.algorithms import LossConfig
 from jaxrl.inference.engine import DecodeState, Engine
+from jaxrl.inference.engine_params import EngineParams
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.sampling import SlotSampling
 from jaxrl.model.modules import lora_specs, param_specs
@@ -208,11 +209,11 @@ def compile_train(s: Shapes, mesh: Mesh) -> Program:
     return _measure("train" + (" unrolled" if s.unroll else ""), lowered, declared)
 
 
-def _engine(s: Shapes, mesh: Mesh) -> tuple[Engine, dict]:
+def _engine(s: Shapes, mesh: Mesh) -> tuple[Engine, EngineParams]:
     engine = Engine(s.model, mesh, s.decode_slots, s.seq_len, lora_scale=s.lora_scale, cache_dtype=s.dtype,
                     kv_cache_tokens=s.kv_cache_tokens)
     base, lora = _weights(s, mesh)
-    return engine, {"base": base, "lora": lora}
+    return engine, EngineParams(base=base, lora=lora)
 
 
 def compile_prefill(s: Shapes, mesh: Mesh, bucket: int | None = None) -> Program:
@@ -238,7 +239,7 @@ def compile_prefill(s: Shapes, mesh: Mesh, bucket: int | None = None) -> Program
     stop = jax.ShapeDtypeStruct((s.model.vocab_size,), jnp.bool_, sharding=replicated)
     sample = _measure(name, engine._prefill_sample.lower(logits, tokens, length, sampling, key, stop, truncate=True),
                       {})
-    declared = {"weights": shard_bytes(params["base"]), "lora": shard_bytes(params["lora"]),
+    declared = {"weights": shard_bytes(params.base), "lora": shard_bytes(params.lora),
                 "logits": shard_bytes(logits)}
     return Program(name, forward.argument + sample.argument, forward.output + sample.output,
                    forward.alias + sample.alias, max(forward.temp, sample.temp), declared,
@@ -277,7 +278,7 @@ def compile_decode(s: Shapes, mesh: Mesh) -> Program:
         raise ValueError(f"decode is compiled for an accelerator mesh, not {mesh_platform(mesh)}")
     state = abstract_decode_state(engine)
     lowered = engine._generate.lower(params, state, truncate=True, penalize=True)
-    declared = {"weights": shard_bytes(params["base"]), "lora": shard_bytes(params["lora"]),
+    declared = {"weights": shard_bytes(params.base), "lora": shard_bytes(params.lora),
                 "kv_cache": shard_bytes(state.cache), "slots": shard_bytes(dataclasses.replace(state, cache={}))}
     return _measure("decode", lowered, declared)
 
@@ -288,7 +289,7 @@ def engine_declared_bytes(s: Shapes, mesh: Mesh, own_weights: bool) -> int:
     fewer hosts than the trainer; one on all of them reads the trainer's). The decode step's scratch is
     not in it."""
     engine, params = _engine(s, mesh)
-    weights = shard_bytes(params["base"]) + shard_bytes(params["lora"]) if own_weights else 0
+    weights = shard_bytes(params.base) + shard_bytes(params.lora) if own_weights else 0
     return weights + shard_bytes(abstract_decode_state(engine).cache)
 
 

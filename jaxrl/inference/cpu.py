@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrl.inference.engine_params import EngineParams
 from jaxrl.inference.sampling import CHUNK, SlotSampling, pick_chunk, pick_within, sample
 from jaxrl.model import cpu, qwen3
 from jaxrl.model.qwen3 import KVCache, ModelConfig, Params
@@ -60,21 +61,21 @@ class CpuLayout:
         self.num_chunks = len(self.chunk_sizes)
         self._base_views: tuple | None = None  # (the base they were made from, layers, unembedding, its blocks)
 
-    def prepare(self, params: Params) -> Params:
-        """`{"base", "lora"}` plus `"layers"`, the per-layer copy (projections output-major) with the LoRA's
-        per-layer slices, `"unembed"`, the unembedding as an `OutMajor` [V, D] (a tied embedding read in
-        place), and with `blocked_sampling` `"unembed_blocks"`, its rows in blocks (a copy). The base's
-        views are reused while the same base object comes back (an RL run swaps only its LoRA)."""
+    def prepare(self, params: Params) -> EngineParams:
+        """`EngineParams` of `{"base", "lora"}` with `layers`, the per-layer copy (projections output-major)
+        with the LoRA's per-layer slices, `unembed`, the unembedding as an `OutMajor` [V, D] (a tied
+        embedding read in place), and with `blocked_sampling` `unembed_blocks`, its rows in blocks (a
+        copy). The base's views are reused while the same base object comes back (an RL run swaps only
+        its LoRA)."""
         base = params["base"]
         if self._base_views is None or self._base_views[0] is not base:
             unembed = cpu.unembedding(base)
-            blocks = vocab_blocks(unembed.w_OI) if self.blocked_sampling else ()
+            blocks = vocab_blocks(unembed.w_OI) if self.blocked_sampling else None
             self._base_views = (base, cpu.out_major(self.cfg, qwen3.unstack_layers(self.cfg, base)), unembed, blocks)
         _, base_layers, unembed, blocks = self._base_views
-        lora_layers = qwen3.unstack_layers(self.cfg, params.get("lora"))
-        layers = qwen3.join_layers(base_layers, lora_layers)
-        return {"base": base, "lora": params.get("lora"), "layers": layers, "unembed": unembed,
-                **({"unembed_blocks": blocks} if self.blocked_sampling else {})}
+        lora = params.get("lora")
+        layers = qwen3.join_layers(base_layers, qwen3.unstack_layers(self.cfg, lora))
+        return EngineParams(base=base, layers=layers, lora=lora, unembed=unembed, unembed_blocks=blocks)
 
     def cache(self, make: Callable[[tuple[int, ...], tuple[str | None, ...]], Any]) -> KVCache:
         """Per layer, head-major chunks of `chunk_sizes` positions: keys [B, K, H, C], values [B, K, C, H]."""
@@ -106,13 +107,13 @@ class CpuLayout:
         """The step over the first `chunks` chunks of each layer's cache (None: all), the others as they
         were: a slot's numbers are the same, bit for bit, for any `chunks` that holds its position."""
         read = cache if chunks is None else {n: [layer[:chunks] for layer in cache[n]] for n in ("k", "v")}
-        hidden_BTD, new = model.decode(tokens_B, positions_B, read, mesh=mesh, layers=params.get("layers"),
+        hidden_BTD, new = model.decode(tokens_B, positions_B, read, mesh=mesh, layers=params.layers,
                                        layout=cpu.CHUNKED)
         if chunks is not None:
             new = {n: [a + b[chunks:] for a, b in zip(new[n], cache[n], strict=True)] for n in ("k", "v")}
         return hidden_BTD, new
 
-    def logits(self, params: Params, hidden_BTD: jax.Array) -> jax.Array:
+    def logits(self, params: EngineParams, hidden_BTD: jax.Array) -> jax.Array:
         """Through the prepared `OutMajor` unembedding (the base's where `prepare` did not run)."""
         return qwen3.logits(_unembedding(params), hidden_BTD)
 
@@ -122,15 +123,15 @@ class CpuLayout:
         if self.blocked_sampling and not truncate and seen_BV is None and ban_BV is None:
             w = qwen3.unembed_matrix(_unembedding(params))
             rows_VD = w.w_OI if isinstance(w, cpu.OutMajor) else w.T  # tied: XLA cancels the two transposes
-            return sample_unembedded(hidden_BD, rows_VD, sampling, keys_B, blocks=params.get("unembed_blocks"))
+            return sample_unembedded(hidden_BD, rows_VD, sampling, keys_B, blocks=params.unembed_blocks)
         return sample(self.logits(params, hidden_BD[:, None])[:, 0], sampling, keys_B, truncate=truncate,
                       seen_BV=seen_BV, ban_BV=ban_BV)
 
 
-def _unembedding(params: Params) -> Params:
+def _unembedding(params: EngineParams) -> Params:
     """What `qwen3.logits` reads: the prepared `OutMajor` unembedding, or the base's where `prepare` did not
-    run (engine params given as `{"base", "lora"}`: the same numbers, slower)."""
-    return {"unembed": params["unembed"]} if "unembed" in params else params["base"]
+    run (`EngineParams.of` the weights: the same numbers, slower)."""
+    return params.base if params.unembed is None else {"unembed": params.unembed}
 
 
 def vocab_blocks(unembed_VD: jax.Array, block: int = BLOCK) -> tuple[jax.Array, ...]:

@@ -37,6 +37,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.inference import layout as layouts
+from jaxrl.inference.engine_params import EngineParams
 from jaxrl.inference.pages import PageAllocator
 from jaxrl.inference.protocol import MAX_TOP_LOGPROBS, SamplingParams
 from jaxrl.inference.sampling import SlotSampling, mark_seen, sample_with_top, stop_ban
@@ -113,8 +114,8 @@ def prefill_buckets(max_prefill_length: int, smallest: int = 16) -> tuple[int, .
 class Engine:
     """JetStream-style engine over a Qwen3 params pytree.
 
-    Engine params are what `prepare` makes of `{"base": params, "lora": lora_or_None}` (the layout's:
-    the training arrays themselves on TPU and GPU; on CPU with its per-layer copies). LoRA products are
+    Engine params (`EngineParams`) are what `prepare` makes of `{"base": params, "lora": lora_or_None}`
+    (the layout's: the training arrays themselves on TPU and GPU; on CPU with its per-layer copies). LoRA products are
     scaled by `lora_scale` (alpha / rank). `max_seq_len` (S) is the cache length: prompt plus sampled
     tokens. `layout` (None: `jaxrl.inference.layout.for_mesh`, from the mesh's platform and
     `kv_cache_tokens`: given, a paged cache of that many positions, `jaxrl.inference.paged`) holds the weights
@@ -153,7 +154,7 @@ class Engine:
         self._generate = jax.jit(self._generate_impl, donate_argnums=(1,),
                                  static_argnames=("truncate", "penalize", "ban", "chunks", "top"))
 
-    def prepare(self, params: Params) -> Params:
+    def prepare(self, params: Params) -> EngineParams:
         """Engine params for `prefill` / `generate` from `{"base", "lora"}` (`EngineLayout.prepare`)."""
         return self.layout.prepare(params)
 
@@ -206,7 +207,7 @@ class Engine:
                 return b
         raise ValueError(f"prompt of {length} tokens exceeds the engine's {self.max_prefill_length}")
 
-    def prefill(self, *, params: Params, existing_prefix: Prefix | None = None, padded_tokens: jax.Array,
+    def prefill(self, *, params: EngineParams, existing_prefix: Prefix | None = None, padded_tokens: jax.Array,
                 true_length: int, sampling: SamplingParams | None = None,
                 key: jax.Array | None = None) -> Prefix:
         """Run a right-padded prompt `padded_tokens` int32 [T_bucket] of `true_length` real tokens.
@@ -219,7 +220,7 @@ class Engine:
         key = jax.random.key(0) if key is None else key
         return self.prefill_shared(params, padded_tokens, true_length, [sampling or SamplingParams()], [key])[0]
 
-    def prefill_shared(self, params: Params, padded_tokens: jax.Array, true_length: int,
+    def prefill_shared(self, params: EngineParams, padded_tokens: jax.Array, true_length: int,
                        samplings: list[SamplingParams], keys: list[jax.Array],
                        pool: KVCache | None = None) -> list[Prefix]:
         """One prefix per request for requests with the same prompt (`prefill`'s arguments): the prompt
@@ -251,7 +252,8 @@ class Engine:
             out.append(Prefix(cache, *parts[:2], length, sampling, *parts[2:], logits=logits_1V, prompt=prompt))
         return out
 
-    def _extend(self, params: Params, pool: KVCache, prompt: tuple[int, ...], start: int) -> tuple[KVCache, jax.Array]:
+    def _extend(self, params: EngineParams, pool: KVCache, prompt: tuple[int, ...],
+                start: int) -> tuple[KVCache, jax.Array]:
         """`prompt`'s cache {"k","v"} [L, 1, S, K, H] (S: whole pages over the smallest bucket that holds
         it) and its logits [1, V], from the pages `PageAllocator.match` pinned for its first `start`
         positions and a forward over the rest, padded to a bucket (counted in `prefills`, `prefill_tokens`)."""
@@ -325,7 +327,7 @@ class Engine:
         if (alloc := self.pages) is not None:
             alloc.release(slot)
 
-    def generate(self, params: Params, decode_state: DecodeState, truncate: bool = True, penalize: bool = True,
+    def generate(self, params: EngineParams, decode_state: DecodeState, truncate: bool = True, penalize: bool = True,
                  ban: bool = True, chunks: int | None = None, top: int = 0) -> tuple[DecodeState, ResultTokens]:
         """One decode step for every slot (the decode state's buffers are donated). `truncate=False`
         skips min_p / top_k / top_p, `penalize=False` the repetition penalty and its bookkeeping, and
@@ -364,9 +366,9 @@ class Engine:
         """The prompt's cache {"k","v"} [L, 1, T, K, H] and the logits after its last token, [1, V]
         (through the per-layer copy where the layout's `prepare` made one, as decode steps)."""
         t = tokens_T.shape[0]
-        model = modules.bind(self.cfg, params["base"], params.get("lora"), self.lora_scale)
+        model = modules.bind(self.cfg, params.base, params.lora, self.lora_scale)
         hidden_BTD, kv = model(tokens_T[None], jnp.arange(t, dtype=jnp.int32)[None], mesh=self.mesh,
-                               layers=params.get("layers"))
+                               layers=params.layers)
         last_BD = jax.lax.dynamic_index_in_dim(hidden_BTD[0], true_length - 1, keepdims=True)
         logits_BV = self.layout.logits(params, last_BD[None])[:, 0]
         return {k: v.astype(self.cache_dtype) for k, v in kv.items()}, logits_BV
@@ -412,7 +414,7 @@ class Engine:
         k, layers, _, page, h = pool["k"].shape
         s = read_N.shape[0] * page
         cache = {n: x[:, :, read_N].reshape(k, layers, s, h).transpose(1, 2, 0, 3)[:, None] for n, x in pool.items()}
-        model = modules.bind(self.cfg, params["base"], params.get("lora"), self.lora_scale)
+        model = modules.bind(self.cfg, params.base, params.lora, self.lora_scale)
         hidden_BTD, kv = model(tokens_T[None], (start + jnp.arange(t, dtype=jnp.int32))[None], cache=cache,
                                mesh=self.mesh)
         last_BD = jax.lax.dynamic_index_in_dim(hidden_BTD[0], true_length - 1, keepdims=True)
@@ -423,7 +425,7 @@ class Engine:
         return state.replace(cache=self.layout.copy_pages(state.cache, src_B, dst_B))
 
     def _generate_impl(self, params, state: DecodeState, *, truncate, penalize, ban=True, chunks=None, top=0):
-        model = modules.bind(self.cfg, params["base"], params.get("lora"), self.lora_scale)
+        model = modules.bind(self.cfg, params.base, params.lora, self.lora_scale)
         hidden_BTD, cache = self.layout.decode(model, params, state.tokens, state.positions, state.cache, chunks,
                                                self.mesh)
         split = jax.vmap(jax.random.split)(state.keys)

@@ -65,6 +65,7 @@ import numpy as np
 from flax import struct
 
 from jaxrl.inference.engine import DecodeState, Engine, Prefix, pad_prompt
+from jaxrl.inference.engine_params import EngineParams
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.model.qwen3 import Params
 
@@ -190,10 +191,10 @@ class JetStreamEngine(engine_api.Engine):
                                                                    room.at[slot].set(s - 1 - length)))
         self._pack = jax.jit(_pack)
 
-    def load_params(self, *args: Any, **kwargs: Any) -> Params:
+    def load_params(self, *args: Any, **kwargs: Any) -> EngineParams:
         return self._params
 
-    def prefill(self, *, params: Params, existing_prefix: Prefix | None = None, padded_tokens: jax.Array,
+    def prefill(self, *, params: EngineParams, existing_prefix: Prefix | None = None, padded_tokens: jax.Array,
                 true_length: int) -> Prefix:
         """Prefill the prompt `padded_tokens[:true_length]` (int [T]; a leading `NO_BOS` dropped) and
         rewind it by one token (see the module docstring).
@@ -221,7 +222,7 @@ class JetStreamEngine(engine_api.Engine):
         with self._lock:
             return SlotState(self.engine.insert(prefix, decode_state.decode, slot), emitted, room)
 
-    def generate(self, params: Params, decode_state: SlotState) -> tuple[SlotState, engine_api.ResultTokens]:
+    def generate(self, params: EngineParams, decode_state: SlotState) -> tuple[SlotState, engine_api.ResultTokens]:
         with self._lock:
             state, result = self.engine.generate(params, decode_state.decode, truncate=False,
                                                  penalize=False, ban=False)  # greedy, no min_tokens

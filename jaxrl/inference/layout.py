@@ -17,6 +17,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxrl.inference import cpu, paged
+from jaxrl.inference.engine_params import EngineParams
 from jaxrl.inference.sampling import SlotSampling, sample
 from jaxrl.model import decode, modules, qwen3
 from jaxrl.model.attention import decode_implementation
@@ -33,7 +34,7 @@ class EngineLayout(Protocol):
 
     cfg, slots, max_seq_len: the model, decode slots and cache positions it holds.
     reads_training_weights: the engine reads the trainer's weights in place (no copy of its own).
-    prepare(params): engine params from `{"base", "lora"}` (outside jit, at each policy update).
+    prepare(params): the `EngineParams` of `{"base", "lora"}` (outside jit, at each policy update).
     cache(make): the decode state's KV cache {"k", "v"}, each buffer `make(shape, logical axes)`.
     insert(cache, prefix_cache, slot[, pages]): `cache` with a prefill's stacked cache [L, 1, T, K, H] at
         `slot` (a paged layout: at `pages`, its allocator's, `jaxrl.inference.paged`).
@@ -50,7 +51,7 @@ class EngineLayout(Protocol):
     max_seq_len: int
     reads_training_weights: bool
 
-    def prepare(self, params: Params) -> Params: ...
+    def prepare(self, params: Params) -> EngineParams: ...
 
     def cache(self, make: MakeBuffer) -> KVCache: ...
 
@@ -58,12 +59,12 @@ class EngineLayout(Protocol):
 
     def chunks(self, positions: int) -> int | None: ...
 
-    def decode(self, model: modules.Qwen3, params: Params, tokens_B: jax.Array, positions_B: jax.Array,
+    def decode(self, model: modules.Qwen3, params: EngineParams, tokens_B: jax.Array, positions_B: jax.Array,
                cache: KVCache, chunks: int | None, mesh: Mesh) -> tuple[jax.Array, KVCache]: ...
 
-    def logits(self, params: Params, hidden_BTD: jax.Array) -> jax.Array: ...
+    def logits(self, params: EngineParams, hidden_BTD: jax.Array) -> jax.Array: ...
 
-    def sample(self, params: Params, hidden_BD: jax.Array, sampling: SlotSampling, keys_B: jax.Array, *,
+    def sample(self, params: EngineParams, hidden_BD: jax.Array, sampling: SlotSampling, keys_B: jax.Array, *,
                truncate: bool, seen_BV: jax.Array | None,
                ban_BV: jax.Array | None) -> tuple[jax.Array, jax.Array]: ...
 
@@ -79,8 +80,8 @@ class Plain:
     max_seq_len: int
     reads_training_weights = True
 
-    def prepare(self, params: Params) -> Params:
-        return {"base": params["base"], "lora": params.get("lora")}
+    def prepare(self, params: Params) -> EngineParams:
+        return EngineParams.of(params)
 
     def cache(self, make: MakeBuffer) -> KVCache:
         c = self.cfg
@@ -97,8 +98,8 @@ class Plain:
     def decode(self, model, params, tokens_B, positions_B, cache, chunks, mesh):
         return model.decode(tokens_B, positions_B, cache, mesh=mesh, layout=decode.STACKED)
 
-    def logits(self, params: Params, hidden_BTD: jax.Array) -> jax.Array:
-        return qwen3.logits(params["base"], hidden_BTD)
+    def logits(self, params: EngineParams, hidden_BTD: jax.Array) -> jax.Array:
+        return qwen3.logits(params.base, hidden_BTD)
 
     def sample(self, params, hidden_BD, sampling, keys_B, *, truncate, seen_BV, ban_BV):
         return sample(self.logits(params, hidden_BD[:, None])[:, 0], sampling, keys_B, truncate=truncate,

@@ -16,6 +16,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxrl.inference.engine_params import EngineParams
 from jaxrl.inference.pages import PageAllocator
 from jaxrl.inference.sampling import sample
 from jaxrl.model import attention, cpu, paged, qwen3
@@ -60,8 +61,8 @@ class PagedLayout:
         self.num_pages = pool_pages(self.slots, self.max_seq_len, self.kv_cache_tokens, self.page)
         self.pages = PageAllocator(self.num_pages, self.page, self.slots, self.max_seq_len)
 
-    def prepare(self, params: Params) -> Params:
-        return {"base": params["base"], "lora": params.get("lora")}
+    def prepare(self, params: Params) -> EngineParams:
+        return EngineParams.of(params)
 
     def cache(self, make) -> KVCache:
         """{"k", "v": [K, L, P, page, H], "pages": int32 [B, N]}: the pools as the TPU kernel reads them
@@ -109,8 +110,8 @@ class PagedLayout:
         """`self.decode_impl`, else `attention.decode_implementation` for `mesh`'s platform."""
         return self.decode_impl or attention.decode_implementation(mesh_platform(mesh), self.cfg.head_dim)
 
-    def logits(self, params: Params, hidden_BTD: jax.Array) -> jax.Array:
-        return qwen3.logits(params["base"], hidden_BTD)
+    def logits(self, params: EngineParams, hidden_BTD: jax.Array) -> jax.Array:
+        return qwen3.logits(params.base, hidden_BTD)
 
     def sample(self, params, hidden_BD, sampling, keys_B, *, truncate, seen_BV, ban_BV):
         return sample(self.logits(params, hidden_BD[:, None])[:, 0], sampling, keys_B, truncate=truncate,

@@ -50,6 +50,7 @@ import jax
 import numpy as np
 
 from jaxrl.inference.engine import DecodeState, Engine, pad_prompt
+from jaxrl.inference.engine_params import EngineParams
 from jaxrl.inference.protocol import BackendStopped, Completion, SamplingParams
 from jaxrl.model.qwen3 import Params
 
@@ -242,7 +243,7 @@ class Scheduler:
         self._thread.join(timeout=30)
 
     @property
-    def params(self) -> Params:
+    def params(self) -> EngineParams:
         """The engine params (`Engine.prepare`d) that the next prefill and decode step use."""
         return self._params
 
