@@ -105,8 +105,9 @@ def _random_experts(e=8, d=16, i=12, r=4, seed=0):
     ks = jax.random.split(jax.random.key(seed), 8)
     we = {"w_gate": 0.2 * jax.random.normal(ks[0], (e, d, i)), "w_up": 0.2 * jax.random.normal(ks[1], (e, d, i)),
           "w_down": 0.2 * jax.random.normal(ks[2], (e, i, d))}
-    lwe = {"w_gate": {"a": 0.2 * jax.random.normal(ks[3], (e, d, r)), "b": 0.2 * jax.random.normal(ks[4], (e, r, i))},
-           "w_down": {"a": 0.2 * jax.random.normal(ks[5], (e, i, r)), "b": 0.2 * jax.random.normal(ks[6], (e, r, d))}}
+    # LoRA `a` rank-major [E, R, in] (modules.LoRA)
+    lwe = {"w_gate": {"a": 0.2 * jax.random.normal(ks[3], (e, r, d)), "b": 0.2 * jax.random.normal(ks[4], (e, r, i))},
+           "w_down": {"a": 0.2 * jax.random.normal(ks[5], (e, r, i)), "b": 0.2 * jax.random.normal(ks[6], (e, r, d))}}
     return we, lwe, jax.random.normal(ks[7], (d, e))
 
 
@@ -126,9 +127,9 @@ def test_dense_and_grouped_dispatch_agree_with_lora_and_gradients():
         acc = 0.0
         for k in range(3):
             e = int(idx[m, k])
-            g = h_MD[m] @ we["w_gate"][e] + 0.5 * (h_MD[m] @ lwe["w_gate"]["a"][e]) @ lwe["w_gate"]["b"][e]
+            g = h_MD[m] @ we["w_gate"][e] + 0.5 * (h_MD[m] @ lwe["w_gate"]["a"][e].T) @ lwe["w_gate"]["b"][e]
             a = jax.nn.silu(g) * (h_MD[m] @ we["w_up"][e])
-            acc = acc + w[m, k] * (a @ we["w_down"][e] + 0.5 * (a @ lwe["w_down"]["a"][e]) @ lwe["w_down"]["b"][e])
+            acc = acc + w[m, k] * (a @ we["w_down"][e] + 0.5 * (a @ lwe["w_down"]["a"][e].T) @ lwe["w_down"]["b"][e])
         ref.append(acc)
     np.testing.assert_allclose(out("grouped", lwe), jnp.stack(ref), atol=1e-5, rtol=0)
     g_dense, g_grouped = (jax.grad(lambda lw, d=d: jnp.sum(out(d, lw) ** 2))(lwe) for d in ("dense", "grouped"))
@@ -230,9 +231,9 @@ def test_lora_specs_cover_experts_and_dense_layers():
     dims = {**cfg.dims(), "R": 4}
     shapes = jax.tree.map(lambda s: s.shape(dims), specs, is_leaf=is_spec)
     assert shapes == {
-        "layers": {"wq": {"a": (3, 32, 4), "b": (3, 4, 4, 8)}},
-        "mlp": {"w_down": {"a": (1, 48, 4), "b": (1, 4, 32)}},
-        "moe": {"w_down": {"a": (2, 4, 16, 4), "b": (2, 4, 4, 32)}},
+        "layers": {"wq": {"a": (3, 4, 32), "b": (3, 4, 4, 8)}},  # `a` rank-major [stack..., R, in...]
+        "mlp": {"w_down": {"a": (1, 4, 48), "b": (1, 4, 32)}},
+        "moe": {"w_down": {"a": (2, 4, 4, 16), "b": (2, 4, 4, 32)}},
     }
     assert cfg.mlp_layers == (1,) and cfg.moe_layers == (0, 2)
 

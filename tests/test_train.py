@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from helpers import random_batch, tiny_model_config, tiny_trainer
 
@@ -118,6 +119,23 @@ def test_checkpoint_round_trip_and_retention(tmp_path):
     same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), state.opt_state,
                         restored.opt_state)
     assert all(jax.tree.leaves(same))
+
+    # a checkpoint of the LoRA A factors' old layout ([stack..., in..., R], before 2026-11-26), as Orbax wrote it
+    # then (no layout in its metadata), restores transposed, here onto a sharded mesh's state
+    def old(path, x):
+        keys = [getattr(k, "key", None) for k in path]
+        return np.moveaxis(np.asarray(x), 2 if keys[-3] == "moe" else 1, -1) if keys[-1] == "a" else np.asarray(x)
+
+    tree = jax.tree_util.tree_map_with_path(old, {"lora": state.lora, "opt_state": state.opt_state, "step": state.step})
+    assert tree["lora"]["layers"]["wq"]["a"].shape == (CFG.num_layers, CFG.hidden_size, 4)
+    with ocp.CheckpointManager(str(tmp_path / "old")) as mngr:
+        mngr.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave({"step": 3})))
+    _, _, like = _setup(make_mesh({"fsdp": 2, "tensor": 2}, jax.devices()[:4]))
+    restored, meta = Checkpointer(str(tmp_path / "old"), read_only=True).restore(3, like)
+    assert meta == {"step": 3}
+    for a, b, c in zip(*(jax.tree.leaves((s.lora, s.opt_state)) for s in (state, restored, like)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert b.sharding.is_equivalent_to(c.sharding, b.ndim), (b.sharding, c.sharding)
     ckpt.close()
     keep_all = Checkpointer(str(tmp_path / "all"), keep=-1)
     for step in range(1, 5):

@@ -5,7 +5,8 @@ loads onto the base model, and such a folder read back into a jaxrl LoRA.
 PEFT's adapter format (peft 0.21): `adapter_config.json` (a `LoraConfig`) and `adapter_model.safetensors`
 with, for every adapted Linear `<module>` of the HF model, `base_model.model.<module>.lora_A.weight`
 [R, in] and `lora_B.weight` [out, R]; the update is `(lora_alpha / r) * B @ A`, which is jaxrl's
-`lora_scale * a @ b` with `A = a.T`, `B = b.T` (heads flattened as HF flattens them). MoE experts are
+`lora_scale * a.T @ b` with `A = a` (jaxrl's `a` is rank-major too: [R, in...]), `B = b.T` (heads flattened
+as HF flattens them). MoE experts are
 written per expert (`mlp.experts.{e}.gate_proj`), the layout vLLM and transformers 4 use; peft fuses
 them into transformers 5's stacked `gate_up_proj` / `down_proj` parameters when it loads the adapter,
 which needs `gate_proj` and `up_proj` targeted together and no dense-MLP layers beside the experts.
@@ -26,7 +27,7 @@ import safetensors.numpy
 from etils import epath
 
 from jaxrl.model import hf
-from jaxrl.model.modules import lora_specs, param_specs
+from jaxrl.model.modules import lora_specs, lora_stack_axes, param_specs
 from jaxrl.model.qwen3 import LORA_TARGETS, ModelConfig, Params
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -36,17 +37,12 @@ _N_IN = {name: n_in for name, n_in in LORA_TARGETS.values()}  # our weight name 
 _EXPERT_TARGETS = ("gate_proj", "up_proj")  # fused into one `gate_up_proj` by transformers 5
 
 
-def _stack_axes(group: str) -> int:
-    """Leading stack axes of a weight in `group` (as in `lora_specs`): layers, plus experts in `moe`."""
-    return 2 if group == "moe" else 1
-
-
 def _merged(w: jax.Array, a: jax.Array, b: jax.Array, scale: float | jax.Array, letters: str,
             n_stack: int, n_in: int) -> jax.Array:
-    """`w + scale * a @ b` for one stacked weight with shape letters `letters`, computed in fp32 at
-    full matmul precision and returned in `w`'s dtype."""
+    """`w + scale * a.T @ b` for one stacked weight with shape letters `letters` (`a` [stack..., R, in...],
+    `b` [stack..., R, out...]), computed in fp32 at full matmul precision and returned in `w`'s dtype."""
     pre, x, y = letters[:n_stack], letters[n_stack:n_stack + n_in], letters[n_stack + n_in:]
-    delta = jnp.einsum(f"{pre}{x}R,{pre}R{y}->{letters}", a.astype(jnp.float32), b.astype(jnp.float32),
+    delta = jnp.einsum(f"{pre}R{x},{pre}R{y}->{letters}", a.astype(jnp.float32), b.astype(jnp.float32),
                        precision=jax.lax.Precision.HIGHEST)
     return (w.astype(jnp.float32) + scale * delta).astype(w.dtype)
 
@@ -61,9 +57,9 @@ def _lora_weights(cfg: ModelConfig, params: Params, lora: Params) -> list[tuple[
             if name not in specs.get(group, {}) or name not in _N_IN or name not in params.get(group, {}):
                 raise ValueError(f"LoRA weight {group}/{name} adapts no weight of this model")
             letters, w = specs[group][name].letters, params[group][name]
-            p, n_in = _stack_axes(group), _N_IN[name]
-            rank = ab["a"].shape[-1]
-            want_a = (*w.shape[:p + n_in], rank)
+            p, n_in = lora_stack_axes(group), _N_IN[name]
+            rank = ab["a"].shape[p]
+            want_a = (*w.shape[:p], rank, *w.shape[p:p + n_in])
             want_b = (*w.shape[:p], rank, *w.shape[p + n_in:])
             if tuple(ab["a"].shape) != want_a or tuple(ab["b"].shape) != want_b:
                 raise ValueError(f"LoRA weight {group}/{name} has a {tuple(ab['a'].shape)}, b "
@@ -80,7 +76,7 @@ def merge_lora(cfg: ModelConfig, params: Params, lora: Params, lora_scale: float
 
     Args:
         params: the structure of `param_specs(cfg)`.
-        lora: the structure of `lora_specs(cfg, rank, targets)` (`a` [stack..., in..., R],
+        lora: the structure of `lora_specs(cfg, rank, targets)` (`a` [stack..., R, in...],
             `b` [stack..., R, out...]).
         lora_scale: `lora_alpha / rank`.
 
@@ -94,7 +90,7 @@ def merge_lora(cfg: ModelConfig, params: Params, lora: Params, lora_scale: float
     for group, name, letters in _lora_weights(cfg, params, lora):
         ab = lora[group][name]
         out[group][name] = _merged(params[group][name], ab["a"], ab["b"], lora_scale, letters,
-                                   _stack_axes(group), _N_IN[name])
+                                   lora_stack_axes(group), _N_IN[name])
     return out
 
 
@@ -119,7 +115,7 @@ def save_merged(folder: str | Path, cfg: ModelConfig, params: Params, lora: Para
     for group, name, letters in _lora_weights(cfg, params, lora):
         ab = lora[group][name]
         w = _merged_jit(params[group][name], ab["a"], ab["b"], lora_scale, letters=letters,
-                        n_stack=_stack_axes(group), n_in=_N_IN[name])
+                        n_stack=lora_stack_axes(group), n_in=_N_IN[name])
         merged[group][name] = np.asarray(w)
         del w
     return hf.save_hf(folder, cfg, merged, dtype=dtype)
@@ -183,11 +179,12 @@ def save_adapter(folder: str | epath.PathLike, cfg: ModelConfig, lora: Params, *
     tensors = {}
     for group, name in adapted:
         a, b = np.asarray(lora[group][name]["a"], np.float32), np.asarray(lora[group][name]["b"], np.float32)
-        if a.shape[-1] != rank or b.shape[_stack_axes(group)] != rank:
-            raise ValueError(f"LoRA weight {group}/{name} has rank {a.shape[-1]}, not {rank}")
+        p = lora_stack_axes(group)
+        if a.shape[p] != rank or b.shape[p] != rank:
+            raise ValueError(f"LoRA weight {group}/{name} has rank {a.shape[p]}, not {rank}")
         for hf_name, index in names[(group, name)]:
             module = _PEFT_PREFIX + hf_name.removesuffix(".weight")
-            tensors[f"{module}.lora_A.weight"] = np.ascontiguousarray(a[index].reshape(-1, rank).T)
+            tensors[f"{module}.lora_A.weight"] = np.ascontiguousarray(a[index].reshape(rank, -1))
             tensors[f"{module}.lora_B.weight"] = np.ascontiguousarray(b[index].reshape(rank, -1).T)
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
@@ -259,12 +256,12 @@ def load_adapter(folder: str | epath.PathLike, cfg: ModelConfig) -> Adapter:
             for key, dst in ((f"{module}.lora_A.weight", a), (f"{module}.lora_B.weight", b)):
                 if key not in tensors:
                     raise ValueError(f"{folder / ADAPTER_WEIGHTS}: tensor {key!r} is missing")
-                t = tensors.pop(key)  # A [R, in] or B [out, R]: ours transposed, axes split as HF flattens them
+                t = tensors.pop(key)  # A [R, in]: ours; B [out, R]: ours transposed; axes split as HF flattens them
                 want = dst[index].shape
                 if t.ndim != 2 or t.size != math.prod(want) or t.shape[0 if dst is a else 1] != rank:
                     raise ValueError(f"{folder / ADAPTER_WEIGHTS}: tensor {key!r} has shape {tuple(t.shape)}, "
                                      f"which does not fit {want}")
-                dst[index] = t.T.reshape(want)
+                dst[index] = (t if dst is a else t.T).reshape(want)
         lora.setdefault(group, {})[name] = {"a": jnp.asarray(a), "b": jnp.asarray(b)}
     if tensors:
         raise ValueError(f"{folder / ADAPTER_WEIGHTS}: tensors {sorted(tensors)[:3]} are not part of a LoRA on "

@@ -50,7 +50,13 @@ from jaxrl.parallel.spec import ParamSpec
 
 
 class LoRAParam(nnx.Param):
-    """A LoRA factor (`a` [stack..., in..., R] or `b` [stack..., R, out...]): the variables a LoRA run trains."""
+    """A LoRA factor (`a` [stack..., R, in...] or `b` [stack..., R, out...]): the variables a LoRA run trains."""
+
+
+def lora_stack_axes(group: str) -> int:
+    """Leading stack axes of a LoRA factor (and of the weight it adapts) in `group`: the layers, plus the
+    experts in `moe`; the rank R is the axis after them in both `a` and `b`."""
+    return 2 if group == "moe" else 1
 
 
 def trained_filter(full: bool) -> type[nnx.Param]:
@@ -60,25 +66,32 @@ def trained_filter(full: bool) -> type[nnx.Param]:
 
 
 def _weight(kind: type[nnx.Param], dims: Mapping[str, int], dtype: Any, letters: str,
-            axes: tuple[str | None, ...], init: str = "normal") -> nnx.Param:
+            axes: tuple[str | None, ...], init: str = "normal", drawn: str | None = None) -> nnx.Param:
     """One declared variable of `kind` with shape `letters` (sizes from `dims`), logical `axes` and `init`
     ("normal": std 0.02, drawn by `_draw` once the module has all its variables; "ones"; "zeros"), in
-    `dtype`. Placement is left to the caller (`eager_sharding=False`): the logical axes map to mesh axes
+    `dtype`. `drawn`: the letters, a permutation of `letters`, in which `_draw` draws the normal values
+    before transposing them to `letters` (None: `letters`), so a layout change keeps a seed's values.
+    Placement is left to the caller (`eager_sharding=False`): the logical axes map to mesh axes
     through `jaxrl.parallel.sharding`."""
     shape = tuple(dims[c] for c in letters)
     value = jnp.ones(shape, dtype) if init == "ones" else jnp.zeros(shape, dtype)
-    return kind(value, out_sharding=axes, letters=letters, init=init, eager_sharding=False)
+    return kind(value, out_sharding=axes, letters=letters, init=init, drawn=drawn or letters, eager_sharding=False)
 
 
 def _draw(module: nnx.Module, key: jax.Array) -> None:
     """Give every variable of `module` declared with init "normal" its random value: normal std 0.02 (as
     HF's `initializer_range`), drawn in float32 and cast to the variable's dtype, with one key per
     variable from `key` split over all of them in path order (`jax.tree.flatten`'s order of the pure dict),
-    so a seed gives the same weights as jaxrl's earlier pytree initialiser."""
+    so a seed gives the same weights as jaxrl's earlier pytree initialiser. A variable declared with other
+    `drawn` letters is drawn in that layout and transposed to its own (the LoRA `a` factors: drawn
+    [stack..., in..., R], their layout before 2026-11-26, stored [stack..., R, in...])."""
     flat = list(nnx.to_flat_state(nnx.state(module)))
     for (_, var), k in zip(flat, jax.random.split(key, len(flat)), strict=True):
         if var.init == "normal":
-            var.set_value((0.02 * jax.random.normal(k, var.shape, jnp.float32)).astype(var.dtype))
+            letters, drawn = var.letters, var.drawn
+            shape = tuple(var.shape[letters.index(c)] for c in drawn)
+            value = jnp.transpose(0.02 * jax.random.normal(k, shape, jnp.float32), [drawn.index(c) for c in letters])
+            var.set_value(value.astype(var.dtype))
 
 
 class Layers(nnx.Module):
@@ -156,8 +169,12 @@ class LoRA(nnx.Module):
     `down_proj` adapt both the dense MLPs and the experts (one adapter per expert).
 
     For a target with stack letters `pre` (`L`, `Q`, or `U` plus `E`), input letters `x` and output letters
-    `y`, `a` is [pre, x, R] (normal) and `b` is [pre, R, y] (zeros, so a fresh adapter leaves the model
-    unchanged, sec. 4.1); the axes of `a` / `b` are the base weight's, so they shard alike.
+    `y`, `a` is [pre, R, x] (normal) and `b` is [pre, R, y] (zeros, so a fresh adapter leaves the model
+    unchanged, sec. 4.1); the axes of `a` / `b` are the base weight's, so they shard alike. `a` is
+    rank-major, PEFT's own `lora_A.weight` [r, in]: its large input axes are the minor ones, so a TPU tiles
+    it (and its gradient and Adam moments) without padding, where [pre, x, R] put the rank (16) on the
+    128-lane minor axis, 8x padded (docs/tpu.md section 7.3). Its normal values are drawn [pre, x, R] and
+    transposed (`_weight`'s `drawn`), so a seed gives the adapter it gave before the layout changed.
     """
 
     def __init__(self, cfg: ModelConfig, rank: int, targets: tuple[str, ...], *, key: jax.Array,
@@ -171,12 +188,13 @@ class LoRA(nnx.Module):
                 spec = base.get(group, {}).get(name)
                 if spec is None:
                     continue
-                p = 2 if group == "moe" else 1
+                p = lora_stack_axes(group)
                 pre, x, y = spec.letters[:p], spec.letters[p:p + n_in], spec.letters[p + n_in:]
                 ax_pre, ax_x, ax_y = spec.axes[:p], spec.axes[p:p + n_in], spec.axes[p + n_in:]
                 w = functools.partial(_weight, LoRAParam, dims, dtype)
-                groups.setdefault(group, {})[name] = nnx.Dict(a=w(pre + x + "R", (*ax_pre, *ax_x, None), "normal"),
-                                                              b=w(pre + "R" + y, (*ax_pre, None, *ax_y), "zeros"))
+                groups.setdefault(group, {})[name] = nnx.Dict(
+                    a=w(pre + "R" + x, (*ax_pre, None, *ax_x), "normal", drawn=pre + x + "R"),
+                    b=w(pre + "R" + y, (*ax_pre, None, *ax_y), "zeros"))
         for group in ("layers", "mlp", "moe"):
             setattr(self, group, nnx.Dict(groups[group]) if group in groups else None)
         _draw(self, key)
@@ -271,7 +289,7 @@ def lora_signature(lora: Params | None) -> tuple[int, tuple[str, ...]]:
     if not lora:
         return 0, ()
     names = {name for group in lora.values() for name in group}
-    rank = next(ab["a"].shape[-1] for group in lora.values() for ab in group.values())
+    rank = next(ab["a"].shape[lora_stack_axes(g)] for g, group in lora.items() for ab in group.values())
     return rank, tuple(t for t, (name, _) in LORA_TARGETS.items() if name in names)
 
 

@@ -39,6 +39,10 @@ EXPERT_AXES: dict[str, tuple[str | None, ...]] = {
     "w_up": ("experts", "embed", "mlp"),
     "w_down": ("experts", "mlp", "embed"),
 }
+# `ragged_dot_general` of rows [A, in], grouped by expert, with a rank-major LoRA `a` [E, R, in]: the rows'
+# axis 1 contracts the factor's axis 2, groups on the factor's axis 0 (ragged_dot's own numbers contract axis 1)
+_RANK_MAJOR = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
+                                                lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 DENSE_DISPATCH_MAX_EXPERTS = 8  # up to this many experts, one device runs `experts_dense`
 ASSIGNMENTS_PER_CHUNK = 16384  # `experts_chunked`: at most about this many assignments' rows at a time
 
@@ -85,7 +89,7 @@ def _expert_lora(x: jax.Array, ab: dict[str, jax.Array] | None, scale: float, lh
     experts) or "MEI" (each expert's own input)."""
     if ab is None:
         return 0.0
-    xa_MER = jnp.einsum(f"{lhs},E{lhs[-1]}R->MER", x, ab["a"])
+    xa_MER = jnp.einsum(f"{lhs},ER{lhs[-1]}->MER", x, ab["a"])
     return (scale * jnp.einsum("MER,ERO->MEO", xa_MER, ab["b"])).astype(x.dtype)
 
 
@@ -94,7 +98,7 @@ def experts_dense(h_MD: jax.Array, idx_MX: jax.Array, w_MX: jax.Array, we: dict[
     """Every expert on every token, combined with the routing weights. Returns [M, D] in h's dtype.
 
     `we`: w_gate/w_up [E, D, I], w_down [E, I, D]; `lwe`: optional LoRA factors per weight,
-    `a` [E, in, R] and `b` [E, R, out].
+    `a` [E, R, in] (rank-major, `modules.LoRA`) and `b` [E, R, out].
     """
     lwe = lwe or {}
     e = we["w_gate"].shape[0]
@@ -127,7 +131,7 @@ def experts_grouped(h_MD: jax.Array, idx_MX: jax.Array, w_MX: jax.Array, we: dic
     def matmul(v, name):
         y = jax.lax.ragged_dot(v, we[name], sizes_E)
         if (ab := lwe.get(name)) is not None:
-            va = jax.lax.ragged_dot(v, ab["a"], sizes_E)
+            va = jax.lax.ragged_dot_general(v, ab["a"], sizes_E, _RANK_MAJOR)  # [A, in] by [E, R, in]
             y = y + (lora_scale * jax.lax.ragged_dot(va, ab["b"], sizes_E)).astype(y.dtype)
         return y
 
@@ -220,7 +224,7 @@ def moe_block(h_BTD: jax.Array, router_DE: jax.Array, we: dict[str, jax.Array], 
     route_spec = PartitionSpec(tok_spec[0], None)
     split = "expert" in ((tok_spec[0],) if isinstance(tok_spec[0], str) else tuple(tok_spec[0] or ()))
     w_specs = {k: logical_spec(EXPERT_AXES[k], v.shape, mesh, RULES) for k, v in we.items()}
-    lw_specs = {k: {"a": logical_spec((*EXPERT_AXES[k][:2], None), ab["a"].shape, mesh, RULES),
+    lw_specs = {k: {"a": logical_spec((EXPERT_AXES[k][0], None, EXPERT_AXES[k][1]), ab["a"].shape, mesh, RULES),
                     "b": logical_spec((EXPERT_AXES[k][0], None, EXPERT_AXES[k][2]), ab["b"].shape, mesh, RULES)}
                 for k, ab in (lwe or {}).items()}
 

@@ -118,16 +118,18 @@ def project(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def lora_delta(x: jax.Array, ab: dict[str, jax.Array] | None, scale: float, out_shape: tuple[int, ...]):
-    """`scale * x @ a @ b` for one adapted weight, its input axes (all of `x`'s after B, T) flattened and
-    its output reshaped to `out_shape`, in `x`'s dtype; 0.0 for no LoRA (`ab` None).
+    """`scale * x @ a.T @ b` for one adapted weight (`a` [R, Y...] rank-major as `modules.LoRA` declares
+    it, `b` [R, O...]), its input axes (all of `x`'s after B, T) flattened and its output reshaped to
+    `out_shape`, in `x`'s dtype; 0.0 for no LoRA (`ab` None).
 
-    The tokens are flattened too, [B * T, Y] @ [Y, R] @ [R, O]: the factors' gradients then contract one
+    The tokens are flattened too, [B * T, Y] @ [R, Y].T @ [R, O]: the factors' gradients then contract one
     token axis (a plain matmul), where with B and T apart XLA's CPU backend transposed each [B, T, O]
     output gradient first (docs/benchmarks.md, 2026-11-26)."""
     if ab is None:
         return 0.0
     flat_MY = x.reshape(x.shape[0] * x.shape[1], -1)
-    delta_MO = (flat_MY @ ab["a"].reshape(-1, ab["a"].shape[-1])) @ ab["b"].reshape(ab["b"].shape[0], -1)
+    a_RY, b_RO = ab["a"].reshape(ab["a"].shape[0], -1), ab["b"].reshape(ab["b"].shape[0], -1)
+    delta_MO = jax.lax.dot_general(flat_MY, a_RY, (((1,), (1,)), ((), ()))) @ b_RO
     return (scale * delta_MO).reshape(*x.shape[:2], *out_shape).astype(x.dtype)
 
 

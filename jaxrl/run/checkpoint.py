@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
 from jaxrl.rl.train import TrainState
-from jaxrl.run import gcs
+from jaxrl.run import checkpoint_layout, gcs
 from jaxrl.run.errors import RunError
 
 
@@ -211,6 +211,7 @@ class Checkpointer:
         self.wait()
         if self._probe:
             self._check_reachable(f"cannot save step {step} to")
+        meta = {**meta, checkpoint_layout.LAYOUT_KEY: checkpoint_layout.RANK_MAJOR}  # read back by `restore`
         args = ocp.args.Composite(state=ocp.args.StandardSave(_tree(state)), meta=ocp.args.JsonSave(meta))
         try:
             self._mngr.save(step, args=args, force=True)
@@ -220,11 +221,16 @@ class Checkpointer:
         self._pending = step
 
     def read_meta(self, step: int) -> dict[str, Any]:
-        """The JSON metadata of checkpoint `step`, without reading any array.
+        """The JSON metadata of checkpoint `step` (as `save` was given it), without reading any array.
 
         Raises:
             CheckpointError: no complete checkpoint `step` exists, or it cannot be read.
         """
+        meta = self._read_meta(step)
+        meta.pop(checkpoint_layout.LAYOUT_KEY, None)
+        return meta
+
+    def _read_meta(self, step: int) -> dict[str, Any]:
         self._require(step)
         try:
             return dict(self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
@@ -232,20 +238,24 @@ class Checkpointer:
             raise self._error(f"cannot read step {step} metadata from", exc) from exc
 
     def restore(self, step: int, like: TrainState) -> tuple[TrainState, dict[str, Any]]:
-        """Restore checkpoint `step` into arrays shaped, typed and sharded like `like`.
+        """Restore checkpoint `step` into arrays shaped, typed and sharded like `like`, and its metadata.
+        A checkpoint saved before the LoRA A factors became rank-major (no layout in its metadata) is
+        restored in its layout and transposed (`jaxrl.run.checkpoint_layout`).
 
         Raises:
             CheckpointError: no complete checkpoint `step` exists, or its arrays do not fit `like`.
         """
-        self._require(step)
+        meta = self._read_meta(step)
+        old = meta.pop(checkpoint_layout.LAYOUT_KEY, None) != checkpoint_layout.RANK_MAJOR
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _tree(like))
+        target = checkpoint_layout.old_layout_target(abstract) if old else abstract
         try:
-            out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                                   meta=ocp.args.JsonRestore()))
+            tree = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
         except Exception as exc:  # noqa: BLE001
             raise self._error(f"cannot restore step {step} from", exc) from exc
-        tree = out["state"]
-        return TrainState(tree.get("lora", {}), tree["opt_state"], tree["step"], tree.get("base")), dict(out["meta"])
+        if old:
+            tree = checkpoint_layout.to_rank_major(tree, abstract)
+        return TrainState(tree.get("lora", {}), tree["opt_state"], tree["step"], tree.get("base")), meta
 
     def damage(self, step: int) -> str | None:
         """Why checkpoint `step` does not restore whole, None when it does: its metadata JSON, its tree
