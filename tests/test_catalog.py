@@ -81,6 +81,8 @@ def test_models_command_sizes_shards_for_the_mesh():
     # the model's longest context / the longest compiled to train at a Hosted batch (catalog.COMPILED_CONTEXT,
     # compiled by tests/test_compile_hosted.py); the Thinking variant shares the Instruct one's architecture
     assert rows["Qwen/Qwen3-4B-Thinking-2507"][6] == "262,144 / 32,768 on v5p-8 (tensor 4, 16 slots)"
+    # (a long cell wraps: its first line)
+    assert rows["Qwen/Qwen3-30B-A3B-Thinking-2507"][6].startswith("262,144 / 32,768 on v5p-16 (fsdp 2, expert 4")
     assert rows["Qwen/Qwen3-235B-A22B-Instruct-2507"][6] == "262,144 / -"
 
 
