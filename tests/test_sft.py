@@ -298,11 +298,12 @@ def test_sft_run_checkpoints_and_an_rl_run_warm_starts_from_it(tmp_path):
     rl.setup()  # loads the model, the environments and the warm start; starts no engine
     try:
         saved, _ = ckpt.restore(4, rl.state)
-        adapter = hf_lora.load_adapter(run_dir / "adapters" / "step_4", rl.mcfg)  # [adapters]: after the last step
+        # [adapters]: after the last step
+        adapter = hf_lora.load_adapter(run_dir / "adapters" / "step_4", rl.model.config)
         assert sorted(p.name for p in (run_dir / "adapters").iterdir()) == ["step_3", "step_4"]
         for lora in (rl.state.lora, adapter.lora):
             jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), saved.lora, lora)
-        assert int(rl.state.step) == 0 and rl.start_step == 0  # the LoRA only: step and optimizer start fresh
+        assert int(rl.state.step) == 0 and rl.progress.start_step == 0  # the LoRA only: step and optimizer start fresh
     finally:
         rl.ckpt.close()
         ckpt.close()
@@ -331,7 +332,7 @@ def test_full_sft_run_trains_every_weight_and_a_full_rl_run_warm_starts_from_it(
     rl.setup()  # loads the model, the environments and the warm start; starts no engine
     try:
         saved, _ = ckpt.restore(2, rl.state)
-        assert saved.lora == {} and int(rl.state.step) == 0 and rl.start_step == 0
+        assert saved.lora == {} and int(rl.state.step) == 0 and rl.progress.start_step == 0
         _, start = hf.load_hf(model)
         moved = jax.tree.map(lambda a, b: not np.array_equal(np.asarray(a), np.asarray(b)), start, saved.base)
         assert all(jax.tree.leaves(moved))

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -89,3 +90,54 @@ def test_no_module_or_function_too_long():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{_name(path)}:{node.lineno} {node.name}: {lines} lines (over {MAX_FUNCTION_LINES})")
     assert not long, "too long:\n" + "\n".join(long)
+
+
+MAX_CLASS_ATTRIBUTES = 25
+
+
+@functools.cache
+def _classes(module: str) -> dict[str, tuple[ast.ClassDef, list[tuple[str, str]]]]:
+    """Every class of `module` (a dotted name in the package) by name: its node and its bases inside the
+    package, each as (module, name) through a class of the same module or a `from jaxrl... import Name`."""
+    path = PACKAGE.parent.joinpath(*module.split("."))
+    tree = ast.parse((path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).read_text("utf-8"))
+    imported = {a.asname or a.name: node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and node.module and node.module.startswith("jaxrl") for a in node.names}
+    local = {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
+    return {node.name: (node, [(module if b.id in local else imported[b.id], b.id) for b in node.bases
+                               if isinstance(b, ast.Name) and (b.id in local or b.id in imported)])
+            for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+
+
+def _own_attributes(cls: ast.ClassDef) -> set[str]:
+    """The attributes `cls` declares: annotated names in its body (a dataclass's fields) and every `self.x`
+    its methods assign (`=`, `+=`, annotated, tuple targets, `with ... as self.x`, `for self.x in`)."""
+    names = {s.target.id for s in cls.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+    for method in cls.body:
+        if not isinstance(method, ast.FunctionDef | ast.AsyncFunctionDef) or not method.args.args:
+            continue
+        me = method.args.args[0].arg
+        for node in ast.walk(method):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign | ast.For | ast.AsyncFor) else \
+                [node.optional_vars] if isinstance(node, ast.withitem) and node.optional_vars else []
+            for target in targets:
+                for t in ast.walk(target):
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == me:
+                        names.add(t.attr)
+    return names
+
+
+def test_no_class_in_run_with_too_many_attributes():
+    """A class a reader of `jaxrl/run` must hold in their head: at most 25 attributes, its bases' inside the
+    package included (what `Run`'s reader sees is `Job`'s and its own); attributes that belong together
+    are one small typed object (`RunEnvs`, `Progress`, `ModelFiles`). Over that, the class and its
+    attributes are named here."""
+    def attributes(module: str, name: str) -> set[str]:
+        node, bases = _classes(module)[name]
+        return _own_attributes(node).union(*(attributes(*b) for b in bases if b[1] in _classes(b[0])))
+
+    big = [f"{_name(path)}.{name}: {len(attrs)} attributes (over {MAX_CLASS_ATTRIBUTES}): {', '.join(sorted(attrs))}"
+           for path in sorted((PACKAGE / "run").glob("*.py")) for name in _classes(_name(path))
+           if len(attrs := attributes(_name(path), name)) > MAX_CLASS_ATTRIBUTES]
+    assert not big, "too many attributes:\n" + "\n".join(big)

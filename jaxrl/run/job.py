@@ -1,13 +1,14 @@
 """What an RL run (`jaxrl.run.runner.Run`) and an SFT run (`jaxrl.run.sft.SftRun`) share: `Job`, the
 phases around their loops.
 
-`setup` loads the model onto its `Placement` (`jaxrl.run.placement`), the job's data (`load_data`), the
-LoRA and trainer, the environments when the job serves the engine (`serves`), and restores the last
-checkpoint (or warm-starts from `checkpoint_id`); `start` starts the W&B run, the rollout side
+`setup` loads the model (`ModelFiles`: its folders and config) onto its `Placement` (`jaxrl.run.placement`),
+the job's data (`load_data`), the LoRA and trainer, the environments when the job serves the engine
+(`serves`), and restores the last checkpoint (or warm-starts from `checkpoint_id`), which sets the job's
+`Progress` (first step, last step run, last step checkpointed); `start` starts the W&B run, the rollout side
 (`jaxrl.run.serving.Serving`, when it serves) and the metrics logger; `preflight` compiles the engine,
-serves the environments and evaluates the base model; then each step is the job's own `step`, which ends
-in `record_step` (the metrics row, the checkpoint and the PEFT adapters when due, the cadence both jobs
-keep); `close` stops what `start` started. `run` drives them and handles SIGTERM / SIGINT (`preempted`).
+serves the environments and evaluates the base model; then each step is the job's own `step`, which ends in
+`record_step` (the metrics row, the checkpoint and the PEFT adapters when due, the cadence both jobs keep);
+`close` stops what `start` started. `run` drives them and handles SIGTERM / SIGINT (`preempted`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from rich.console import Console
 
 from jaxrl.config.schema import ConfigError, RunConfig, resolve_model_path, resolve_tokenizer_path
 from jaxrl.model import hf
+from jaxrl.model.config import ModelConfig
 from jaxrl.model.modules import init_lora, lora_specs, param_specs
 from jaxrl.parallel import distributed
 from jaxrl.parallel.sharding import spec_shardings
@@ -40,6 +42,29 @@ from jaxrl.run.metrics import MetricsLogger, trim_metrics
 from jaxrl.run.placement import Placement, trainer_mesh
 from jaxrl.run.serving import RunEnvs, Serving, params_dtype
 from jaxrl.run.signals import StopRequest, stop_on_signals
+
+
+@dataclasses.dataclass
+class ModelFiles:
+    """The model a job trains: `path`, the checkpoint folder (or `gs://` URL) its weights are read from
+    (`resolve_model_path`); `tokenizer_path`, the tokenizer folder (`resolve_tokenizer_path`); `config`, its
+    architecture (`config.json`)."""
+
+    path: str
+    tokenizer_path: str
+    config: ModelConfig
+
+
+@dataclasses.dataclass
+class Progress:
+    """Where a job stands in its steps. `start_step`: the first step to run (0-based: the step of the
+    checkpoint it resumed from, else 0); `meta`: that checkpoint's metadata ({} when none); `done`: the last
+    step run (1-based, `start_step` before the first); `saved`: the last step checkpointed."""
+
+    start_step: int
+    meta: dict[str, Any]
+    done: int
+    saved: int
 
 
 class Job:
@@ -84,15 +109,15 @@ class Job:
     def run(self) -> Path:
         """All phases; return the run folder. Raises what `jaxrl.run.runner.run` documents."""
         self.setup()
-        if self.start_step >= self.cfg.max_steps:
-            self.console.print(f"run already complete ({self.start_step}/{self.cfg.max_steps} steps)")
+        if self.progress.start_step >= self.cfg.max_steps:
+            self.console.print(f"run already complete ({self.progress.start_step}/{self.cfg.max_steps} steps)")
             self.ckpt.close()
             return self.run_dir
         self.start()
         try:
             with stop_on_signals() as self.stop:
                 self.preflight()
-                for step in range(self.start_step, self.cfg.max_steps):
+                for step in range(self.progress.start_step, self.cfg.max_steps):
                     if distributed.any_process(self.stop.requested) or not self.step(step):
                         break
                 if distributed.any_process(self.stop.requested):
@@ -117,53 +142,51 @@ class Job:
 
     def setup(self) -> None:
         """Load the model, the job's data, the LoRA, the trainer state, the environments (when it serves) and
-        the last checkpoint; sets `start_step` (the first step to run) and `meta` (that checkpoint's
-        metadata, {} when none)."""
+        the last checkpoint; sets `progress` (the first step to run, that checkpoint's metadata)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.load_model()
         self.load_data()
         cfg = self.cfg  # as load_data left it
         if self.primary:
             write_run_config(self.run_dir, cfg)  # what `jaxrl export` reads
-        self.adapters = RunAdapters(cfg, self.mcfg, adapters_dir_of(cfg), self.console)
+        self.adapters = RunAdapters(cfg, self.model.config, adapters_dir_of(cfg), self.console)
         self.init_training()
         if self.serves:
             self.load_envs()
         self.ckpt = Checkpointer(checkpoint_dir_of(cfg), keep=cfg.checkpoints.keep_cloud)
         self.resume_or_warm_start()
-        self.done = self.saved = self.start_step  # last step run; last step checkpointed
-        if self.primary and (dropped := trim_metrics(self.run_dir / METRICS, self.start_step)):
-            self.console.print(f"dropped {dropped} metrics rows past step {self.start_step} "
+        if self.primary and (dropped := trim_metrics(self.run_dir / METRICS, self.progress.start_step)):
+            self.console.print(f"dropped {dropped} metrics rows past step {self.progress.start_step} "
                                f"(steps run after the last checkpoint)")
 
     def load_data(self) -> None:
         """The job's own data, read before the run config is written (it may set `cfg.max_steps`)."""
 
     def load_model(self) -> None:
-        """The base weights on the trainer's mesh (`base`; float32 in full fine-tuning, the master
-        weights) and on the mesh of this host's rollout engine (`engine_base`: the same arrays when the
-        `placement` shares them; unused in full fine-tuning, where `engine_params` places the trained
-        weights). Raises ConfigError (key `jax.mesh`, `model`, `jax.model_path` or `jax.engine_hosts`)
-        when the mesh does not fit the devices, the checkpoint cannot be loaded or the engine group does
-        not divide the processes."""
+        """The model's files and config (`model`), the base weights on the trainer's mesh (`base`; float32
+        in full fine-tuning, the master weights) and on the mesh of this host's rollout engine (`engine_base`:
+        the same arrays when the `placement` shares them; unused in full fine-tuning, where `engine_params`
+        places the trained weights). Raises ConfigError (key `jax.mesh`, `model`, `jax.model_path` or
+        `jax.engine_hosts`) when the mesh does not fit the devices, the checkpoint cannot be loaded or the
+        engine group does not divide the processes."""
         cfg, jcfg = self.cfg, self.cfg.jax
         mesh = trainer_mesh(cfg)
         trained_dtype = jnp.float32 if self.full else self.dtype
-        self.model_path, self.tokenizer_path = resolve_model_path(cfg), resolve_tokenizer_path(cfg)
+        model_path, tokenizer_path = resolve_model_path(cfg), resolve_tokenizer_path(cfg)
         t0 = time.perf_counter()
         try:
-            self.mcfg = mcfg = hf.load_config(self.model_path)
-            self.placement = place = Placement.of(cfg, mcfg, mesh, self.console)
-            self.base = hf.load_hf(self.model_path, trained_dtype, shardings=self.weight_shardings(mesh))[1]
+            self.model = ModelFiles(model_path, tokenizer_path, hf.load_config(model_path))
+            self.placement = place = Placement.of(cfg, self.model.config, mesh, self.console)
+            self.base = hf.load_hf(self.model.path, trained_dtype, shardings=self.weight_shardings(mesh))[1]
             self.engine_base = self.base if place.shared or self.full else hf.load_hf(
-                self.model_path, self.dtype, shardings=self.weight_shardings(place.engine_mesh))[1]
+                self.model.path, self.dtype, shardings=self.weight_shardings(place.engine_mesh))[1]
         except ConfigError:
             raise
         except Exception as exc:  # noqa: BLE001 - a missing, truncated or malformed checkpoint, in any layer
             key = "jax.model_path" if jcfg.model_path else "model"
-            raise ConfigError(cfg.source, [(key, f"cannot load the model from {self.model_path}: "
+            raise ConfigError(cfg.source, [(key, f"cannot load the model from {model_path}: "
                                                  f"{type(exc).__name__}: {exc}")]) from None
-        self.console.print(f"[bold]jaxrl[/] run [cyan]{self.run_dir}[/]: model {self.model_path} "
+        self.console.print(f"[bold]jaxrl[/] run [cyan]{self.run_dir}[/]: model {model_path} "
                            f"({sum(x.size for x in jax.tree.leaves(self.base)) / 1e6:.1f}M params, {jcfg.dtype}), "
                            f"mesh {dict(mesh.shape)}, loaded in {time.perf_counter() - t0:.1f}s")
 
@@ -173,27 +196,28 @@ class Job:
         the train step's: the frozen base, or in full fine-tuning the KL reference (the starting weights in
         `[jax] dtype`, kept only with an RL `kl_coef > 0`; else None, freeing them)."""
         cfg = self.cfg
-        self.trainer = trainer_for(cfg, self.mcfg, self.placement.mesh, self.lora_scale, self.placement.micro_batch,
-                                   self.objective)
+        self.trainer = trainer_for(cfg, self.model.config, self.placement.mesh, self.lora_scale,
+                                   self.placement.micro_batch, self.objective)
         self.state = self.trainer.init_state(self.base, None if self.full else self.init_lora())
         if self.full:
             keep = self.objective == "rl" and cfg.jax.loss.kl_coef > 0
             self.base = self.engine_weights(self.base) if keep else None
-        self.identity = model_identity(cfg.model, dataclasses.asdict(self.mcfg), cfg.jax.lora_rank,
+        self.identity = model_identity(cfg.model, dataclasses.asdict(self.model.config), cfg.jax.lora_rank,
                                        tuple(cfg.jax.lora_targets), cfg.jax.finetune)
 
     def resume_or_warm_start(self) -> None:
-        """Restore the run's last complete checkpoint (`start_step`, `meta`: its step and metadata), else
+        """Restore the run's last complete checkpoint (`progress` starts at its step, with its metadata), else
         start from `checkpoint_id`'s LoRA or weights (a fresh optimizer) or from step 0 (`meta` {})."""
-        self.start_step, self.meta = 0, {}
+        start_step, meta = 0, {}
         if (restored := restore_newest(self.ckpt, self.state, self.identity, self.console)) is not None:
-            self.state, self.meta = restored
-            self.start_step = int(self.meta["step"])
-            self.console.print(f"resuming from checkpoint step {self.start_step} in {self.ckpt.directory}")
+            self.state, meta = restored
+            start_step = int(meta["step"])
+            self.console.print(f"resuming from checkpoint step {start_step} in {self.ckpt.directory}")
         elif self.cfg.checkpoint_id:
             warm = warm_start_state(self.cfg, self.state, self.identity, self.console)
             self.state = self.trainer.init_state(warm.base, None) if self.full else \
                 self.trainer.init_state(self.base, warm.lora)
+        self.progress = Progress(start_step, meta, done=start_step, saved=start_step)
 
     def engine_weights(self, weights: Any) -> Any:
         """Base weights in the engine's dtype: `weights` themselves, or (full fine-tuning in bfloat16)
@@ -203,13 +227,13 @@ class Job:
 
     def weight_shardings(self, mesh: Mesh) -> Any:
         """Shardings of the model's weights on `mesh`."""
-        return spec_shardings(param_specs(self.mcfg), self.mcfg.dims(), mesh)
+        return spec_shardings(param_specs(self.model.config), self.model.config.dims(), mesh)
 
     def lora_shardings(self, mesh: Mesh) -> Any:
         """Shardings of the LoRA factors on `mesh`."""
         jcfg = self.cfg.jax
-        return spec_shardings(lora_specs(self.mcfg, jcfg.lora_rank, tuple(jcfg.lora_targets)),
-                              {**self.mcfg.dims(), "R": jcfg.lora_rank}, mesh)
+        return spec_shardings(lora_specs(self.model.config, jcfg.lora_rank, tuple(jcfg.lora_targets)),
+                              {**self.model.config.dims(), "R": jcfg.lora_rank}, mesh)
 
     @functools.cached_property
     def engine_lora_shardings(self) -> Any:
@@ -220,13 +244,13 @@ class Job:
         """Fresh LoRA factors (from `[jax] seed`) on the trainer's mesh."""
         jcfg = self.cfg.jax
         # Through numpy: a device array on one host's device would take a cross-host transfer per leaf.
-        lora = init_lora(self.mcfg, jcfg.lora_rank, tuple(jcfg.lora_targets), jax.random.key(jcfg.seed))
+        lora = init_lora(self.model.config, jcfg.lora_rank, tuple(jcfg.lora_targets), jax.random.key(jcfg.seed))
         return jax.device_put(jax.device_get(lora), self.lora_shardings(self.placement.mesh))
 
     def load_envs(self) -> None:
         """The environments the rollout side plays (`envs`: `RunEnvs.load`). Raises ConfigError (key
         `env.<i>.id`, `eval.env.<i>.id` or `env`)."""
-        self.envs = RunEnvs.load(self.cfg, self.tokenizer_path, self.model_path)
+        self.envs = RunEnvs.load(self.cfg, self.model.tokenizer_path, self.model.path)
 
     # -- start and pre-flight --------------------------------------------------------------------------------
 
@@ -236,9 +260,10 @@ class Job:
         cfg = self.cfg
         wandb_run = wandb_log.start(cfg, self.run_dir, self.secrets, self.console) if self.primary else None
         if self.serves:
-            self.serving = Serving(cfg, self.mcfg, self.placement, self.engine_params(), self.start_step, self.envs,
-                                   self.tokenizer_path, self.console, self.secrets)
-        self.logger = MetricsLogger(self.run_dir, cfg.max_steps, self.start_step, self.console,
+            self.serving = Serving(cfg, self.model.config, self.placement, self.engine_params(),
+                                   self.progress.start_step, self.envs, self.model.tokenizer_path, self.console,
+                                   self.secrets)
+        self.logger = MetricsLogger(self.run_dir, cfg.max_steps, self.progress.start_step, self.console,
                                     wandb_run) if self.primary else None
 
     def engine_params(self) -> dict[str, Any]:
@@ -267,7 +292,7 @@ class Job:
 
     def evaluate_base(self) -> None:
         """`[eval] eval_base_model`: the untrained model as a step-0 metrics row (on a fresh run only)."""
-        if self.start_step == 0 and (base_metrics := self.serving.evaluate(0, self.stop)) and self.logger:
+        if self.progress.start_step == 0 and (base_metrics := self.serving.evaluate(0, self.stop)) and self.logger:
             self.logger.log(0, base_metrics)
 
     # -- each step -----------------------------------------------------------------------------------------
@@ -287,7 +312,7 @@ class Job:
         interval` steps, the last step, or a signal on any process) and the PEFT adapters when due."""
         if self.logger:
             self.logger.log(done, metrics)
-        self.done = done
+        self.progress.done = done
         if done % self.cfg.checkpoints.interval == 0 or done == self.cfg.max_steps or \
                 distributed.any_process(self.stop.requested):
             self.save(done)
@@ -302,17 +327,18 @@ class Job:
         """Checkpoint the train state with `checkpoint_meta` after step `step`."""
         with distributed.fenced():
             self.ckpt.save(step, self.state, self.checkpoint_meta(step))
-        self.saved = step
+        self.progress.saved = step
 
     # -- the end --------------------------------------------------------------------------------------------
 
     def preempted(self) -> None:
         """A signal stopped the run: checkpoint the last complete step and raise Preempted."""
-        if self.saved != self.done:
-            self.save(self.done)
+        if self.progress.saved != self.progress.done:
+            self.save(self.progress.done)
         self.ckpt.wait()
-        raise Preempted(f"{self.stop.signal or 'a signal to another host'}: stopped after step {self.done}; "
-                        f"checkpoint step {self.done} is in {self.ckpt.directory}. Run the same command again to "
+        done = self.progress.done
+        raise Preempted(f"{self.stop.signal or 'a signal to another host'}: stopped after step {done}; "
+                        f"checkpoint step {done} is in {self.ckpt.directory}. Run the same command again to "
                         f"resume.")
 
     def stop_work(self) -> None:

@@ -147,18 +147,20 @@ class Run(Job):
         fresh)."""
         super().setup()
         self.buffer = Buffer(tuple(len(env.tasks) for env in self.envs.train), self.cfg.buffer)
-        self.buffer_state = BufferState.from_meta(self.meta) if self.meta else BufferState.fresh(len(self.envs.train))
+        meta = self.progress.meta
+        self.buffer_state = BufferState.from_meta(meta) if meta else BufferState.fresh(len(self.envs.train))
 
     def start(self) -> None:
         """`Job.start`, then the rollout producer (resuming the checkpoint's groups in flight) and the train
         thread; `close` stops them."""
         super().start()
         cfg = self.cfg
-        next_t, resumed = Producer.resumed(self.meta, self.start_step, cfg.batch_size // cfg.rollouts_per_example)
+        next_t, resumed = Producer.resumed(self.progress.meta, self.progress.start_step,
+                                           cfg.batch_size // cfg.rollouts_per_example)
         settings = ProducerSettings.of_run(cfg, jax.process_count(), jax.process_index(),
                                            distributed.Exchange().gather if jax.process_count() > 1 else None)
         self.producer = Producer(self.serving.loop, self.buffer, self.buffer_state, self.play, self.serving.versions,
-                                 settings, self.start_step, next_t, resumed)
+                                 settings, self.progress.start_step, next_t, resumed)
         self.train_thread = ThreadPoolExecutor(1, thread_name_prefix="jaxrl-train")
 
     async def play(self, job: tuple[int, int], first_seed: int, temperature: float) -> list[loader.Rollout]:

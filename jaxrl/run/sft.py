@@ -52,7 +52,7 @@ class SftRun(Job):
         cfg, scfg = self.cfg, self.cfg.jax.sft
         t0 = time.perf_counter()
         try:
-            template = ChatTemplate.load(self.tokenizer_path, self.model_path)
+            template = ChatTemplate.load(self.model.tokenizer_path, self.model.path)
             tokenizer = sft.Tokenizer.from_tokenizer(template.tokenizer, cfg.sampling.enable_thinking)
             self.data = sft.load(scfg.data, tokenizer, cfg.jax.seq_len, scfg.seed)
         except (DataError, ValueError, OSError) as exc:
