@@ -91,12 +91,36 @@ def test_qwen3_4b_trains_32k_token_rows_on_a_v5p_8(compiled):
     """Qwen3-4B on v5p-8 (one host of 4 chips, tensor 4) trains a Hosted batch of 32,768-token rows beside
     16 decode slots of 32,768 tokens and a prefill of 32,767 (splash attention; 40.85 of 95 GiB a chip:
     18.00 KV cache, 19.36 temporaries, 2026-11-26); the engine reads the trainer's weights in place. What
-    `jaxrl models` says Qwen3-4B trains (catalog.COMPILED_CONTEXT)."""
+    `jaxrl models` says Qwen3-4B trains (catalog.COMPILED_CONTEXT). With a paged KV pool in place of the
+    dense cache, 64 slots run over twice its memory, and it still fits (one more compile: the paged decode)."""
     r = compiled("4b-v5p-8-32k")
     check(r, "4b-v5p-8-32k")
     assert (r.hosts, r.engine_hosts, r.terms["engine_weights"]) == (1, 1, 0)
     model, slice_, mesh, slots, _, seq_len = CASES["4b-v5p-8-32k"]
     assert catalog.COMPILED_CONTEXT[model] == (seq_len, slice_, "tensor 4", slots) and mesh == {"tensor": 4}
+
+    # The same run with a paged KV pool ([jax] kv_cache_tokens, JAX's Pallas kernel): 64 slots over 2**20
+    # tokens, 36 GiB a chip, 64 rollouts of 16,384 tokens at once where the dense cache runs 16. Its decode
+    # step compiled at 2 layers (one compile: its scratch is flat in depth, 0.039 GiB at 2 and 3; it was the
+    # whole pool, 2 GiB here, until the step's keys were written a (head, slot) row at a time); the train
+    # step and prefill are the dense run's. `jaxrl compile` of this config: 58.87 GiB a chip, docs/tpu.md 7.2.
+    cfg = run_config("4b-v5p-8-32k").model_copy(deep=True)
+    cfg.jax.decode_slots, cfg.jax.kv_cache_tokens = 64, 2**20
+    shapes = report.shapes_of(cfg, r.shapes.model)
+    emesh = make_mesh(r.engine_mesh, slices.topology_devices(r.slice))
+    decode = programs.compile_decode(shapes.at_depth(2), emesh)
+    kv = pool.of(shapes, emesh, 1, 0, seq_len // 2)
+    assert decode.temp < 2**28 and kv.paged and kv.rollouts(kv.tokens) == 64 > slots, (decode.temp, kv)
+    full = {n: r.programs[f"{n}@{r.shapes.model.num_layers}"] for n in ("train", "prefill", "decode")}
+    paged = dataclasses.replace(r, terms={
+        **r.terms, "kv_cache": programs.engine_declared_bytes(shapes, emesh, own_weights=False),
+        "temporaries": full["train"]["temp"] + max(full["prefill"]["temp"], decode.temp),
+        "other": r.terms["other"] - full["decode"]["declared_slots"] + decode.declared["slots"]})
+    print(f"with the pool: {paged.total / 2**30:.2f} GiB a chip")  # 58.88 (2026-11-26; the whole report 58.87)
+    # the pool: twice the dense cache's tokens and the scratch page, 36 KiB a token a chip; the page table
+    # (int32 [64, 2048]) on every chip
+    assert paged.fits and paged.terms["kv_cache"] == 2 * r.terms["kv_cache"] + 16 * 36 * 2**10 + 64 * 2048 * 4, \
+        paged.terms
 
 
 def test_memory_is_affine_in_depth(compiled):
