@@ -129,6 +129,39 @@ def test_overflow_advice_leaves_out_what_the_run_already_does():
     assert report.advice("kv_cache", on, {}) == report.ADVICE["kv_cache"]
 
 
+def test_depths_too_shallow_for_the_stacks_scans_are_refused_before_compiling(tmp_path):
+    """`jaxrl compile --depths a,b` extrapolates from two depths, which must leave every scan of layers
+    but the last whole and the last at 2 trips or more (a scan of one trip is inlined, so memory is not
+    affine from it). INTELLECT-3 (1 dense layer, then 45 MoE layers): `--depths 2,3` is refused (exit 2)
+    naming the model, the depths and the smallest valid pair, 3,4; a Qwen3's is 2,3. The cost's unrolled
+    depths are picked to differ by one layer of the last run. No compiling."""
+    from typer.testing import CliRunner
+
+    from jaxrl.cli.main import app
+    from jaxrl.compile import depths
+    from jaxrl.model import catalog
+    from jaxrl.model.qwen3 import ModelConfig
+
+    config = tmp_path / "rl.toml"
+    config.write_text('model = "PrimeIntellect/INTELLECT-3"\nbatch_size = 256\nrollouts_per_example = 8\n'
+                      '[[env]]\nid = "a/b"\n[jax]\nmesh = { fsdp = 2, expert = 4 }\nmicro_batch_size = 8\n')
+    bad = CliRunner().invoke(app, ["compile", str(config), "--topology", "v5p-16", "--depths", "2,3"])
+    assert bad.exit_code == 2, bad.output
+    said = " ".join(bad.output.split())
+    assert "--depths 2,3: PrimeIntellect/INTELLECT-3 runs its 46 layers as 2 scan(s) (1 dense layer, then 45 " \
+           "MoE layers); at 2 layers its last scan has 1 trip(s)" in said and "smallest valid pair is 3,4" in said
+    glm45_air = ModelConfig.from_hf(catalog.HOSTED_MODELS["PrimeIntellect/INTELLECT-3"])
+    glm45 = dataclasses.replace(glm45_air, first_k_dense_replace=3)  # GLM-4.5's three dense layers
+    qwen3 = ModelConfig.from_hf(catalog.HOSTED_MODELS["Qwen/Qwen3-30B-A3B-Instruct-2507"])
+    assert [depths.smallest(m) for m in (glm45_air, glm45, qwen3)] == [3, 5, 2]
+    assert [depths.cost_depths(m) for m in (glm45_air, glm45, qwen3)] == [(2, 3), (4, 5), (2, 3)]
+    depths.check(glm45_air, (3, 4), "INTELLECT-3")  # the pair docs/tpu.md's INTELLECT-3 row compiles
+    with pytest.raises(ValueError, match=r"--depths 3,4: x .* at 3 layers it has 1 of its 2 runs.* pair is 5,6"):
+        depths.check(glm45, (3, 4), "x")
+    with pytest.raises(ValueError, match=r"--depths 1,2: .* 1 trip\(s\).* pair is 2,3"):
+        depths.check(qwen3, (1, 2), "Qwen3-30B-A3B")
+
+
 def test_context_is_the_longest_length_that_fits(tiny_model_dir):
     """`jaxrl compile`'s context line (`jaxrl.compile.context.compiled_context`): the longest power of two
     (or the model's longest) whose train step at one sequence per batch shard, compiled, fits beside the

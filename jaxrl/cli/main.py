@@ -251,13 +251,16 @@ def compile_(
                                                + "; or a topology such as v5p:4x4x4.", show_default=False)],
     json_file: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON here.")] = None,
     depths: Annotated[str, typer.Option(help="Compile at two reduced depths, e.g. '2,3', and extrapolate "
-                                             "(memory is affine in depth); default: the model's depth.")] = "",
+                                             "(memory is affine in depth); default: the model's depth. The "
+                                             "smaller is at least 2, or a GLM's dense layers + 2 ('3,4' for "
+                                             "INTELLECT-3): a scan of one trip is inlined.")] = "",
     engine_hosts: Annotated[int | None, typer.Option(help="Hosts per rollout engine; default: [jax] engine_hosts, else "
                                                           "the run's fit rule (one host unless the engine's "
                                                           "weights and KV cache beside the trainer's state "
                                                           "exceed 90% of its HBM).")] = None,
     cost: Annotated[bool, typer.Option(help="Also report the compiler's FLOPs and bytes per layer of the train "
-                                            "step (two more compiles, layers unrolled at depths 2 and 3), their "
+                                            "step (two more compiles, layers unrolled at depths 2 and 3; a GLM "
+                                            "with more dense layers: their count + 1 and + 2), their "
                                             "ratio to the model's ideal FLOPs, and a roofline from them.")] = True,
     context: Annotated[bool, typer.Option(help="Also find the longest sequences the slice trains at this batch "
                                                "(powers of two, bisected, each train step compiled).")] = True,

@@ -2,7 +2,7 @@
 
 `cost_analysis()` counts the body of a loop once whatever its trip count (a 1-, 2- and 4-layer scan report
 the same FLOPs), so a layer's cost is the difference of the train step compiled with its layers unrolled
-at two depths (`COST_DEPTHS`).
+at two depths (`jaxrl.compile.depths.cost_depths`: 2 and 3 for a Qwen3 and INTELLECT-3).
 """
 
 from __future__ import annotations
@@ -10,19 +10,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxrl.compile import programs, slices
+from jaxrl.compile import depths, programs, slices
 from jaxrl.compile.programs import Shapes
 from jaxrl.model.qwen3 import ModelConfig
 from jaxrl.parallel.sharding import batch_shards
-
-COST_DEPTHS = (2, 3)  # the unrolled train steps whose difference is one layer's cost (`train_cost`)
 
 
 @dataclasses.dataclass(frozen=True)
 class Cost:
     """The compiler's account of one train-step layer, per chip and micro-batch (`train_cost`), against the
     model's ideal. FLOPs and bytes accessed from `cost_analysis()` of the train step compiled with its
-    layers unrolled at two depths (`COST_DEPTHS`), the deeper minus the shallower; `rest_*` is what the
+    layers unrolled at two depths (`depths.cost_depths`), the deeper minus the shallower; `rest_*` is what the
     shallower holds besides its layers (embedding, output head, loss, the optimizer's update), and
     `micro_batches` how often the step runs a layer's body (the micro-batch loop, counted once by
     `cost_analysis`)."""
@@ -87,12 +85,12 @@ def ideal_layer_flops(m: ModelConfig, s: Shapes, tokens: int, rows: int) -> tupl
 
 def train_cost(shapes: Shapes, mesh: Any) -> Cost:
     """`Cost` of `shapes`' train step on `mesh` (its micro-batch set): compiled with its layers unrolled at
-    `COST_DEPTHS` (`cost_analysis()` counts a scanned layer once, whatever the depth). Two compiles.
+    `depths.cost_depths` (`cost_analysis()` counts a scanned layer once, whatever the depth). Two compiles.
 
     Raises:
         programs.ProgramTooLarge: the compiler refused one of them.
     """
-    da, db = COST_DEPTHS
+    da, db = depths.cost_depths(shapes.model)
     a, b = (programs.compile_train(dataclasses.replace(shapes.at_depth(d), unroll=True), mesh) for d in (da, db))
     layer_flops, layer_bytes = (b.flops - a.flops) / (db - da), (b.bytes_accessed - a.bytes_accessed) / (db - da)
     shards = batch_shards(mesh)

@@ -22,6 +22,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jaxrl.compile import depths as depth_rule
 from jaxrl.compile import pool, programs, slices
 from jaxrl.compile.cost import Cost, train_cost
 from jaxrl.compile.programs import Program, Shapes
@@ -368,25 +369,31 @@ def longest_context(shapes: Shapes, mesh: Any, hbm_bytes: int, depths: tuple[int
 
 def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slices.Slice, shapes: Shapes,
                    depths: tuple[int, ...] | None = None, engine_hosts: int | None = None,
-                   cost: bool = False, rollout_tokens: int | None = None, context: bool = False) -> Report:
+                   cost: bool = False, rollout_tokens: int | None = None, context: bool = False,
+                   name: str = "the model") -> Report:
     """Compile the train step, the largest prefill bucket and the decode step for `slice_` and report.
 
     Args:
         shapes: the run's sizes; its model is replaced by `model` at each compiled depth.
-        depths: two reduced depths to compile and extrapolate from; None compiles at full depth.
+        depths: two reduced depths to compile and extrapolate from; None compiles at full depth. The smaller
+            must leave every scan of layers but the last whole and the last at 2 trips or more
+            (`jaxrl.compile.depths.smallest`: 2 for a Qwen3, 3 for INTELLECT-3).
         engine_hosts: hosts per rollout engine; None: `compiled_engine_hosts`, beside the train step (which
             is compiled first).
-        cost: also compile the train step unrolled at `COST_DEPTHS` for the compiler's per-layer FLOPs and
-            bytes (`train_cost`; two more compiles).
+        cost: also compile the train step unrolled at `depths.cost_depths` for the compiler's per-layer FLOPs
+            and bytes (`train_cost`; two more compiles).
         rollout_tokens: the mean length of the rollouts counted at once (`pool.PoolSize`; default seq_len / 2).
         context: also find the longest sequences the slice trains (`longest_context`; more compiles).
+        name: the model's name, for errors.
     A `shapes.micro_batch_size` of None is chosen by compiling (`compiled_micro_batch`).
     Raises:
         ProgramTooLarge: the compiler refused a program (it needs more than a chip's HBM).
-        ValueError: the mesh does not use every chip of the slice, or the engine's hosts do not divide
-            the slice's.
+        ValueError: `depths` are too shallow for the model's scans (`jaxrl.compile.depths.check`, before
+            any compile), the mesh does not use every chip of the slice, or the engine's hosts do not
+            divide the slice's.
         RuntimeError: libtpu is missing.
     """
+    depth_rule.check(model, tuple(depths or ()), name)
     mesh = make_mesh(mesh_shape, slices.topology_devices(slice_))
     hosts = _hosts(mesh)
     shapes = dataclasses.replace(shapes, model=model)
@@ -502,6 +509,8 @@ def compile_run(cfg: RunConfig, slice_name: str, depths: tuple[int, ...] | None 
     Raises:
         ConfigError: the slice name, the mesh (its product must be the slice's chip count) or the model
             (see `model_of`) is wrong.
+        ValueError: `depths` too shallow for the model's scans (`jaxrl.compile.depths.check`), naming the
+            smallest valid pair; raised before anything compiles.
     """
     try:
         slice_ = slices.parse_slice(slice_name)
@@ -517,4 +526,5 @@ def compile_run(cfg: RunConfig, slice_name: str, depths: tuple[int, ...] | None 
                                                     f"{slice_.chips} chips")])
     # --engine-hosts, else the run's own `[jax] engine_hosts` (0: `compiled_engine_hosts`, as a run decides)
     return compile_report(model, shape, slice_, shapes_of(cfg, model), depths,
-                          engine_hosts or cfg.jax.engine_hosts or None, cost, cfg.sampling.max_tokens, context)
+                          engine_hosts or cfg.jax.engine_hosts or None, cost, cfg.sampling.max_tokens, context,
+                          cfg.model)
