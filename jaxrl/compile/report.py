@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jaxrl.compile import depths as depth_rule
 from jaxrl.compile import pool, programs, slices
 from jaxrl.compile.cost import Cost, train_cost
+from jaxrl.compile.engine_cost import engine_costs
 from jaxrl.compile.programs import Program, Shapes
 from jaxrl.config.hub import download_config
 from jaxrl.config.model_path import HubModel, ModelNotFoundError, find_in_hf_cache
@@ -70,7 +71,7 @@ class Report:
     compile_s: float
     engine_hosts_from: str = "set"  # "set" (--engine-hosts, [jax] engine_hosts) or the rule's description
     micro_batch_from: str = "set"  # "set" ([jax] micro_batch_size) or the rule's description
-    cost: Cost | None = None  # the compiler's FLOPs and bytes of a train-step layer (`train_cost`)
+    cost: Cost | None = None  # the compiler's FLOPs and bytes of a train-step, prefill and decode layer
     pool: pool.PoolSize | None = None  # the engine's KV cache in tokens, and the rollouts it runs at once
     context: Any = None  # `jaxrl.compile.context.Context`: the longest sequences this slice trains
 
@@ -380,8 +381,8 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
             (`jaxrl.compile.depths.smallest`: 2 for a Qwen3, 3 for INTELLECT-3).
         engine_hosts: hosts per rollout engine; None: `compiled_engine_hosts`, beside the train step (which
             is compiled first).
-        cost: also compile the train step unrolled at `depths.cost_depths` for the compiler's per-layer FLOPs
-            and bytes (`train_cost`; two more compiles).
+        cost: also compile the train step, the prefill and the decode step unrolled at `depths.cost_depths`
+            for the compiler's per-layer FLOPs and bytes (`train_cost`, `engine_costs`; six more compiles).
         rollout_tokens: the mean length of the rollouts counted at once (`pool.PoolSize`; default seq_len / 2).
         context: also find the longest sequences the slice trains (`longest_context`; more compiles).
         name: the model's name, for errors.
@@ -443,7 +444,7 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
     chunked = model.is_moe and moe.chunk_count(group, model.num_experts_per_tok, moe.ASSIGNMENTS_PER_CHUNK) > 1
     train_s, decode_s = roofline(model, shapes, slice_.chip, mesh.devices.size, emesh.devices.size,
                                  terms["weights"], decode["declared_weights"], terms["kv_cache"], k, chunked)
-    layer_cost = train_cost(shapes, mesh) if cost else None
+    layer_cost = dataclasses.replace(train_cost(shapes, mesh), engine=engine_costs(shapes, emesh)) if cost else None
     free = int(FIT_SHARE * slice_.chip.hbm_bytes) - sum(terms.values()) + terms["kv_cache"]  # the cache's room
     kv = pool.of(shapes, emesh, hosts // g, free, rollout_tokens or shapes.seq_len // 2)
     raw = {f"{n}@{d}": dataclasses.asdict(p) for n, ps in compiled.items() for d, p in sorted(ps.items())}
