@@ -259,9 +259,10 @@ def compile_(
                                                           "weights and KV cache beside the trainer's state "
                                                           "exceed 90% of its HBM).")] = None,
     cost: Annotated[bool, typer.Option(help="Also report the compiler's FLOPs and bytes per layer of the train "
-                                            "step (two more compiles, layers unrolled at depths 2 and 3; a GLM "
-                                            "with more dense layers: their count + 1 and + 2), their "
-                                            "ratio to the model's ideal FLOPs, and a roofline from them.")] = True,
+                                            "step, the prefill and the decode step (six more compiles, layers "
+                                            "unrolled at depths 2 and 3; a GLM with more dense layers: their "
+                                            "count + 1 and + 2), their ratio to the ideal, and a train-step "
+                                            "roofline from them.")] = True,
     context: Annotated[bool, typer.Option(help="Also find the longest sequences the slice trains at this batch "
                                                "(powers of two, bisected, each train step compiled).")] = True,
 ) -> None:
