@@ -69,7 +69,7 @@ def test_models_command_sizes_shards_for_the_mesh():
     text = result.output
     assert "Qwen3MoeForCausalLM" in text and "(32 devices)" in text
     rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
-            for line in text.splitlines() if line.startswith("│ Qwen/")}
+            for line in text.splitlines() if line.startswith(("│ Qwen/", "│ PrimeIntellect/"))}
     assert rows["Qwen/Qwen3-235B-A22B-Instruct-2507"][:2] == ["235.09 B", "22.19 B"]
     assert rows["Qwen/Qwen3-30B-A3B-Thinking-2507"][:2] == ["30.53 B", "3.35 B"]
     assert rows["Qwen/Qwen3-4B-Instruct-2507"][:3] == ["4.02 B", "4.02 B", "0.94 GiB"]  # 8.04 GB bf16 / 8
@@ -84,6 +84,8 @@ def test_models_command_sizes_shards_for_the_mesh():
     # (a long cell wraps: its first line)
     assert rows["Qwen/Qwen3-30B-A3B-Thinking-2507"][6].startswith("262,144 / 32,768 on v5p-16 (fsdp 2, expert 4")
     assert rows["Qwen/Qwen3-235B-A22B-Instruct-2507"][6] == "262,144 / -"
+    # INTELLECT-3's one `jaxrl compile` report (docs/tpu.md 7.3): 4096-token rows on v5p-16 with 64 slots
+    assert rows["PrimeIntellect/INTELLECT-3"][6].startswith("131,072 / 4,096 on v5p-16 (fsdp 2, expert 4, 64")
 
 
 def test_models_command_rejects_a_bad_mesh():

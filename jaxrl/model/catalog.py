@@ -62,6 +62,8 @@ HOSTED_MODELS: dict[str, dict[str, Any]] = {
 COMPILED_CONTEXT: dict[str, tuple[int, str, str, int]] = {
     "Qwen/Qwen3-4B-Instruct-2507": (32_768, "v5p-8", "tensor 4", 16),
     "Qwen/Qwen3-30B-A3B-Instruct-2507": (32_768, "v5p-16", "fsdp 2, expert 4", 32),  # narrowly: 84.67 of 85.5 GiB
+    # `jaxrl compile --depths 3,4` at 4096 tokens (2026-11-26, 81.79 of 95 GiB a chip; longer not compiled)
+    "PrimeIntellect/INTELLECT-3": (4_096, "v5p-16", "fsdp 2, expert 4", 64),
 }
 
 
