@@ -95,15 +95,14 @@ def decode_cost(shapes: Shapes, mesh: Mesh) -> LayerCost | None:
 
         def step(base: Any, lora: Any, tokens_B: jax.Array, positions_B: jax.Array, cache: Any,
                  s: Shapes = s) -> Any:
-            layers = [(w, lw, mw, mlw) for (w, mw), (lw, mlw) in zip(qwen3.unstack_layers(s.model, base),
-                                                                     qwen3.unstack_layers(s.model, lora), strict=True)]
+            layers = qwen3.join_layers(qwen3.unstack_layers(s.model, base), qwen3.unstack_layers(s.model, lora))
             return decode.decode_step(s.model, base, tokens_B, positions_B, cache, lora=lora,
                                       lora_scale=s.lora_scale, mesh=mesh, layers=layers, layout=decode.STACKED)
 
-        lowered = jax.jit(step, donate_argnums=4).lower(params["base"], params["lora"], state.tokens,
+        lowered = jax.jit(step, donate_argnums=4).lower(params.base, params.lora, state.tokens,
                                                         state.positions, state.cache)
         compiled.append(programs._measure("decode unrolled", lowered, {}))
-        read.append(programs.shard_bytes(params["base"]) + programs.shard_bytes(params["lora"])
+        read.append(programs.shard_bytes(params.base) + programs.shard_bytes(params.lora)
                     + programs.shard_bytes(state.cache))
     flops, nbytes = _difference(*compiled, da, db)
     chips, slots = mesh.devices.size, shapes.decode_slots
