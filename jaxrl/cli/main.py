@@ -250,10 +250,8 @@ def compile_(
     topology: Annotated[str, typer.Option(help="TPU slice, as gcloud names it: " + slice_names()
                                                + "; or a topology such as v5p:4x4x4.", show_default=False)],
     json_file: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON here.")] = None,
-    depths: Annotated[str, typer.Option(help="Compile at two reduced depths, e.g. '2,3', and extrapolate "
-                                             "(memory is affine in depth); default: the model's depth. The "
-                                             "smaller is at least 2, or a GLM's dense layers + 2 ('3,4' for "
-                                             "INTELLECT-3): a scan of one trip is inlined.")] = "",
+    depths: Annotated[str, typer.Option(help="Compile at two reduced depths, e.g. '2,3' ('3,4' for INTELLECT-3: "
+                                             "its dense layer + 2), and extrapolate; default: full depth.")] = "",
     engine_hosts: Annotated[int | None, typer.Option(help="Hosts per rollout engine; default: [jax] engine_hosts, else "
                                                           "the run's fit rule (one host unless the engine's "
                                                           "weights and KV cache beside the trainer's state "

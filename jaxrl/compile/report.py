@@ -369,29 +369,23 @@ def longest_context(shapes: Shapes, mesh: Any, hbm_bytes: int, depths: tuple[int
 
 
 def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slices.Slice, shapes: Shapes,
-                   depths: tuple[int, ...] | None = None, engine_hosts: int | None = None,
-                   cost: bool = False, rollout_tokens: int | None = None, context: bool = False,
-                   name: str = "the model") -> Report:
+                   depths: tuple[int, ...] | None = None, engine_hosts: int | None = None, cost: bool = False,
+                   rollout_tokens: int | None = None, context: bool = False, name: str = "the model") -> Report:
     """Compile the train step, the largest prefill bucket and the decode step for `slice_` and report.
 
     Args:
         shapes: the run's sizes; its model is replaced by `model` at each compiled depth.
-        depths: two reduced depths to compile and extrapolate from; None compiles at full depth. The smaller
-            must leave every scan of layers but the last whole and the last at 2 trips or more
-            (`jaxrl.compile.depths.smallest`: 2 for a Qwen3, 3 for INTELLECT-3).
+        depths: two reduced depths to extrapolate from (`jaxrl.compile.depths.check`); None: full depth.
         engine_hosts: hosts per rollout engine; None: `compiled_engine_hosts`, beside the train step (which
             is compiled first).
-        cost: also compile the train step, the prefill and the decode step unrolled at `depths.cost_depths`
-            for the compiler's per-layer FLOPs and bytes (`train_cost`, `engine_costs`; six more compiles).
+        cost: also the compiler's per-layer FLOPs and bytes (`train_cost`, `engine_costs`: 6 compiles).
         rollout_tokens: the mean length of the rollouts counted at once (`pool.PoolSize`; default seq_len / 2).
         context: also find the longest sequences the slice trains (`longest_context`; more compiles).
-        name: the model's name, for errors.
-    A `shapes.micro_batch_size` of None is chosen by compiling (`compiled_micro_batch`).
+    `name`: the model's, for errors. A `shapes.micro_batch_size` of None is chosen by compiling.
     Raises:
         ProgramTooLarge: the compiler refused a program (it needs more than a chip's HBM).
-        ValueError: `depths` are too shallow for the model's scans (`jaxrl.compile.depths.check`, before
-            any compile), the mesh does not use every chip of the slice, or the engine's hosts do not
-            divide the slice's.
+        ValueError: `depths` too shallow for the model's scans (before compiling), the mesh does not use
+            every chip of the slice, or the engine's hosts do not divide the slice's.
         RuntimeError: libtpu is missing.
     """
     depth_rule.check(model, tuple(depths or ()), name)
