@@ -11,6 +11,8 @@ In the default suite since 2026-11-24 (late), the slowest file in it: on this pr
 engine holding its own copy of the weights) was a case until then; it left the suite to keep it within its
 30 minutes (its figures: docs/tpu.md section 7; the engine-copy rule is compiled for the tiny model in
 `tests/test_compile.py::test_the_runs_engine_group_is_chosen_beside_its_compiled_train_step`).
+Since 2026-11-26 (midday) Qwen3-30B-A3B's whole report is compiled at 32,768 tokens on v5p-16 instead of at
+4,096 on v5p-8 (1,067 s wall alone at nice 5 beside a whole CI run; its one-host figures: docs/tpu.md 7.3).
 `JAXRL_HOSTED_COMPILE=0` skips it, for a quicker local run. `tests/test_compile.py` compiles the same
 programs for the tiny model.
 """
@@ -40,7 +42,10 @@ QWEN3_4B, QWEN3_30B, QWEN3_235B = ("Qwen/Qwen3-4B-Instruct-2507", "Qwen/Qwen3-30
 CASES = {
     # the longest context `jaxrl models` gives Qwen3-4B (catalog.COMPILED_CONTEXT)
     "4b-v5p-8-32k": (QWEN3_4B, "v5p-8", {"tensor": 4}, 16, 0, 32768),
+    # its paged decode (the whole report: docs/tpu.md 7.3)
     "30b-v5p-8": (QWEN3_30B, "v5p-8", {"expert": 4}, 256, 0, 4096),
+    # the longest context `jaxrl models` gives Qwen3-30B-A3B: two hosts, the engine over both
+    "30b-v5p-16-32k": (QWEN3_30B, "v5p-16", {"fsdp": 2, "expert": 4}, 32, 0, 32768),
     # engine_hosts 0: `jaxrl compile` picks the fewest engine hosts that fit beside the compiled train step
     "235b-v5p-64": (QWEN3_235B, "v5p-64", {"fsdp": 2, "tensor": 2, "expert": 8}, 128, 0, 4096),
 }
@@ -143,11 +148,18 @@ def test_memory_is_affine_in_depth(compiled):
         assert abs(off["argument"]) <= 2**16 and abs(off["temp"]) <= max(0.01 * p4.temp, 2**20), (name, off)
 
 
-def test_qwen3_30b_a3b_fits_one_v5p_host(compiled):
-    """One host: the engine reads the trainer's weights in place (no engine copy)."""
-    r = compiled("30b-v5p-8")
-    check(r, "30b-v5p-8")
-    assert (r.hosts, r.engine_hosts, r.terms["engine_weights"]) == (1, 1, 0)
+def test_qwen3_30b_a3b_trains_32k_token_rows_on_two_v5p_hosts(compiled):
+    """Qwen3-30B-A3B on v5p-16 (two hosts of 4 chips, fsdp 2, expert 4) trains a Hosted batch of 32,768-token
+    rows beside 32 decode slots of 32,768 tokens; the engine spans both hosts and reads the trainer's weights in
+    place. Narrowly: 84.67 of the 85.5 usable GiB a chip (`jaxrl compile`, 2026-11-26), since the LoRA A factors
+    are rank-major (29fe192; 90.78 before). What `jaxrl models` says it trains (catalog.COMPILED_CONTEXT).
+    Until 2026-11-26 this module compiled Qwen3-30B-A3B's whole report on one host at 4,096 tokens instead (its
+    figures: docs/tpu.md 7.3; its paged decode is still compiled below)."""
+    r = compiled("30b-v5p-16-32k")
+    check(r, "30b-v5p-16-32k")
+    assert (r.hosts, r.engine_hosts, r.terms["engine_weights"]) == (2, 2, 0)
+    model, slice_, _, slots, _, seq_len = CASES["30b-v5p-16-32k"]
+    assert catalog.COMPILED_CONTEXT[model] == (seq_len, slice_, "fsdp 2, expert 4", slots)
 
 
 def test_qwen3_235b_a22b_fits_v5p_64_with_an_engine_over_hosts(compiled):
