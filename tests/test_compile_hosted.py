@@ -12,7 +12,8 @@ engine holding its own copy of the weights) was a case until then; it left the s
 30 minutes (its figures: docs/tpu.md section 7; the engine-copy rule is compiled for the tiny model in
 `tests/test_compile.py::test_the_runs_engine_group_is_chosen_beside_its_compiled_train_step`).
 Since 2026-11-26 (midday) Qwen3-30B-A3B's whole report is compiled at 32,768 tokens on v5p-16 instead of at
-4,096 on v5p-8 (1,067 s wall alone at nice 5 beside a whole CI run; its one-host figures: docs/tpu.md 7.3).
+4,096 on v5p-8 (182 s wall on the idle 2-core box, the case it replaced 340 s in CI; its one-host figures:
+docs/tpu.md 7.3).
 `JAXRL_HOSTED_COMPILE=0` skips it, for a quicker local run. `tests/test_compile.py` compiles the same
 programs for the tiny model.
 """
