@@ -6,7 +6,7 @@ split), each answered in lowercase letters and spaces only, so every completion 
 
 The answers are built from the prompt's subject and a few word lists (seeded), e.g. "Describe the sea in a
 few words." -> "the sea is calm and blue". configs/sft_lowercase.toml trains on it (`jaxrl sft`);
-configs/rl_from_sft.toml then runs RL from its checkpoint (README, "Supervised fine-tuning").
+configs/rl_from_sft.toml then runs RL from its checkpoint (docs/sft.md).
 """
 
 from __future__ import annotations

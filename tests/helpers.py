@@ -92,7 +92,7 @@ def shrink(text: str, replacements: list[tuple[str, str]]) -> str:
 def subprocess_env(devices: int = 1, **env: str) -> dict[str, str]:
     """This process's environment (with the session's compilation cache, see conftest.py) for a JAX subprocess
     that sees `devices` emulated CPU devices, plus `env`. The session's other XLA flags are kept, so a perturbed
-    run (README, "Tests": e.g. `XLA_FLAGS=--xla_cpu_max_isa=AVX`) reaches subprocesses too."""
+    run (docs/developing.md: e.g. `XLA_FLAGS=--xla_cpu_max_isa=AVX`) reaches subprocesses too."""
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).split()
     return os.environ | {"XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])} | env
 

@@ -526,7 +526,7 @@ def _keys(table: dict, prefix: str = "") -> set[str]:
 
 
 def test_full_local_config_sets_every_field_of_the_seeds_full_example():
-    """configs/full_local.toml is the seeds' full example run offline (README): it sets every key the seed
+    """configs/full_local.toml is the seeds' full example run offline (docs/config.md): it sets every key the seed
     sets (values scaled, ids local), and loads."""
     import tomllib
 

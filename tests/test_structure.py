@@ -1,4 +1,4 @@
-"""The package's shape, as the README's "Design" section draws it: imports that only go down the layers
+"""The package's shape, as docs/design.md draws it: imports that only go down the layers
 (lazy ones inside functions included), `launch` on the standard library alone, and `config` and the
 `validate` / `init` path never importing JAX."""
 
@@ -14,7 +14,7 @@ import pytest
 
 PACKAGE = Path(__file__).parent.parent / "jaxrl"
 LAYERS = ("config", "parallel", "model", "inference", "envs", "rl", "compile", "run", "export", "evaluation", "cli")
-"""The subpackages in data-flow order (README, "Design"): each may import those before it, never those after."""
+"""The subpackages in data-flow order (docs/design.md): each may import those before it, never those after."""
 MODULES = sorted(PACKAGE.rglob("*.py"))
 
 

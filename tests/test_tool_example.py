@@ -3,7 +3,7 @@ deliberately partial start: the tiny random Qwen3 calls the tool in about half i
 tool-call format, then `jaxrl run configs/rl_tools.toml` trains from its checkpoint on the classic ToolEnv
 (`jaxrl/tool-lookup`) and the v1 MCP taskset (`jaxrl/tool-lookup-mcp`) at once, each env in at least 2 of its 6
 steps, and raises the eval reward (the eval split: names never trained on) above the SFT start's, with the
-tool-call rate reported before and after. README, "Tool environments", has the full example's figures."""
+tool-call rate reported before and after. docs/tools.md has the full example's figures."""
 
 import importlib.util
 import json
@@ -49,7 +49,7 @@ def test_sft_then_rl_on_both_tool_envs_raises_the_eval_reward(tmp_path, tiny_mod
     start, end = rows[0], rows[-1]
     print(f"eval reward {start[EVAL + 'reward/mean']:.3f} -> {end[EVAL + 'reward/mean']:.3f}, tool-call rate "
           f"{start[EVAL + 'tool_call_rate']:.2f} -> {end[EVAL + 'tool_call_rate']:.2f}")
-    # The SFT'd start calls the tool in part of its replies (the random model never does: README), so the
+    # The SFT'd start calls the tool in part of its replies (the random model never does: docs/tools.md), so the
     # groups' rewards differ and RL has something to raise: more well-formed calls.
     assert start[EVAL + "reward/mean"] > 0 and 0.2 < start[EVAL + "tool_call_rate"] < 0.8
     assert end[EVAL + "reward/mean"] > start[EVAL + "reward/mean"]

@@ -5,7 +5,7 @@ advantages) and `[jax.optim]` (the optimizer and its learning-rate schedule).
 They live under `[jax]` because the Hosted Training schema has none of them: a Hosted file runs
 unchanged, and every default reproduces what jaxrl trained before these tables existed (prime-rl's
 masked importance-sampling loss, a mean-only group baseline, constant-rate AdamW clipped at norm 1).
-The formulas are in `jaxrl.rl.losses` and `jaxrl.rl.train`; README "Algorithms" tabulates them.
+The formulas are in `jaxrl.rl.losses` and `jaxrl.rl.train`; docs/algorithms.md tabulates them.
 """
 
 from __future__ import annotations

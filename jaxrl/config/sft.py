@@ -37,7 +37,7 @@ class SftConfig(_Table):
     AdamW step (`[jax.optim]`, top-level `learning_rate`, LoRA as `[jax]` sets it) on `batch_size` rows
     of `[jax] seq_len` tokens packed from the data, for `max_steps` steps (or `epochs` passes); the rows
     are drawn epoch after epoch, each epoch in a new seeded order. `[[env]]` is optional here: it is what
-    `[eval]` / `[val]` play (README, "Supervised fine-tuning")."""
+    `[eval]` / `[val]` play (docs/sft.md)."""
 
     data: Annotated[str, AfterValidator(_path)]
     """Chat-format JSONL file (relative to the config file; absolute after loading). Required."""

@@ -108,7 +108,7 @@ id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
 # host = "127.0.0.1"           # rollout server address
 # port = 0                     # rollout server port; 0 = a free one
 
-# [jax.loss]                   # the policy loss (README, "Algorithms")
+# [jax.loss]                   # the policy loss (docs/algorithms.md)
 # type = "is"                  # "is" (prime-rl), "ppo" (PPO/GRPO clip), "gspo" (sequence ratio), "cispo"
 # aggregation = "token_mean"   # "token_mean", "sequence_mean" (GRPO), "sequence_sum" (Dr.GRPO)
 # aggregation_length = 512     # Dr.GRPO's constant; default [sampling] max_tokens, else [jax] seq_len
@@ -136,7 +136,7 @@ id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
 # beta2 = 0.999
 # max_grad_norm = 1.0          # clip the gradient's global norm
 
-# [jax.sft]                    # makes this a supervised fine-tuning config, for `jaxrl sft` (README)
+# [jax.sft]                    # makes this a supervised fine-tuning config, for `jaxrl sft` (docs/sft.md)
 # data = "sft.jsonl"           # chat JSONL: {"messages": [...]} or {"prompt": ..., "completion": ...} a line
 # batch_size = 8               # packed rows of [jax] seq_len tokens per step
 # seed = 0                     # packing and epoch order
@@ -147,7 +147,7 @@ id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
 # keep_last = 3                # -1 = all
 #
 # [infrastructure]
-# compute_size = "M"           # CPU for the environments: "S", "M" or "L" (README, "Resources")
+# compute_size = "M"           # CPU for the environments: "S", "M" or "L" (docs/config.md, "Resources")
 #
 # [tailscale]                  # Hosted Training only: accepted, no effect here
 # enabled = false
