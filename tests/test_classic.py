@@ -125,6 +125,7 @@ def test_single_turn_group_through_the_real_server(recording_server, tiny_model_
     for r, calls in zip(rollouts, calls_by_rollout(backend.calls, [7, 8, 9]), strict=True):
         assert r.ok and r.error is None, r.error
         assert (r.env_name, r.example_id) == ("echo-word", 2)
+        assert r.env_s > 0  # its rubric's seconds at least (the model call's are left out)
         [(prompt, completion, lps)] = calls
         assert tokenizer.decode(prompt, skip_special_tokens=False) == (
             f"<|im_start|>system\nRepeat the word you are given, and nothing else.<|im_end|>\n"

@@ -4,6 +4,7 @@ client and a real server, and check the rollouts token for token."""
 import asyncio
 import difflib
 import textwrap
+import time
 
 import pytest
 from tokenizers import Tokenizer
@@ -106,7 +107,9 @@ def test_tasksets_load_by_id(lowercase, reverse_text):
 
 def test_lowercase_group_end_to_end(lowercase, server, backend, qwen3_tokenizer_dir):
     backend.reply, backend.calls = "hello World", []
+    t0 = time.perf_counter()
     rollouts = play(lowercase, 3, 4, server, qwen3_tokenizer_dir, temperature=0.8, top_k=20, seed=5)
+    elapsed = time.perf_counter() - t0
     assert len(rollouts) == 4 and len(backend.calls) == 4
     completion = backend.completion_ids()
     for rollout, (prompt_ids, params) in zip(rollouts, backend.calls, strict=True):
@@ -115,6 +118,7 @@ def test_lowercase_group_end_to_end(lowercase, server, backend, qwen3_tokenizer_
         assert rollout.reward == 10 / 11  # "hello World": 10 of 11 characters are lowercase or space
         assert not rollout.is_truncated
         assert (rollout.env_name, rollout.example_id) == ("lowercase", 3)
+        assert 0 < rollout.env_s < elapsed  # the environment's own code, its model call left out
         assert (params.temperature, params.top_k, params.max_tokens) == (0.8, 20, 64)
     prompt = backend.tokenizer.decode(backend.calls[0][0], skip_special_tokens=False)
     assert prompt == (

@@ -37,6 +37,8 @@ def test_run_trains_checkpoints_and_resumes(tmp_path, tiny_model_dir):
         assert 0.0 <= r["reward/mean"] <= 1.0 and r["rollouts/failed"] == 0
         assert r["seq_len"] > 8 and r["tokens_per_s"] > 0 and abs(r["policy/kl"]) < 1e-3
         assert r["async/staleness_max"] == 0 and r["async/in_flight"] == 0  # synchronous: nothing ahead
+        # the environments' own seconds (scoring, the harness), the engine's excluded, and the LoRA's hand-over
+        assert 0 < r["time/env_per_rollout"] <= r["time/env"] and r["time/weight_update"] > 0
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == [2, 3]
     _check_adapters(first.stdout, run_dir, tmp_path / "exported", tiny_model_dir)
 

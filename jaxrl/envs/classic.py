@@ -266,6 +266,18 @@ def count_turns(messages: list[Any]) -> tuple[int, int]:
     return turns, calls
 
 
+def env_seconds(timing: Any) -> float:
+    """Seconds of a classic rollout spent in the environment's own code (setup, `env_response`, the
+    rubric), from verifiers' rollout timing (`RolloutTiming`, or its dict in a serialised output): its
+    total less the model calls' spans; 0.0 when the output has none."""
+    if timing is None:
+        return 0.0
+    get = timing.get if isinstance(timing, dict) else functools.partial(getattr, timing)
+    model = get("model")
+    model_s = model.get("duration", 0.0) if isinstance(model, dict) else model.duration
+    return max(0.0, float(get("total") or 0.0) - float(model_s or 0.0))
+
+
 def trajectory_rollout(output: dict[str, Any], env_name: str, example_id: int) -> dict[str, Any]:
     """`envs.Rollout` fields of a finished classic rollout (`Environment.run_rollout`'s output with the
     `trajectory` column). A rollout that errored, or has no sampled token, is failed with its error."""
@@ -285,7 +297,7 @@ def trajectory_rollout(output: dict[str, Any], env_name: str, example_id: int) -
             "loss_mask": chain[1] if ok else [],
             "logprobs": chain[2] if ok else [], "reward": float(output.get("reward") or 0.0),
             "is_truncated": bool(output.get("is_truncated")), "ok": ok, "error": error, "env_name": env_name,
-            "example_id": example_id}
+            "example_id": example_id, "env_s": env_seconds(output.get("timing"))}
 
 
 async def run_group(env: ClassicEnv, task: ClassicTask, rollouts_per_example: int, *, base_url: str, model_name: str,

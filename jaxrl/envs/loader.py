@@ -188,7 +188,9 @@ class Rollout:
     reward sum. is_truncated: a length-capped last reply or a turn/token limit. ok: verifiers'
     `trace.ok` and at least one sampled token; a failed rollout has empty lists and `error` set.
     turns: the model's replies (assistant turns) in the conversation. tool_calls: the tool calls those
-    replies made (OpenAI `tool_calls` entries; `classic.count_turns`).
+    replies made (OpenAI `tool_calls` entries; `classic.count_turns`). env_s: seconds the rollout spent in
+    its environment's own code, waiting on the engine excluded (`env_seconds`; 0.0 for a rollout that
+    never ran).
     """
 
     token_ids: list[int]
@@ -202,6 +204,7 @@ class Rollout:
     example_id: int | None
     turns: int = 0
     tool_calls: int = 0
+    env_s: float = 0.0
 
 
 def module_name(env_id: str) -> str:
@@ -378,6 +381,15 @@ def model_context(
     return vf.ModelContext(model=model_name, client=client, sampling=vf.SamplingConfig(**fields))
 
 
+def env_seconds(timing: vf.Timing) -> float:
+    """Seconds of a v1 trace spent in the environment's own code, from verifiers' trace timing: booting
+    and setting up its runtime, the harness's time between model calls (tool calls, message handling),
+    finalizing and scoring; the model calls (`agent.model`: each call's wall time through the interception
+    server, so the engine's queueing and decoding) are what is left out."""
+    spans = (timing.boot, timing.setup, timing.finalize, timing.scoring)
+    return sum(span.duration for span in spans) + timing.agent.harness.duration
+
+
 def trace_rollout(trace: vf.Trace, env_name: str, failure: str | None = None) -> Rollout:
     """The `Rollout` of a finished trace (its last branch); `failure` fails it regardless (an
     episode-level error)."""
@@ -400,6 +412,7 @@ def trace_rollout(trace: vf.Trace, env_name: str, failure: str | None = None) ->
         example_id=trace.task.data.idx,
         turns=turns,
         tool_calls=tool_calls,
+        env_s=env_seconds(trace.timing),
     )
 
 

@@ -124,7 +124,10 @@ def step_metrics(rollouts: list[list[loader.Rollout]], names: list[str], multi_e
 
     Over successful rollouts: `reward/mean`, `reward/std`, `seq_len` (tokens of prompt and completion),
     `is_truncated` (share), `turns` (the model's replies per rollout), `tool_calls` (tool calls per rollout),
-    `tool_call_rate` (share of rollouts with one or more); over all: `rollouts/failed`, `rollouts/timed_out`.
+    `tool_call_rate` (share of rollouts with one or more); over all: `rollouts/failed`, `rollouts/timed_out`,
+    `time/env` (seconds the step's rollouts spent in their environments' own code, `Rollout.env_s`, summed
+    over rollouts that ran at the same time, so it may exceed `time/rollout`) and `time/env_per_rollout`
+    (its mean per rollout).
     With `multi_env`, each environment `<env>` of the step also gets `reward/<env>/mean`, `reward/<env>/std`,
     `seq_len/<env>`, `is_truncated/<env>`, `turns/<env>`, `tool_calls/<env>`, `tool_call_rate/<env>` and
     `rollouts/<env>/failed`.
@@ -132,6 +135,8 @@ def step_metrics(rollouts: list[list[loader.Rollout]], names: list[str], multi_e
     flat = [r for g in rollouts for r in g]
     out = _rollout_metrics(flat, "")
     out["rollouts/timed_out"] = float(sum(1 for r in flat if r.error and r.error.startswith("timed out")))
+    out["time/env"] = float(sum(r.env_s for r in flat))
+    out["time/env_per_rollout"] = out["time/env"] / len(flat) if flat else 0.0
     if multi_env:
         for name in sorted(set(names)):
             out |= _rollout_metrics([r for g, n in zip(rollouts, names, strict=True) if n == name for r in g],

@@ -303,9 +303,13 @@ class Job:
             new_state, metrics = self.trainer.step(self.state, self.base, batch)
             return new_state, {k: float(v) for k, v in jax.device_get(metrics).items()}
 
-    def publish(self, version: int) -> None:
-        """Hand the trainer's LoRA (or weights) to the engine as policy `version`."""
-        self.serving.publish(self.engine_params(), version)
+    def publish(self, version: int) -> float:
+        """Hand the trainer's LoRA (or weights) to the engine as policy `version`; return the seconds it took
+        (the step's `time/weight_update`): placing them for the engine (a copy onto its mesh, a cast to its
+        dtype) until they are ready, and the hand-over. The engine takes them between two decode steps."""
+        t0 = time.perf_counter()
+        self.serving.publish(jax.block_until_ready(self.engine_params()), version)
+        return time.perf_counter() - t0
 
     def record_step(self, done: int, metrics: dict[str, float]) -> None:
         """After step `done` (1-based): its metrics row, the checkpoint when due (every `[checkpoints]

@@ -136,7 +136,7 @@ class Run(Job):
             return False
         self.judge(s)
         s.metrics |= self.train(s)
-        self.publish(s.step + 1)
+        s.metrics["time/weight_update"] = self.publish(s.step + 1)
         self.record(s)
         return True
 
@@ -270,10 +270,12 @@ class Run(Job):
                                f"weights unchanged[/]")
         return metrics | {"time/train": time.perf_counter() - t_train, "train/samples": float(len(samples))}
 
-    def publish(self, version: int) -> None:
-        """Hand the trainer's LoRA (or weights) to the engine as policy `version`; the next groups play it."""
-        super().publish(version)
+    def publish(self, version: int) -> float:
+        """Hand the trainer's LoRA (or weights) to the engine as policy `version` (`Job.publish`, whose
+        seconds it returns); the next groups play it."""
+        seconds = super().publish(version)
         self.producer.set_version(version)
+        return seconds
 
     def record(self, s: Step) -> None:
         """Step timings, eval / val when due (on the new weights), then `Job.record_step` (the metrics row,
