@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from jaxrl.cli.main import app
-from jaxrl.config import model_path
+from jaxrl.config import hub, model_path
 
 
 @pytest.fixture
@@ -29,11 +29,11 @@ def _snapshot(cache, repo_id, rev, *, main=True):
 
 def test_resolves_folder_gs_and_hf_cache(tmp_path, hf_cache):
     (tmp_path / "local").mkdir()
-    assert model_path.resolve_model("local", tmp_path) == str((tmp_path / "local").resolve())
-    assert model_path.resolve_model("gs://b/m", tmp_path) == "gs://b/m"
+    assert hub.resolve_model("local", tmp_path) == str((tmp_path / "local").resolve())
+    assert hub.resolve_model("gs://b/m", tmp_path) == "gs://b/m"
     _snapshot(hf_cache, "Qwen/Qwen3-4B-Instruct-2507", "aaa", main=False)
     main = _snapshot(hf_cache, "Qwen/Qwen3-4B-Instruct-2507", "bbb")
-    assert model_path.resolve_model("Qwen/Qwen3-4B-Instruct-2507", tmp_path) == str(main)
+    assert hub.resolve_model("Qwen/Qwen3-4B-Instruct-2507", tmp_path) == str(main)
 
 
 def test_missing_model_is_a_hub_download_or_names_the_folder(tmp_path, hf_cache, monkeypatch):
@@ -41,12 +41,12 @@ def test_missing_model_is_a_hub_download_or_names_the_folder(tmp_path, hf_cache,
         "Qwen/Qwen3-30B-A3B-Instruct-2507", "v2")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(model_path.ModelNotFoundError) as info:
-        model_path.resolve_model("Qwen/Qwen3-30B-A3B-Instruct-2507", tmp_path)
+        hub.resolve_model("Qwen/Qwen3-30B-A3B-Instruct-2507", tmp_path)
     assert str(info.value) == (f"model Qwen/Qwen3-30B-A3B-Instruct-2507@main is not in the Hugging Face cache "
                                f"{hf_cache} and HF_HUB_OFFLINE is set, so it is not downloaded (and there is no "
                                f"folder {tmp_path / 'Qwen/Qwen3-30B-A3B-Instruct-2507'})")
     with pytest.raises(model_path.ModelNotFoundError, match="no folder .*/nested/path/x, and it is not a Hugging"):
-        model_path.resolve_model("nested/path/x", tmp_path)
+        hub.resolve_model("nested/path/x", tmp_path)
 
 
 def test_a_cache_entry_without_weights_is_not_a_checkpoint(tmp_path, hf_cache):

@@ -205,7 +205,7 @@ def test_context_is_the_longest_length_that_fits(tiny_model_dir):
     2048 to 4096 by at least the KV cache's growth. Four compiles of the tiny train step."""
     import math
 
-    from jaxrl.compile import context, programs, report
+    from jaxrl.compile import context, fit, programs, report
     from jaxrl.config.schema import RunConfig
     from jaxrl.model import hf
     from jaxrl.parallel.sharding import make_mesh
@@ -220,7 +220,7 @@ def test_context_is_the_longest_length_that_fits(tiny_model_dir):
     ample = context.compiled_context(shapes, mesh, 2**40)
     assert (ample.tokens, ample.longer, ample.compiled) == (4096, None, (2048, 4096)), ample
     assert "up to 4,096 tokens" in ample.line(2**40) and "the model's longest" in ample.line(2**40)
-    tight = context.compiled_context(shapes, mesh, math.ceil(ample.bytes / report.FIT_SHARE) - 1)
+    tight = context.compiled_context(shapes, mesh, math.ceil(ample.bytes / fit.FIT_SHARE) - 1)
     assert (tight.tokens, tight.longer, tight.longer_bytes) == (2048, 4096, ample.bytes), tight
     assert "4,096 does not fit" in tight.line(2**40)
     cache = [programs.engine_declared_bytes(dataclasses.replace(shapes, seq_len=t), mesh, False) for t in (2048, 4096)]
@@ -251,6 +251,7 @@ def test_the_runs_engine_group_is_chosen_beside_its_compiled_train_step(tiny_mod
     import math
 
     from jaxrl.compile import programs, report
+    from jaxrl.compile.fit import FIT_SHARE
     from jaxrl.parallel import distributed
 
     cfg, mcfg, mesh = _tiny_on_v5p_16(tiny_model_dir)
@@ -261,7 +262,7 @@ def test_the_runs_engine_group_is_chosen_beside_its_compiled_train_step(tiny_mod
     one = trainer + programs.engine_declared_bytes(shapes, programs.engine_mesh(mesh, 1), True)
     both = trainer + programs.engine_declared_bytes(shapes, mesh, False)
     assert both < one
-    hbm = math.ceil(one / report.FIT_SHARE)
+    hbm = math.ceil(one / FIT_SHARE)
 
     def fit(chip_bytes: int) -> int:
         return report.run_engine_hosts(cfg, mcfg, mesh, chip_bytes)

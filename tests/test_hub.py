@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 
 from jaxrl.cli.main import app
 from jaxrl.config import model_path
-from jaxrl.config.hub import download_config
-from jaxrl.config.model_path import HubModel, ModelNotFoundError, resolve_model
+from jaxrl.config.hub import download_config, resolve_model
+from jaxrl.config.model_path import HubModel, ModelNotFoundError
 from jaxrl.config.schema import load_config, resolve_model_path
 
 SMALL = {"config.json": b'{"architectures": ["Qwen3ForCausalLM"]}', "model.safetensors": b"weights",
@@ -129,7 +129,7 @@ def test_compile_fetches_only_the_config_and_validate_names_the_source(tmp_path,
 def test_processes_on_one_host_download_once(hub_env, monkeypatch):
     """Three processes resolve the same id at once: one downloads, the others wait on its lock."""
     with _serve(monkeypatch, {"o/m": Repo({"main": ("2" * 40, SMALL)})}) as hub:
-        code = "from jaxrl.config.model_path import resolve_model; print(resolve_model('o/m'))"
+        code = "from jaxrl.config.hub import resolve_model; print(resolve_model('o/m'))"
         procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                                   env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
                  for _ in range(3)]

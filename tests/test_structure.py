@@ -71,6 +71,93 @@ def test_config_and_the_validate_init_path_import_no_jax(code, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
 
 
+HEAVY = {
+    **dict.fromkeys(("jax", "flax", "optax", "orbax"),
+                    "JAX takes seconds to import, and `jaxrl validate`, `init`, `--help` and the run management "
+                    "commands import none (test_config_and_the_validate_init_path_import_no_jax)"),
+    **dict.fromkeys(("verifiers", "renderers", "transformers", "torch"),
+                    "the environments' stack (renderers and transformers' tokenizers: half a second and more), "
+                    "which only commands that play an environment need"),
+    "gepa": "GEPA's optimizer: only `jaxrl gepa` needs it",
+    **dict.fromkeys(("jetstream", "grpc"), "the jaxrl[jetstream] extra (TensorFlow, about 5 s): only `jaxrl serve "
+                                           "--jetstream` needs it, and it may not be installed"),
+}
+"""Libraries whose import cost (or absence) is the one documented reason for a function-level import of a
+jaxrl module: by each, why."""
+
+
+def _module_imports(path: Path) -> list[tuple[int, str, bool]]:
+    """(line, target, lazy) of every import in `path`: a jaxrl target as the module it names (`from a import
+    b` gives `a.b` where b is a module, else `a`), any other as its top-level package; lazy: inside a
+    function, so run when the function is called rather than when the module is imported."""
+    names = {_name(p) for p in MODULES}
+    out = []
+
+    def visit(node: ast.AST, lazy: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                out.extend((child.lineno, a.name if a.name.startswith("jaxrl") else a.name.split(".")[0], lazy)
+                           for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                if not child.module.startswith("jaxrl"):
+                    out.append((child.lineno, child.module.split(".")[0], lazy))
+                else:
+                    out.extend((child.lineno, f"{child.module}.{a.name}" if f"{child.module}.{a.name}" in names
+                                else child.module, lazy) for a in child.names)
+            visit(child, lazy or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda))
+
+    visit(ast.parse(path.read_text(encoding="utf-8")), False)
+    return out
+
+
+@functools.cache
+def _import_graph() -> dict[str, list[tuple[int, str, bool]]]:
+    """Each jaxrl module's imports (`_module_imports`) by module name."""
+    return {_name(p): sorted(set(_module_imports(p))) for p in MODULES}
+
+
+@functools.cache
+def _heavy_at_import(module: str) -> frozenset[str]:
+    """The `HEAVY` libraries that importing `module` imports: its top-level imports' and, through them, those
+    of every jaxrl module it imports at the top."""
+    seen, todo, heavy = {module}, [module], set()
+    while todo:
+        for _, target, lazy in _import_graph().get(todo.pop(), ()):
+            if lazy:
+                continue
+            if target.startswith("jaxrl"):
+                if target not in seen:
+                    seen.add(target)
+                    todo.append(target)
+            elif target in HEAVY:
+                heavy.add(target)
+    return frozenset(heavy)
+
+
+def test_no_import_cycles():
+    """No module imports, at the top or inside a function, a module that imports it back (directly or
+    through others): a cycle hidden by a function-level import is a cycle all the same. The helpers two
+    modules share go to a module both import."""
+    graph = {m: sorted({(t, line) for line, t, _ in imports if t in _import_graph()})
+             for m, imports in _import_graph().items()}
+    cycles, done = [], set()
+
+    def walk(module: str, stack: list[tuple[str, int]]) -> None:  # stack: (module, line importing the next)
+        for target, line in graph[module]:
+            frames = stack + [(module, line)]
+            names = [m for m, _ in frames]
+            if target in names:
+                cycles.append(" -> ".join(f"{m}:{ln}" for m, ln in frames[names.index(target):]) + f" -> {target}")
+            elif target not in done:
+                walk(target, frames)
+        done.add(module)
+
+    for module in graph:
+        if module not in done:
+            walk(module, [])
+    assert not cycles, "import cycles (module:line of the import):\n" + "\n".join(sorted(set(cycles)))
+
+
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
 

@@ -90,12 +90,13 @@ def endpoint(model: str, *, base_url: str | None, api_key_var: str | None, endpo
 
 def local_folder(model: str) -> str:
     """`model` as a local folder: itself when it is one, else a Hugging Face id's snapshot, downloaded
-    into the HF cache when missing (`jaxrl.config.model_path.resolve_model`).
+    into the HF cache when missing (`jaxrl.config.hub.resolve_model`).
 
     Raises:
         EndpointError: neither a folder nor a Hub model that can be had (the download's one-line reason).
     """
-    from jaxrl.config.model_path import ModelNotFoundError, resolve_model
+    from jaxrl.config.hub import resolve_model
+    from jaxrl.config.model_path import ModelNotFoundError
 
     if is_local(model):
         return model

@@ -18,7 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrl.config.model_path import HubModel, ModelNotFoundError, locate_model, resolve_model
+from jaxrl.config.hub import resolve_model
+from jaxrl.config.model_path import HubModel, ModelNotFoundError, locate_model
 from jaxrl.inference.chat import ChatTemplate
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.protocol import SamplingParams

@@ -7,7 +7,7 @@ its scratch (the layer inputs remat keeps, splash attention's per-block statisti
 about linearly. So the lengths tried are powers of two, bisected as `report.compiled_micro_batch`
 bisects micro-batches, each one's train step compiled (at the report's depths, extrapolated) and judged
 by the same rule: its bytes a chip, scratch included, plus the least an engine adds (its KV cache at that
-length, on all the hosts) at most `report.FIT_SHARE` of HBM. Prefill's and decode's scratch are left out,
+length, on all the hosts) at most `fit.FIT_SHARE` of HBM. Prefill's and decode's scratch are left out,
 as they are from the micro-batch rule: the report of a run at that length (`jaxrl compile` with
 `[jax] seq_len` set to it) adds them.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxrl.compile import programs, report
+from jaxrl.compile import fit, programs
 from jaxrl.compile.programs import Shapes
 from jaxrl.parallel.sharding import batch_shards
 
@@ -68,8 +68,8 @@ def compiled_context(shapes: Shapes, mesh: Any, hbm_bytes: int, depths: tuple[in
     """
     layers = shapes.model.num_layers
     depths = tuple(depths or (layers,))
-    emesh = programs.engine_mesh(mesh, report._hosts(mesh))
-    own = report._engine_owns_weights(shapes, emesh, mesh)
+    emesh = programs.engine_mesh(mesh, fit.hosts(mesh))
+    own = fit.engine_owns_weights(shapes, emesh, mesh)
     lengths = candidates(shapes.model.max_position_embeddings)
     sized: dict[int, int | None] = {}  # length -> bytes a chip (None: refused by the compiler)
 
@@ -82,13 +82,13 @@ def compiled_context(shapes: Shapes, mesh: Any, hbm_bytes: int, depths: tuple[in
             except programs.ProgramTooLarge:
                 sized[t] = None
             else:
-                sized[t] = (report._trainer_bytes(report._at_depth(train, depths, layers))
+                sized[t] = (fit.trainer_bytes(fit.at_depth(train, depths, layers))
                             + programs.engine_declared_bytes(at, emesh, own))
         return sized[t]
 
     def fits(i: int) -> bool:
         b = bytes_at(i)
-        return b is not None and b <= report.FIT_SHARE * hbm_bytes
+        return b is not None and b <= fit.FIT_SHARE * hbm_bytes
 
     lo, hi = -1, len(lengths) - 1  # lengths[lo] fits (-1: none known), the answer lies in [lo, hi]
     while lo < hi:

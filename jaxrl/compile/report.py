@@ -7,10 +7,7 @@ count linearly to the model's depth: the layers are one scanned stack, so memory
 exactly for outputs, to the tile padding for arguments and to under 1% for temporaries
 (tests/test_compile_hosted.py checks it on a third depth).
 
-The time estimate is a roofline from the model's arithmetic (FLOPs and bytes per step, below) and the
-chip's published peaks (`slices.CHIPS`). The compiler's `cost_analysis()` is not used for it: it counts
-the body of a loop once whatever its trip count (a 1-, 2- and 4-layer scan report the same FLOPs), and
-every program here loops over layers, logit chunks and micro-batches.
+The time estimate is a roofline from the model's arithmetic and the chip's published peaks (`roofline`).
 """
 
 from __future__ import annotations
@@ -23,10 +20,13 @@ from typing import Any
 import jax.numpy as jnp
 
 from jaxrl.compile import depths as depth_rule
-from jaxrl.compile import pool, programs, slices
+from jaxrl.compile import fit, pool, programs, slices
+from jaxrl.compile.context import Context, compiled_context
 from jaxrl.compile.cost import Cost, train_cost
 from jaxrl.compile.engine_cost import engine_costs
+from jaxrl.compile.fit import FIT_SHARE
 from jaxrl.compile.programs import Program, Shapes
+from jaxrl.compile.roofline import roofline
 from jaxrl.config.hub import download_config
 from jaxrl.config.model_path import HubModel, ModelNotFoundError, find_in_hf_cache
 from jaxrl.config.schema import ConfigError, RunConfig, locate_model_path
@@ -35,8 +35,6 @@ from jaxrl.model.qwen3 import ModelConfig
 from jaxrl.parallel import distributed
 from jaxrl.parallel.sharding import MESH_AXES, RULES, batch_shards, make_mesh
 from jaxrl.rl.train import loss_config
-
-FIT_SHARE = 0.9  # a run fits when its total is at most this share of HBM (the rest: runtime, fragmentation)
 
 TERMS = ("weights", "lora_optimizer", "kl_reference", "engine_weights", "kv_cache", "temporaries", "other")
 ADVICE = {
@@ -73,7 +71,7 @@ class Report:
     micro_batch_from: str = "set"  # "set" ([jax] micro_batch_size) or the rule's description
     cost: Cost | None = None  # the compiler's FLOPs and bytes of a train-step, prefill and decode layer
     pool: pool.PoolSize | None = None  # the engine's KV cache in tokens, and the rollouts it runs at once
-    context: Any = None  # `jaxrl.compile.context.Context`: the longest sequences this slice trains
+    context: Context | None = None  # the longest sequences this slice trains
 
     @property
     def total(self) -> int:
@@ -157,46 +155,21 @@ def advice(term: str, shapes: Shapes, mesh: dict[str, int]) -> str:
     return ", ".join(fixes + ["fewer decode_slots", "or a larger slice"])
 
 
-def _extrapolate(a: Program, b: Program, da: int, db: int, depth: int) -> dict[str, int]:
-    """Every byte count of a program at `depth`, on the line through its values at depths `da`, `db`."""
-
-    def line(x: int, y: int) -> int:
-        return x + (y - x) * (depth - da) // (db - da)
-
-    out = {f: line(getattr(a, f), getattr(b, f)) for f in ("argument", "output", "alias", "temp")}
-    # a program whose scratch is flat in depth can come out a few MB smaller at the deeper one (the
-    # compiler's scheduling): its line then falls below zero at 94 layers. Never below what was compiled.
-    out["temp"] = max(out["temp"], min(a.temp, b.temp))
-    out.update({f"declared_{k}": line(a.declared[k], b.declared[k]) for k in a.declared})
-    return out
-
-
-def _hosts(mesh: Any) -> int:
-    return len({d.process_index for d in mesh.devices.flat})
-
-
-def _engine_owns_weights(shapes: Shapes, emesh: Any, mesh: Any) -> bool:
-    """Whether an engine on `emesh` holds its own copy of the weights: it runs on fewer devices than the
-    trainer's `mesh`, or full fine-tuning casts the float32 master weights to another `dtype`. Otherwise it
-    reads the trainer's in place."""
-    return emesh.devices.size < mesh.devices.size or (shapes.full and shapes.dtype != jnp.float32)
-
-
 def compiled_engine_hosts(shapes: Shapes, mesh: Any, hbm_bytes: int, trainer: int) -> int:
     """The fewest hosts per rollout engine, a divisor of the slice's that `programs.engine_mesh` can lay
     the engine on, at which `trainer` (the compiled train step's bytes per chip, scratch included:
-    `_trainer_bytes`) plus the engine's declared bytes per chip on its mesh (`programs.engine_declared_bytes`:
+    `fit.trainer_bytes`) plus the engine's declared bytes per chip on its mesh (`programs.engine_declared_bytes`:
     its weights' shards as placed there, replication included, and its KV cache) is at most `FIT_SHARE` of
     `hbm_bytes` (one chip's); all the hosts when none is. The engine's own scratch is left to the compiled
     report. On Qwen3-235B-A22B at v5p-128 it picks 8 hosts where arithmetic on the weights and cache alone
     (no scratch, no replication) had picked 2 (docs/tpu.md, section 7)."""
-    hosts = _hosts(mesh)
+    hosts = fit.hosts(mesh)
     for k in (k for k in range(1, hosts + 1) if hosts % k == 0):
         try:
             emesh = programs.engine_mesh(mesh, k)
         except ValueError:
             continue
-        own = _engine_owns_weights(shapes, emesh, mesh)
+        own = fit.engine_owns_weights(shapes, emesh, mesh)
         if trainer + programs.engine_declared_bytes(shapes, emesh, own) <= FIT_SHARE * hbm_bytes:
             return k
     return hosts
@@ -224,7 +197,8 @@ def run_engine_hosts(cfg: RunConfig, model: ModelConfig, mesh: Any, hbm_bytes: i
     else:
         train = programs.compile_train(dataclasses.replace(shapes, micro_batch_size=micro), mesh)
     shapes = dataclasses.replace(shapes, micro_batch_size=micro)
-    return compiled_engine_hosts(shapes, mesh, hbm_bytes, _trainer_bytes(_at_depth({layers: train}, (layers,), layers)))
+    return compiled_engine_hosts(shapes, mesh, hbm_bytes, fit.trainer_bytes(fit.at_depth({layers: train}, (layers,),
+                                                                                          layers)))
 
 
 def micro_batch_candidates(rows: int, shards: int) -> list[int]:
@@ -238,7 +212,7 @@ def micro_batch_candidates(rows: int, shards: int) -> list[int]:
 def compiled_micro_batch(shapes: Shapes, mesh: Any, hbm_bytes: int,
                          depths: tuple[int, ...] | None = None) -> tuple[int, dict[int, Program]]:
     """The largest micro-batch (`micro_batch_candidates`) whose compiled train step fits: its bytes per chip,
-    scratch included (`_trainer_bytes`, extrapolated from `depths` when two are given; None: full depth),
+    scratch included (`fit.trainer_bytes`, extrapolated from `depths` when two are given; None: full depth),
     plus the least an engine adds (its KV cache, on all the hosts, reading the trainer's weights:
     `programs.engine_declared_bytes`) at most `FIT_SHARE` of `hbm_bytes`. The whole batch in one pass is
     tried first (it can need less than two halves: accumulating keeps gradient buffers; the tiny Qwen3 on
@@ -252,16 +226,16 @@ def compiled_micro_batch(shapes: Shapes, mesh: Any, hbm_bytes: int,
     """
     layers = shapes.model.num_layers
     depths = tuple(depths or (layers,))
-    emesh = programs.engine_mesh(mesh, _hosts(mesh))
-    engine = programs.engine_declared_bytes(shapes, emesh, _engine_owns_weights(shapes, emesh, mesh))
+    emesh = programs.engine_mesh(mesh, fit.hosts(mesh))
+    engine = programs.engine_declared_bytes(shapes, emesh, fit.engine_owns_weights(shapes, emesh, mesh))
     candidates = micro_batch_candidates(shapes.batch_rows, batch_shards(mesh))
     tried: dict[int, dict[int, Program] | None] = {}
 
     def fits(i: int) -> bool:
         micro = candidates[i]
         if micro in tried:
-            return tried[micro] is not None and _trainer_bytes(
-                _at_depth(tried[micro], depths, layers)) + engine <= FIT_SHARE * hbm_bytes
+            return tried[micro] is not None and fit.trainer_bytes(
+                fit.at_depth(tried[micro], depths, layers)) + engine <= FIT_SHARE * hbm_bytes
         try:
             tried[micro] = {d: programs.compile_train(dataclasses.replace(shapes.at_depth(d), micro_batch_size=micro),
                                                       mesh) for d in depths}
@@ -270,7 +244,7 @@ def compiled_micro_batch(shapes: Shapes, mesh: Any, hbm_bytes: int,
                 raise
             tried[micro] = None
             return False
-        return _trainer_bytes(_at_depth(tried[micro], depths, layers)) + engine <= FIT_SHARE * hbm_bytes
+        return fit.trainer_bytes(fit.at_depth(tried[micro], depths, layers)) + engine <= FIT_SHARE * hbm_bytes
 
     last = len(candidates) - 1
     if fits(last):  # the whole batch in one pass (accumulating costs buffers: it can be smaller than two halves)
@@ -313,124 +287,49 @@ def startup_micro_batch(cfg: RunConfig, model: ModelConfig, mesh: Any, say: Any 
                                                                 f"{exc}; `jaxrl compile` says more")]) from None
 
 
-def _trainer_bytes(train: dict[str, int]) -> int:
-    """Per chip, what the compiled train step keeps whether or not the engine shares its chips: the
-    report's weights, lora_optimizer, kl_reference and batch terms, and the step's temporaries."""
-    return (train["declared_weights"] + train["declared_lora"] + train["declared_optimizer"] + train["output"]
-            + train["declared_reference"] + train["declared_batch"] + train["temp"])
-
-
-def _at_depth(by_depth: dict[int, Program], depths: tuple[int, ...], layers: int) -> dict[str, int]:
-    """A program's byte counts at `layers`: compiled there (one depth) or extrapolated from two."""
-    if len(depths) == 1:
-        p = by_depth[depths[0]]
-        return {**{f: getattr(p, f) for f in ("argument", "output", "alias", "temp")},
-                **{f"declared_{k}": v for k, v in p.declared.items()}}
-    da, db = depths[:2]
-    return _extrapolate(by_depth[da], by_depth[db], da, db, layers)
-
-
-def roofline(m: ModelConfig, s: Shapes, chip: slices.Chip, chips: int, engine_chips: int,
-             weights: int, engine_weights: int, kv_cache: int, micro_batches: int,
-             expert_chunks: bool = False) -> tuple[float, float]:
-    """(train step seconds, decode step seconds): max(FLOPs / peak, bytes / bandwidth) per chip.
-
-    FLOPs per token: 2 per weight of a matmul the token goes through (attention, its MLP or top-k and shared
-    experts, the unembedding), plus 4·L·T·N·H for attention over T positions (scores and values, mask included).
-    Training multiplies them by 3 (forward, backward) and 4 with remat (the forward again), and the top-k
-    experts' by one more when the train step's expert dispatch runs in chunks (`expert_chunks`:
-    `jaxrl.model.moe.experts_chunked` recomputes each chunk in the backward). Bytes: a train step reads
-    the chip's weights 2x (3x with remat) per micro-batch; a decode step reads the engine's weights and the
-    whole KV cache once.
-    """
-    d, n_h, k_h = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    moe_mlp = (m.num_experts_per_tok + m.n_shared_experts) * 3 * d * m.moe_intermediate_size + d * m.num_experts
-    mlp = len(m.moe_layers) * moe_mlp + len(m.mlp_layers) * 3 * d * m.intermediate_size
-    matmul = m.num_layers * (2 * d * n_h + 2 * d * k_h) + mlp + m.vocab_size * d
-    t = s.seq_len  # the train batch's width (`make_batch`)
-    passes = 4 if s.remat else 3
-    train_flops = passes * s.batch_rows * t * (2 * matmul + 4 * m.num_layers * t * n_h) / chips
-    if expert_chunks:
-        experts = len(m.moe_layers) * m.num_experts_per_tok * 3 * d * m.moe_intermediate_size
-        train_flops += s.batch_rows * t * 2 * experts / chips
-    train_bytes = (3 if s.remat else 2) * micro_batches * weights
-    train = max(train_flops / chip.flops, train_bytes / chip.hbm_bandwidth)
-    decode_flops = s.decode_slots * (2 * matmul + 4 * m.num_layers * s.seq_len * n_h) / engine_chips
-    decode = max(decode_flops / chip.flops, (engine_weights + kv_cache) / chip.hbm_bandwidth)
-    return train, decode
-
-
-def longest_context(shapes: Shapes, mesh: Any, hbm_bytes: int, depths: tuple[int, ...]) -> Any:
+def longest_context(shapes: Shapes, mesh: Any, hbm_bytes: int, depths: tuple[int, ...]) -> Context:
     """`jaxrl.compile.context.compiled_context`: the longest sequences `shapes`' run trains on `mesh`, found
     by compiling the train step at about log2(model length / 1024) lengths per depth."""
-    from jaxrl.compile.context import compiled_context  # it reads this module's fit rule
-
     return compiled_context(shapes, mesh, hbm_bytes, depths)
 
 
 def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slices.Slice, shapes: Shapes,
-                   depths: tuple[int, ...] | None = None, engine_hosts: int | None = None, cost: bool = False,
-                   rollout_tokens: int | None = None, context: bool = False, name: str = "the model") -> Report:
+                   depths: tuple[int, ...] | None = None, engine_hosts: int | None = None,
+                   cost: bool = False, rollout_tokens: int | None = None, context: bool = False,
+                   name: str = "the model") -> Report:
     """Compile the train step, the largest prefill bucket and the decode step for `slice_` and report.
 
     Args:
         shapes: the run's sizes; its model is replaced by `model` at each compiled depth.
-        depths: two reduced depths to extrapolate from (`jaxrl.compile.depths.check`); None: full depth.
+        depths: two reduced depths to compile and extrapolate from; None compiles at full depth. The smaller
+            must leave every scan of layers but the last whole and the last at 2 trips or more
+            (`jaxrl.compile.depths.smallest`: 2 for a Qwen3, 3 for INTELLECT-3).
         engine_hosts: hosts per rollout engine; None: `compiled_engine_hosts`, beside the train step (which
             is compiled first).
-        cost: also the compiler's per-layer FLOPs and bytes (`train_cost`, `engine_costs`: 6 compiles).
+        cost: also compile the train step, the prefill and the decode step unrolled at `depths.cost_depths`
+            for the compiler's per-layer FLOPs and bytes (`train_cost`, `engine_costs`; six more compiles).
         rollout_tokens: the mean length of the rollouts counted at once (`pool.PoolSize`; default seq_len / 2).
         context: also find the longest sequences the slice trains (`longest_context`; more compiles).
-    `name`: the model's, for errors. A `shapes.micro_batch_size` of None is chosen by compiling.
+        name: the model's name, for errors.
+    A `shapes.micro_batch_size` of None is chosen by compiling (`compiled_micro_batch`).
     Raises:
         ProgramTooLarge: the compiler refused a program (it needs more than a chip's HBM).
-        ValueError: `depths` too shallow for the model's scans (before compiling), the mesh does not use
-            every chip of the slice, or the engine's hosts do not divide the slice's.
+        ValueError: `depths` are too shallow for the model's scans (`jaxrl.compile.depths.check`, before
+            any compile), the mesh does not use every chip of the slice, or the engine's hosts do not
+            divide the slice's.
         RuntimeError: libtpu is missing.
     """
     depth_rule.check(model, tuple(depths or ()), name)
     mesh = make_mesh(mesh_shape, slices.topology_devices(slice_))
-    hosts = _hosts(mesh)
+    hosts = fit.hosts(mesh)
     shapes = dataclasses.replace(shapes, model=model)
     depths = tuple(depths or (model.num_layers,))
     t0 = time.perf_counter()
-    compiled: dict[str, dict[int, Program]] = {"train": {}, "prefill": {}, "decode": {}}
-
-    def run(name: str, depth: int, compile_one: Any) -> None:
-        try:
-            compiled[name][depth] = compile_one()
-        except programs.ProgramTooLarge as exc:
-            raise programs.ProgramTooLarge(f"does NOT fit at {depth} layers, the {exc}; try "
-                                           f"{ADVICE['temporaries']}, or tensor > 1 (attention scores are split "
-                                           f"by heads)") from None
-
-    # The train step first: the engine group rule sets its compiled bytes, scratch included, beside the engine.
-    micro_from = "set"
-    if shapes.micro_batch_size is None:  # the largest that fits, by compiling
-        micro, compiled["train"] = compiled_micro_batch(shapes, mesh, slice_.chip.hbm_bytes, depths)
-        shapes, micro_from = dataclasses.replace(shapes, micro_batch_size=micro), "the largest that fits (compiled)"
-    for depth in (d for d in depths if d not in compiled["train"]):
-        run("train", depth, lambda d=depth: programs.compile_train(shapes.at_depth(d), mesh))
-    train = _at_depth(compiled["train"], depths, model.num_layers)
-    g = engine_hosts or compiled_engine_hosts(shapes, mesh, slice_.chip.hbm_bytes, _trainer_bytes(train))
+    shapes, micro_from, compiled, g = _compile_programs(shapes, mesh, slice_.chip.hbm_bytes, depths, engine_hosts)
     emesh = programs.engine_mesh(mesh, g)
-    for depth in depths:
-        run("prefill", depth, lambda d=depth: programs.compile_prefill(shapes.at_depth(d), emesh))
-        run("decode", depth, lambda d=depth: programs.compile_decode(shapes.at_depth(d), emesh))
-    prefill, decode = (_at_depth(compiled[n], depths, model.num_layers) for n in ("prefill", "decode"))
-    terms = {
-        "weights": train["declared_weights"],  # full fine-tuning: the float32 master weights
-        # the state in and out of the step (nothing is donated: the engine still reads the old LoRA or weights)
-        "lora_optimizer": train["declared_lora"] + train["declared_optimizer"] + train["output"],
-        # full fine-tuning with kl_coef > 0: the frozen starting weights (in `dtype`) the KL reference runs
-        "kl_reference": train["declared_reference"],
-        "engine_weights": decode["declared_weights"] + decode["declared_lora"]
-        if _engine_owns_weights(shapes, emesh, mesh) else 0,
-        "kv_cache": decode["declared_kv_cache"],
-        # the train step runs in a thread while the engine decodes: both programs' scratch at once
-        "temporaries": train["temp"] + max(prefill["temp"], decode["temp"]),
-        "other": train["declared_batch"] + decode["declared_slots"] + prefill["output"],
-    }
+    train, prefill, decode = (fit.at_depth(compiled[n], depths, model.num_layers)
+                              for n in ("train", "prefill", "decode"))
+    terms = memory_terms(train, prefill, decode, fit.engine_owns_weights(shapes, emesh, mesh))
     k = -(-shapes.batch_rows // shapes.micro_batch_size)
     # the tokens an expert group dispatches per micro-batch: a batch shard's, times the expert axis
     shards = math.prod(mesh.shape[a] for a in RULES["batch"])
@@ -448,6 +347,62 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
                   train_s, decode_s, time.perf_counter() - t0,
                   "set" if engine_hosts else "the fewest that fit beside the compiled train step", micro_from,
                   layer_cost, kv, longest_context(shapes, mesh, slice_.chip.hbm_bytes, depths) if context else None)
+
+
+def _compile_programs(shapes: Shapes, mesh: Any, hbm_bytes: int, depths: tuple[int, ...],
+                      engine_hosts: int | None) -> tuple[Shapes, str, dict[str, dict[int, Program]], int]:
+    """`compile_report`'s compiles: the train step at each of `depths` first (the micro-batch, when
+    `shapes` has none, chosen by compiling: `compiled_micro_batch`), then, on the engine's hosts
+    (`engine_hosts`, else `compiled_engine_hosts` beside the train step's compiled bytes), the largest
+    prefill bucket and the decode step. Returns the shapes with their micro-batch, where that micro-batch
+    came from ("set" or the rule), the programs by name ("train", "prefill", "decode") and depth, and the
+    hosts per engine.
+
+    Raises:
+        ProgramTooLarge: the compiler refused a program, naming the depth and what to change.
+    """
+    compiled: dict[str, dict[int, Program]] = {"train": {}, "prefill": {}, "decode": {}}
+
+    def run(name: str, depth: int, compile_one: Any) -> None:
+        try:
+            compiled[name][depth] = compile_one()
+        except programs.ProgramTooLarge as exc:
+            raise programs.ProgramTooLarge(f"does NOT fit at {depth} layers, the {exc}; try "
+                                           f"{ADVICE['temporaries']}, or tensor > 1 (attention scores are split "
+                                           f"by heads)") from None
+
+    # The train step first: the engine group rule sets its compiled bytes, scratch included, beside the engine.
+    micro_from = "set"
+    if shapes.micro_batch_size is None:  # the largest that fits, by compiling
+        micro, compiled["train"] = compiled_micro_batch(shapes, mesh, hbm_bytes, depths)
+        shapes, micro_from = dataclasses.replace(shapes, micro_batch_size=micro), "the largest that fits (compiled)"
+    for depth in (d for d in depths if d not in compiled["train"]):
+        run("train", depth, lambda d=depth: programs.compile_train(shapes.at_depth(d), mesh))
+    train = fit.at_depth(compiled["train"], depths, shapes.model.num_layers)
+    g = engine_hosts or compiled_engine_hosts(shapes, mesh, hbm_bytes, fit.trainer_bytes(train))
+    emesh = programs.engine_mesh(mesh, g)
+    for depth in depths:
+        run("prefill", depth, lambda d=depth: programs.compile_prefill(shapes.at_depth(d), emesh))
+        run("decode", depth, lambda d=depth: programs.compile_decode(shapes.at_depth(d), emesh))
+    return shapes, micro_from, compiled, g
+
+
+def memory_terms(train: dict[str, int], prefill: dict[str, int], decode: dict[str, int],
+                 engine_owns_weights: bool) -> dict[str, int]:
+    """The report's `TERMS`, bytes a chip, from the three programs' byte counts at full depth
+    (`fit.at_depth`); the engine's weights count only where it holds its own copy (`engine_owns_weights`)."""
+    return {
+        "weights": train["declared_weights"],  # full fine-tuning: the float32 master weights
+        # the state in and out of the step (nothing is donated: the engine still reads the old LoRA or weights)
+        "lora_optimizer": train["declared_lora"] + train["declared_optimizer"] + train["output"],
+        # full fine-tuning with kl_coef > 0: the frozen starting weights (in `dtype`) the KL reference runs
+        "kl_reference": train["declared_reference"],
+        "engine_weights": decode["declared_weights"] + decode["declared_lora"] if engine_owns_weights else 0,
+        "kv_cache": decode["declared_kv_cache"],
+        # the train step runs in a thread while the engine decodes: both programs' scratch at once
+        "temporaries": train["temp"] + max(prefill["temp"], decode["temp"]),
+        "other": train["declared_batch"] + decode["declared_slots"] + prefill["output"],
+    }
 
 
 def model_of(cfg: RunConfig) -> ModelConfig:

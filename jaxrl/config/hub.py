@@ -1,4 +1,5 @@
-"""Download a model from the Hugging Face Hub into the local HF cache with `huggingface_hub`, as
+"""A model name's checkpoint, downloaded when it is not on this machine (`resolve_model`; where it is looked
+for: `jaxrl.config.model_path`): from the Hugging Face Hub into the local HF cache with `huggingface_hub`, as
 transformers and vLLM do: `HF_TOKEN` (or the token `hf auth login` stored), `HF_ENDPOINT`,
 `HF_HUB_CACHE` / `HF_HOME` and `HF_HUB_OFFLINE` are honoured, and a progress bar is shown
 (`HF_HUB_DISABLE_PROGRESS_BARS=1` hides it). Only the files a Qwen3 checkpoint needs are fetched
@@ -24,6 +25,7 @@ from jaxrl.config.model_path import (
     hf_cache_dir,
     hub_endpoint,
     hub_offline,
+    locate_model,
 )
 
 ALLOW_PATTERNS = [
@@ -33,6 +35,22 @@ ALLOW_PATTERNS = [
 ]
 """The files of a Qwen3 checkpoint that jaxrl reads: architecture, generation defaults, weights and their
 index, tokenizer and chat template (no PyTorch `.bin`, no ONNX or GGUF copies)."""
+
+
+def resolve_model(where: str, base_dir: Path = Path("."), revision: str | None = None) -> str:
+    """The checkpoint location for a model name (`locate_model`), downloading a `HubModel` into the HF
+    cache first (`download`: one process per host downloads, the others wait).
+
+    Raises:
+        ModelNotFoundError: not found, or the download failed (one line saying why).
+    """
+    found = locate_model(where, base_dir, revision)
+    if isinstance(found, HubModel):
+        try:
+            return str(download(found))
+        except ModelNotFoundError as exc:  # a mistyped local folder reads as an owner/name id too
+            raise ModelNotFoundError(f"{exc} (and there is no folder {base_dir / where})") from None
+    return found
 
 
 def download(model: HubModel) -> Path:

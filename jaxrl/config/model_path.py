@@ -1,6 +1,6 @@
 """Where a config's model name is found: a local folder, a `gs://` URL, a complete snapshot in the local
 Hugging Face cache, or else the Hugging Face Hub (`owner/name`, optionally `owner/name@revision`), which
-`resolve_model` downloads into that cache (`jaxrl.config.hub`). `locate_model` only says which, without
+`jaxrl.config.hub.resolve_model` downloads into that cache. `locate_model` only says which, without
 the network: `jaxrl validate` calls it. No JAX and no `huggingface_hub` import here.
 """
 
@@ -116,20 +116,3 @@ def locate_model(where: str, base_dir: Path = Path("."), revision: str | None = 
     raise ModelNotFoundError(f"model {where!r} not found: no folder {folder}, and it is not a Hugging Face "
                              "id (owner/name)")
 
-
-def resolve_model(where: str, base_dir: Path = Path("."), revision: str | None = None) -> str:
-    """The checkpoint location for a model name (`locate_model`), downloading a `HubModel` into the HF
-    cache first (`jaxrl.config.hub.download`: one process per host downloads, the others wait).
-
-    Raises:
-        ModelNotFoundError: not found, or the download failed (one line saying why).
-    """
-    found = locate_model(where, base_dir, revision)
-    if isinstance(found, HubModel):
-        from jaxrl.config.hub import download
-
-        try:
-            return str(download(found))
-        except ModelNotFoundError as exc:  # a mistyped local folder reads as an owner/name id too
-            raise ModelNotFoundError(f"{exc} (and there is no folder {base_dir / where})") from None
-    return found

@@ -27,7 +27,8 @@ from jaxrl.config.base import (
     read_toml,
 )
 from jaxrl.config.envs import BufferConfig, EnvConfig, EvalConfig, ValConfig
-from jaxrl.config.model_path import HubModel, ModelNotFoundError, locate_model, resolve_model
+from jaxrl.config.hub import resolve_model
+from jaxrl.config.model_path import HubModel, ModelNotFoundError, locate_model
 from jaxrl.config.sft import DataError, SftConfig, read_jsonl
 
 LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -524,7 +525,7 @@ def no_effect_notes(cfg: RunConfig) -> list[str]:
 def resolve_model_path(cfg: RunConfig) -> str:
     """The checkpoint folder (or `gs://` URL) to load weights from: `jax.model_path`, else `model`, each
     found as a `gs://` URL, a local folder (relative to the config file) or an HF id in the local HF cache,
-    else downloaded from the Hub at `jax.model_revision` (`jaxrl.config.model_path.resolve_model`).
+    else downloaded from the Hub at `jax.model_revision` (`jaxrl.config.hub.resolve_model`).
     Raises ConfigError naming every place looked in, or why the download failed."""
     key, where = ("jax.model_path", cfg.jax.model_path) if cfg.jax.model_path else ("model", cfg.model)
     try:

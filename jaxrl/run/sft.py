@@ -15,11 +15,8 @@ as an RL run's, so an RL run's `checkpoint_id` warm-starts from it.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
-from rich.console import Console
-
-from jaxrl.config.schema import ConfigError, RunConfig
+from jaxrl.config.schema import ConfigError
 from jaxrl.config.sft import DataError
 from jaxrl.inference.chat import ChatTemplate
 from jaxrl.rl import sft
@@ -101,10 +98,3 @@ class SftRun(Job):
         """The train state's metadata after step `step` (the data position is the step itself)."""
         return {"step": step, "policy_version": step, "identity": self.identity, "sft": True}
 
-
-def run_sft(cfg: RunConfig, console: Console | None = None) -> Path:
-    """Train `cfg` (an SFT config: `[jax.sft]` set) to `max_steps`, resuming from the run's last complete
-    checkpoint when there is one; return the run folder. Raises what `jaxrl.run.runner.run` does."""
-    from jaxrl.run.runner import run
-
-    return run(cfg, console, run_class=SftRun)
