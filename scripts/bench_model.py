@@ -11,7 +11,7 @@ QK^T and PV, causal half not subtracted) + the unembedding over the whole vocabu
 adds the backward pass through the activations (again 2 x forward matmul FLOPs): the frozen base weights
 need no weight gradients, so a LoRA step is ~2x a forward, not the 3x of full fine-tuning (`--finetune full`:
 every weight's gradient and AdamW over float32 master weights, `[jax] finetune = "full"`'s step). The peer
-figure for the same work (transformers + peft, shared/peers/bench_hf_train.py) is measured against it, in
+figure for the same work (transformers + peft, scripts/peers/bench_hf_train.py) is measured against it, in
 alternating runs, by scripts/bench_peers.py.
 """
 

@@ -2,7 +2,7 @@
 the machine's load when it was taken, and the median of the per-pair ratios.
 
 This machine's absolute speed drifts from day to day and under other load, and not equally for every
-program, so only ratios of runs taken back to back mean anything (shared/peers/README.md). Each run is a
+program, so only ratios of runs taken back to back mean anything (scripts/peers/README.md). Each run is a
 fresh process; a pair is one peer run and the jaxrl run after it (or the runs of each `--jaxrl` tree,
 each compared with the peer run before them).
 
@@ -12,7 +12,8 @@ each compared with the peer run before them).
     python scripts/bench_peers.py rl                 # one GRPO step end to end, the small Qwen3, synchronous
     python scripts/bench_peers.py rl --async-level 2 --oversampling 2   # ... at the seeds' defaults
     python scripts/bench_peers.py train --pairs 3 --json out.json
-    python scripts/bench_peers.py train --jaxrl . /tmp/before   # and an older commit's tree (git archive)
+    python scripts/bench_peers.py train --jaxrl . ../jaxrl-f8ce3d1   # and an older commit's tree:
+                                          # scripts/worktree_at.sh f8ce3d1 ../jaxrl-f8ce3d1
 
 The pairs and what each side runs:
   train:   peers/bench_hf_train.py MODEL_06B 4 256 (transformers + peft)  vs  scripts/bench_model.py --train-only;
@@ -24,7 +25,7 @@ The pairs and what each side runs:
            (7 steps): median step time over steps 2..7, ratio = jaxrl / peer (lower is better for jaxrl;
            the issue's goal is <= 1/3).
 
-Set-up (once per machine): shared/peers/README.md (the models under /tmp, the Tunix venv). Transformers,
+Set-up (once per machine): scripts/peers/README.md (the peers' models and the Tunix venv, in .peers/). Transformers,
 peft and torch 2.13.0 CPU are in jaxrl's own venv, so the transformers peers run with this interpreter.
 """
 
@@ -42,7 +43,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PEERS = REPO.parent / "shared" / "peers"
+PEERS = REPO / "scripts" / "peers"
+MADE = REPO / ".peers"  # what scripts/peers/README.md's set-up makes (git-ignored)
 
 
 def load() -> float:
@@ -146,10 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jaxrl", type=Path, nargs="+", help="the jaxrl checkouts whose scripts and package run, "
                     "each after every peer run (default: this one; add an older commit's tree for before/after)")
     ap.add_argument("--hf-python", default=sys.executable, help="interpreter with torch, transformers, peft")
-    ap.add_argument("--tunix-python", default="/tmp/vt/bin/python", help="interpreter with google-tunix")
-    ap.add_argument("--model-06b", default="/tmp/qwen3-0.6b-random", help="make_model.py 0.6b's folder")
-    ap.add_argument("--model-small", default="/tmp/qwen3-small", help="make_model.py small's folder")
-    ap.add_argument("--tok", default="/tmp/qwen3-tok", help="make_tokenizer.py's folder")
+    ap.add_argument("--tunix-python", default=str(MADE / "vt" / "bin" / "python"), help="interpreter with google-tunix")
+    ap.add_argument("--model-06b", default=str(MADE / "qwen3-0.6b-random"), help="make_model.py 0.6b's folder")
+    ap.add_argument("--model-small", default=str(MADE / "qwen3-small"), help="make_model.py small's folder")
+    ap.add_argument("--tok", default=str(MADE / "qwen3-tok"), help="make_tokenizer.py's folder")
     ap.add_argument("--steps", type=int, default=7, help="rl: RL steps per run on both sides (median of 2..)")
     ap.add_argument("--async-level", type=int, default=0, help="rl: jaxrl's max_async_level")
     ap.add_argument("--oversampling", type=float, default=1.0, help="rl: jaxrl's oversampling_factor")

@@ -73,3 +73,85 @@ def test_the_cli_reference_is_the_apps_own_help():
     assert "### `jaxrl run`" in page and "#### `jaxrl eval run`" in page, page[:2000]
     assert (REPO / "docs" / "cli.md").read_text() == page, (
         "docs/cli.md is out of date with the CLI: run `python scripts/gen_cli_docs.py` and commit docs/cli.md")
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout
+
+
+def test_worktree_at_makes_the_tree_a_benchmark_row_names(tmp_path):
+    """scripts/worktree_at.sh, in a two-commit repository: the tree at the first commit, with one file copied
+    from the checkout and one from the second commit; a commit that does not exist, or a folder that does,
+    is refused with exit 2 and one line."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    script = repo / "scripts" / "worktree_at.sh"
+    script.write_bytes((REPO / "scripts" / "worktree_at.sh").read_bytes())
+    script.chmod(0o755)
+    _git(tmp_path, "init", "-q", "-b", "main", str(repo))
+    for key, value in (("user.name", "t"), ("user.email", "t@t")):
+        _git(repo, "config", key, value)
+    (repo / "code.py").write_text("old\n")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "old")
+    old = _git(repo, "rev-parse", "--short", "HEAD").strip()
+    (repo / "code.py").write_text("new\n")
+    (repo / "scripts" / "bench.py").write_text("bench at the new commit\n")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "new")
+    new = _git(repo, "rev-parse", "--short", "HEAD").strip()
+    (repo / "scripts" / "bench.py").write_text("bench in the checkout\n")
+
+    before = tmp_path / "before"
+    done = subprocess.run([str(script), old, str(before), "scripts/bench.py"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (before / "code.py").read_text() == "old\n"
+    assert (before / "scripts" / "bench.py").read_text() == "bench in the checkout\n"
+    assert _git(before, "rev-parse", "--short", "HEAD").strip() == old
+
+    other = tmp_path / "other"
+    done = subprocess.run([str(script), old, str(other), f"{new}:scripts/bench.py"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (other / "scripts" / "bench.py").read_text() == "bench at the new commit\n"
+
+    for args, reason in (([f"{'0' * 40}", str(tmp_path / "x")], "not a commit"),
+                         ([old, str(before)], "already exists")):
+        refused = subprocess.run([str(script), *args], capture_output=True, text=True)
+        assert refused.returncode == 2 and reason in refused.stderr, refused.stderr
+    assert not (tmp_path / "x").exists()
+
+
+_CREATES = re.compile(r"(--output=|--target |-d |mkdir -p |venv |> )$")
+
+
+def _machine_paths(text: str) -> list[str]:
+    """The lines of one markdown file that cite a machine's own path: any `/work/`, and a `/tmp/...` path
+    outside a code block or used in one before the block's command creates it (`--output=`, `--target`,
+    `-d`, `mkdir -p`, `venv`, `>`)."""
+    bad, in_code, created = [], False, set()
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.startswith("```"):
+            in_code, created = not in_code, set()
+            continue
+        if "/work/" in line:
+            bad.append(f"{n}: {line.strip()}")
+        for found in re.finditer(r"/tmp/[\w.-]+", line):
+            path = found.group(0)
+            if in_code and (path in created or _CREATES.search(line[:found.start()])):
+                created.add(path)
+            else:
+                bad.append(f"{n}: {line.strip()}")
+    return bad
+
+
+def test_the_docs_cite_no_machine_paths():
+    """No page and not the README sends a reader to a folder of the machine a figure was taken on (a clean
+    clone cannot rerun it); a temporary file that a command makes and then uses is allowed. Checked on
+    the rule's own cases first, so that it can fail."""
+    assert _machine_paths("see /work/wt-coord\n") and _machine_paths("`--jaxrl /tmp/s20/before`\n")
+    assert _machine_paths("```\npython x.py /tmp/qwen3-tok\n```\n")
+    assert not _machine_paths("```\ngit archive --output=/tmp/src.tar.gz HEAD\nscp /tmp/src.tar.gz host:\n```\n")
+    bad = {str(path.relative_to(REPO)): _machine_paths(path.read_text())
+           for path in [README, *sorted((REPO / "docs").rglob("*.md"))]}
+    bad = {path: lines for path, lines in bad.items() if lines}
+    assert not bad, f"machine paths in the docs (use repo-relative paths; scripts/worktree_at.sh for trees): {bad}"

@@ -24,7 +24,7 @@ producer launches step s's groups once step s - 1's are taken, while step s - 1 
 requests wait for step s - 1's weight update, so step s's groups are exactly the next `per_step` groups
 drawn, all of version s: the synchronous loop. Launching them early lets the environments' own work
 (rendering, HTTP) overlap the train step, and the engine then admits the whole step's requests at once:
-on the small Qwen3 of shared/peers (32 rollouts), the requests had reached the engine over 0.06-0.19 s
+on the small Qwen3 of scripts/peers (32 rollouts), the requests had reached the engine over 0.06-0.19 s
 of the rollout half, each late one delaying its group's last token (docs/benchmarks.md, 2026-11-25 morning).
 
 Several processes (`gather` set, one producer per process) keep one producer state between them: every
