@@ -112,10 +112,10 @@ def recording_server(tiny_model_dir):
     that play environments against it."""
     from helpers import Recording
 
-    from jaxrl.inference.chat import ChatTemplate
     from jaxrl.inference.engine import Engine
     from jaxrl.inference.scheduler import Scheduler
     from jaxrl.inference.server import start_server
+    from jaxrl.inference.template import ChatTemplate
     from jaxrl.model import hf
     from jaxrl.parallel.sharding import make_mesh
 

@@ -182,7 +182,7 @@ class Scripted:
     max_model_len = 2048
 
     def __init__(self, template):
-        self.template = template  # jaxrl.inference.chat.ChatTemplate
+        self.template = template  # jaxrl.inference.template.ChatTemplate
         self.replies: list[str] = []
         self.prompts: list[list[int]] = []
 

@@ -14,11 +14,12 @@ import jax
 import openai
 import pytest
 
-from jaxrl.inference.chat import ChatTemplate, TextStream
+from jaxrl.inference.detokenize import TextStream
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
 from jaxrl.inference.server import GENERATE_ROUTE, start_server
+from jaxrl.inference.template import ChatTemplate
 from jaxrl.model import hf
 from jaxrl.parallel.sharding import make_mesh
 

@@ -163,10 +163,10 @@ def test_next_turns_share_the_last_turns_pages_through_the_real_server(tiny_mode
     import jax
     from helpers import Recording
 
-    from jaxrl.inference.chat import ChatTemplate
     from jaxrl.inference.engine import Engine
     from jaxrl.inference.scheduler import Scheduler
     from jaxrl.inference.server import start_server
+    from jaxrl.inference.template import ChatTemplate
     from jaxrl.model import hf
     from jaxrl.parallel.sharding import make_mesh
 

@@ -11,8 +11,8 @@ from helpers import Scripted
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxrl.inference.chat import ChatTemplate
 from jaxrl.inference.server import start_server
+from jaxrl.inference.template import ChatTemplate
 from jaxrl.inference.tools import ContentHold, parse_reply
 
 MODEL = Scripted.model_name

@@ -17,9 +17,9 @@ from tool_lookup.corpus import CORPUS
 
 from jaxrl.envs import mcp_tools
 from jaxrl.envs.loader import Rollout, load_env, run_group
-from jaxrl.inference.chat import ChatTemplate
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.server import start_server
+from jaxrl.inference.template import ChatTemplate
 
 ENVS = ("jaxrl/tool-lookup", "jaxrl/tool-lookup-mcp")
 _spec = importlib.util.spec_from_file_location("make_sft_tools", REPO / "scripts" / "make_sft_tools.py")

@@ -20,10 +20,10 @@ import jax.numpy as jnp
 
 from jaxrl.config.hub import resolve_model
 from jaxrl.config.model_path import HubModel, ModelNotFoundError, locate_model
-from jaxrl.inference.chat import ChatTemplate
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
+from jaxrl.inference.template import ChatTemplate
 from jaxrl.model import hf
 from jaxrl.model.modules import lora_specs, param_specs
 from jaxrl.parallel.sharding import make_mesh, spec_shardings

@@ -50,8 +50,8 @@ from verifiers.v1.utils.loaders import env_config_type, load_environment, resolv
 
 from jaxrl.envs import classic, mcp_tools
 from jaxrl.envs.classic import ClassicEnv, ClassicTask
-from jaxrl.inference.chat import ChatTemplate
 from jaxrl.inference.protocol import SamplingParams
+from jaxrl.inference.template import ChatTemplate
 
 HARNESS_ID = "jaxrl-chat"
 """The in-process chat harness's verifiers id; verifiers imports it as module `jaxrl_chat`."""

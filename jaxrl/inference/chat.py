@@ -5,12 +5,14 @@
           {"role": "assistant", "content"}, "logprobs", "finish_reason"}], "usage"}
       or, with "stream": true, `data: {chat.completion.chunk}` events and a final `data: [DONE]`
 
-The messages are rendered by the tokenizer's chat template (transformers `apply_chat_template`, with
+The messages are rendered by the tokenizer's chat template (`jaxrl.inference.template.ChatTemplate`:
+transformers `apply_chat_template`, with
 the request's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`) and sampled until one of the
 model's end-of-turn ids (its `generation_config.json` `eos_token_id`, else the tokenizer's), a stop
 string, or `max_tokens`. Streaming is incremental: the backend hands each token over as it is sampled
 (`on_token`), and each event carries the text decoded since the last one. Text is decoded with
-offsets, holding back a token whose bytes end mid-character (vLLM's incremental detokenizer), and,
+offsets (`jaxrl.inference.detokenize.TextStream`, vLLM's incremental detokenizer), holding back a token
+whose bytes end mid-character, and,
 while stop strings are set, the last `len(longest stop) - 1` characters, which could begin one. A
 request that hits a stop string is cancelled in the backend at once.
 
@@ -43,16 +45,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import inspect
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 from jaxrl.inference import tools
+from jaxrl.inference.detokenize import TextStream
 from jaxrl.inference.protocol import MAX_TOP_LOGPROBS, Completion, GenerateBackend, SamplingParams
+from jaxrl.inference.template import ChatTemplate
 from jaxrl.inference.wire import BadRequest, check_penalties, error_body, is_int, sampling_from
 
 CHAT_ROUTE = "/v1/chat/completions"
@@ -72,100 +74,6 @@ _BUILT = frozenset({"model", "messages", "stream", "stream_options", "temperatur
 _REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "cache_salt", "priority",
                         "request_id", "spaces_between_special_tokens"})
-
-
-@dataclasses.dataclass(frozen=True)
-class ChatTemplate:
-    """A tokenizer with a chat template, and the token ids that end an assistant turn."""
-
-    tokenizer: Any  # transformers.PreTrainedTokenizerBase
-    stop_token_ids: tuple[int, ...]
-
-    @classmethod
-    def load(cls, folder: str | Path, model_folder: str | Path | None = None) -> ChatTemplate:
-        """The tokenizer in `folder` (transformers `AutoTokenizer`, offline); end-of-turn ids from the
-        `eos_token_id` of `generation_config.json` in `model_folder` or `folder`, else the tokenizer's.
-
-        Raises:
-            ValueError: the folder holds no tokenizer, or a tokenizer without a chat template.
-        """
-        from transformers import AutoTokenizer  # about 1 s to import: only a server that chats pays it
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"cannot load a tokenizer from {folder}: {exc}") from None
-        if not tokenizer.chat_template:
-            raise ValueError(f"the tokenizer in {folder} has no chat template")
-        stop: list[int] = []
-        for where in (model_folder, folder):
-            path = Path(where) / "generation_config.json" if where is not None else None
-            if path is not None and path.is_file():
-                eos = json.loads(path.read_text()).get("eos_token_id")
-                stop = [eos] if is_int(eos) else [t for t in eos or [] if is_int(t)]
-                if stop:
-                    break
-        if not stop and tokenizer.eos_token_id is not None:
-            stop = [tokenizer.eos_token_id]
-        return cls(tokenizer, tuple(stop))
-
-    def render(self, messages: list[dict], template_kwargs: dict[str, Any], tool_defs: list[dict] | None = None,
-               forced: str = "", max_tokens: int | None = None) -> list[int]:
-        """Prompt token ids for `messages` (and `tool_defs`, the request's `tools`) with the assistant's turn
-        opened and `forced` text appended to it; raises `BadRequest` when the template refuses them (it may
-        raise on a role order it does not know), or when the prompt has `max_tokens` tokens or more
-        (`encode_within`: found without tokenizing the whole of a long prompt)."""
-        reserved = sorted(set(template_kwargs) & _template_parameters(self.tokenizer))
-        if reserved:
-            raise BadRequest(f"chat_template_kwargs may not set {', '.join(reserved)}")
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tools=tool_defs, tokenize=False,
-                                                      add_generation_prompt=True, **template_kwargs)
-        except Exception as exc:  # noqa: BLE001 - jinja2 errors and the template's raise_exception alike
-            raise BadRequest(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}") from None
-        return encode_within(self.tokenizer, text + forced, max_tokens)
-
-
-FIRST_CHARS_PER_TOKEN = 8
-"""`encode_within` first tokenizes `FIRST_CHARS_PER_TOKEN` characters per token of the limit (English and
-code run at about 4 characters a token), then twice as many at each try."""
-
-
-def encode_within(tokenizer: Any, text: str, limit: int | None) -> list[int]:
-    """`tokenizer.encode(text)` (no special tokens added) when it is under `limit` tokens; raises
-    `BadRequest` when it is not, having tokenized only a prefix of a long text: the first
-    `limit * FIRST_CHARS_PER_TOKEN` characters, cut before a space that follows a non-space (where
-    byte-level BPE's pre-tokenizer splits the whole text the same way), doubled until the prefix reaches
-    `limit` tokens (the whole text then has at least as many) or is the whole text. A 10 MB prompt to a
-    256-token model thus costs the tokenization of about 2,000 characters, not 36 s (Qwen3's tokenizer,
-    2 loaded cores). `limit` None: the whole text, unbounded."""
-    size = len(text) if limit is None else limit * FIRST_CHARS_PER_TOKEN
-    while True:
-        cut = len(text) if size >= len(text) else _space_cut(text, size)
-        ids = tokenizer.encode(text[:cut], add_special_tokens=False)
-        if limit is not None and len(ids) >= limit:
-            more = "" if cut == len(text) else f"more than {len(ids)} tokens (counted over its first {cut:,} of " \
-                                                f"{len(text):,} characters)"
-            raise BadRequest(f"the prompt is {more or f'{len(ids)} tokens'}; this model's context is {limit} "
-                             "(prompt and completion)")
-        if cut == len(text):
-            return ids
-        size *= 2
-
-
-def _space_cut(text: str, size: int) -> int:
-    """The last position <= `size` of a whitespace character after a non-whitespace one; `size` if none."""
-    for i in range(size, max(size - 4096, 0), -1):
-        if text[i].isspace() and not text[i - 1].isspace():
-            return i
-    return size
-
-
-def _template_parameters(tokenizer: Any) -> set[str]:
-    """`apply_chat_template`'s own parameters: a request's template variables may not set them (one is
-    `chat_template`, which would run the client's Jinja)."""
-    params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
-    return {p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,61 +218,6 @@ def parse_chat_request(body: Any, template: ChatTemplate, model_name: str, max_m
     return ChatRequest(prompt_ids, params, stop, flag(body, "stream"), include_usage(body), logprobs, top,
                        flag(body, "return_token_ids"), flag(body, "return_tokens_as_token_ids"),
                        flag(body, "skip_special_tokens", True), tool_plan)
-
-
-class TextStream:
-    """Sampled tokens to text, incrementally, cut before the first stop string found once `min_tokens`
-    tokens are in (vLLM's rule: a stop string wholly before then is not looked for again).
-
-    `add` decodes only a window of recent tokens (vLLM's prefix/read offsets), so a long completion
-    costs O(n) decoding, not O(n^2); a token whose bytes end mid-character waits for the next one.
-    """
-
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...], skip_special_tokens: bool, min_tokens: int = 0) -> None:
-        self._tok, self._stop, self._skip, self._min = tokenizer, stop, skip_special_tokens, min_tokens
-        self._hold = max(map(len, stop), default=1) - 1  # chars that might begin a stop string
-        self.token_ids: list[int] = []
-        self.text = ""
-        self.stopped = False  # a stop string was found; `text` ends before it
-        self._prefix = self._read = self._sent = 0
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=self._skip)
-
-    def add(self, token_id: int) -> None:
-        """Append one sampled token (ignored after a stop string)."""
-        if self.stopped:
-            return
-        self.token_ids.append(token_id)
-        self._advance(final=False)
-
-    def _advance(self, final: bool) -> None:
-        before = self._decode(self.token_ids[self._prefix:self._read])
-        now = self._decode(self.token_ids[self._prefix:])
-        if len(now) > len(before) and (final or not now.endswith("\ufffd")):
-            self._check(len(self.text), now[len(before):])
-            self._prefix, self._read = self._read, len(self.token_ids)
-
-    def _check(self, old_len: int, new: str) -> None:
-        self.text += new
-        if len(self.token_ids) < self._min:  # vLLM's min_tokens: stop strings count from then on
-            return
-        start = max(0, old_len - self._hold)
-        hits = [i for s in self._stop if (i := self.text.find(s, start)) >= 0]
-        if hits:
-            self.text = self.text[:min(hits)]
-            self.stopped = True
-
-    def finish(self) -> None:
-        """Decode what `add` held back (a trailing partial character comes out as U+FFFD)."""
-        if not self.stopped:
-            self._advance(final=True)
-
-    def take(self, final: bool = False) -> str:
-        """The text not taken yet, minus what could still turn out to begin a stop string."""
-        end = len(self.text) if final or self.stopped else max(self._sent, len(self.text) - self._hold)
-        out, self._sent = self.text[self._sent:end], end
-        return out
 
 
 class ChatRun:

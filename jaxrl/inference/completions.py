@@ -26,7 +26,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from jaxrl.inference import chat
-from jaxrl.inference.chat import ChatRequest, ChatRun, ChatTemplate, flag
+from jaxrl.inference.chat import ChatRequest, ChatRun, flag
+from jaxrl.inference.template import ChatTemplate, encode_within
 from jaxrl.inference.wire import BadRequest, is_int, sampling_from
 
 ROUTE = "/v1/completions"
@@ -46,7 +47,7 @@ def _prompt_ids(raw: Any, template: ChatTemplate, max_model_len: int) -> list[in
     if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str | list):
         raw = raw[0]
     if isinstance(raw, str) and raw:
-        return chat.encode_within(template.tokenizer, raw, max_model_len)
+        return encode_within(template.tokenizer, raw, max_model_len)
     if isinstance(raw, list) and raw and all(is_int(t) and t >= 0 for t in raw):
         if len(raw) >= max_model_len:
             raise BadRequest(f"the prompt is {len(raw)} tokens; this model's context is {max_model_len} "

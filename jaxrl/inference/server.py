@@ -27,7 +27,7 @@ every route (OpenAI's rule; vLLM logs and ignores them). `max_tokens` beyond the
 both numbers, as in vLLM and OpenAI (the run's own server clamps it instead: `clamp_max_tokens`). A
 request whose client disconnects is cancelled in the backend, streaming or not, freeing its decode
 slot. A request's CPU work (parsing its JSON, rendering and tokenizing its prompt) runs in a worker
-thread, and a chat prompt is refused once a prefix of it fills the context (`chat.encode_within`), so a
+thread, and a chat prompt is refused once a prefix of it fills the context (`template.encode_within`), so a
 10 MB prompt is a 400 in well under a second while `/health` keeps answering (it took 8 s when that
 work ran on the event loop). The server runs uvicorn on its own event loop in a daemon thread (`start_server`);
 `backend.generate` is awaited on that loop, so a backend that computes on other threads must hand its
@@ -58,8 +58,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxrl.inference import chat, completions
-from jaxrl.inference.chat import ChatTemplate
 from jaxrl.inference.protocol import BackendStopped, Completion, GenerateBackend, SamplingParams
+from jaxrl.inference.template import ChatTemplate
 from jaxrl.inference.wire import BadRequest, check_penalties, error_body, is_int, sampling_from
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 `prompt` / `completion`) to packed training rows.
 
 Tokens: the whole conversation rendered once with the model's chat template (the tokenizer folder's,
-as the rollout server renders chats, `jaxrl.inference.chat.ChatTemplate`) and tokenized. The loss mask
+as the rollout server renders chats, `jaxrl.inference.template.ChatTemplate`) and tokenized. The loss mask
 is True on each trained assistant message's tokens: everything after its `<|im_start|>assistant\\n` up to
 and including its `<|im_end|>` (the model learns to end its turn), found in the token ids (Qwen3's
 template is ChatML; the n-th such span is the n-th assistant message). With `enable_thinking` off, a

@@ -22,12 +22,12 @@ from rich.console import Console
 
 from jaxrl.config.schema import SEED_MULTIPLIER, ConfigError, RunConfig
 from jaxrl.envs import loader
-from jaxrl.inference.chat import ChatTemplate
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.lockstep import GroupScheduler
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
 from jaxrl.inference.server import start_server
+from jaxrl.inference.template import ChatTemplate
 from jaxrl.model.qwen3 import ModelConfig
 from jaxrl.parallel import distributed
 from jaxrl.rl import rollouts

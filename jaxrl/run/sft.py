@@ -18,7 +18,7 @@ import time
 
 from jaxrl.config.schema import ConfigError
 from jaxrl.config.sft import DataError
-from jaxrl.inference.chat import ChatTemplate
+from jaxrl.inference.template import ChatTemplate
 from jaxrl.rl import sft
 from jaxrl.run.job import Job
 from jaxrl.run.layout import METRICS
