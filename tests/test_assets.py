@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -139,6 +140,16 @@ def test_tiny_model_is_reproducible(tiny, tmp_path):
     _, loaded = hf.load_hf(tiny)
     np.testing.assert_array_equal(np.asarray(loaded["embed"]), np.asarray(params["embed"] * (0.25 / 0.02)))
     np.testing.assert_array_equal(np.asarray(loaded["layers"]["wq"]), np.asarray(params["layers"]["wq"]))
+
+
+def test_tiny_model_files_follow_the_umask(tiny):
+    """safetensors creates its file 0600 and mkdtemp its folder 0700; the asset folder and every file in it get
+    what the umask gives, as `open` and `mkdir` would (the issue found model.safetensors 0600)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tiny.iterdir()}
+    assert hf.WEIGHTS_FILE in modes and set(modes.values()) == {0o666 & ~mask}, modes
+    assert stat.S_IMODE(tiny.stat().st_mode) == 0o777 & ~mask
 
 
 def test_ensure_is_idempotent_and_replaces_unfinished_builds(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from etils import epath
-from helpers import finish, read_metrics, start, write_run_config
+from helpers import finish, read_metrics, start, subprocess_env, write_run_config
 from typer.testing import CliRunner
 
 from jaxrl.cli.main import app
@@ -369,6 +370,127 @@ def test_cli_errors_for_an_unwritable_out_or_another_lora(run_with_checkpoint, t
     assert result.exit_code == 2, result.output
     assert "is not of this run's model or LoRA: lora_rank: checkpoint 4, this run 8" in result.stderr
     assert "Traceback" not in result.output and not (tmp_path / "o").exists()
+
+
+# --- where `jaxrl export` writes: a new or empty folder, an earlier export with --force, never the base --------
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` by relative path, with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _one_line_refusal(result, *words: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output, result.stderr
+    for word in words:
+        assert word in result.stderr, result.stderr
+
+
+def test_cli_export_never_writes_over_files_it_did_not_write(run_with_checkpoint, tmp_path):
+    """A user's own model folder (config.json, model.safetensors) is refused with and without --force, and left as
+    it was; so is a folder holding any file; an empty folder is written."""
+    run_dir = run_with_checkpoint[0]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"mine": true}')
+    (mine / "model.safetensors").write_bytes(b"my weights")
+    before = _snapshot(mine)
+    for force in ([], ["--force"]):
+        for kind in ("--merged", "--adapter"):
+            _one_line_refusal(_export(run_dir, "--out", mine, kind, *force), f"{mine} is not empty and holds files "
+                              "jaxrl export did not write (config.json, model.safetensors)", "choose another --out")
+    assert _snapshot(mine) == before and sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+    (tmp_path / "empty").mkdir()
+    assert _export(run_dir, "--out", tmp_path / "empty").exit_code == 0
+    manifest = json.loads((tmp_path / "empty" / ".jaxrl-export.json").read_text())
+    assert manifest["kind"] == "merged" and manifest["step"] == 2
+    assert sorted(manifest["files"]) == sorted(p.name for p in (tmp_path / "empty").iterdir() if p.name[0] != ".")
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= set(manifest["files"])
+
+
+def test_cli_export_force_replaces_only_an_earlier_export_of_its_kind(run_with_checkpoint, tmp_path):
+    run_dir = run_with_checkpoint[0]
+    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
+    assert _export(run_dir, "--out", merged).exit_code == 0
+    assert _export(run_dir, "--out", adapter, "--adapter").exit_code == 0
+    _one_line_refusal(_export(run_dir, "--out", merged), f"{merged} holds an earlier export (step 2 of "
+                      f"{run_dir / 'checkpoints'}); pass --force to replace it")
+    (merged / "model.safetensors").write_bytes(b"stale")  # as an older export's weights would be
+    assert _export(run_dir, "--out", merged, "--force").exit_code == 0
+    assert (merged / "model.safetensors").read_bytes() != b"stale"
+    _one_line_refusal(_export(run_dir, "--out", merged, "--adapter", "--force"),
+                      f"{merged} holds a merged model export and this one is a PEFT adapter", "mix two kinds")
+    _one_line_refusal(_export(run_dir, "--out", adapter, "--merged", "--force"),
+                      f"{adapter} holds a PEFT adapter export and this one is a merged model")
+    (merged / "notes.txt").write_text("my notes")
+    before = _snapshot(merged)
+    _one_line_refusal(_export(run_dir, "--out", merged, "--force"),
+                      f"{merged} holds files jaxrl export did not write (notes.txt); --force replaces only")
+    assert _snapshot(merged) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "merged"]  # no temporary folder left
+
+
+def test_cli_export_never_writes_the_runs_base_model_so_the_lora_is_applied_once(run_with_checkpoint, tmp_path):
+    """`--out` at the run's base model folder (the issue's "LoRA applied twice": the next export read the merged
+    weights as its base) or tokenizer folder is refused even with --force; exports before and after are the same
+    bytes. A base model folder that is itself an export is refused as the base too."""
+    run_dir, toml = run_with_checkpoint[:2]
+    base, tok = run_dir.parent.parent / "base", run_dir.parent.parent / "tok"
+    before = _snapshot(base), _snapshot(tok)
+    assert _export(run_dir, "--out", tmp_path / "first").exit_code == 0
+    for folder, what in ((base, "the run's base model folder"), (tok, "the run's tokenizer folder")):
+        for force in ([], ["--force"]):
+            _one_line_refusal(_export(run_dir, "--out", folder, *force), f"{folder} is {what}", "apply the LoRA twice")
+    assert (_snapshot(base), _snapshot(tok)) == before
+    assert _export(run_dir, "--out", tmp_path / "second").exit_code == 0
+    assert _snapshot(tmp_path / "first") == _snapshot(tmp_path / "second")
+
+    on_export = tmp_path / "rl.toml"  # a run trained on the first export
+    on_export.write_text(toml.read_text().replace(f'model_path = "{base}"', f'model_path = "{tmp_path / "first"}"'))
+    _one_line_refusal(_export(run_dir / "checkpoints", "--config", on_export, "--out", tmp_path / "first", "--force"),
+                      f"{tmp_path / 'first'} is the run's base model folder")
+
+
+def _limited_jaxrl(args: list, *, umask: int = 0o022, file_bytes: int = -1) -> subprocess.CompletedProcess:
+    """`jaxrl ARGS` in a fresh process, as a shell runs it, under `umask` and with `file_bytes` the most bytes it
+    may write to one file (RLIMIT_FSIZE, with SIGXFSZ ignored: a longer write fails with EFBIG as one on a full
+    disk fails with ENOSPC; -1 for no limit), set in the process before jaxrl is imported. Without the session's
+    compilation cache, whose writes the limit would refuse."""
+    code = (f"import os, resource, signal; os.umask({umask}); signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({file_bytes}, {file_bytes})); "
+            "from jaxrl.cli.main import app; app(prog_name='jaxrl')")
+    env = {k: v for k, v in subprocess_env().items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_cli_export_on_a_full_disk_is_one_line_and_leaves_nothing(run_with_checkpoint, tmp_path):
+    """A write that fails partway (RLIMIT_FSIZE of 16 KiB: config.json fits, model.safetensors does not) is one
+    line, exit 2; neither the new folder nor its missing parents are left, an earlier export is kept whole."""
+    run_dir = run_with_checkpoint[0]
+    assert _export(run_dir, "--out", tmp_path / "earlier").exit_code == 0
+    earlier = _snapshot(tmp_path / "earlier")
+    for out, force in ((tmp_path / "new" / "deeper" / "out", []), (tmp_path / "earlier", ["--force"])):
+        result = _limited_jaxrl(["export", run_dir, "--out", out, *force], file_bytes=16 * 1024)
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr[-3000:]
+        assert f"jaxrl export: cannot write {out}: " in result.stderr and "File too large" in result.stderr
+        assert "nothing was written" in result.stderr and "Traceback" not in result.stdout + result.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier"]
+        assert _snapshot(tmp_path / "earlier") == earlier
+
+
+def test_cli_export_file_modes_follow_the_umask(run_with_checkpoint, tmp_path):
+    """Under umask 027 every file of a merged export (safetensors wrote its weights 0600 before) is 0640 and
+    the folder 0750, as `open` and `mkdir` give; an adapter likewise."""
+    run_dir = run_with_checkpoint[0]
+    for kind in ("--merged", "--adapter"):
+        out = tmp_path / kind.strip("-")
+        result = _limited_jaxrl(["export", run_dir, "--out", out, kind], umask=0o027)
+        assert result.returncode == 0, result.stderr[-3000:]
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+        assert modes and set(modes.values()) == {0o640}, modes
+        assert stat.S_IMODE(out.stat().st_mode) == 0o750
 
 
 # --- `[adapters]`: PEFT folders written during a run --------------------------------------------------

@@ -1,7 +1,8 @@
 """The `jaxrl` command: `validate`, `init` and `run` a Hosted Training TOML file (`sft` one with `[jax.sft]`,
 supervised fine-tuning: `jaxrl.run.sft`); manage local runs as
 `prime rl` manages hosted ones (`list`, `logs`, `stop`, `delete`, `checkpoints`, `plot`: `jaxrl.cli.runs`);
-`models`, `compile` (a run's programs compiled for a TPU slice: `jaxrl.compile`), `export` and `serve`;
+`models`, `compile` (a run's programs compiled for a TPU slice: `jaxrl.compile`), `export` (`jaxrl.cli.export`)
+and `serve`;
 `eval run` (`jaxrl.cli.evaluate`), `gepa run` (`jaxrl.cli.gepa`).
 
 `validate`, `init` and the run management commands (but `checkpoints`) import no JAX, so they answer in
@@ -20,6 +21,7 @@ from rich.console import Console
 
 from jaxrl.cli import serve_options
 from jaxrl.cli.evaluate import eval_app
+from jaxrl.cli.export import export
 from jaxrl.cli.gepa import gepa_app
 from jaxrl.cli.train import quiet_libraries, train
 from jaxrl.compile.slices import slice_names
@@ -293,32 +295,7 @@ def compile_(
         raise typer.Exit(code=1)
 
 
-@app.command("export")
-def export_(
-    ref: Annotated[str, typer.Argument(metavar="RUN_OR_CHECKPOINT", show_default=False,
-                                       help="A run folder (`<output_dir>/<name>`), its checkpoints folder, or one "
-                                            "step's folder (a gs:// one with --config).")],
-    out_dir: Annotated[Path, typer.Option("--out", help="Folder to write.", show_default=False)],
-    merged: Annotated[bool, typer.Option("--merged", help="A HF checkpoint, LoRA folded in (the default).")] = False,
-    adapter: Annotated[bool, typer.Option("--adapter", help="A PEFT LoRA adapter folder instead.")] = False,
-    step: Annotated[int | None, typer.Option(help="Checkpoint step. Default: the step folder's, else the latest.",
-                                             show_default=False)] = None,
-    config: Annotated[Path | None, typer.Option(help="The run's TOML, for a checkpoint whose run folder has no "
-                                                     "run_config.json.", show_default=False)] = None,
-) -> None:
-    """Write a run's trained model to Hugging Face format: merged weights, or a PEFT adapter."""
-    if merged and adapter:
-        raise _fail("jaxrl export: pass --merged or --adapter, not both")
-    from jaxrl.export import exporter as exporting  # heavy (JAX): kept off the validate/init path
-
-    try:
-        source = exporting.find_source(ref, step, config)
-        exporting.export(source, out_dir, adapter=adapter)
-    except exporting.ExportError as exc:
-        raise _fail(f"jaxrl export: {exc}") from None
-    kind = "PEFT adapter" if adapter else "merged model"
-    out.print(f"wrote the {kind} of checkpoint step {source.step} ({source.checkpoint_dir}) to {out_dir}",
-              markup=False)
+app.command("export")(export)
 
 
 @app.command()

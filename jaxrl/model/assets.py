@@ -245,7 +245,7 @@ def ensure_tiny_assets(root: str | Path = "assets", *, moe: bool = False, glm: b
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
-    staging.chmod(0o755)
+    staging.chmod(hf.umask_mode(0o777))  # mkdtemp makes it 0700
     try:
         kwargs = {"experts": 4, "top_k": 2} if moe or glm else {}
         kwargs |= {"glm": True, "tie": False} if glm else {}

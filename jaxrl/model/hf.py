@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -317,6 +318,15 @@ def load_hf(folder: str | Path, dtype: Any = jnp.float32, *,
     return cfg, params
 
 
+def umask_mode(mode: int) -> int:
+    """`mode` (0o666 for a file, 0o777 for a folder) less the process's umask: what `open` and `mkdir`
+    give. Python has no getter for the umask: it is read by setting a strict one and putting it back, so
+    a file another thread creates meanwhile gets fewer permissions, never more."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mode & ~mask
+
+
 def save_hf(folder: str | Path, cfg: ModelConfig, params: Params, *, max_shard_bytes: int | None = None,
             dtype: Any | None = None) -> list[Path]:
     """Write `params` as a HF checkpoint that `Qwen3ForCausalLM` (`Glm4MoeForCausalLM`) `.from_pretrained` loads.
@@ -368,6 +378,7 @@ def save_hf(folder: str | Path, cfg: ModelConfig, params: Params, *, max_shard_b
         path = folder / (f"model-{k:05d}-of-{len(shards):05d}.safetensors" if sharded else WEIGHTS_FILE)
         tensors = {e.name: e.array() for e in shard}
         safetensors.numpy.save_file(tensors, path, metadata={"format": "pt"})
+        path.chmod(umask_mode(0o666))  # safetensors creates its file 0600; every other file gets the umask's mode
         del tensors
         weight_map.update((e.name, path.name) for e in shard)
         total += sum(e.nbytes for e in shard)
