@@ -80,3 +80,47 @@ def test_eval_run_takes_a_run_config(recording_server, tmp_path):
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 4
     r = CliRunner().invoke(app, ["eval", "run", "jaxrl/lowercase"])
     assert r.exit_code == 2 and r.output.strip() == "--model / -m is required with an environment id", r.output
+
+
+def test_eval_run_against_an_endpoint_that_is_down_is_one_line():
+    """Nothing listens on port 9: the eval stops before its first rollout, in one line naming the URL."""
+    r = CliRunner().invoke(app, ["eval", "run", "jaxrl/reverse-text", "-m", "tiny", "-b", "http://127.0.0.1:9/v1",
+                                 "-n", "2", "-r", "2"])
+    assert r.exit_code == 2, r.output
+    assert r.output.strip().startswith("jaxrl eval run: http://127.0.0.1:9/v1: the endpoint cannot be reached ("), \
+        r.output
+    assert len(r.output.strip().splitlines()) == 1, r.output
+
+
+@pytest.mark.parametrize("env_id", ["jaxrl/lowercase", "jaxrl/echo-word"])
+def test_eval_run_where_every_rollout_failed_exits_1_and_saves_why(recording_server, tmp_path, env_id):
+    """A model the (real, running) server does not serve: every rollout gets its 404. The eval exits 1 with one
+    line on stderr (no mean reward over nothing), and each saved row holds the example's prompt and the error."""
+    handle, _ = recording_server
+    r = CliRunner().invoke(app, ["eval", "run", env_id, "-b", handle.base_url, "-m", "not-served", "-n", "2",
+                                 "-r", "2", "-o", str(tmp_path), "-S", '{"max_tokens": 3}'])
+    assert r.exit_code == 1, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"{env_id}: 2 examples"), r.output  # the header, then the error
+    assert lines[1].startswith(f"jaxrl eval run: {env_id}: every rollout failed (4 of 4 rollouts failed (100%)); "
+                               "first error: "), r.output
+    assert "'not-served' does not exist" in lines[1] and str(tmp_path / "results.jsonl") in lines[1], r.output
+    assert "reward mean" not in r.output
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all("'not-served' does not exist" in row["error"] for row in rows), rows
+    assert all(row["prompt"] and row["prompt"][-1]["role"] == "user" and row["prompt"][-1]["content"]
+               for row in rows), rows
+    assert json.loads((tmp_path / "metadata.json").read_text())["summary"]["failed"] == 4
+
+
+def test_the_summary_reports_the_share_of_failed_rollouts():
+    from jaxrl.evaluation import report
+    from jaxrl.evaluation.play import Row
+
+    rows = [Row(e, i, [], [], reward, {}, False, error) for e, i, reward, error in
+            [(0, 0, 1.0, None), (0, 1, 0.0, "boom"), (1, 0, 0.5, None), (1, 1, 0.5, None)]]
+    summary = report.summarise(rows)
+    assert (summary.failed, summary.rollouts, summary.all_failed) == (1, 4, False)
+    assert report.lines(summary)[0] == ("reward mean 0.5000 (std 0.3536) over 2 examples x 2 rollouts; 1 of 4 "
+                                        "rollouts failed (25%)")
+    assert "failed" not in report.lines(report.summarise(rows[2:]))[0]

@@ -4,6 +4,7 @@ played by the tiny model behind the real rollout server, garbage reflection surv
 error, and the command itself on a shipped classic and a shipped v1 environment."""
 
 import json
+import re
 import types
 
 import pytest
@@ -174,6 +175,8 @@ def _search(recording_server, tiny_model_dir, tmp_path, replies, max_calls, max_
 
 
 def test_scripted_reflection_adopts_the_better_prompt_and_resumes(recording_server, tiny_model_dir, tmp_path):
+    from jaxrl.evaluation import gepa_run
+
     better = Reply("<think>\nThe reward wants MAGIC.\n</think>\n\n```\nMAGIC: answer briefly.\n```")
     # Budget 8: the seed on 2 validation examples, its minibatch of 2, the child's 2, the child on validation.
     result, calls, _ = _search(recording_server, tiny_model_dir, tmp_path, [better], max_calls=8)
@@ -193,6 +196,13 @@ def test_scripted_reflection_adopts_the_better_prompt_and_resumes(recording_serv
     result, calls, reflector = _search(recording_server, tiny_model_dir, tmp_path, [better], max_calls=12)
     assert result.total_metric_calls == 12 and len(calls) == 2 and reflector.failures == 2
     assert result.best_idx == 1 and len(result.val_aggregate_scores) == 2
+    # Other settings than the saved search's are refused, naming each changed key with both values.
+    settings = json.loads((tmp_path / "gepa_config.json").read_text())
+    changed = {**settings, "sampling": {**settings["sampling"], "max_tokens": 4}, "gepa": {**settings["gepa"],
+                                                                                          "max_calls": 20}}
+    with pytest.raises(gepa_run.GepaRunError, match=r"other settings \(sampling.max_tokens 3 -> 4\); use another"):
+        gepa_run.check_resume(tmp_path, changed)
+    assert gepa_run.check_resume(tmp_path, {**settings, "gepa": {**settings["gepa"], "max_calls": 20}})
 
 
 def test_garbage_reflection_is_survived_then_stops_the_run_clearly(recording_server, tiny_model_dir, tmp_path):
@@ -218,7 +228,7 @@ OUTPUTS = ("system_prompt.txt", "best_prompt.txt", "results.jsonl", "pareto_fron
 def _check_outputs(folder, env_id):
     assert all((folder / name).is_file() for name in OUTPUTS), sorted(p.name for p in folder.iterdir())
     meta = json.loads((folder / "metadata.json").read_text())
-    assert meta["env_id"] == env_id and meta["total_metric_calls"] <= 6 and meta["best_val_score"] is not None
+    assert meta["env_id"] == env_id and meta["total_metric_calls"] <= 8 and meta["best_val_score"] is not None
     assert [json.loads(line)["valset_row"] for line in (folder / "pareto_frontier.jsonl").read_text().splitlines()] \
         == [0, 1]
     return (folder / "best_prompt.txt").read_text()
@@ -234,6 +244,9 @@ def test_gepa_run_on_a_shipped_classic_env_by_flags(tiny_model_dir, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "validation score: seed prompt" in r.stdout and "GEPA" in r.stdout
     best = _check_outputs(out, "jaxrl/echo-word")
+    ran = json.loads((out / "metadata.json").read_text())["total_metric_calls"]
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", r.stdout)  # rich's colours and cursor moves, if any
+    assert f" {ran}/{max(ran, 6)} rollouts" in plain and f", {ran} rollouts)" in plain, repr(r.stdout)
     assert loader.load_env("jaxrl/echo-word", {"system_prompt": best}).env.environment.system_prompt == best
 
 
@@ -249,3 +262,28 @@ def test_gepa_run_on_a_shipped_v1_env_by_toml(tiny_model_dir, tmp_path):
     _check_outputs(out, "jaxrl/lowercase")
     env = loader.load_env("jaxrl/lowercase", taskset={"system_prompt": str(out / "best_prompt.txt")})
     assert env.env.taskset.system_prompt == (out / "best_prompt.txt").read_text()
+
+
+def test_gepa_run_against_an_endpoint_that_is_down_is_one_line(tmp_path):
+    r = CliRunner().invoke(app, ["gepa", "run", "jaxrl/lowercase", "-m", "tiny", "-b", "http://127.0.0.1:9/v1",
+                                 "-B", "12", "-n", "2", "-N", "2", "-o", str(tmp_path / "out")])
+    assert r.exit_code == 2, r.output
+    assert r.output.strip().startswith("jaxrl gepa run: http://127.0.0.1:9/v1: the endpoint cannot be reached ("), \
+        r.output
+    assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists(), r.output
+
+
+@pytest.mark.parametrize("env_id", ["jaxrl/lowercase", "jaxrl/echo-word"])
+def test_gepa_run_whose_first_rollouts_all_fail_stops_there(recording_server, tmp_path, env_id):
+    """A model the (real, running) server does not serve: the seed prompt's validation rollouts all get a 404,
+    and the search stops at once (exit 1, one line) instead of scoring prompts 0 until its budget is spent."""
+    handle, _ = recording_server
+    out = tmp_path / "out"
+    r = CliRunner().invoke(app, ["gepa", "run", env_id, "-m", "not-served", "-b", handle.base_url, "-B", "12",
+                                 "-n", "2", "-N", "2", "--minibatch-size", "2", "-o", str(out)])
+    assert r.exit_code == 1, r.output
+    last = r.output.strip().splitlines()[-1]
+    assert last.startswith("jaxrl gepa run: every rollout of the first batch failed (2 of 2 rollouts failed (100%)); "
+                           "first error: "), r.output
+    assert "'not-served' does not exist" in last, r.output
+    assert not (out / "best_prompt.txt").exists() and not (out / "gepa_state.bin").exists()

@@ -3,7 +3,9 @@ flags; the seeds' first step before training ("validate environment behavior bef
 canonical eval path", then "confirm reward diversity exists at baseline").
 
 Prints the mean reward, the per-example reward std and the share of examples without reward diversity
-(`jaxrl.evaluation.report`); with `-s` (or `-o`) saves `results.jsonl` and `metadata.json`. Imports no
+(`jaxrl.evaluation.report`), and how many rollouts failed when some did; with `-s` (or `-o`) saves
+`results.jsonl` and `metadata.json`. An eval in which every rollout failed exits 1 with one line; an
+endpoint that cannot be reached, before any rollout, exits 2 (`jaxrl.cli.local_model.endpoint`). Imports no
 JAX until the command runs.
 """
 
@@ -173,7 +175,10 @@ def run(
 
 def play_one(t: Target, env: Any, ep: Any, run_async: Any, *, num_examples: int, rollouts_per_example: int,
              sampling: Any, max_concurrent: int, seq_len: int, model: str, folder: Path | None) -> None:
-    """One environment's eval: play, print the summary, save to `folder` when given."""
+    """One environment's eval: play, print the summary (with the share of failed rollouts when some
+    failed), save to `folder` when given. When every rollout failed it prints one line instead (how many,
+    the first error, where the rows went) and exits 1: a mean reward of 0 over nothing measured is no
+    result, and the environments after it (which would likely fail the same way) are not played."""
     from jaxrl.evaluation import play, report
 
     tasks = play.examples(env, num_examples)
@@ -184,10 +189,12 @@ def play_one(t: Target, env: Any, ep: Any, run_async: Any, *, num_examples: int,
     rows = run_async(play.play(env, tasks, rollouts_per_example, ep, sampling, max_concurrent, seq_len))
     elapsed = time.perf_counter() - t0
     summary = report.summarise(rows)
-    for line in report.lines(summary):
-        out.print(line, markup=False)
-    if first := next((r.error for r in rows if r.error), None):
-        err.print(f"first error: {first.strip().splitlines()[0][:300] if first.strip() else first}", markup=False)
+    first = next((play.first_line(r.error) for r in rows if r.error), None)
+    if not summary.all_failed:
+        for line in report.lines(summary):
+            out.print(line, markup=False)
+        if first is not None:
+            err.print(f"first error: {first}", markup=False)
     if folder is not None:
         report.save(folder, rows, summary, {
             "env_id": t.env_id, "env_args": t.args, "taskset": t.taskset, "harness": t.harness, "model": model,
@@ -195,7 +202,13 @@ def play_one(t: Target, env: Any, ep: Any, run_async: Any, *, num_examples: int,
             "rollouts_per_example": rollouts_per_example, "split": "eval" if env.eval_tasks else "train",
             "sampling_args": sampling.model_dump(exclude_none=True), "time_s": round(elapsed, 3),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-        out.print(f"saved {folder / report.RESULTS} and {folder / report.METADATA}", markup=False)
+        if not summary.all_failed:
+            out.print(f"saved {folder / report.RESULTS} and {folder / report.METADATA}", markup=False)
+    if summary.all_failed:
+        saved = f"; the rows are in {folder / report.RESULTS}" if folder is not None else ""
+        err.print(f"jaxrl eval run: {t.name or t.env_id}: every rollout failed ({summary.failed_line()}); first "
+                  f"error: {first}{saved}", markup=False)
+        raise typer.Exit(code=1)
 
 
 def load_environment(env_id: str, args: dict[str, Any], taskset: dict[str, Any] | None = None,

@@ -97,8 +97,9 @@ def run(
 
 
 def optimise(cfg: Any) -> None:
-    """Run the GEPA search of `cfg` (a `jaxrl.config.gepa.GepaConfig`) and print its outcome; exit 2 on a
-    config, environment or endpoint problem, 1 when reflection failed too often."""
+    """Run the GEPA search of `cfg` (a `jaxrl.config.gepa.GepaConfig`) and print its outcome (with the share
+    of failed rollouts when some failed); exit 2 on a config, environment or endpoint problem (an endpoint
+    that is down included), 1 when the first batch of rollouts all failed or reflection failed too often."""
     from jaxrl.cli.train import quiet_libraries
     from jaxrl.evaluation import gepa_run
     from jaxrl.evaluation.endpoint import EndpointError
@@ -117,12 +118,17 @@ def optimise(cfg: Any) -> None:
             result = _search(cfg, p, reflection, folder)
     except (gepa_run.GepaRunError, EndpointError) as exc:
         raise fail(f"jaxrl gepa run: {exc}") from None
+    except gepa_run.RolloutsFailed as exc:
+        err.print(f"jaxrl gepa run: {exc}", markup=False)
+        raise typer.Exit(code=1) from None
     except ReflectionFailed as exc:
         err.print(f"jaxrl gepa run: {exc} (outputs so far in {folder})", markup=False)
         raise typer.Exit(code=1) from None
     scores = list(result.val_aggregate_scores)
     out.print(f"validation score: seed prompt {scores[0]:.4f}, best {scores[result.best_idx]:.4f} (candidate "
               f"{result.best_idx} of {len(scores)}, {result.total_metric_calls} rollouts)", markup=False)
+    if p.tally.failed:
+        err.print(f"{p.tally.line()}; first error: {p.tally.first_error}", markup=False)
     out.print(f"best prompt: {folder / gepa_run.BEST_PROMPT}; wrote {', '.join(gepa_run.OUTPUTS)}", markup=False)
 
 
@@ -159,14 +165,16 @@ def _search(cfg: Any, p: Any, reflection: Any, folder: Path) -> Any:
             log.log(line)
             bar.console.print(f"{time.strftime('%H:%M:%S')} {line}", markup=False)
 
+        def count(done: int, best: str) -> None:
+            # gepa checks its budget before an iteration, so the last one may run past it: the bar grows.
+            bar.update(task, completed=done, total=max(done, cfg.gepa.max_calls), best=best)
+
         def watch(state: Any) -> None:
             scores = state.program_full_scores_val_set
-            bar.update(task, completed=min(state.total_num_evals, cfg.gepa.max_calls),
-                       best=f"{max(scores):.4f}" if scores else "-")
+            count(state.total_num_evals, f"{max(scores):.4f}" if scores else "-")
 
         lm = chat_model(reflection.base_url, reflection.model, reflection.api_key_var, cfg.jax.reflection_max_tokens)
         reflector = Reflector(lm, cfg.jax.max_failed_proposals, note)
         result = gepa_run.run(cfg, p, reflector, folder, log, watch)
-        bar.update(task, completed=min(result.total_metric_calls or 0, cfg.gepa.max_calls),
-                   best=f"{max(result.val_aggregate_scores):.4f}")
+        count(result.total_metric_calls or 0, f"{max(result.val_aggregate_scores):.4f}")
     return result

@@ -6,7 +6,8 @@ base model with the checkpoint's LoRA, as `jaxrl serve` loads it: `jaxrl.cli.ser
 127.0.0.1 (a free port) by the same server as `jaxrl serve` and a training run (`jaxrl.inference.server`:
 chat completions with the model's chat template for classic environments and reflection, the token route
 for v1 environments), with `max_tokens` clamped to the context as in a run. With `-b`, or when `-m` is
-an alias of the endpoints file, it is a remote endpoint (`jaxrl.evaluation.endpoint.remote`); otherwise
+an alias of the endpoints file, it is a remote endpoint (`jaxrl.evaluation.endpoint.remote`), checked to
+answer before anything is played; otherwise
 a Hugging Face model id, downloaded into the HF cache when missing (`jaxrl.config.model_path`) and
 served locally.
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from jaxrl.evaluation.endpoint import Endpoint, EndpointError, load_aliases, remote
+from jaxrl.evaluation.endpoint import Endpoint, EndpointError, check_reachable, load_aliases, remote
 
 
 def is_local(model: str) -> bool:
@@ -78,11 +79,14 @@ def endpoint(model: str, *, base_url: str | None, api_key_var: str | None, endpo
     """The endpoint `-m model` names (see the module docstring), served for the block when local.
 
     Raises:
-        EndpointError: a local model that cannot be served, or a remote one that cannot be resolved.
+        EndpointError: a local model that cannot be served, or a remote one that cannot be resolved or
+            reached (`check_reachable`: a run against an endpoint that is down stops before its first rollout).
     """
     aliases = load_aliases(endpoints_path)
     if base_url or model in aliases:
-        yield remote(model, base_url, api_key_var, aliases)
+        found = remote(model, base_url, api_key_var, aliases)
+        check_reachable(found)
+        yield found
         return
     with served(local_folder(model), seq_len=seq_len, decode_slots=decode_slots, console=console) as ep:
         yield ep

@@ -19,12 +19,17 @@ err = Console(stderr=True, soft_wrap=True, highlight=False)
 def quiet_libraries() -> None:
     """Keep third-party chatter out of a run's console and console.log, errors excepted: transformers'
     "PyTorch was not found" on every import (its level is read from the environment at import), absl's
-    (Orbax's) notes, gcsfs' retries, TensorFlow's (JetStream's seqio) start-up lines. A variable already
-    set in the environment wins."""
+    (Orbax's) notes, gcsfs' retries, TensorFlow's (JetStream's seqio) start-up lines, and the `datasets`
+    progress bars a classic environment's `map` draws while it loads (read at import, too; turned off
+    directly when `datasets` is imported already). A variable already set in the environment wins."""
     import logging
     import os
+    import sys
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    if "datasets" in sys.modules and os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] == "1":
+        sys.modules["datasets"].disable_progress_bars()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     for name in ("absl", "gcsfs", "tensorflow", "transformers"):
         logging.getLogger(name).setLevel(logging.ERROR)

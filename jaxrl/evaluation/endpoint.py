@@ -100,3 +100,27 @@ def remote(model: str, base_url: str | None, api_key_var: str | None, aliases: d
         raise EndpointError(f"-m {model!r} is not a local model folder (config.json + safetensors) or a jaxrl run / "
                             "checkpoint, not an alias of the endpoints file (-e), and no endpoint URL (-b) was given")
     return found
+
+
+REACH_TIMEOUT_S = 10.0
+"""How long `check_reachable` waits to connect and for the first answer."""
+
+
+def check_reachable(endpoint: Endpoint) -> None:
+    """Fails fast on an endpoint that is down: `GET {base_url}/models` must get an HTTP answer within
+    `REACH_TIMEOUT_S` (any status counts: the route is optional, and a 401 still proves a server is there).
+
+    Raises:
+        EndpointError: no connection, or no answer in time (the transport's reason, one line).
+    """
+    import os
+
+    import httpx
+
+    key = os.environ.get(endpoint.api_key_var) or "EMPTY"
+    try:
+        httpx.get(f"{endpoint.base_url.rstrip('/')}/models", headers={"Authorization": f"Bearer {key}"},
+                  timeout=REACH_TIMEOUT_S)
+    except httpx.TransportError as exc:
+        raise EndpointError(f"{endpoint.base_url}: the endpoint cannot be reached ({type(exc).__name__}: "
+                            f"{exc or 'no reason given'}); is it running, and is the URL right?") from None

@@ -16,10 +16,13 @@ Learning"): `gepa.optimize` over verifiers' own adapters, rollouts on an `Endpoi
 Outputs in the run folder, as verifiers' `save_gepa_results` writes them: `system_prompt.txt`,
 `results.jsonl` (one row per candidate), `pareto_frontier.jsonl` (the best candidates of each validation
 example), `metadata.json`; jaxrl adds `best_prompt.txt` (the seeds' name), the seed's and the best
-candidate's validation scores and the proposal counts in `metadata.json`, `gepa_config.json` (the run's
-settings) and `gepa.log` (gepa's and the reflector's lines). gepa's own `gepa_state.bin` there makes a
-rerun with the same folder resume the search; one with other settings (a larger `max_calls` excepted) is
-refused.
+candidate's validation scores, the proposal counts and the rollouts run and failed in `metadata.json`,
+`gepa_config.json` (the run's settings) and `gepa.log` (gepa's and the reflector's lines). gepa's own
+`gepa_state.bin` there makes a rerun with the same folder resume the search; one with other settings (a
+larger `max_calls` excepted) is refused, naming each setting that differs.
+
+A search whose first batch of rollouts all failed stops there (`RolloutsFailed`) rather than spending its
+budget scoring every prompt 0 on failures.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from jaxrl.evaluation.endpoint import Endpoint
 from jaxrl.evaluation.reflection import Reflector
 
 CONFIG_FILE = "gepa_config.json"
+STATE_FILE = "gepa_state.bin"
+"""gepa's own saved search state (`gepa.optimize(run_dir=...)` writes it)."""
 BEST_PROMPT = "best_prompt.txt"
 LOG_FILE = "gepa.log"
 OUTPUTS = ("system_prompt.txt", BEST_PROMPT, "results.jsonl", "pareto_frontier.jsonl", "metadata.json")
@@ -55,16 +60,67 @@ class GepaRunError(ValueError):
     """A GEPA run that cannot start: too few examples, or a run folder holding another run's state."""
 
 
+class RolloutsFailed(RuntimeError):
+    """Every rollout of the run's first batch failed (an endpoint that answers but serves nothing, an
+    environment that cannot run): the search stops before it scores a candidate on failures."""
+
+
+@dataclasses.dataclass
+class RolloutTally:
+    """The rollouts this process ran (`ran`), how many failed, and the first failure's error (its first
+    line, at most 300 characters)."""
+
+    ran: int = 0
+    failed: int = 0
+    first_error: str | None = None
+
+    def line(self) -> str:
+        """"F of N rollouts failed (P%)", as `jaxrl eval run` says it."""
+        return f"{self.failed} of {self.ran} rollouts failed ({self.failed / max(self.ran, 1):.0%})"
+
+
+def rollout_error(output: Any) -> str | None:
+    """Why one adapter output (a classic output dict, or a v1 `Episode`) failed, or None if it did not
+    (`jaxrl.evaluation.play`'s rules, as `jaxrl eval run` counts failures)."""
+    if isinstance(output, dict):
+        return play.error_text(output["error"]) if output.get("error") else None
+    return play.episode_row(output, 0, 0).error
+
+
+def counted(evaluate: Callable[..., Any], tally: RolloutTally) -> Callable[..., Any]:
+    """The adapter's `evaluate`, counting its rollouts and failures in `tally`.
+
+    Raises:
+        RolloutsFailed: after a batch, when no rollout of this process has succeeded yet (the first batch
+            all failed: gepa would go on to score every candidate 0 and spend its whole budget so).
+    """
+    def evaluate_counted(batch: list, candidate: dict[str, str], capture_traces: bool = False) -> Any:
+        result = evaluate(batch, candidate, capture_traces)
+        errors = [e for e in map(rollout_error, result.outputs) if e is not None]
+        tally.ran += len(result.outputs)
+        tally.failed += len(errors)
+        if errors and tally.first_error is None:
+            tally.first_error = play.first_line(errors[0])
+        if tally.ran and tally.failed == tally.ran:
+            raise RolloutsFailed(f"every rollout of the first batch failed ({tally.line()}); first error: "
+                                 f"{tally.first_error}; the search stopped before scoring any prompt")
+        return result
+
+    return evaluate_counted
+
+
 @dataclasses.dataclass
 class Plan:
     """What gepa is given: the adapter (its `propose_new_texts` unset), the train and validation batch
-    items, the seed prompt, and the event loop the adapter drives (closed by `plan`'s context)."""
+    items, the seed prompt, and the event loop the adapter drives (closed by `plan`'s context); `tally`
+    counts the rollouts `run` makes."""
 
     adapter: Any
     trainset: list
     valset: list
     seed_prompt: str
     loop: asyncio.AbstractEventLoop
+    tally: RolloutTally = dataclasses.field(default_factory=RolloutTally)
 
 
 def _split(env: loader.LoadedEnv, num_train: int, num_val: int) -> tuple[list, list]:
@@ -147,26 +203,47 @@ def _v1_plan(cfg: GepaConfig, env: loader.LoadedEnv, endpoint: Endpoint, train: 
 
 
 def check_resume(run_dir: Path, settings: dict[str, Any]) -> bool:
-    """Records `settings` in `run_dir/gepa_config.json`; True when the folder holds an earlier run's state
-    to resume. Raises GepaRunError when it was started with other settings (`gepa.max_calls` may differ)."""
+    """True when `run_dir` holds an earlier search's state (gepa's `gepa_state.bin`) to resume. Raises
+    GepaRunError, naming each setting that differs, when that search was started with other settings than
+    `settings` (`gepa.max_calls` may differ: a larger budget goes on). Writes nothing (`record_settings`
+    does, once the search starts), so a run that stopped before searching (an endpoint down, say) leaves
+    nothing that refuses a corrected rerun."""
     path = run_dir / CONFIG_FILE
-    if path.is_file():
+    resuming = (run_dir / STATE_FILE).is_file()
+    if resuming and path.is_file():
         before = json.loads(path.read_text(encoding="utf-8"))
-        strip = lambda s: {**s, "gepa": {k: v for k, v in s.get("gepa", {}).items() if k != "max_calls"}}  # noqa: E731
-        if strip(before) != strip(settings):
-            keys = sorted(k for k in set(before) | set(settings) if strip(before).get(k) != strip(settings).get(k))
-            raise GepaRunError(f"{run_dir} holds a GEPA run started with other settings ({', '.join(keys)} differ); "
+        changed = [f"{key} {old!r} -> {new!r}" for key, old, new in differences(before, settings)
+                   if key != "gepa.max_calls"]
+        if changed:
+            raise GepaRunError(f"{run_dir} holds a GEPA run started with other settings ({'; '.join(changed)}); "
                                "use another -o folder, or delete it to start over")
+    return resuming
+
+
+def record_settings(run_dir: Path, cfg: GepaConfig) -> None:
+    """`run_dir/gepa_config.json`: the settings a resumed search must keep (`check_resume`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
-    return (run_dir / "gepa_state.bin").is_file()
+    settings = cfg.model_dump(mode="json", exclude={"run_dir"})
+    (run_dir / CONFIG_FILE).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
+
+
+def differences(before: Any, after: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, value before, value after) for each leaf that differs between two JSON objects (a key
+    only one side has is None on the other), sorted by key."""
+    if not (isinstance(before, dict) and isinstance(after, dict)):
+        return [] if before == after else [(prefix, before, after)]
+    out = []
+    for key in sorted(set(before) | set(after)):
+        out += differences(before.get(key), after.get(key), f"{prefix}.{key}" if prefix else str(key))
+    return out
 
 
 class FileLog:
-    """gepa's `LoggerProtocol` (`log(str)`) appending to `gepa.log`, with an optional echo."""
+    """gepa's `LoggerProtocol` (`log(str)`) appending to `gepa.log` (its folder created), with an optional echo."""
 
     def __init__(self, path: Path, echo: Callable[[str], None] | None = None) -> None:
         self.path, self.echo = path, echo
+        path.parent.mkdir(parents=True, exist_ok=True)
 
     def log(self, message: str) -> None:
         with self.path.open("a", encoding="utf-8") as f:
@@ -182,8 +259,11 @@ def run(cfg: GepaConfig, p: Plan, reflector: Reflector, run_dir: Path, log: File
 
     Raises:
         ReflectionFailed: `reflector` stopped the search (the outputs are written first).
+        RolloutsFailed: every rollout of the first batch failed (`counted`; nothing is written).
     """
     p.adapter.propose_new_texts = reflector.propose
+    p.adapter.evaluate = counted(p.adapter.evaluate, p.tally)
+    record_settings(run_dir, cfg)
 
     def stopper(state: Any) -> bool:
         watch(state)
@@ -197,13 +277,15 @@ def run(cfg: GepaConfig, p: Plan, reflector: Reflector, run_dir: Path, log: File
                       reflection_minibatch_size=cfg.gepa.minibatch_size, run_dir=str(run_dir), seed=cfg.gepa.seed,
                       display_progress_bar=False, skip_perfect_score=cfg.gepa.perfect_score is not None,
                       logger=log, stop_callbacks=[stopper], track_best_outputs=False, **kwargs)
-    save(run_dir, result, cfg, reflector)
+    save(run_dir, result, cfg, reflector, p.tally)
     reflector.raise_if_exhausted()
     return result
 
 
-def save(run_dir: Path, result: GEPAResult, cfg: GepaConfig, reflector: Reflector) -> None:
-    """verifiers' outputs (`save_gepa_results`), `best_prompt.txt`, and jaxrl's additions to `metadata.json`."""
+def save(run_dir: Path, result: GEPAResult, cfg: GepaConfig, reflector: Reflector, tally: RolloutTally) -> None:
+    """verifiers' outputs (`save_gepa_results`), `best_prompt.txt`, and jaxrl's additions to `metadata.json`
+    (`rollouts_run` and `rollouts_failed` count this process's rollouts: a resumed run's earlier ones are in
+    gepa's `total_metric_calls`)."""
     from verifiers.legacy.gepa.gepa_utils import save_gepa_results
 
     env = cfg.env[0]
@@ -219,5 +301,6 @@ def save(run_dir: Path, result: GEPAResult, cfg: GepaConfig, reflector: Reflecto
     scores = list(result.val_aggregate_scores)
     meta |= {"seed_val_score": scores[0] if scores else None, "best_val_score": scores[result.best_idx] if scores
              else None, "best_prompt_path": BEST_PROMPT, "proposals_accepted_by_reflector": reflector.accepted,
-             "failed_proposals": reflector.failures, "stopped_by_failed_proposals": reflector.should_stop()}
+             "failed_proposals": reflector.failures, "stopped_by_failed_proposals": reflector.should_stop(),
+             "rollouts_run": tally.ran, "rollouts_failed": tally.failed}
     meta_path.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")

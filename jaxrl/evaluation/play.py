@@ -8,7 +8,8 @@ against a remote endpoint with verifiers' eval client (chat completions); an epi
 of its scored traces (verifiers' GEPA adapter scores an episode the same way).
 
 A rollout that fails (a model call, the environment's code, a reward function) is a row with `error` set
-and reward 0.0, never an exception.
+(why it failed, in one line where the library gives a chain of causes) and reward 0.0, never an exception;
+its prompt is the example's own when the rollout failed before any message was recorded.
 """
 
 from __future__ import annotations
@@ -105,13 +106,35 @@ def _text_messages(messages: Any) -> list[dict[str, Any]]:
     return [dict(m) if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in messages or []]
 
 
+def error_text(error: Any) -> str:
+    """A rollout's error as one readable string: verifiers' classic error record (a dict whose
+    `error_chain_repr` is the chain of causes, `ModelError() -> APIConnectionError(...) -> ...`) by its chain,
+    anything else as `str`."""
+    if isinstance(error, dict):
+        return str(error.get("error_chain_repr") or error.get("message") or error.get("error") or error)
+    return str(error)
+
+
+def first_line(error: str) -> str:
+    """An error's first non-blank line, at most 300 characters (the console's one line about it)."""
+    return next((line.strip()[:300] for line in error.splitlines() if line.strip()), error[:300])
+
+
 def classic_row(output: dict[str, Any], example_id: int, rollout_idx: int) -> Row:
     """The row of a classic `Environment.run_rollout` output."""
     error = output.get("error")
     return Row(example_id, rollout_idx, _text_messages(output.get("prompt")),
                _text_messages(output.get("completion")), 0.0 if error else float(output.get("reward") or 0.0),
                {k: float(v) for k, v in (output.get("metrics") or {}).items() if v is not None},
-               bool(output.get("is_truncated")), str(error) if error else None)
+               bool(output.get("is_truncated")), error_text(error) if error else None)
+
+
+def task_prompt(task: vf.Task) -> list[dict[str, Any]]:
+    """A v1 task's opening messages (its system prompt, then its prompt), OpenAI's wire form: what a rollout
+    that failed before recording any message was asked."""
+    data = task.data
+    system = [{"role": "system", "content": data.system_prompt}] if data.system_prompt is not None else []
+    return system + _text_messages(data.prompt)
 
 
 def episode_reward(episode: vf.Episode) -> float:
@@ -121,12 +144,15 @@ def episode_reward(episode: vf.Episode) -> float:
     return sum(scored) / len(scored) if scored else 0.0
 
 
-def episode_row(episode: vf.Episode, example_id: int, rollout_idx: int) -> Row:
-    """The row of a v1 episode: its first trace's messages split at the first reply, its reward
-    (`episode_reward`), the reward functions' and metrics' values of its traces."""
+def episode_row(episode: vf.Episode, example_id: int, rollout_idx: int, task: vf.Task | None = None) -> Row:
+    """The row of a v1 episode: its first trace's messages split at the first reply (`task`'s prompt,
+    when given, if no trace recorded a message), its reward (`episode_reward`), the reward functions' and
+    metrics' values of its traces."""
     traces = episode.traces
     errors = [e.message for e in episode.errors] + [e.message for t in traces for e in t.errors]
     messages = [message_to_wire(m) for m in traces[0].messages] if traces else []
+    if not messages and task is not None:
+        messages = task_prompt(task)
     first_reply = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
     metrics: dict[str, float] = {}
     for t in traces:
@@ -169,7 +195,7 @@ async def play(env: loader.LoadedEnv, tasks: list, rollouts_per_example: int, en
         ctx = model_context(endpoint, sampling, e * rollouts_per_example + r, seq_len)
         async with gate:
             episode = await env.env.run_episode(tasks[e], ctx)
-        return episode_row(episode, e, r)
+        return episode_row(episode, e, r, tasks[e])
 
     async with env.serving():
         return list(await asyncio.gather(*(v1_one(e, r) for e, r in jobs)))

@@ -27,7 +27,7 @@ METADATA = "metadata.json"
 class Summary:
     """reward_mean: over every rollout (a failed one scores 0.0); reward_std: over every rollout;
     example_std: each example's reward std, by example id; no_diversity: the share of examples whose std
-    is 0 (all their rollouts scored alike); failed: rollouts that failed."""
+    is 0 (all their rollouts scored alike); failed: rollouts that failed, of `rollouts` in all."""
 
     reward_mean: float
     reward_std: float
@@ -36,6 +36,16 @@ class Summary:
     failed: int
     num_examples: int
     rollouts_per_example: int
+    rollouts: int
+
+    @property
+    def all_failed(self) -> bool:
+        """Whether every rollout failed (the eval measured nothing)."""
+        return self.failed == self.rollouts
+
+    def failed_line(self) -> str:
+        """"F of N rollouts failed (P%)"."""
+        return f"{self.failed} of {self.rollouts} rollouts failed ({self.failed / self.rollouts:.0%})"
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready (example ids as strings)."""
@@ -57,7 +67,7 @@ def summarise(rows: Sequence[dict[str, Any]] | Sequence[Row]) -> Summary:
     return Summary(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()), example_std=example_std,
                    no_diversity=float(np.mean([s == 0.0 for s in example_std.values()])),
                    failed=sum(r["error"] is not None for r in dicts), num_examples=len(by_example),
-                   rollouts_per_example=max(len(rs) for rs in by_example.values()))
+                   rollouts_per_example=max(len(rs) for rs in by_example.values()), rollouts=len(dicts))
 
 
 def lines(summary: Summary) -> list[str]:
@@ -65,7 +75,7 @@ def lines(summary: Summary) -> list[str]:
     stds = np.array(list(summary.example_std.values()))
     flat = round(summary.no_diversity * summary.num_examples)
     out = [f"reward mean {summary.reward_mean:.4f} (std {summary.reward_std:.4f}) over {summary.num_examples} "
-           f"examples x {summary.rollouts_per_example} rollouts" + (f", {summary.failed} failed" if summary.failed
+           f"examples x {summary.rollouts_per_example} rollouts" + (f"; {summary.failed_line()}" if summary.failed
                                                                     else ""),
            f"per-example reward std: mean {stds.mean():.4f}, min {stds.min():.4f}, max {stds.max():.4f}",
            f"no reward diversity (all rollouts of the example scored alike): {flat}/{summary.num_examples} examples "
