@@ -287,3 +287,20 @@ def test_gepa_run_whose_first_rollouts_all_fail_stops_there(recording_server, tm
                            "first error: "), r.output
     assert "'not-served' does not exist" in last, r.output
     assert not (out / "best_prompt.txt").exists() and not (out / "gepa_state.bin").exists()
+
+
+def test_gepa_run_fits_reflection_to_a_small_local_context(tiny_model_dir, tmp_path):
+    """The issue's case, scaled down: a v1 environment whose rollouts (about 450 tokens each) overflow the local
+    reflection model's 512-token context. The reflection prompt is cut to fit (gepa.log says so) and the run
+    ends with its budget spent (exit 0), where the whole prompt drew the server's 400 on every try."""
+    out = tmp_path / "fit"
+    r = jaxrl("gepa", "run", "jaxrl/lowercase", "-m", tiny_model_dir, "-B", "6", "-n", "2", "-N", "2",
+              "--minibatch-size", "2", "--seq-len", "512", "--decode-slots", "4", "--reflection-max-tokens", "32",
+              "-S", '{"max_tokens": 450}', "-o", out, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = (out / "gepa.log").read_text()
+    assert "was cut to fit 480 (512 less 32 for the reply): each response kept to" in log, log
+    whole = [int(n.replace(",", "")) for n in re.findall(r"the reflection prompt \(([\d,]+) tokens\)", log)]
+    assert whole and min(whole) > 512, log  # the uncut prompt would not fit the context at all
+    assert "not retried" not in log and "refused" not in log, log
+    assert json.loads((out / "metadata.json").read_text())["total_metric_calls"] == 6

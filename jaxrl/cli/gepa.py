@@ -149,12 +149,19 @@ def _endpoints(cfg: Any) -> Any:
 
 
 def _search(cfg: Any, p: Any, reflection: Any, folder: Path) -> Any:
-    """The search with a progress bar (budget used, best validation score) and the reflector's lines."""
+    """The search with a progress bar (budget used, best validation score) and the reflector's lines; the
+    reflection prompt fitted to a local reflection model's context (`--seq-len`)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from jaxrl.evaluation import gepa_run
     from jaxrl.evaluation.reflection import Reflector, chat_model
+    from jaxrl.evaluation.reflection_prompt import Unrecoverable, local_budget
 
+    try:  # jaxrl's own server: its context and tokenizer are known; a remote model's prompt goes as rendered
+        budget = local_budget(reflection.tokenizer_path, cfg.jax.seq_len, cfg.jax.reflection_max_tokens) \
+            if reflection.local else None
+    except Unrecoverable as exc:
+        raise fail(f"jaxrl gepa run: {exc}") from None
     log = gepa_run.FileLog(folder / gepa_run.LOG_FILE)
     columns = (TextColumn("GEPA"), BarColumn(), MofNCompleteColumn(),
                TextColumn("rollouts, best val {task.fields[best]}"), TimeElapsedColumn())
@@ -174,7 +181,7 @@ def _search(cfg: Any, p: Any, reflection: Any, folder: Path) -> Any:
             count(state.total_num_evals, f"{max(scores):.4f}" if scores else "-")
 
         lm = chat_model(reflection.base_url, reflection.model, reflection.api_key_var, cfg.jax.reflection_max_tokens)
-        reflector = Reflector(lm, cfg.jax.max_failed_proposals, note)
+        reflector = Reflector(lm, cfg.jax.max_failed_proposals, note, budget)
         result = gepa_run.run(cfg, p, reflector, folder, log, watch)
         count(result.total_metric_calls or 0, f"{max(result.val_aggregate_scores):.4f}")
     return result

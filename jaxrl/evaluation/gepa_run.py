@@ -258,7 +258,8 @@ def run(cfg: GepaConfig, p: Plan, reflector: Reflector, run_dir: Path, log: File
     gepa's state before each iteration (the progress bar). Writes the outputs (module docstring).
 
     Raises:
-        ReflectionFailed: `reflector` stopped the search (the outputs are written first).
+        ReflectionFailed: `reflector` stopped the search before its budget was spent (the outputs are
+            written first).
         RolloutsFailed: every rollout of the first batch failed (`counted`; nothing is written).
     """
     p.adapter.propose_new_texts = reflector.propose
@@ -277,12 +278,14 @@ def run(cfg: GepaConfig, p: Plan, reflector: Reflector, run_dir: Path, log: File
                       reflection_minibatch_size=cfg.gepa.minibatch_size, run_dir=str(run_dir), seed=cfg.gepa.seed,
                       display_progress_bar=False, skip_perfect_score=cfg.gepa.perfect_score is not None,
                       logger=log, stop_callbacks=[stopper], track_best_outputs=False, **kwargs)
-    save(run_dir, result, cfg, reflector, p.tally)
-    reflector.raise_if_exhausted()
+    budget_left = (result.total_metric_calls or 0) < cfg.gepa.max_calls
+    save(run_dir, result, cfg, reflector, p.tally, budget_left)
+    reflector.raise_if_exhausted(budget_left)
     return result
 
 
-def save(run_dir: Path, result: GEPAResult, cfg: GepaConfig, reflector: Reflector, tally: RolloutTally) -> None:
+def save(run_dir: Path, result: GEPAResult, cfg: GepaConfig, reflector: Reflector, tally: RolloutTally,
+         budget_left: bool) -> None:
     """verifiers' outputs (`save_gepa_results`), `best_prompt.txt`, and jaxrl's additions to `metadata.json`
     (`rollouts_run` and `rollouts_failed` count this process's rollouts: a resumed run's earlier ones are in
     gepa's `total_metric_calls`)."""
@@ -301,6 +304,6 @@ def save(run_dir: Path, result: GEPAResult, cfg: GepaConfig, reflector: Reflecto
     scores = list(result.val_aggregate_scores)
     meta |= {"seed_val_score": scores[0] if scores else None, "best_val_score": scores[result.best_idx] if scores
              else None, "best_prompt_path": BEST_PROMPT, "proposals_accepted_by_reflector": reflector.accepted,
-             "failed_proposals": reflector.failures, "stopped_by_failed_proposals": reflector.should_stop(),
-             "rollouts_run": tally.ran, "rollouts_failed": tally.failed}
+             "failed_proposals": reflector.failures, "rollouts_run": tally.ran, "rollouts_failed": tally.failed,
+             "stopped_by_failed_proposals": reflector.should_stop() and budget_left}
     meta_path.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")

@@ -15,7 +15,12 @@ reflection model, and accepts a reply only when
 Any other reply is a failed proposal: logged with its reason, nothing is proposed (gepa then skips the
 iteration: "Reflection returned no text updates"), and the search goes on. `max_failures` failures in a
 row make `should_stop` true (a gepa stopper, checked before each iteration), and the caller then stops the
-run with `ReflectionFailed` (`raise_if_exhausted`).
+run with `ReflectionFailed` (`raise_if_exhausted`) unless the budget was spent anyway.
+
+The prompt is fitted to the reflection model's context first (`jaxrl.evaluation.reflection_prompt`). A
+request that cannot succeed however often it is sent (`Unrecoverable`: a prompt that cannot fit, or a 4xx
+refusal such as a context overflow) is not sent again: it stops the search at once, with advice that names
+the reflection model's context.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from gepa.strategies.instruction_proposal import InstructionProposalSignature
+from jaxrl.evaluation.reflection_prompt import PromptBudget, Unrecoverable, fitted
 
 FENCE = "```"
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
@@ -90,16 +95,20 @@ class Reflector:
     """The adapter's `propose_new_texts`, a gepa stopper and the failure record (module docstring).
 
     lm: the reflection model. max_failures: failed proposals in a row that stop the run (>= 1).
-    log: where each proposal's outcome is written (one line each).
+    log: where each proposal's outcome is written (one line each). budget: the reflection model's context,
+    which each prompt is fitted to (None: sent as rendered). fatal: why the search must stop at once
+    (an `Unrecoverable` request), or "".
     """
 
     lm: ReflectionModel
     max_failures: int
     log: Callable[[str], None]
+    budget: PromptBudget | None = None
     failures: int = 0
     in_a_row: int = 0
     accepted: int = 0
     last_reason: str = ""
+    fatal: str = ""
 
     def propose(self, candidate: dict[str, str], reflective_dataset: Mapping[str, Sequence[Mapping[str, Any]]],
                 components_to_update: list[str]) -> dict[str, str]:
@@ -109,15 +118,22 @@ class Reflector:
             records = reflective_dataset.get(name)
             if not records:
                 continue
-            prompt = InstructionProposalSignature.prompt_renderer(
-                {"current_instruction_doc": candidate[name], "dataset_with_feedback": list(records),
-                 "prompt_template": None})
             try:
                 try:
+                    prompt, cut = fitted(candidate[name], records, self.budget)
+                    if cut:
+                        self.log(cut)
                     reply = self.lm(prompt)
+                except Unrecoverable:
+                    raise
                 except Exception as exc:  # noqa: BLE001 - a failed call is a failed proposal, never a crash
                     raise Unusable(f"the reflection call failed: {type(exc).__name__}: {exc}") from exc
                 out[name] = usable_prompt(reply, candidate[name])
+            except Unrecoverable as exc:
+                self.failures += 1
+                self.fatal = str(exc)
+                self.log(f"failed proposal for {name}, not retried: {exc}")
+                return {}
             except Unusable as exc:
                 self.failures += 1
                 self.in_a_row += 1
@@ -130,22 +146,38 @@ class Reflector:
         return out
 
     def should_stop(self, state: Any = None) -> bool:
-        """Whether `max_failures` proposals in a row failed (gepa's `StopperProtocol`)."""
-        return self.in_a_row >= self.max_failures
+        """Whether `max_failures` proposals in a row failed, or one was `Unrecoverable` (gepa's
+        `StopperProtocol`)."""
+        return bool(self.fatal) or self.in_a_row >= self.max_failures
 
-    def raise_if_exhausted(self) -> None:
-        """Raises ReflectionFailed when `should_stop`, naming the count and the last reason."""
-        if self.should_stop():
+    def raise_if_exhausted(self, budget_left: bool = True) -> None:
+        """Raises ReflectionFailed when `should_stop` stopped a search that had `budget_left` (a search that
+        spent its budget finished, however its last proposals went), naming the count and the last reason."""
+        if self.fatal:
+            raise ReflectionFailed(f"the reflection request cannot succeed, so the search stopped: {self.fatal}")
+        if self.should_stop() and budget_left:
             raise ReflectionFailed(f"{self.in_a_row} reflection replies in a row held no usable prompt (last: "
                                    f"{self.last_reason}); the search stopped. Use a stronger reflection model (-M), "
-                                   "more reflection tokens (--reflection-max-tokens), or raise "
-                                   "--max-failed-proposals")
+                                   "more reflection tokens (--reflection-max-tokens, within the reflection model's "
+                                   "context: --seq-len for a local one), or raise --max-failed-proposals")
+
+
+RETRYABLE = (408, 409, 429)
+"""The 4xx statuses a later try may pass (openai's own retry rule); any other 4xx is `Unrecoverable`."""
+
+
+def _message(exc: Any) -> str:
+    """An openai `APIStatusError`'s server message (OpenAI's error object, whole or its `error` member)."""
+    body = exc.body if isinstance(exc.body, dict) else {}
+    inner = body["error"] if isinstance(body.get("error"), dict) else body
+    return str(inner.get("message") or exc.message)
 
 
 def chat_model(base_url: str, model: str, api_key_var: str, max_tokens: int) -> ReflectionModel:
     """A reflection model on an OpenAI-compatible endpoint (`base_url` ending in /v1): the prompt as one
     user message, at most `max_tokens` tokens back, the endpoint's default sampling (as vf-gepa's
-    `make_reflection_lm`). The key is read from `api_key_var` ("EMPTY" when unset, as verifiers does)."""
+    `make_reflection_lm`). The key is read from `api_key_var` ("EMPTY" when unset, as verifiers does).
+    A 4xx refusal other than `RETRYABLE`'s raises `Unrecoverable` (its message and the advice)."""
     import os
 
     import openai
@@ -154,8 +186,16 @@ def chat_model(base_url: str, model: str, api_key_var: str, max_tokens: int) -> 
                            max_retries=2)
 
     def complete(prompt: str) -> Reply:
-        response = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                                  max_tokens=max_tokens)
+        try:
+            response = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                                      max_tokens=max_tokens)
+        except openai.APIStatusError as exc:
+            if 400 <= exc.status_code < 500 and exc.status_code not in RETRYABLE:
+                raise Unrecoverable(f"{base_url} refused the reflection request ({exc.status_code}: "
+                                    f"{_message(exc)}); if the prompt is too long, the reflection model's context "
+                                    f"must hold it and --reflection-max-tokens ({max_tokens}): raise --seq-len for "
+                                    "a local model") from None
+            raise
         choice = response.choices[0]
         return Reply(choice.message.content or "", choice.finish_reason)
 
