@@ -49,6 +49,15 @@ def sampling_params(cfg: RunConfig) -> SamplingParams:
                           max_tokens=s.max_tokens or cfg.jax.seq_len - 1)
 
 
+def run_engine(cfg: RunConfig, mcfg: ModelConfig, placement: Placement) -> Engine:
+    """The run's rollout engine on `placement.engine_mesh`: `[jax] decode_slots` slots of `seq_len`
+    positions, `kv_cache_tokens`, the cache in `[jax] dtype`, LoRA at `lora_alpha / lora_rank`."""
+    jcfg = cfg.jax
+    return Engine(mcfg, placement.engine_mesh, jcfg.decode_slots, jcfg.seq_len,
+                  lora_scale=cfg.lora_alpha / jcfg.lora_rank, cache_dtype=params_dtype(cfg),
+                  kv_cache_tokens=jcfg.kv_cache_tokens)
+
+
 @dataclasses.dataclass(frozen=True)
 class RunEnvs:
     """What a run's rollouts play: the training environments (`train`, `[[env]]` in order), the eval ones
@@ -93,9 +102,7 @@ class Serving:
                  secrets: list[str]) -> None:
         jcfg = cfg.jax
         self.console, self.envs = console, envs
-        engine = Engine(mcfg, placement.engine_mesh, jcfg.decode_slots, jcfg.seq_len,
-                        lora_scale=cfg.lora_alpha / jcfg.lora_rank, cache_dtype=params_dtype(cfg),
-                        kv_cache_tokens=jcfg.kv_cache_tokens)
+        engine = run_engine(cfg, mcfg, placement)
         seed, hosts = cfg.sampling_seed * SEED_MULTIPLIER + start_step, placement.engine_hosts
         console.print(f"rollout engine: one over {hosts} processes (engine_hosts = {hosts})" if hosts > 1
                       else "rollout engine: one per process")
