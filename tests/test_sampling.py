@@ -8,7 +8,20 @@ import pytest
 
 from jaxrl.inference.cpu import sample_unembedded, vocab_blocks
 from jaxrl.inference.protocol import SamplingParams
-from jaxrl.inference.sampling import CHUNK, SlotSampling, draw, mark_seen, sample, sample_with_top, stop_ban
+from jaxrl.inference.sampling import (
+    CHUNK,
+    TOP_K_CAP,
+    Search,
+    SlotSampling,
+    _top_k_search,
+    _truncate,
+    draw,
+    mark_seen,
+    sample,
+    sample_with_top,
+    search_for,
+    stop_ban,
+)
 
 LOGITS = jnp.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 N = 40_000
@@ -308,3 +321,52 @@ def test_logprobs_are_never_above_zero_at_any_temperature():
         for tk, lp in ((toks, lps), (blocked, blps)):
             got = want[np.arange(n), np.asarray(tk)]
             np.testing.assert_allclose(np.asarray(lp), got, atol=1e-5 * 50 / t + 1e-5)
+
+
+def _settings(b, rng):
+    """`b` rows of mixed truncations: top_k off, small, at and past `TOP_K_CAP`; top_p off and on; min_p."""
+    f32 = jnp.float32
+    top_k = rng.choice([0, 1, 3, 50, TOP_K_CAP, TOP_K_CAP + 1, 1000], b)
+    top_p = rng.choice([1.0, 0.5, 0.9, 0.95, 0.999], b)
+    min_p = rng.choice([0.0, 0.0, 0.01], b)
+    return SlotSampling(jnp.ones((b,), f32), jnp.asarray(top_p, f32), jnp.asarray(top_k, jnp.int32),
+                        jnp.asarray(min_p, f32), jnp.ones((b,), f32), jnp.zeros((b,), jnp.int32))
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize(("scale", "nucleus"), [(0.5, 0.02), (3.0, 0.5), (12.0, 0.999)])  # flat to peaked
+def test_top_k_search_keeps_exactly_the_bisections_tokens(scale, nucleus):
+    """The accelerators' search (`Search.TOP_K`, forced here on CPU) keeps bit for bit the weights the CPU's
+    bisection keeps, over 64 rows of 4,096 tokens at three logit scales with every mix of top_k / top_p /
+    min_p, ties included (logits rounded to 1/8); each setting alone too, so that rows within the cap take
+    the top-k path rather than the whole step falling back (top_p at most `nucleus`, small enough that
+    each row's nucleus fits the cap)."""
+    rng = np.random.default_rng(int(scale * 10))
+    logits = np.round(rng.standard_normal((64, 4096)) * scale * 8) / 8
+    p_BV = jnp.exp(jnp.asarray(logits - logits.max(-1, keepdims=True), jnp.float32))
+    s = _settings(64, rng)
+    bisect = jax.jit(lambda p, s: _truncate(p, s, Search.BISECT))
+    top_k = jax.jit(lambda p, s: _truncate(p, s, Search.TOP_K))
+    beyond = jax.jit(lambda p, s: _top_k_search(p, s)[2])
+    assert np.asarray(beyond(p_BV, s)).any()  # top_k past the cap: this step is the bisection's
+    np.testing.assert_array_equal(np.asarray(top_k(p_BV, s)), np.asarray(bisect(p_BV, s)))
+    within = s.replace(top_k=jnp.where(s.top_k > TOP_K_CAP, 5, s.top_k), top_p=jnp.minimum(s.top_p, nucleus))
+    assert not np.asarray(beyond(p_BV, within)).any()  # every row by the top-k search
+    np.testing.assert_array_equal(np.asarray(top_k(p_BV, within)), np.asarray(bisect(p_BV, within)))
+    assert search_for("cpu") is Search.BISECT and search_for("gpu") is search_for("tpu") is Search.TOP_K
+
+
+@pytest.mark.numerics
+def test_top_k_search_draws_the_same_tokens_and_logprobs():
+    """`sample` through either search: the same tokens and logprobs, seeded, greedy rows included."""
+    rng = np.random.default_rng(5)
+    b = 32
+    logits = jnp.asarray(rng.standard_normal((b, 1000)) * 4, jnp.float32)
+    s = _settings(b, rng)  # within the cap (top_k <= 256, nuclei of 0.9 at most of these peaked rows)
+    s = s.replace(temperature=jnp.asarray(rng.choice([0.0, 0.7, 1.0], b), jnp.float32),
+                  top_k=jnp.where(s.top_k > TOP_K_CAP, 5, s.top_k), top_p=jnp.minimum(s.top_p, 0.9))
+    keys = jax.random.split(jax.random.key(1), b)
+    fn = jax.jit(lambda lg, s, k, search: sample(lg, s, k, truncate=True, search=search), static_argnums=3)
+    want, got = fn(logits, s, keys, Search.BISECT), fn(logits, s, keys, Search.TOP_K)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
