@@ -44,7 +44,8 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 LONGEST_FIRST = ("test_compile_hosted.py", "test_long_context.py", "test_distributed_run.py",
                  "test_distributed_async.py", "test_quickstart.py", "test_run.py", "test_distributed.py",
                  "test_train_parity.py",
-                 "test_engine.py", "test_train.py", "test_moe.py", "test_classic.py", "test_resume.py",
+                 "test_engine.py", "test_train.py", "test_teacher.py", "test_moe.py", "test_classic.py",
+                 "test_resume.py",
                  "test_faults.py", "test_export.py", "test_runs.py", "test_multiturn.py", "test_metrics.py")
 
 

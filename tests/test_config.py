@@ -87,7 +87,7 @@ def test_defaults_follow_the_reference(tmp_path):
         "dtype": "float32", "output_dir": "runs", "checkpoint_dir": None, "rollout_timeout": 600.0, "seed": 0,
         "decode_slots": 32, "kv_cache_tokens": None, "kv_reuse_turns": False,
         "remat": False, "micro_batch_size": None, "engine_hosts": 0, "host": "127.0.0.1", "port": 0,
-        "sft": None}
+        "teacher": None, "sft": None}
 
 
 def test_eval_defaults_and_overrides(tmp_path):

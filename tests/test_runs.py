@@ -183,9 +183,9 @@ def test_plot_draws_eval_curves_from_metrics(tmp_path):
     assert eval_keys(rows) == ["eval/lowercase/pass@4", "eval/lowercase/reward/mean", "val/reward/mean"]
     from jaxrl.cli.plot import panels
 
-    rows[1] |= {"policy/entropy": 2.0, "policy/ref_kl": 0.01, "optim/lr": 1e-4}
+    rows[1] |= {"policy/entropy": 2.0, "policy/ref_kl": 0.01, "teacher/kl": 0.3, "optim/lr": 1e-4}
     assert panels(rows) == [("reward", ["reward/mean"]), ("entropy", ["policy/entropy"]),
-                            ("KL", ["policy/ref_kl"]), ("learning rate", ["optim/lr"]),
+                            ("KL", ["policy/ref_kl"]), ("teacher KL", ["teacher/kl"]), ("learning rate", ["optim/lr"]),
                             ("eval / val", eval_keys(rows))]
     sft_rows = [{"step": 1, "loss": 3.0, "sft/epoch": 0.5, "optim/lr": 1e-4},
                 {"step": 2, "loss": 2.0, "sft/epoch": 1.0}]

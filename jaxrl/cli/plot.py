@@ -8,6 +8,8 @@ drawn only when the run has its metrics:
 - entropy: `policy/entropy` (a collapse towards 0 comes before reward collapse);
 - KL: `policy/kl` (trainer against the engine that sampled) and `policy/ref_kl` (against the reference
   policy, with `[jax.loss] kl_coef > 0`);
+- teacher KL: `teacher/kl` (the student against the teacher on its sampled tokens, with `[jax.loss]
+  teacher_tau > 0`: on-policy distillation);
 - learning rate: `optim/lr` (`[jax.optim]` schedule);
 - eval / val: every `eval/.../reward/mean`, `eval/.../pass@k`, `val/.../reward/mean` and
   `val/.../pass@k` series, at the steps it was measured.
@@ -37,7 +39,7 @@ def eval_keys(rows: list[dict[str, Any]]) -> list[str]:
 
 
 TRAINING_PANELS = (("entropy", ("policy/entropy",)), ("KL", ("policy/kl", "policy/ref_kl")),
-                   ("learning rate", ("optim/lr",)))
+                   ("teacher KL", ("teacher/kl",)), ("learning rate", ("optim/lr",)))
 """The panels between reward and eval: (y label, the metrics drawn in it)."""
 
 

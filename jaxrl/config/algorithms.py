@@ -1,5 +1,5 @@
 """The training knobs, in sub-tables of `[jax]`: `[jax.loss]` (the policy objective, its aggregation,
-the KL penalty to the reference policy and the entropy bonus), `[jax.advantage]` (rewards to
+the KL penalty to the reference policy, the teacher's weight and the entropy bonus), `[jax.advantage]` (rewards to
 advantages) and `[jax.optim]` (the optimizer and its learning-rate schedule).
 
 They live under `[jax]` because the Hosted Training schema has none of them: a Hosted file runs
@@ -75,6 +75,15 @@ class LossConfig(_Table):
     """Per-token estimator of KL(policy || reference) on the sampled tokens (Schulman 2020,
     "Approximating KL Divergence"), with `log r = logp_ref - logp`: "k1" `-log r`, "k2"
     `(log r)^2 / 2`, "k3" `r - 1 - log r` (GRPO's). Default "k3"."""
+    teacher_tau: float = Field(0.0, ge=0)
+    """Weight of the teacher's per-token advantage `sg[log p_teacher(t) - log p_student(t)]` on each sampled
+    token t (on-policy distillation: the reverse KL to the teacher on the student's own samples; Thinking
+    Machines 2025, prime-rl's `teacher_tau`), added to `adv_tau` times the reward advantage and trained
+    through `type`'s loss; needs `[jax.teacher]`; reports `teacher/kl` and `teacher/advantage`. The teacher
+    is scored at temperature 1, the student at its sampling temperature. Default 0 (off)."""
+    adv_tau: float = Field(1.0, ge=0)
+    """Weight of the reward advantage (prime-rl's `adv_tau`); 0 with `teacher_tau > 0` is pure distillation
+    (rewards are still logged, and no group is dropped for equal rewards). Default 1.0."""
     entropy_coef: float = Field(0.0, ge=0)
     """Weight of the entropy bonus: the loss is lowered by this times the aggregated per-token entropy of
     the policy's full distribution (at the sampling temperature). Default 0 (off)."""

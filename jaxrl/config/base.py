@@ -67,6 +67,15 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
+class _Invalid(ValueError):
+    """Raised by a table's cross-field check (`RunConfig`'s, `[sampling]`'s, `[jax.teacher]`'s) with every
+    broken rule as `(dotted key from the file's top, reason)`, so all of them are reported."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        super().__init__("; ".join(f"{k}: {r}" for k, r in problems))
+        self.problems = problems
+
+
 class _Table(BaseModel):
     """Base of every TOML table: unknown keys are errors and TOML types are not coerced."""
 

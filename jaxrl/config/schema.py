@@ -1,17 +1,18 @@
 """Run configuration: Prime Hosted Training TOML files, plus one `[jax]` table for what they lack.
 
 One pydantic model per TOML table, mirroring the Hosted Training schema field for field (the environment
-tables are in `jaxrl.config.envs`, the `[jax]` training sub-tables in `jaxrl.config.algorithms`, the field
-types they share in `jaxrl.config.base`). Every table forbids unknown keys, TOML types are taken strictly
-(`batch_size = "8"` is an error, not 8), and the cross-field rules of the schema are checked at load.
-`load_config` turns every problem into one `ConfigError` line `<file>: <dotted.key>: <reason>`.
+tables are in `jaxrl.config.envs`, `[sampling]` in `jaxrl.config.sampling`, the `[jax]` training sub-tables
+in `jaxrl.config.algorithms` and `jaxrl.config.teacher`, the field types they share in `jaxrl.config.base`).
+Every table forbids unknown keys, TOML types are taken strictly (`batch_size = "8"` is an error, not 8),
+and the cross-field rules of the schema are checked at load. `load_config` turns every problem into one
+`ConfigError` line `<file>: <dotted.key>: <reason>`.
 """
 
 from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
@@ -21,90 +22,22 @@ from jaxrl.config.base import (
     ConfigError,
     FolderName,
     PathStr,
+    _Invalid,
     _Table,
     folder_name_problem,
-    minus_one_or_positive,
     read_toml,
 )
 from jaxrl.config.envs import BufferConfig, EnvConfig, EvalConfig, ValConfig
 from jaxrl.config.hub import resolve_model
 from jaxrl.config.model_path import HubModel, ModelNotFoundError, locate_model
+from jaxrl.config.sampling import SamplingConfig
 from jaxrl.config.sft import DataError, SftConfig, read_jsonl
+from jaxrl.config.teacher import TeacherConfig, teacher_file_problems, teacher_rules
 
 LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_TARGETS: tuple[str, ...] = get_args(LoraTarget)
 SEED_MULTIPLIER = 1_000_003
 """Rollout seeds are `(jax.seed * SEED_MULTIPLIER + group number) * rollouts_per_example + i` (the run loop)."""
-
-
-class _Invalid(ValueError):
-    """Raised by `RunConfig`'s cross-field check with every broken rule, so all of them are reported."""
-
-    def __init__(self, problems: list[tuple[str, str]]):
-        super().__init__("; ".join(f"{k}: {r}" for k, r in problems))
-        self.problems = problems
-
-
-class TempSchedulerConfig(_Table):
-    """`[sampling.temp_scheduler]`: the sampling temperature over steps, from `start_temperature` at step 1
-    to `end_temperature` at `total_steps` (then held), linearly or along a half cosine
-    (`jaxrl.rl.rollouts.temperature_at`). A group of rollouts samples at the temperature of the step the
-    producer is gathering when it starts, and trains at that temperature whichever step takes it."""
-
-    type: Literal["linear", "cosine"] = "linear"
-    """"linear" or "cosine". Default "linear"."""
-    start_temperature: float = Field(ge=0)
-    """Temperature of step 1, >= 0. Required."""
-    end_temperature: float = Field(ge=0)
-    """Temperature from step `total_steps` on, >= 0. Required."""
-    total_steps: int | None = Field(None, ge=1)
-    """Steps the schedule spans. Default None: `max_steps`."""
-
-
-class SamplingConfig(_Table):
-    """`[sampling]`: how the policy samples during rollouts."""
-
-    max_tokens: int | None = Field(None, ge=1)
-    """Max tokens sampled per model turn. Must be < `jax.seq_len`. Default None: only `jax.seq_len` limits."""
-    temperature: float = Field(1.0, ge=0)
-    """Sampling temperature, >= 0 (0 = greedy). Default 1.0."""
-    top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling mass in (0, 1] (Holtzman et al. 2019); 1.0 = off. Default 1.0. Not in Hosted
-    Training."""
-    top_k: Annotated[int, minus_one_or_positive("off")] = -1
-    """Keep only the k most likely tokens; -1 = off. Default -1. Not in Hosted Training."""
-    repetition_penalty: float | None = Field(None, gt=0)
-    """Divide the logit of a token already in the prompt or output by this when positive, multiply when
-    negative (CTRL, Keskar et al. 2019, as in vLLM), > 0; 1 = off. Default None: off."""
-    min_tokens: int | None = Field(None, ge=0)
-    """Sample at least this many tokens per turn before a stop token may end it, <= `max_tokens` (vLLM's
-    `min_tokens`). Default None: no minimum."""
-    seed: int | None = Field(None, ge=0)
-    """Seed of rollout sampling, >= 0, in place of `jax.seed` (which then seeds the LoRA initialisation
-    only). Default None: `jax.seed`."""
-    temp_scheduler: TempSchedulerConfig | None = None
-    """`[sampling.temp_scheduler]`: a temperature schedule over the training steps, in place of
-    `temperature` for training rollouts (`[eval]`, `[val]` and the pre-flight rollout keep sampling at
-    `temperature`, so an eval curve moves only with the weights). Default None: `temperature` throughout."""
-    enable_thinking: bool | None = None
-    """The chat template's thinking switch (Qwen3's `enable_thinking`). Default None: off, as the
-    rollout client has always rendered (`jaxrl.envs.loader.model_context`)."""
-    extra_body: dict[str, Any] | None = None
-    """Extra fields of Hosted Training's inference requests. Accepted; no effect here (a note says so)."""
-    reasoning_effort: Literal["low", "medium", "high"] | None = None
-    """Hosted Training's reasoning control, exclusive with `enable_thinking`. Accepted; no effect here
-    (Qwen3 has none; a note says so)."""
-
-    @model_validator(mode="after")
-    def _rules(self) -> SamplingConfig:
-        problems = []
-        if self.enable_thinking is not None and self.reasoning_effort is not None:
-            problems.append(("sampling.reasoning_effort", "enable_thinking and reasoning_effort cannot both be set"))
-        if self.min_tokens is not None and self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            problems.append(("sampling.min_tokens", f"{self.min_tokens} must be <= max_tokens ({self.max_tokens})"))
-        if problems:
-            raise _Invalid(problems)
-        return self
 
 
 class WandbConfig(_Table):
@@ -264,6 +197,9 @@ class JaxConfig(_Table):
     """`[jax.advantage]`: rewards to advantages. Default: the group mean as baseline, nothing else."""
     optim: OptimConfig = OptimConfig()
     """`[jax.optim]`: AdamW and the learning-rate schedule. Default: constant rate, clipped at norm 1."""
+    teacher: TeacherConfig | None = None
+    """`[jax.teacher]`: the teacher of on-policy distillation, with `[jax.loss] teacher_tau > 0`
+    (`jaxrl.config.teacher`). Default None: no teacher."""
     sft: SftConfig | None = None
     """`[jax.sft]`: makes the file a supervised fine-tuning config, trained by `jaxrl sft`
     (`jaxrl.config.sft`). Default None: an RL config (`jaxrl run`)."""
@@ -393,6 +329,8 @@ class RunConfig(_Table):
             problems.append(("sampling.min_tokens", f"{self.sampling.min_tokens} must be < jax.seq_len "
                                                     f"({self.jax.seq_len}), the most a turn can sample"))
         problems += self._sft_rules()
+        loss = self.jax.loss
+        problems += teacher_rules(self.jax.teacher, loss.teacher_tau, loss.adv_tau, self.jax.sft is not None)
         names = [e.display_name for e in self.env]
         for i, name in enumerate(names):
             if name in names[:i]:
@@ -497,10 +435,24 @@ def load_config(path: str | Path) -> RunConfig:
             missing.append(("jax.sft.data", f"file not found: {data}"))
         except (OSError, DataError) as exc:
             missing.append(("jax.sft.data", str(exc)))
+    missing += teacher_file_problems(cfg.jax.teacher, cfg.config_dir, _local_tokenizer(cfg))
     if missing:
         raise ConfigError(path, missing)
     cfg.env_file, cfg.env_files = found, []
     return cfg
+
+
+def _local_tokenizer(cfg: RunConfig) -> str | None:
+    """The student's tokenizer folder when it is on this machine without the network, else None."""
+    if cfg.jax.teacher is None:
+        return None
+    if cfg.jax.tokenizer_path is not None:
+        return str(cfg.config_dir / Path(cfg.jax.tokenizer_path).expanduser())
+    try:
+        found = locate_model_path(cfg)
+    except ConfigError:
+        return None  # the run says why the model is missing
+    return found if isinstance(found, str) and not found.startswith("gs://") else None
 
 
 def no_effect_notes(cfg: RunConfig) -> list[str]:

@@ -120,6 +120,8 @@ id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
 # dual_clip = 3.0              # "ppo": cap of the loss at -dual_clip * A where A < 0; default off
 # kl_coef = 0.0                # KL penalty to the reference (the base, LoRA off); reports policy/ref_kl
 # kl_estimator = "k3"          # "k1", "k2" or "k3"
+# teacher_tau = 0.0            # weight of the teacher's per-token advantage (distillation); needs [jax.teacher]
+# adv_tau = 1.0                # weight of the reward advantage; 0 with teacher_tau > 0: pure distillation
 # entropy_coef = 0.0           # entropy bonus
 
 # [jax.advantage]              # rewards to advantages
@@ -135,6 +137,15 @@ id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
 # beta1 = 0.9
 # beta2 = 0.999
 # max_grad_norm = 1.0          # clip the gradient's global norm
+
+# [jax.teacher]                # on-policy distillation's teacher (README): a model, or a server
+# model = "Qwen/Qwen3-4B"      # scored in process: HF folder, gs:// or Hub id; the student's tokenizer
+# base_url = "http://127.0.0.1:8000/v1"  # or an OpenAI-compatible server (vLLM, jaxrl serve), not with model
+# model_name = "Qwen/Qwen3-4B" # the server's model (with base_url)
+# api_key_var = "TEACHER_KEY"  # environment variable with the server's API key
+# max_concurrent = 8           # requests to the server at once
+# timeout = 120.0              # seconds per request
+# retries = 2                  # retries of a failed request; then the sample is dropped
 
 # [jax.sft]                    # makes this a supervised fine-tuning config, for `jaxrl sft` (docs/sft.md)
 # data = "sft.jsonl"           # chat JSONL: {"messages": [...]} or {"prompt": ..., "completion": ...} a line

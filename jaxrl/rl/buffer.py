@@ -20,7 +20,9 @@ A kept example that is played again is classified again by its new mean.
 
 Online filtering (same flag): a group whose successful rollouts all got the same reward (mean exactly
 0 or 1 for binary rewards) has all-zero group advantages, so no policy-gradient signal; it is left out
-of the training batch and counted in `buffer/filtered_groups`. When every group of a step is left
+of the training batch and counted in `buffer/filtered_groups`, unless a teacher gives every sampled token
+a signal of its own (`dense_signal`: `[jax.loss] teacher_tau > 0`), when every group trains whatever its
+rewards (difficulty still decides what is sampled). When every group of a step is left
 out, the step takes no optimizer step (the runner logs `optim/skipped` = 1) but still counts as a
 step: step numbers, checkpoints and policy versions stay those of batches drawn.
 
@@ -93,10 +95,14 @@ class Buffer:
     """The sampling rules for environments of `sizes` examples each under `cfg`; see the module
     docstring. Methods are pure: they take a `BufferState` and return a new one.
 
+    `dense_signal`: the loss has a signal on every token besides the reward advantage (a teacher's), so no
+    group is left out for equal rewards.
+
     Raises ValueError when an environment has no examples or `env_ratios` has the wrong length."""
 
     sizes: tuple[int, ...]
     cfg: BufferConfig
+    dense_signal: bool = False
 
     def __post_init__(self) -> None:
         if not self.sizes or min(self.sizes) < 1:
@@ -170,15 +176,16 @@ class Buffer:
     def record(self, state: BufferState, jobs: Sequence[tuple[int, int]],
                rewards: Sequence[Sequence[float]]) -> tuple[list[bool], BufferState]:
         """Record each job's successful-rollout rewards. Returns which groups to train on (all of them
-        without difficulty filtering; else those with `has_signal`) and the new state. A group with no
-        successful rollout records nothing."""
+        without difficulty filtering or with `dense_signal`; else those with `has_signal`) and the new
+        state. A group with no successful rollout records nothing."""
         if not self.cfg.online_difficulty_filtering:
             return [True] * len(jobs), state
         means = [dict(m) for m in state.mean_reward]
         for (env, example), r in zip(jobs, rewards, strict=True):
             if len(r):
                 means[env][example] = float(np.mean(np.asarray(r, np.float64)))
-        return [has_signal(r) for r in rewards], dataclasses.replace(state, mean_reward=tuple(means))
+        keep = [self.dense_signal or has_signal(r) for r in rewards]
+        return keep, dataclasses.replace(state, mean_reward=tuple(means))
 
     def metrics(self, state: BufferState, keep: Sequence[bool]) -> dict[str, float]:
         """`buffer/filtered_groups` (groups of the step left out), `buffer/easy` and `buffer/hard`

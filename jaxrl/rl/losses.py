@@ -5,7 +5,9 @@ penalty to a reference policy. Options come from `[jax.advantage]` and `[jax.los
 Token arrays are [B, T] (B samples, T positions aligned with the trained targets); `mask_BT` is True on
 the sampled tokens the loss is taken over. `logp_BT` (the trainer's logprobs, differentiable) and
 `inference_logp_BT` (the engine's, which sampled) give each token's importance ratio
-`exp(logp - inference_logp)`. Per-token loss functions return [B, T] values that `aggregate` reduces,
+`exp(logp - inference_logp)`. Advantages are float32 [B] (one per sequence, from rewards) or [B, T] (per
+token: with a teacher's term, `teacher_advantages`), broadcast by `broadcast_advantages`. Per-token loss functions
+return [B, T] values that `aggregate` reduces,
 so every loss composes with every aggregation, and a caller that computes logprobs in pieces
 (micro-batches, fused kernels) only has to hand these arrays over.
 """
@@ -78,6 +80,12 @@ def advantages(groups: list[np.ndarray], cfg: AdvantageConfig = DEFAULT_ADVANTAG
     return adv.astype(np.float32)
 
 
+def broadcast_advantages(advantages: jax.Array) -> jax.Array:
+    """Advantages as [B, 1] (one per sequence, broadcast over its tokens) or [B, T] (per token, as with a
+    teacher's term) from float32 [B] or [B, T]."""
+    return advantages if advantages.ndim == 2 else advantages[:, None]
+
+
 def importance_sampling_loss(logp_BT: jax.Array, inference_logp_BT: jax.Array, advantages_B: jax.Array,
                              mask_low: float, mask_high: float, mismatch_kl_coef: float
                              ) -> tuple[jax.Array, jax.Array]:
@@ -92,7 +100,7 @@ def importance_sampling_loss(logp_BT: jax.Array, inference_logp_BT: jax.Array, a
     log_ratio = logp_BT - inference_logp_BT
     ratio = jnp.exp(log_ratio)
     keep = ((ratio >= mask_low) & (ratio <= mask_high)).astype(jnp.float32)
-    pg = -jax.lax.stop_gradient(ratio) * advantages_B[:, None] * logp_BT
+    pg = -jax.lax.stop_gradient(ratio) * broadcast_advantages(advantages_B) * logp_BT
     return keep * (pg + mismatch_kl_coef * log_ratio**2), 1.0 - keep
 
 
@@ -110,7 +118,7 @@ def clipped_surrogate_loss(logp_BT: jax.Array, inference_logp_BT: jax.Array, adv
         per-token loss float32 [B, T], and `clipped` float32 [B, T] (1 where a clipped branch is the one
         taken, so the token has no gradient).
     """
-    a = advantages_B[:, None]
+    a = broadcast_advantages(advantages_B)
     ratio = jnp.exp(logp_BT - inference_logp_BT)
     unclipped = -ratio * a
     bounded = -jnp.clip(ratio, clip_low, clip_high) * a
@@ -141,12 +149,13 @@ def gspo_loss(logp_BT: jax.Array, inference_logp_BT: jax.Array, advantages_B: ja
     """
     mask = mask_BT.astype(jnp.float32)
     log_s_B = jnp.sum(mask * (logp_BT - inference_logp_BT), axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)
-    s_B = jnp.exp(log_s_B)
-    unclipped = -s_B * advantages_B
-    bounded = -jnp.clip(s_B, clip_low, clip_high) * advantages_B
-    loss_B = jnp.maximum(unclipped, bounded)
-    clipped_B = (bounded > unclipped).astype(jnp.float32)
-    return jnp.broadcast_to(loss_B[:, None], mask.shape), jnp.broadcast_to(clipped_B[:, None], mask.shape)
+    s_B1 = jnp.exp(log_s_B)[:, None]
+    a = broadcast_advantages(advantages_B)
+    unclipped = -s_B1 * a
+    bounded = -jnp.clip(s_B1, clip_low, clip_high) * a
+    loss = jnp.maximum(unclipped, bounded)
+    clipped = (bounded > unclipped).astype(jnp.float32)
+    return jnp.broadcast_to(loss, mask.shape), jnp.broadcast_to(clipped, mask.shape)
 
 
 def cispo_loss(logp_BT: jax.Array, inference_logp_BT: jax.Array, advantages_B: jax.Array, clip_low: float,
@@ -162,7 +171,15 @@ def cispo_loss(logp_BT: jax.Array, inference_logp_BT: jax.Array, advantages_B: j
     ratio = jnp.exp(logp_BT - inference_logp_BT)
     weight = jax.lax.stop_gradient(jnp.clip(ratio, clip_low, clip_high))
     clipped = (ratio < clip_low) | (ratio > clip_high)
-    return -weight * advantages_B[:, None] * logp_BT, clipped.astype(jnp.float32)
+    return -weight * broadcast_advantages(advantages_B) * logp_BT, clipped.astype(jnp.float32)
+
+
+def teacher_advantages(logp_BT: jax.Array, teacher_logp_BT: jax.Array) -> jax.Array:
+    """On-policy distillation's per-token advantage `sg[log p_teacher(t) - log p_student(t)]` of each sampled
+    token t: the negative of the reverse KL's single-sample estimate, so that maximising it lowers
+    KL(student || teacher) on the student's own samples (Thinking Machines, "On-Policy Distillation",
+    2025; prime-rl's `teacher_kl`). Stop-gradient: an advantage, not a loss. float32 [B, T]."""
+    return jax.lax.stop_gradient(teacher_logp_BT - logp_BT)
 
 
 def kl_penalty(logp_BT: jax.Array, ref_logp_BT: jax.Array, estimator: str) -> jax.Array:
@@ -220,8 +237,11 @@ def aggregate(values_BT: jax.Array, mask_BT: jax.Array, how: str, length: int | 
 
 def policy_loss(logp_BT: jax.Array, inference_logp_BT: jax.Array, advantages_B: jax.Array,
                 loss_mask_BT: jax.Array, cfg: LossConfig = DEFAULT_LOSS, *, entropy_BT: jax.Array | None = None,
-                ref_logp_BT: jax.Array | None = None) -> tuple[jax.Array, dict]:
-    """The loss `cfg` describes (`[jax.loss]`): the policy objective of `cfg.type`, plus
+                ref_logp_BT: jax.Array | None = None,
+                teacher_logp_BT: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """The loss `cfg` describes (`[jax.loss]`): the policy objective of `cfg.type` on the advantages
+    `adv_tau * A + teacher_tau * teacher_advantages(logp, teacher_logp)` (prime-rl's; the teacher term only
+    with `teacher_tau > 0`, so that without one the loss is computed as before the term existed), plus
     `kl_coef * kl_penalty(logp, ref_logp)`, minus `entropy_coef * entropy`, each aggregated by
     `cfg.aggregation` over the loss tokens. The defaults are prime-rl's loss exactly.
 
@@ -234,15 +254,30 @@ def policy_loss(logp_BT: jax.Array, inference_logp_BT: jax.Array, advantages_B: 
             bonus to have a gradient); required when `cfg.entropy_coef > 0`.
         ref_logp_BT: float32 [B, T], the reference policy's logprobs of the sampled tokens; required when
             `cfg.kl_coef > 0`.
+        teacher_logp_BT: float32 [B, T], the teacher's logprobs of the sampled tokens (0 elsewhere);
+            required when `cfg.teacher_tau > 0`.
     Returns:
         scalar loss, and metrics over loss tokens: `policy/clip_fraction` (share of tokens the loss
         masked or clipped), `policy/kl` (mean of `ratio - 1 - log ratio`: the k3 estimator of
         KL(engine || trainer) from tokens the engine sampled, Schulman 2020; prime-rl's `mismatch_kl`),
-        `policy/ratio` (mean ratio), and `policy/ref_kl` (the mean of `cfg.kl_estimator`) when
-        `cfg.kl_coef > 0`.
+        `policy/ratio` (mean ratio), `policy/ref_kl` (the mean of `cfg.kl_estimator`) when
+        `cfg.kl_coef > 0`, and with `cfg.teacher_tau > 0` `teacher/kl` (the mean of `logp - teacher_logp`,
+        the reverse KL's estimate on the sampled tokens) and `teacher/advantage` (the mean of the teacher's
+        weighted term).
     Raises:
-        ValueError: `entropy_BT` or `ref_logp_BT` missing where `cfg` needs them.
+        ValueError: `entropy_BT`, `ref_logp_BT` or `teacher_logp_BT` missing where `cfg` needs them.
     """
+    metrics = {}
+    if cfg.adv_tau != 1.0:
+        advantages_B = cfg.adv_tau * advantages_B
+    if cfg.teacher_tau > 0:
+        if teacher_logp_BT is None:
+            raise ValueError("teacher_tau > 0 needs the teacher's logprobs")
+        teacher_BT = cfg.teacher_tau * teacher_advantages(logp_BT, teacher_logp_BT)
+        advantages_B = broadcast_advantages(advantages_B) + teacher_BT  # now per token: [B, T]
+        student_minus_teacher = jax.lax.stop_gradient(logp_BT) - teacher_logp_BT
+        metrics["teacher/kl"] = aggregate(student_minus_teacher, loss_mask_BT, "token_mean")
+        metrics["teacher/advantage"] = aggregate(teacher_BT, loss_mask_BT, "token_mean")
     match cfg.type:
         case "is":
             per_token, clipped = importance_sampling_loss(logp_BT, inference_logp_BT, advantages_B, cfg.mask_low,
@@ -257,7 +292,6 @@ def policy_loss(logp_BT: jax.Array, inference_logp_BT: jax.Array, advantages_B: 
             per_token, clipped = cispo_loss(logp_BT, inference_logp_BT, advantages_B, cfg.clip_low, cfg.clip_high)
         case _:
             raise ValueError(f"unknown loss type {cfg.type!r}")
-    metrics = {}
     if cfg.kl_coef > 0:
         if ref_logp_BT is None:
             raise ValueError("kl_coef > 0 needs the reference logprobs")

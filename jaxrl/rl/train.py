@@ -11,6 +11,11 @@ weights in `TrainState.base`, with AdamW (and its clipping) over every leaf; the
 born with the weights' shardings. The forward runs in the trainer's `dtype`; the KL reference is a
 frozen copy of the starting weights, passed to the step where LoRA passes the base.
 
+On-policy distillation (`[jax.loss] teacher_tau > 0`): the teacher's logprobs of the sampled tokens come
+from a frozen model of its own config (`teacher_cfg`), run in the step on its weights (`step`'s `teacher`,
+placed on the mesh by the student's rules) like the KL reference (`jaxrl.rl.scoring.frozen_logprobs`), or
+from a server, in the batch (`Batch.teacher_logprobs`).
+
 Gradient accumulation: with `micro_batch_size` m, a batch of B sequences is trained in k = ceil(B / m)
 micro-batches of ceil(B / k) rows each, rounded up to a whole number of rows per batch shard (`micro_rows`;
 the batch is padded with rows that hold no loss token, fewer than one per micro-batch and shard), and
@@ -36,10 +41,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.config.algorithms import LossConfig
 from jaxrl.config.schema import RunConfig
-from jaxrl.model import head, modules, qwen3
+from jaxrl.model import modules
 from jaxrl.model.qwen3 import ModelConfig, Params
 from jaxrl.parallel.sharding import array_sharding, batch_shards
 from jaxrl.rl import cpu, losses
+from jaxrl.rl.batch import Batch, loss_positions, loss_width, make_batch  # noqa: F401 - also imported from here
+from jaxrl.rl.scoring import frozen_logprobs, sampled_logprobs
 
 TOKENS_PER_SHARD = 4096  # micro-batch where no chip memory is known: tokens a batch shard trains per pass
 
@@ -121,121 +128,6 @@ class TrainState:
         return self.lora if self.base is None else self.base
 
 
-@dataclasses.dataclass(frozen=True)
-class Batch:
-    """One padded training batch (numpy, host side). The model reads `inputs` and predicts `targets`
-    (inputs shifted by one); the remaining arrays are aligned with `targets`.
-
-    inputs, targets: int32 [B, T]; loss_mask: bool [B, T] (True on sampled tokens);
-    inference_logprobs: float32 [B, T] (engine logprobs, 0 elsewhere); advantages: float32 [B];
-    temperature: float32 [B] (each row's sampling temperature, which `[sampling.temp_scheduler]` varies
-    between rows of one batch; 0 is scored at 1); loss_positions: int32 [B, P],
-    each row's loss-token positions in order, padded with T (the train step computes logprobs there
-    only; P is the most loss tokens of a row, rounded up by `loss_width`). positions, segment_ids: int32
-    [B, T] or None: each input's position (RoPE, causal mask) and which sample of the row it belongs to
-    (attention stays within a segment), for rows that pack several samples (SFT, `jaxrl.rl.sft.pack`),
-    each with positions from 0; None (RL's `make_batch`): one sample per row, positions 0..T-1.
-    """
-
-    inputs: np.ndarray
-    targets: np.ndarray
-    loss_mask: np.ndarray
-    inference_logprobs: np.ndarray
-    advantages: np.ndarray
-    temperature: np.ndarray
-    loss_positions: np.ndarray
-    positions: np.ndarray | None = None
-    segment_ids: np.ndarray | None = None
-
-
-def loss_width(n: int) -> int:
-    """K for rows of at most `n` loss tokens: the next of 16, 24, 32, 48, 64, 96, ... (2^k and 1.5 x 2^k),
-    so that the train step compiles for a handful of K and computes at most a third more than needed."""
-    k = 16
-    while k < n:
-        k = k * 3 // 2 if k & (k - 1) == 0 else k * 4 // 3
-    return k
-
-
-def make_batch(samples: list[tuple[list[int], list[bool], list[float]]], advantages: np.ndarray,
-               temperature: float | np.ndarray, pad_to: int) -> Batch:
-    """Pack (token_ids, sampled_mask, logprobs) triples, each of one length, into a `Batch` of width
-    `pad_to`. `temperature`: what each sample was sampled at, one for all or float [samples].
-
-    A sample of n <= `pad_to` + 1 tokens fills n - 1 positions (inputs and their next tokens). The width
-    is `pad_to`, not the n - 1 of the longest sample a run pads to (`jaxrl.run.runner.pad_length`: a power
-    of two or `seq_len`, at least n), so that it keeps that alignment. On a TPU a width of 2^k - 1 is not
-    a whole number of the chip's row tiles, and each [B, T] -> [B * T] flattening of the projections'
-    tokens becomes a relayout copy: Qwen3-4B's train step at T = 4095 compiled for v6e-8 to 1.27M
-    bundles in 262 s of CPU, at T = 4096 to 0.72M in 143 s (libtpu, 2026-11-24).
-
-    Raises:
-        ValueError: a sample has more than `pad_to` + 1 tokens.
-    """
-    b, t = len(samples), pad_to
-    inputs = np.zeros((b, t), np.int32)
-    targets = np.zeros((b, t), np.int32)
-    mask = np.zeros((b, t), bool)
-    logp = np.zeros((b, t), np.float32)
-    for i, (ids, sampled, lps) in enumerate(samples):
-        n = len(ids)
-        if n > pad_to + 1:
-            raise ValueError(f"sample {i} has {n} tokens: more than {pad_to} positions")
-        inputs[i, : n - 1] = ids[:-1]
-        targets[i, : n - 1] = ids[1:]
-        mask[i, : n - 1] = sampled[1:]
-        logp[i, : n - 1] = lps[1:]
-    return Batch(inputs, targets, mask, logp, np.asarray(advantages, np.float32),
-                 np.broadcast_to(np.asarray(temperature, np.float32), (b,)).copy(), loss_positions(mask))
-
-
-def loss_positions(mask_BT: np.ndarray, most: int | None = None) -> np.ndarray:
-    """`Batch.loss_positions` of a bool loss mask [B, T]: int32 [B, P], each row's True positions in order,
-    padded with T; P = `loss_width` of the most loss tokens of a row (or of `most`, when given, for one
-    width over batches: the step compiles once), at most T."""
-    b, t = mask_BT.shape
-    counts = mask_BT.sum(axis=1)
-    most = int(counts.max(initial=0)) if most is None else max(most, int(counts.max(initial=0)))
-    positions = np.full((b, min(loss_width(most), t)), t, np.int32)
-    for i in range(b):
-        positions[i, : counts[i]] = np.flatnonzero(mask_BT[i])
-    return positions
-
-
-def sampled_logprobs(params: Params, hidden_BTD: jax.Array, targets_BT: jax.Array, positions_BP: jax.Array,
-                     temperature_B: jax.Array, *, entropy_grad: bool = False, w_grad: bool = False,
-                     chunk: int = head.TOKENS_PER_CHUNK,
-                     block: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """Logprob of each target under `softmax(logits / T)` and the distribution's entropy at the positions
-    the loss reads, computed there only (`jaxrl.model.head`: the projection and log-softmax fused, in
-    chunks); float32 [B, T] each, 0 at every other position.
-
-    Args:
-        positions_BP: int32 positions into T of each row's loss tokens (`Batch.loss_positions`); entries
-            >= T are padding and read nothing.
-        temperature_B: float32; 0 (greedy) is scored at 1.
-        entropy_grad: (static) whether the entropy is differentiable (a third vocabulary matmul per chunk).
-        w_grad: (static) whether the output projection is differentiable (full fine-tuning).
-        chunk: (static) tokens per chunk of the head (`jaxrl.rl.cpu.Tuning.head_chunk`).
-        block: (static) vocabulary entries per block of the head's online softmax (`Tuning.head_block`;
-            None: the whole vocabulary in one block).
-    """
-    b, t, d = hidden_BTD.shape
-    k = positions_BP.shape[1]
-    h_BPD = jnp.take_along_axis(hidden_BTD, positions_BP[:, :, None], axis=1, mode="clip")
-    y_BP = jnp.take_along_axis(targets_BT, positions_BP, axis=1, mode="clip")
-    inv_t_B = 1.0 / jnp.where(temperature_B > 0, temperature_B, 1.0)
-    logp, entropy = head.token_logprobs(qwen3.unembed_matrix(params), h_BPD.reshape(b * k, d), y_BP.reshape(-1),
-                                        jnp.repeat(inv_t_B, k), entropy_grad=entropy_grad, w_grad=w_grad,
-                                        chunk=chunk, block=block)
-    rows_B1 = jnp.arange(b)[:, None]
-
-    def scatter(x):
-        return jnp.zeros((b, t), jnp.float32).at[rows_B1, positions_BP].set(x.reshape(b, k), mode="drop")
-
-    return scatter(logp), scatter(entropy)
-
-
 def loss_config(cfg: RunConfig) -> LossConfig:
     """The run's `[jax.loss]`, Dr.GRPO's `aggregation_length` defaulting to `[sampling] max_tokens`, else
     `[jax] seq_len`."""
@@ -246,11 +138,12 @@ def loss_config(cfg: RunConfig) -> LossConfig:
 
 
 def trainer_for(cfg: RunConfig, mcfg: ModelConfig, mesh: Mesh, lora_scale: float,
-                micro_batch_size: int | None = None, objective: Literal["rl", "sft"] = "rl") -> Trainer:
+                micro_batch_size: int | None = None, objective: Literal["rl", "sft"] = "rl",
+                teacher_cfg: ModelConfig | None = None) -> Trainer:
     """The run's `Trainer`: `[jax.loss]` (`loss_config`), `[jax.optim]` and its schedule over `max_steps`
     from the top-level `learning_rate`. `micro_batch_size`: what the run chose by compiling
     (`jaxrl.compile.report.run_micro_batch`); None: `[jax] micro_batch_size`, else `default_micro_batch`.
-    `objective`: `Trainer.objective`."""
+    `objective`: `Trainer.objective`. `teacher_cfg`: an in-process teacher's architecture."""
     o, loss = cfg.jax.optim, loss_config(cfg)
     full = cfg.jax.finetune == "full"
     tx = make_optimizer(1.0, o.max_grad_norm, o.weight_decay, (o.beta1, o.beta2), full=full)
@@ -258,7 +151,7 @@ def trainer_for(cfg: RunConfig, mcfg: ModelConfig, mesh: Mesh, lora_scale: float
                                  warmup_steps=o.warmup_steps, total_steps=cfg.max_steps)
     micro = micro_batch_size or cfg.jax.micro_batch_size or default_micro_batch(cfg.jax.seq_len, batch_shards(mesh))
     return Trainer(mcfg, mesh, tx, lora_scale, loss_cfg=loss, remat=cfg.jax.remat, micro_batch_size=micro,
-                   learning_rate=schedule, objective=objective, full=full,
+                   learning_rate=schedule, objective=objective, full=full, teacher_cfg=teacher_cfg,
                    dtype=jnp.bfloat16 if cfg.jax.dtype == "bfloat16" else jnp.float32)
 
 
@@ -276,6 +169,9 @@ class Trainer:
     `full`: train every base weight (`tx` from `make_optimizer(..., full=True)`), the forward in `dtype`.
     `tuning`: how the step runs its layer stack and output head (None: `jaxrl.rl.cpu.tuning`, from the
     mesh's platform; `cpu.Tuning.plain` forces what a TPU or GPU runs).
+    `teacher_cfg`: the architecture of an in-process teacher (`loss_cfg.teacher_tau > 0`; its weights are
+    `step`'s `teacher`, its tuning `jaxrl.rl.cpu.tuning` of its own config); None: no teacher, or a
+    server's logprobs in the batch.
     """
 
     cfg: ModelConfig
@@ -291,10 +187,12 @@ class Trainer:
     dtype: Any = jnp.float32  # full fine-tuning: what the float32 master weights are cast to for the forward
     tuning: cpu.Tuning | None = None
     unroll: bool = False  # layers unrolled whatever `tuning` says (`jaxrl compile`'s per-layer cost analysis)
+    teacher_cfg: ModelConfig | None = None
 
     def __post_init__(self) -> None:
         if self.tuning is None:  # the platform's layer stack and head sizes
             self.tuning = cpu.tuning(self.mesh, self.cfg)
+        self.teacher_tuning = None if self.teacher_cfg is None else cpu.tuning(self.mesh, self.teacher_cfg)
         # Nothing is donated: the rollout engine may still hold the previous LoRA while this step runs.
         self._step = jax.jit(self._step_impl, static_argnames=("micro_batches",))
 
@@ -343,16 +241,24 @@ class Trainer:
             out[name] = jax.device_put(arr, array_sharding(axes, arr.shape, self.mesh))
         return out
 
-    def step(self, state: TrainState, base: Params | None, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+    def step(self, state: TrainState, base: Params | None, batch: Batch,
+             teacher: Params | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step on `batch`. Metrics stay on device (read them late). `base`: the frozen base
         weights with LoRA; in full fine-tuning the KL reference's weights (None without `kl_coef`).
+        `teacher`: an in-process teacher's weights (of `teacher_cfg`), not changed by the step.
 
         Raises:
-            ValueError: full fine-tuning with `kl_coef > 0` and no reference weights.
+            ValueError: full fine-tuning with `kl_coef > 0` and no reference weights; `teacher_tau > 0` with
+                neither teacher weights (and `teacher_cfg`) nor `batch.teacher_logprobs`.
         """
-        if self.full and base is None and self.loss_cfg.kl_coef > 0 and self.objective == "rl":
+        rl = self.objective == "rl"
+        if self.full and base is None and self.loss_cfg.kl_coef > 0 and rl:
             raise ValueError("full fine-tuning with a KL penalty needs the reference weights as `base`")
-        return self._step(state, base, self.shard_batch(batch),
+        in_process = teacher is not None and self.teacher_cfg is not None
+        if rl and self.loss_cfg.teacher_tau > 0 and not in_process and batch.teacher_logprobs is None:
+            raise ValueError("teacher_tau > 0 needs the teacher's weights (with teacher_cfg) or "
+                             "batch.teacher_logprobs")
+        return self._step(state, base, self.shard_batch(batch), teacher if in_process else None,
                           micro_batches=self.micro_batches(batch.inputs.shape[0]))
 
     def loss(self, params: Params, batch: dict[str, jax.Array],
@@ -362,12 +268,13 @@ class Trainer:
         model = modules.bind(self.cfg, params["base"], params["lora"], self.lora_scale)
         return self.model_loss(model, batch, None if reference is None else modules.bind(self.cfg, reference))
 
-    def model_loss(self, model: modules.Qwen3, batch: dict[str, jax.Array],
-                   reference: modules.Qwen3 | None = None) -> tuple[jax.Array, dict]:
+    def model_loss(self, model: modules.Qwen3, batch: dict[str, jax.Array], reference: modules.Qwen3 | None = None,
+                   teacher: modules.Qwen3 | None = None) -> tuple[jax.Array, dict]:
         """The objective of one (micro-)batch under `model` and its metrics: `[jax.loss]`'s policy loss,
         or with `objective = "sft"` the token-mean negative log-likelihood of the loss tokens
         (`losses.sft_loss`). `reference`: the KL reference, run without LoRA; None: `model` with its LoRA
-        off (the same base arrays)."""
+        off (the same base arrays). `teacher`: the in-process teacher (scored at temperature 1, as a
+        server's prompt logprobs are); None: the batch's `teacher_logprobs`, when `teacher_tau > 0`."""
         b, t = batch["inputs"].shape
         positions = batch.get("positions", jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
         segments = batch.get("segment_ids")  # None: one sample per row
@@ -381,17 +288,18 @@ class Trainer:
         if sft:
             loss, metrics = losses.sft_loss(logp, batch["loss_mask"])
         else:
-            ref_logp = None
+            ref_logp = teacher_logp = None
             if self.loss_cfg.kl_coef > 0:  # the reference policy: LoRA off, or the frozen starting weights
                 ref = model if reference is None else reference
-                ref_hidden, _ = ref(batch["inputs"], positions, lora=False, mesh=self.mesh, segment_ids=segments,
-                                    scan_layers=scan)
-                ref_logp = jax.lax.stop_gradient(sampled_logprobs(
-                    ref.weights()[0], ref_hidden, batch["targets"], batch["loss_positions"], batch["temperature"],
-                    **self._head_sizes())[0])
+                ref_logp = frozen_logprobs(ref, batch, positions, batch["temperature"], self.tuning, mesh=self.mesh,
+                                           scan_layers=scan)
+            if self.loss_cfg.teacher_tau > 0:
+                teacher_logp = batch.get("teacher_logprobs") if teacher is None else frozen_logprobs(
+                    teacher, batch, positions, jnp.ones_like(batch["temperature"]), self.teacher_tuning,
+                    mesh=self.mesh, scan_layers=not self.unroll and self.teacher_tuning.scan_layers)
             loss, metrics = losses.policy_loss(logp, batch["inference_logprobs"], batch["advantages"],
                                                batch["loss_mask"], self.loss_cfg, entropy_BT=entropy,
-                                               ref_logp_BT=ref_logp)
+                                               ref_logp_BT=ref_logp, teacher_logp_BT=teacher_logp)
         entropy = jax.lax.stop_gradient(entropy)
         mask = batch["loss_mask"].astype(jnp.float32)
         metrics["policy/entropy"] = jnp.sum(entropy * mask) / jnp.maximum(mask.sum(), 1.0)
@@ -412,7 +320,7 @@ class Trainer:
         return (mask.sum(axis=1) > 0).astype(jnp.float32).sum()
 
     def _step_impl(self, state: TrainState, base: Params | None, batch: dict[str, jax.Array],
-                   micro_batches: int = 1):
+                   teacher: Params | None = None, micro_batches: int = 1):
         # The module over the state's weights, split by `modules.trained_filter` into what is
         # differentiated (the LoRA factors, or every weight in full fine-tuning) and the rest: only the
         # trained state is differentiated (see `_optimizer_update`).
@@ -420,11 +328,12 @@ class Trainer:
                              self.lora_scale)
         graphdef, trained, frozen = nnx.split(model, modules.trained_filter(self.full), ...)
         reference = None if not self.full or base is None else modules.bind(self.cfg, base)
+        teacher_model = None if teacher is None else modules.bind(self.teacher_cfg, teacher)
 
         def objective(trained, b):
             if self.full:  # float32 master weights, cast for the forward; `base` is the KL reference
                 trained = jax.tree.map(lambda w: w.astype(self.dtype), trained)
-            return self.model_loss(nnx.merge(graphdef, trained, frozen), b, reference)
+            return self.model_loss(nnx.merge(graphdef, trained, frozen), b, reference, teacher_model)
 
         loss_and_grad = jax.value_and_grad(objective, has_aux=True)
         if micro_batches == 1:

@@ -42,6 +42,7 @@ from jaxrl.run.metrics import MetricsLogger, trim_metrics
 from jaxrl.run.placement import Placement, trainer_mesh
 from jaxrl.run.serving import RunEnvs, Serving, params_dtype
 from jaxrl.run.signals import StopRequest, stop_on_signals
+from jaxrl.run.teacher import Teacher, check_vocabulary, load_teacher, teacher_path
 
 
 @dataclasses.dataclass
@@ -80,6 +81,7 @@ class Job:
         self.serving: Serving | None = None  # the engine, server, event loop and evaluator, once started
         self.logger: MetricsLogger | None = None  # process 0's metrics rows
         self.envs = RunEnvs([], [], None)  # what the rollout side plays (`load_envs`)
+        self.teacher: Teacher | None = None  # `[jax.teacher] model`, scored in the train step (`load_model`)
 
     @property
     def primary(self) -> bool:
@@ -166,13 +168,19 @@ class Job:
         """The model's files and config (`model`), the base weights on the trainer's mesh (`base`; float32
         in full fine-tuning, the master weights) and on the mesh of this host's rollout engine (`engine_base`:
         the same arrays when the `placement` shares them; unused in full fine-tuning, where `engine_params`
-        places the trained weights). Raises ConfigError (key `jax.mesh`, `model`, `jax.model_path` or
-        `jax.engine_hosts`) when the mesh does not fit the devices, the checkpoint cannot be loaded or the
-        engine group does not divide the processes."""
+        places the trained weights), and an in-process teacher (`teacher`, `[jax.teacher] model`, its
+        tokenizer checked before any weight loads). Raises ConfigError (key `jax.mesh`, `model`,
+        `jax.model_path`, `jax.engine_hosts` or `jax.teacher.model`) when the mesh does not fit the devices,
+        a checkpoint cannot be loaded, the engine group does not divide the processes or the teacher's
+        vocabulary is not the student's."""
         cfg, jcfg = self.cfg, self.cfg.jax
         mesh = trainer_mesh(cfg)
         trained_dtype = jnp.float32 if self.full else self.dtype
         model_path, tokenizer_path = resolve_model_path(cfg), resolve_tokenizer_path(cfg)
+        in_process_teacher = jcfg.teacher is not None and jcfg.teacher.model is not None
+        if in_process_teacher:
+            teacher_at = teacher_path(cfg)
+            check_vocabulary(cfg, tokenizer_path, teacher_at)
         t0 = time.perf_counter()
         try:
             self.model = ModelFiles(model_path, tokenizer_path, hf.load_config(model_path))
@@ -189,6 +197,10 @@ class Job:
         self.console.print(f"[bold]jaxrl[/] run [cyan]{self.run_dir}[/]: model {model_path} "
                            f"({sum(x.size for x in jax.tree.leaves(self.base)) / 1e6:.1f}M params, {jcfg.dtype}), "
                            f"mesh {dict(mesh.shape)}, loaded in {time.perf_counter() - t0:.1f}s")
+        if in_process_teacher:
+            self.teacher = load_teacher(cfg, mesh, self.dtype, teacher_at)
+            self.console.print(f"teacher {teacher_at} ({self.teacher.parameters / 1e6:.1f}M params, {jcfg.dtype}), "
+                               f"frozen on the trainer's mesh")
 
     def init_training(self) -> None:
         """The trainer (`[jax.loss]`, `[jax.optim]`, this job's `objective`), a fresh train state (a new
@@ -197,7 +209,8 @@ class Job:
         `[jax] dtype`, kept only with an RL `kl_coef > 0`; else None, freeing them)."""
         cfg = self.cfg
         self.trainer = trainer_for(cfg, self.model.config, self.placement.mesh, self.lora_scale,
-                                   self.placement.micro_batch, self.objective)
+                                   self.placement.micro_batch, self.objective,
+                                   None if self.teacher is None else self.teacher.config)
         self.state = self.trainer.init_state(self.base, None if self.full else self.init_lora())
         if self.full:
             keep = self.objective == "rl" and cfg.jax.loss.kl_coef > 0
@@ -300,7 +313,8 @@ class Job:
     def train_step(self, batch: Any) -> tuple[TrainState, dict[str, float]]:
         """One optimizer step on `batch` from `state`: the new state and its metrics as floats."""
         with distributed.fenced():  # the train step spans every host
-            new_state, metrics = self.trainer.step(self.state, self.base, batch)
+            teacher = None if self.teacher is None else self.teacher.weights
+            new_state, metrics = self.trainer.step(self.state, self.base, batch, teacher)
             return new_state, {k: float(v) for k, v in jax.device_get(metrics).items()}
 
     def publish(self, version: int) -> float:

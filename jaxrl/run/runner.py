@@ -49,6 +49,7 @@ from jaxrl.rl import rollouts
 from jaxrl.rl.buffer import Buffer, BufferExhausted, BufferState
 from jaxrl.rl.producer import Producer, ProducerSettings
 from jaxrl.rl.samples import training_samples
+from jaxrl.rl.teacher_client import TeacherUnavailable, check_server, score
 from jaxrl.rl.train import make_batch
 from jaxrl.run.errors import RunError
 from jaxrl.run.job import Job
@@ -143,12 +144,24 @@ class Run(Job):
     # -- setup and start ------------------------------------------------------------------------------------
 
     def setup(self) -> None:
-        """`Job.setup`, then the example buffer over the environments and its state (the checkpoint's, or
-        fresh)."""
+        """A server teacher's check (`check_server`; ConfigError, key `jax.teacher.base_url`, when it cannot
+        be used), `Job.setup`, then the example buffer over the environments and its state (the
+        checkpoint's, or fresh)."""
+        if self.server_teacher:
+            try:  # before anything loads: a server that is down is one line, not a failed first step
+                asyncio.run(check_server(self.cfg.jax.teacher))
+            except TeacherUnavailable as exc:
+                raise ConfigError(self.cfg.source, [("jax.teacher.base_url", str(exc))]) from None
         super().setup()
-        self.buffer = Buffer(tuple(len(env.tasks) for env in self.envs.train), self.cfg.buffer)
+        self.buffer = Buffer(tuple(len(env.tasks) for env in self.envs.train), self.cfg.buffer,
+                             dense_signal=self.cfg.jax.loss.teacher_tau > 0)
         meta = self.progress.meta
         self.buffer_state = BufferState.from_meta(meta) if meta else BufferState.fresh(len(self.envs.train))
+
+    @property
+    def server_teacher(self) -> bool:
+        """Whether the teacher is a server (`[jax.teacher] base_url`), asked at each step's batch."""
+        return self.cfg.jax.teacher is not None and self.cfg.jax.teacher.base_url is not None
 
     def start(self) -> None:
         """`Job.start`, then the rollout producer (resuming the checkpoint's groups in flight) and the train
@@ -263,12 +276,31 @@ class Run(Job):
                                  for r in g if r.ok], np.float32)  # what each rollout sampled at
         width = pad_length(max(len(r.token_ids) for r in trained_ok), cfg.jax.seq_len)
         samples, source = training_samples(trained_ok, cfg.trajectory_strategy)
-        batch = make_batch(samples, advantages[source], temperatures[source], width)
+        teacher, taught = None, {}
+        if self.server_teacher:
+            samples, source, teacher, taught = self.ask_teacher(s, samples, source)
+            if not samples:
+                return {"optim/skipped": 1.0, "time/train": time.perf_counter() - t_train, "train/samples": 0.0,
+                        **taught}
+        batch = make_batch(samples, advantages[source], temperatures[source], width, teacher)
         self.state, metrics = loop.run_until_complete(loop.run_in_executor(self.train_thread, self.train_step, batch))
         if metrics["optim/skipped"]:
             self.console.print(f"[yellow]step {s.step + 1}: loss or gradient not finite; update skipped, "
                                f"weights unchanged[/]")
-        return metrics | {"time/train": time.perf_counter() - t_train, "train/samples": float(len(samples))}
+        return metrics | taught | {"time/train": time.perf_counter() - t_train, "train/samples": float(len(samples))}
+
+    def ask_teacher(self, s: Step, samples: list, source: np.ndarray) -> tuple[list, np.ndarray, list, dict]:
+        """The server teacher's logprobs of each sample's tokens (`jaxrl.rl.teacher_client.score`); samples
+        it failed on are dropped (counted in `teacher/failed`, the first reason printed). Returns the samples
+        kept, their `source` rows, their teacher logprobs and the metrics."""
+        loop = self.serving.loop
+        logprobs, errors = loop.run_until_complete(score(self.cfg.jax.teacher, [ids for ids, _, _ in samples]))
+        keep = [i for i, lp in enumerate(logprobs) if lp is not None]
+        if errors:
+            self.console.print(f"[yellow]step {s.step + 1}: the teacher failed on {len(errors)} of {len(samples)} "
+                               f"samples, dropped[/]; first: {escape(errors[0])}", highlight=False)
+        return ([samples[i] for i in keep], source[keep], [logprobs[i] for i in keep],
+                {"teacher/failed": float(len(errors))})
 
     def publish(self, version: int) -> float:
         """Hand the trainer's LoRA (or weights) to the engine as policy `version` (`Job.publish`, whose

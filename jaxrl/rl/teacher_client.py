@@ -1,0 +1,125 @@
+"""An external teacher (`[jax.teacher] base_url` + `model_name`): the logprob of every token of each trained
+sample under a model served by an OpenAI-compatible server, asked while the step's batch is assembled.
+
+The request is vLLM's (`vllm.entrypoints.openai`, `prompt_logprobs` on `/v1/completions`): the sample's token
+ids as the prompt, one token to generate, and `prompt_logprobs: 0`; the reply's `choices[0].prompt_logprobs`
+holds, for each prompt position after the first, a dict keyed by the token id (as a string) whose entry's
+`logprob` is log p(token | the tokens before it) at temperature 1 (vLLM scores prompts from the raw logits),
+and None for the first position. Requests run concurrently, at most `max_concurrent` at once, each retried
+`retries` times after 1, 2, 4, ... s; a sample whose logprobs do not come is given None (the run drops it
+and counts it in `teacher/failed`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from jaxrl.config.teacher import TeacherConfig
+
+
+class TeacherUnavailable(Exception):
+    """The teacher's server cannot be used: not reachable, or not serving `model_name` (one line)."""
+
+
+def _headers(cfg: TeacherConfig) -> dict[str, str]:
+    key = os.environ.get(cfg.api_key_var, "") if cfg.api_key_var else ""
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+async def check_server(cfg: TeacherConfig) -> None:
+    """`GET {base_url}/models` must answer and list `model_name`, and a two-token prompt must come back
+    with its `prompt_logprobs`.
+
+    Raises:
+        TeacherUnavailable: the server is down, answers an error, serves other models (naming them), or
+            does not return prompt logprobs (vLLM does; `jaxrl serve` does not yet).
+    """
+    url = f"{cfg.base_url.rstrip('/')}/models"
+    try:
+        async with httpx.AsyncClient(timeout=min(cfg.timeout, 30.0)) as client:
+            reply = await client.get(url, headers=_headers(cfg))
+            reply.raise_for_status()
+            served = [m.get("id") for m in reply.json().get("data", [])]
+    except (httpx.HTTPError, ValueError, AttributeError) as exc:
+        raise TeacherUnavailable(f"the teacher's server {url} cannot be reached: {type(exc).__name__}: "
+                                 f"{exc or 'no answer'}") from None
+    if cfg.model_name not in served:
+        raise TeacherUnavailable(f"the teacher's server {url} does not serve {cfg.model_name!r} (it serves "
+                                 f"{', '.join(map(repr, served)) or 'nothing'})")
+    try:  # one tiny request: a server that does not return prompt_logprobs is refused here, not at each step
+        async with httpx.AsyncClient(timeout=cfg.timeout) as client:
+            await sample_logprobs(client, cfg, [0, 1])
+    except httpx.HTTPStatusError as exc:
+        raise TeacherUnavailable(f"the teacher's server refuses a prompt_logprobs request: HTTP "
+                                 f"{exc.response.status_code}: {exc.response.text[:200]}") from None
+    except (httpx.HTTPError, ValueError) as exc:
+        raise TeacherUnavailable(f"the teacher's server cannot score a prompt: {type(exc).__name__}: {exc}") \
+            from None
+
+
+def parse_prompt_logprobs(body: Any, token_ids: Sequence[int]) -> list[float]:
+    """The logprob of each of `token_ids` from a `/v1/completions` reply with `prompt_logprobs` (0.0 for the
+    first token, which has no context): float [len(token_ids)].
+
+    Raises:
+        ValueError: the reply has no `prompt_logprobs`, another length, a position without its token, or
+            a non-finite logprob.
+    """
+    try:
+        entries = body["choices"][0]["prompt_logprobs"]
+    except (KeyError, IndexError, TypeError):
+        raise ValueError("the reply has no choices[0].prompt_logprobs (does the server take prompt_logprobs?)") \
+            from None
+    if not isinstance(entries, list) or len(entries) != len(token_ids):
+        raise ValueError(f"prompt_logprobs has {len(entries) if isinstance(entries, list) else 'no'} entries for "
+                         f"{len(token_ids)} prompt tokens")
+    out = [0.0]
+    for i, (token, entry) in enumerate(zip(token_ids[1:], entries[1:], strict=True), start=1):
+        found = entry.get(str(token)) if isinstance(entry, dict) else None
+        logprob = found.get("logprob") if isinstance(found, dict) else None
+        if not isinstance(logprob, int | float) or not math.isfinite(logprob):
+            raise ValueError(f"prompt_logprobs[{i}] has no finite logprob for token {token}")
+        out.append(float(logprob))
+    return out
+
+
+async def sample_logprobs(client: httpx.AsyncClient, cfg: TeacherConfig, token_ids: Sequence[int]) -> list[float]:
+    """One sample's token logprobs (`parse_prompt_logprobs`) from one request. Raises httpx.HTTPError or
+    ValueError."""
+    body = {"model": cfg.model_name, "prompt": list(token_ids), "max_tokens": 1, "temperature": 1.0,
+            "prompt_logprobs": 0}
+    reply = await client.post(f"{cfg.base_url.rstrip('/')}/completions", json=body, headers=_headers(cfg))
+    reply.raise_for_status()
+    return parse_prompt_logprobs(reply.json(), token_ids)
+
+
+async def score(cfg: TeacherConfig, samples: Sequence[Sequence[int]], backoff_s: float = 1.0
+                ) -> tuple[list[list[float] | None], list[str]]:
+    """Each sample's token logprobs under the teacher (`sample_logprobs`), concurrently (at most
+    `cfg.max_concurrent` requests at once), each retried `cfg.retries` times after `backoff_s`, 2 x, 4 x ...
+    seconds. Returns the logprobs (None for a sample that failed every try) and one line per failed
+    sample saying why."""
+    gate = asyncio.Semaphore(cfg.max_concurrent)
+    errors: list[str] = []
+
+    async def one(client: httpx.AsyncClient, i: int, ids: Sequence[int]) -> list[float] | None:
+        for attempt in range(cfg.retries + 1):
+            try:
+                async with gate:
+                    return await sample_logprobs(client, cfg, ids)
+            except (httpx.HTTPError, ValueError) as exc:
+                if attempt == cfg.retries:
+                    errors.append(f"sample {i}: {type(exc).__name__}: {exc}")
+                    return None
+                await asyncio.sleep(backoff_s * 2**attempt)
+        return None
+
+    async with httpx.AsyncClient(timeout=cfg.timeout) as client:
+        out = await asyncio.gather(*(one(client, i, ids) for i, ids in enumerate(samples)))
+    return list(out), errors
