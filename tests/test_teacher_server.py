@@ -1,8 +1,8 @@
 """The external teacher (`[jax.teacher] base_url`, `jaxrl.rl.teacher_client`) against a real HTTP server on
 127.0.0.1 that answers vLLM's `/v1/models` and `/v1/completions` with `prompt_logprobs` (the reply format of
 vllm.entrypoints.openai: one dict per prompt position keyed by token id, None first) from a bigram teacher
-whose logprobs the test knows; and the run's one-line refusal of a server that is down or does not score
-prompts."""
+whose logprobs the test knows, and against `jaxrl serve`'s own server over the tiny Qwen3; and the run's
+one-line refusal of a server that is down or does not score prompts."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ LOGP = LOGITS - np.log(np.exp(LOGITS).sum(axis=1, keepdims=True))  # log p(next 
 
 class VllmStandIn(ThreadingHTTPServer):
     """vLLM's two routes over the bigram teacher; `fail_first` requests to /v1/completions answer 503,
-    `prompt_logprobs=False` answers 400 to that field (as `jaxrl serve` does: an unknown field)."""
+    `prompt_logprobs=False` answers 400 to that field (as a server that does not know it does)."""
 
     def __init__(self, fail_first: int = 0, prompt_logprobs: bool = True) -> None:
         super().__init__(("127.0.0.1", free_port()), _Handler)
@@ -129,3 +129,60 @@ def test_jaxrl_run_with_a_server_down_is_one_line(tmp_path, tiny_model_dir):
     assert done.stderr.strip().splitlines() == [
         f"{cfg}: jax.teacher.base_url: the teacher's server {url}/models cannot be reached: ConnectError: "
         "All connection attempts failed"]
+
+
+def test_jaxrl_serve_teaches_with_the_models_own_logprobs(tiny_model_dir):
+    """`jaxrl serve`'s `/v1/completions` answers `prompt_logprobs: 0` as vLLM does: each token's logprob given
+    the tokens before it, the raw logits' log-softmax (here against the whole vocabulary's, from the model's
+    forward), so the client reads the same numbers; alternatives (a count above 0) are refused by name."""
+    import httpx
+    import jax.numpy as jnp
+
+    from jaxrl.cli import serve
+    from jaxrl.inference.server import start_server
+    from jaxrl.model import hf, qwen3
+
+    loaded = serve.load(str(tiny_model_dir), name="teacher", decode_slots=2, seq_len=32)
+    handle = start_server(loaded.scheduler, chat_template=loaded.chat_template)
+    try:
+        cfg = _cfg(handle.base_url)
+        asyncio.run(check_server(cfg))
+        samples = [[9707, 1879, 11, 1246], [151644, 872, 198]]
+        logprobs, errors = asyncio.run(score(cfg, samples))
+        assert errors == []
+        mcfg, weights = hf.load_hf(str(tiny_model_dir))
+        for ids, lps in zip(samples, logprobs, strict=True):
+            hidden, _ = qwen3.forward(mcfg, weights, jnp.asarray([ids]), jnp.arange(len(ids))[None])
+            logits = np.asarray(qwen3.logits(weights, hidden)[0], np.float64)
+            full = logits - logits.max(-1, keepdims=True)
+            full = full - np.log(np.exp(full).sum(-1, keepdims=True))
+            np.testing.assert_allclose(lps[1:], [full[i, t] for i, t in enumerate(ids[1:])], atol=2e-5)
+        reply = httpx.post(f"{handle.base_url}/completions", json={"model": "teacher", "prompt": [1, 2],
+                                                                   "max_tokens": 1, "prompt_logprobs": 2})
+        assert reply.status_code == 400 and "prompt_logprobs: only 0 is built" in reply.text
+    finally:
+        handle.stop()
+        loaded.scheduler.stop()
+
+
+def test_a_run_taught_by_a_served_teacher(tmp_path, tiny_model_dir):
+    """`jaxrl run` with `[jax.teacher] base_url` on `jaxrl serve`'s server over a tiny Qwen3 of another seed:
+    each trained sample's logprobs come from the server, `teacher/kl` is logged and none failed."""
+    from jaxrl.cli import serve
+    from jaxrl.inference.server import start_server
+    from jaxrl.model import assets
+
+    teacher = assets.build_tiny_model(tmp_path / "teacher", seed=1)
+    loaded = serve.load(str(teacher), name="teacher", decode_slots=4, seq_len=160)
+    handle = start_server(loaded.scheduler, chat_template=loaded.chat_template)
+    try:
+        distil = (f'\n[jax.loss]\nteacher_tau = 1.0\nadv_tau = 0.0\n\n[jax.teacher]\nbase_url = "{handle.base_url}"\n'
+                  f'model_name = "teacher"\n')
+        cfg = write_run_config(tmp_path / "served.toml", tiny_model_dir, name="served", jax_extra=distil)
+        done = jaxrl("run", cfg, timeout=1200)
+    finally:
+        handle.stop()
+        loaded.scheduler.stop()
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "served" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["teacher/failed"] == 0 and rows[-1]["teacher/kl"] > 0 and rows[-1]["train/samples"] == 8

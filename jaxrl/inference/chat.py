@@ -91,6 +91,7 @@ class ChatRequest:
     tokens_as_ids: bool = False
     skip_special_tokens: bool = True
     tool_plan: tools.ToolPlan = tools.ToolPlan()
+    prompt_logprobs: bool = False  # the completions route's vLLM `prompt_logprobs: 0`
 
 
 def top_logprobs(value: Any, field: str) -> int:
@@ -229,7 +230,7 @@ class ChatRun:
 
     def __init__(self, backend: GenerateBackend, template: ChatTemplate, req: ChatRequest,
                  on_done: Callable[[], None]) -> None:
-        self.req = req
+        self.req, self.backend = req, backend
         self.text = TextStream(template.tokenizer, req.stop, req.skip_special_tokens, req.params.min_tokens)
         self._tok = template.tokenizer
         self._queue: asyncio.Queue[tuple[int, float, list[tuple[int, float]]] | None] = asyncio.Queue()

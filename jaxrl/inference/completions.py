@@ -15,8 +15,12 @@ defaulting to 16 (OpenAI's and vLLM's default on this route). `logprobs: k` (0..
 per sampled token, its text, its logprob under the sampling distribution, its character offset in the
 completion, and a `top_logprobs` dict of its k most likely tokens (text -> logprob, most likely first) under
 that same distribution, with the sampled token added when it is not among them (OpenAI's "up to logprobs + 1
-elements"); `logprobs: 0` gives the sampled token alone. `echo`, `suffix`, `best_of` > 1 and `n` > 1 are
-refused with a 400 naming them, as is any field the route does not know.
+elements"); `logprobs: 0` gives the sampled token alone. vLLM's `prompt_logprobs: 0` adds to the choice each
+prompt token's logprob given the tokens before it, at temperature 1 (`Scheduler.score`: what a distillation
+run's server teacher asks, `jaxrl.rl.teacher_client`), as vLLM lays it out: None for the first token, then
+`{"<token id>": {"logprob", "rank", "decoded_token"}}`; a count above 0 (alternatives) and `stream` with it
+are refused. `echo`, `suffix`, `best_of` > 1 and `n` > 1 are refused with a 400 naming them, as is any
+field the route does not know.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ _NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "suffix": "", "presence_penalty
 _BUILT = frozenset({"model", "prompt", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p",
                     "repetition_penalty", "max_tokens", "seed", "stop", "stop_token_ids", "min_tokens", "logprobs",
                     "return_token_ids", "return_tokens_as_token_ids", "skip_special_tokens", "ignore_eos",
-                    "logit_bias"})
+                    "logit_bias", "prompt_logprobs"})
 
 
 def _prompt_ids(raw: Any, template: ChatTemplate, max_model_len: int) -> list[int]:
@@ -69,9 +73,42 @@ def parse_completion_request(body: Any, template: ChatTemplate, model_name: str,
     params = sampling_from(fields, len(prompt_ids), max_model_len, clamp_max_tokens)
     stop_ids = params.stop_token_ids + (() if flag(body, "ignore_eos") else template.stop_token_ids)
     params = dataclasses.replace(params, stop_token_ids=stop_ids, top_logprobs=top)
+    scored = _prompt_logprobs(body)
     return ChatRequest(prompt_ids, params, stop, flag(body, "stream"), chat.include_usage(body),
                        body.get("logprobs") is not None, top, flag(body, "return_token_ids"),
-                       flag(body, "return_tokens_as_token_ids"), flag(body, "skip_special_tokens", True))
+                       flag(body, "return_tokens_as_token_ids"), flag(body, "skip_special_tokens", True),
+                       prompt_logprobs=scored)
+
+
+def _prompt_logprobs(body: dict[str, Any]) -> bool:
+    """Whether the request asks for vLLM's `prompt_logprobs` (each prompt token's own logprob, `0`: the
+    alternatives of a count above 0 are not built, nor with `stream`); `BadRequest` naming the field."""
+    value = body.get("prompt_logprobs")
+    if value is None:
+        return False
+    if value != 0 or isinstance(value, bool):
+        raise BadRequest(f"prompt_logprobs: only 0 is built (each prompt token's own logprob, no alternatives), "
+                         f"got {value!r}", param="prompt_logprobs")
+    if flag(body, "stream"):
+        raise BadRequest("prompt_logprobs is not built with stream", param="prompt_logprobs")
+    return True
+
+
+async def prompt_logprobs(run: ChatRun) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` of the run's prompt: None for the first token, then for each token a dict
+    keyed by its id (a string) holding its `logprob` (temperature 1), `rank` and `decoded_token`.
+
+    Raises:
+        BadRequest: the backend cannot score prompts.
+    """
+    score = getattr(run.backend, "score", None)
+    if score is None:
+        raise BadRequest("prompt_logprobs: this server's backend does not score prompts", param="prompt_logprobs")
+    ids = run.req.prompt_ids
+    scored = await score(ids)
+    entries = [run.entry(t, lp) for t, (lp, _) in zip(ids[1:], scored[1:], strict=True)]
+    return [None] + [{str(t): {"logprob": e["logprob"], "rank": rank, "decoded_token": e["token"]}}
+                     for t, e, (_, rank) in zip(ids[1:], entries, scored[1:], strict=True)]
 
 
 class _Logprobs:
@@ -102,6 +139,8 @@ async def complete(run: ChatRun, model_name: str) -> dict[str, Any]:
     logprobs = _Logprobs(run).add(ids, run.logprobs, run.tops) if run.req.logprobs else None
     choice: dict[str, Any] = {"index": 0, "text": run.text.take(final=True), "logprobs": logprobs,
                               "finish_reason": run.finish_reason}
+    if run.req.prompt_logprobs:
+        choice["prompt_logprobs"] = await prompt_logprobs(run)
     body = {**chat.response_head(model_name, "text_completion", "cmpl"), "choices": [choice], "usage": run.usage()}
     if run.req.return_token_ids:
         choice["token_ids"], choice["prompt_token_ids"] = ids, run.req.prompt_ids

@@ -149,6 +149,7 @@ class Engine:
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
         self._copy_pages = jax.jit(self._copy_pages_impl, donate_argnums=(0,))
         self._extend_forward = jax.jit(self._extend_forward_impl)
+        self._score = jax.jit(self._score_impl)
         self.prefills = 0  # prompts run through the model (a group's shared prompt once)
         self.prefill_tokens = 0  # positions they ran (a conversation's next turn: those after its kept pages)
         self._generate = jax.jit(self._generate_impl, donate_argnums=(1,),
@@ -206,6 +207,20 @@ class Engine:
             if length <= b:
                 return b
         raise ValueError(f"prompt of {length} tokens exceeds the engine's {self.max_prefill_length}")
+
+    def score(self, params: EngineParams, token_ids: list[int]) -> list[tuple[float, int]]:
+        """Each token's logprob given the tokens before it, at temperature 1 (the raw logits' log-softmax, as
+        vLLM's `prompt_logprobs`), and its rank among the vocabulary (1: the most likely): the prompt run
+        through the model once, padded to its prefill bucket, no cache kept. The first token has no context:
+        (0.0, 1). Thread-safe beside the scheduler's steps (it reads `params`, writes nothing).
+
+        Raises:
+            ValueError: more tokens than `max_prefill_length`.
+        """
+        padded = pad_prompt(token_ids, self.bucket(len(token_ids)))
+        logp_T, rank_T = jax.device_get(self._score(params, padded))
+        return [(0.0, 1)] + [(float(lp), int(r)) for lp, r in zip(logp_T[:len(token_ids) - 1],
+                                                                  rank_T[:len(token_ids) - 1], strict=True)]
 
     def prefill(self, *, params: EngineParams, existing_prefix: Prefix | None = None, padded_tokens: jax.Array,
                 true_length: int, sampling: SamplingParams | None = None,
@@ -372,6 +387,17 @@ class Engine:
         last_BD = jax.lax.dynamic_index_in_dim(hidden_BTD[0], true_length - 1, keepdims=True)
         logits_BV = self.layout.logits(params, last_BD[None])[:, 0]
         return {k: v.astype(self.cache_dtype) for k, v in kv.items()}, logits_BV
+
+    def _score_impl(self, params, tokens_T):
+        """log softmax(logits)[next token] and its rank at each position but the last: float32, int32 [T - 1]."""
+        t = tokens_T.shape[0]
+        model = modules.bind(self.cfg, params.base, params.lora, self.lora_scale)
+        hidden_BTD, _ = model(tokens_T[None], jnp.arange(t, dtype=jnp.int32)[None], mesh=self.mesh,
+                              layers=params.layers)
+        logits_TV = self.layout.logits(params, hidden_BTD)[0, :-1].astype(jnp.float32)
+        picked_T = jnp.take_along_axis(logits_TV, tokens_T[1:, None], axis=1)[:, 0]
+        logp_T = picked_T - jax.nn.logsumexp(logits_TV, axis=1)
+        return logp_T, 1 + jnp.sum(logits_TV > picked_T[:, None], axis=1, dtype=jnp.int32)
 
     def _prefill_sample_impl(self, logits_BV, tokens_T, true_length, sampling, key, stop_V, *, truncate, top=0):
         """The first token and its logprob [1], the slot's next key, seen and stop tokens [1, V], and the

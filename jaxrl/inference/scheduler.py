@@ -209,6 +209,21 @@ class Scheduler:
             self._cv.notify()
         return await req.future
 
+    async def score(self, prompt_ids: list[int]) -> list[tuple[float, int]]:
+        """Each prompt token's logprob given those before it and its rank (`Engine.score`, on the current
+        weights), computed in a worker thread beside the decode steps (the completions route's
+        `prompt_logprobs`).
+
+        Raises:
+            ValueError: an empty prompt, a token id outside the vocabulary, or more than the engine's
+                `max_prefill_length` tokens.
+        """
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if not all(0 <= t < self.engine.cfg.vocab_size for t in prompt_ids):
+            raise ValueError(f"the prompt holds a token id outside the vocabulary [0, {self.engine.cfg.vocab_size})")
+        return await asyncio.to_thread(self.engine.score, self.params, list(prompt_ids))
+
     async def warmup(self, params: SamplingParams) -> int:
         """Compile every prefill bucket and the decode steps for `params`'s kind of sampling (truncating
         or not, penalizing or not, and with `min_tokens` the steps with and without its ban) before real

@@ -1,7 +1,8 @@
 """An external teacher (`[jax.teacher] base_url` + `model_name`): the logprob of every token of each trained
 sample under a model served by an OpenAI-compatible server, asked while the step's batch is assembled.
 
-The request is vLLM's (`vllm.entrypoints.openai`, `prompt_logprobs` on `/v1/completions`): the sample's token
+The request is vLLM's (`vllm.entrypoints.openai`, `prompt_logprobs` on `/v1/completions`; `jaxrl serve` answers
+it too, `jaxrl.inference.completions`): the sample's token
 ids as the prompt, one token to generate, and `prompt_logprobs: 0`; the reply's `choices[0].prompt_logprobs`
 holds, for each prompt position after the first, a dict keyed by the token id (as a string) whose entry's
 `logprob` is log p(token | the tokens before it) at temperature 1 (vLLM scores prompts from the raw logits),
@@ -38,7 +39,7 @@ async def check_server(cfg: TeacherConfig) -> None:
 
     Raises:
         TeacherUnavailable: the server is down, answers an error, serves other models (naming them), or
-            does not return prompt logprobs (vLLM does; `jaxrl serve` does not yet).
+            does not return prompt logprobs (vLLM and `jaxrl serve` do).
     """
     url = f"{cfg.base_url.rstrip('/')}/models"
     try:
