@@ -376,5 +376,5 @@ def test_a_run_on_accelerator_hosts_compiles_to_choose_its_engine_group(tiny_mod
         raise programs.ProgramTooLarge("train step: 9 GiB of 1 MiB")
 
     monkeypatch.setattr(report, "run_engine_hosts", refused)
-    with pytest.raises(ConfigError, match="jax.mesh.*choose the engine hosts: ProgramTooLarge: train step: 9 GiB"):
+    with pytest.raises(ConfigError, match="jax.mesh.*the train step does not fit: train step: 9 GiB"):
         placement.engine_group(cfg, mcfg, mesh, Console(file=io.StringIO()))

@@ -79,6 +79,8 @@ HEAVY = {
                     "the environments' stack (renderers and transformers' tokenizers: half a second and more), "
                     "which only commands that play an environment need"),
     "gepa": "GEPA's optimizer: only `jaxrl gepa` needs it",
+    **dict.fromkeys(("starlette", "uvicorn"), "the HTTP server (with asyncio: about 0.3 s, as much as the rest of "
+                                              "`jaxrl validate`'s imports): only commands that serve a model need it"),
     **dict.fromkeys(("jetstream", "grpc"), "the jaxrl[jetstream] extra (TensorFlow, about 5 s): only `jaxrl serve "
                                            "--jetstream` needs it, and it may not be installed"),
 }
@@ -156,6 +158,18 @@ def test_no_import_cycles():
         if module not in done:
             walk(module, [])
     assert not cycles, "import cycles (module:line of the import):\n" + "\n".join(sorted(set(cycles)))
+
+
+def test_function_level_imports_have_a_reason():
+    """A jaxrl module imported inside a function rather than at the top must bring a `HEAVY` library the
+    importer does not import already (JAX kept off the validate path, an optional extra): anything else
+    could be imported at the top, where a reader sees it (and `test_no_import_cycles` sees any cycle)."""
+    needless = [f"{module}:{line} imports {target} inside a function, though it brings no library of HEAVY "
+                f"that {module} does not import already: import it at the top"
+                for module, imports in _import_graph().items() for line, target, lazy in imports
+                if lazy and target in _import_graph() and not _heavy_at_import(target) - _heavy_at_import(module)]
+    assert not needless, "\n".join(needless)
+
 
 
 MAX_MODULE_LINES = 600

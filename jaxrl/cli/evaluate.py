@@ -17,13 +17,16 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
+from pydantic import ValidationError
 
-eval_app = typer.Typer(help="Evaluate a model on an environment (prime eval / vf-eval's flags).",
-                       no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                       rich_markup_mode="markdown")
-out = Console(soft_wrap=True, highlight=False)
-err = Console(stderr=True, soft_wrap=True, highlight=False)
+from jaxrl.cli.common import err, fail, out, typer_app
+from jaxrl.cli.local_model import endpoint
+from jaxrl.cli.train import quiet_libraries
+from jaxrl.config.base import json_object as parse_json_object
+from jaxrl.config.schema import ConfigError, SamplingConfig, load_config, resolve_model_path
+from jaxrl.evaluation.endpoint import EndpointError
+
+eval_app = typer_app("Evaluate a model on an environment (prime eval / vf-eval's flags).")
 
 EnvArg = Annotated[str, typer.Argument(metavar="ENV_OR_CONFIG", show_default=False,
                                        help="An installed environment's id (`owner/name` or `name`), or a jaxrl "
@@ -47,18 +50,10 @@ SeqLen = Annotated[int, typer.Option(help="A local model's tokens per sequence (
 DecodeSlots = Annotated[int, typer.Option(help="A local model's sequences decoded at once.")]
 
 
-def fail(message: str) -> typer.Exit:
-    """Print `message` (no markup) and return the exit-2 exception to raise."""
-    err.print(message, markup=False)
-    return typer.Exit(code=2)
-
-
 def json_object(text: str, flag: str) -> dict[str, Any]:
     """`text` parsed as a JSON object; exit 2 naming `flag` otherwise."""
-    from jaxrl.config.base import json_object as parse
-
     try:
-        return parse(text)
+        return parse_json_object(text)
     except ValueError as exc:
         raise fail(f"{flag}: {exc}") from None
 
@@ -66,10 +61,6 @@ def json_object(text: str, flag: str) -> dict[str, Any]:
 def sampling_config(raw: dict[str, Any], flag: str) -> Any:
     """`raw` validated as a run config's `[sampling]` table (`jaxrl.config.schema.SamplingConfig`); exit 2
     naming `flag` and each bad key otherwise."""
-    from pydantic import ValidationError
-
-    from jaxrl.config.schema import SamplingConfig
-
     try:
         return SamplingConfig.model_validate(raw)
     except ValidationError as exc:
@@ -103,8 +94,6 @@ def targets(env_or_config: str, model: str | None, env_args: dict[str, Any],
         if model is None:
             raise fail("--model / -m is required with an environment id")
         return model, sampling, None, [Target(env_or_config, env_args)]
-    from jaxrl.config.schema import ConfigError, load_config, resolve_model_path
-
     if env_args:
         raise fail("--env-args: a run config's [[env]] tables hold the environments' args")
     try:
@@ -154,10 +143,6 @@ def run(
                                                         json_object(sampling_args, "--sampling-args"))
     sampling = sampling_config(raw_sampling, "--sampling-args")
     seq_len = seq_len or config_seq_len or 4096
-    from jaxrl.cli.local_model import endpoint
-    from jaxrl.cli.train import quiet_libraries
-    from jaxrl.evaluation.endpoint import EndpointError
-
     quiet_libraries()
     loaded = [load_environment(t.env_id, t.args, t.taskset, t.harness) for t in envs]
     folder = (output_dir or default_output_dir("evals", env_or_config.removesuffix(".toml"), model)
@@ -179,7 +164,7 @@ def play_one(t: Target, env: Any, ep: Any, run_async: Any, *, num_examples: int,
     failed), save to `folder` when given. When every rollout failed it prints one line instead (how many,
     the first error, where the rows went) and exits 1: a mean reward of 0 over nothing measured is no
     result, and the environments after it (which would likely fail the same way) are not played."""
-    from jaxrl.evaluation import play, report
+    from jaxrl.evaluation import play, report  # verifiers: only a command that plays an environment
 
     tasks = play.examples(env, num_examples)
     split = "eval split" if env.eval_tasks else "train split (it has no eval split)"
@@ -215,7 +200,7 @@ def load_environment(env_id: str, args: dict[str, Any], taskset: dict[str, Any] 
                      harness: dict[str, Any] | None = None) -> Any:
     """`jaxrl.envs.loader.load_env(env_id, args, taskset, harness)`; exit 2 with its message when it cannot be
     loaded."""
-    from jaxrl.envs import loader
+    from jaxrl.envs import loader  # verifiers and renderers, as `play_one`
 
     try:
         return loader.load_env(env_id, args, taskset, harness)

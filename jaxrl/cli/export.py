@@ -7,12 +7,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
+from jaxrl.cli.common import fail, out
 from jaxrl.cli.train import quiet_libraries
-
-out = Console(soft_wrap=True, highlight=False)
-err = Console(stderr=True, soft_wrap=True, highlight=False)
 
 
 def export(
@@ -36,8 +33,7 @@ def export(
     folder; the folder appears only once complete.
     """
     if merged and adapter:
-        err.print("jaxrl export: pass --merged or --adapter, not both", markup=False)
-        raise typer.Exit(code=2)
+        raise fail("jaxrl export: pass --merged or --adapter, not both")
     quiet_libraries()  # Orbax's notes on opening the checkpoint read-only
     from jaxrl.export import exporter as exporting  # heavy (JAX): kept off the validate/init path
 
@@ -45,8 +41,7 @@ def export(
         source = exporting.find_source(ref, step, config)
         exporting.export(source, out_dir, adapter=adapter, force=force)
     except exporting.ExportError as exc:
-        err.print(f"jaxrl export: {exc}", markup=False)
-        raise typer.Exit(code=2) from None
+        raise fail(f"jaxrl export: {exc}") from None
     kind = "PEFT adapter" if adapter else "merged model"
     out.print(f"wrote the {kind} of checkpoint step {source.step} ({source.checkpoint_dir}) to {out_dir}",
               markup=False)

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
+from jaxrl.cli.common import err, fail, out, typer_app
 from jaxrl.cli.evaluate import (
     BaseUrl,
     Concurrency,
@@ -25,16 +26,16 @@ from jaxrl.cli.evaluate import (
     SamplingArgs,
     SeqLen,
     default_output_dir,
-    err,
-    fail,
     json_object,
     load_environment,
-    out,
 )
+from jaxrl.cli.local_model import endpoint
+from jaxrl.cli.train import quiet_libraries
+from jaxrl.config.gepa import from_flags
+from jaxrl.config.schema import ConfigError
+from jaxrl.evaluation.endpoint import EndpointError
 
-gepa_app = typer.Typer(help="Optimise an environment's system prompt with GEPA (prime gepa / vf-gepa's flags).",
-                       no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                       rich_markup_mode="markdown")
+gepa_app = typer_app("Optimise an environment's system prompt with GEPA (prime gepa / vf-gepa's flags).")
 
 
 def _opt(*names: str, help: str, kind: Any = int) -> Any:
@@ -77,9 +78,6 @@ def run(
 ) -> None:
     """Optimise ENV's system prompt with GEPA; writes system_prompt.txt, best_prompt.txt, results.jsonl,
     pareto_frontier.jsonl and metadata.json to the run folder (rerun with the same -o to resume)."""
-    from jaxrl.config.gepa import from_flags
-    from jaxrl.config.schema import ConfigError
-
     flags = {"model": model, "reflection_model": reflection_model, "gepa.max_calls": max_calls,
              "gepa.num_train": num_train, "gepa.num_val": num_val, "gepa.minibatch_size": minibatch_size,
              "gepa.perfect_score": perfect_score, "gepa.state_columns": state_columns,
@@ -100,9 +98,7 @@ def optimise(cfg: Any) -> None:
     """Run the GEPA search of `cfg` (a `jaxrl.config.gepa.GepaConfig`) and print its outcome (with the share
     of failed rollouts when some failed); exit 2 on a config, environment or endpoint problem (an endpoint
     that is down included), 1 when the first batch of rollouts all failed or reflection failed too often."""
-    from jaxrl.cli.train import quiet_libraries
-    from jaxrl.evaluation import gepa_run
-    from jaxrl.evaluation.endpoint import EndpointError
+    from jaxrl.evaluation import gepa_run  # gepa and verifiers: only `jaxrl gepa` needs them
     from jaxrl.evaluation.reflection import ReflectionFailed
 
     env_cfg = cfg.env[0]
@@ -136,8 +132,6 @@ def optimise(cfg: Any) -> None:
 def _endpoints(cfg: Any) -> Any:
     """(rollout endpoint, reflection endpoint): the reflection model is the rollout one (served once) unless
     `reflection_model` names another."""
-    from jaxrl.cli.local_model import endpoint
-
     common = {"base_url": cfg.api_base_url, "api_key_var": cfg.api_key_var, "endpoints_path": cfg.endpoints_path,
               "seq_len": cfg.jax.seq_len, "decode_slots": cfg.jax.decode_slots, "console": err}
     with endpoint(cfg.model, **common) as rollouts:
@@ -153,7 +147,7 @@ def _search(cfg: Any, p: Any, reflection: Any, folder: Path) -> Any:
     reflection prompt fitted to a local reflection model's context (`--seq-len`)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from jaxrl.evaluation import gepa_run
+    from jaxrl.evaluation import gepa_run  # gepa and verifiers, as `optimise`
     from jaxrl.evaluation.reflection import Reflector, chat_model
     from jaxrl.evaluation.reflection_prompt import Unrecoverable, local_budget
 

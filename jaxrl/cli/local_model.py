@@ -8,7 +8,7 @@ chat completions with the model's chat template for classic environments and ref
 for v1 environments), with `max_tokens` clamped to the context as in a run. With `-b`, or when `-m` is
 an alias of the endpoints file, it is a remote endpoint (`jaxrl.evaluation.endpoint.remote`), checked to
 answer before anything is played; otherwise
-a Hugging Face model id, downloaded into the HF cache when missing (`jaxrl.config.model_path`) and
+a Hugging Face model id, downloaded into the HF cache when missing (`jaxrl.config.hub`) and
 served locally.
 """
 
@@ -20,6 +20,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from jaxrl.config.hub import resolve_model
+from jaxrl.config.model_path import ModelNotFoundError
 from jaxrl.evaluation.endpoint import Endpoint, EndpointError, check_reachable, load_aliases, remote
 
 
@@ -34,10 +36,10 @@ def tokenizer_path(ref: str) -> str:
     Raises:
         EndpointError: `ref` is neither a model folder nor a run / checkpoint.
     """
-    from jaxrl.cli import serve
+    from jaxrl.cli import serve  # JAX: only a local model needs it
     from jaxrl.export import exporter
 
-    if serve._is_hf_folder(ref):
+    if serve.is_hf_folder(ref):
         return str(Path(ref).expanduser().resolve())
     try:
         return str(exporter.find_source(ref).tokenizer_path)
@@ -53,7 +55,7 @@ def served(ref: str, *, seq_len: int, decode_slots: int, console: Console) -> It
     Raises:
         EndpointError: the model cannot be loaded or served (`jaxrl.cli.serve.ServeError`'s message).
     """
-    from jaxrl.cli import serve
+    from jaxrl.cli import serve  # JAX, and the HTTP server: only a local model needs them
     from jaxrl.inference.server import start_server
 
     tokenizer = tokenizer_path(ref)
@@ -99,9 +101,6 @@ def local_folder(model: str) -> str:
     Raises:
         EndpointError: neither a folder nor a Hub model that can be had (the download's one-line reason).
     """
-    from jaxrl.config.hub import resolve_model
-    from jaxrl.config.model_path import ModelNotFoundError
-
     if is_local(model):
         return model
     try:

@@ -1,25 +1,22 @@
-"""`jaxrl list`, `logs`, `stop`, `delete`, `checkpoints` and `plot`: the local runs, managed as `prime rl`
-manages hosted ones (`jaxrl.cli.runs` does the work). Commands of `jaxrl.cli.main`'s app (`manage_app`'s
-commands are added to it); none but `checkpoints` imports JAX, so they answer in well under a second."""
+"""Local runs managed as `prime rl` manages hosted ones: `jaxrl list`, `logs`, `stop`, `delete`, `checkpoints`
+and `plot` over the run folders under `--runs-dir` (`jaxrl.cli.runs` reads and changes them). All but
+`checkpoints` (which reads each checkpoint back with Orbax) import no JAX, so they answer at once.
+"""
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.table import Table
 
-manage_app = typer.Typer()
-out = Console(soft_wrap=True, highlight=False)
-err = Console(stderr=True, soft_wrap=True, highlight=False)
-
-
-def _fail(message: str) -> typer.Exit:
-    err.print(message, markup=False)
-    return typer.Exit(code=2)
-
+from jaxrl.cli import runs
+from jaxrl.cli.common import err, fail, out
+from jaxrl.cli.plot import plot_run
 
 RunsDir = Annotated[Path, typer.Option("--runs-dir", envvar="JAXRL_RUNS_DIR",
                                        help="Folder holding the runs: a config's [jax] output_dir.")]
@@ -29,22 +26,16 @@ _STATUS_STYLE = {"running": "cyan", "completed": "green", "stopped": "yellow", "
 
 
 def _run_folder(ref: str, runs_dir: Path) -> Path:
-    from jaxrl.cli import runs
-
+    """The folder of run `ref` (a name under `runs_dir`, or a path); exit 2 naming what is missing."""
     try:
         return runs.resolve(ref, runs_dir)
     except runs.RunsError as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
 
 
-@manage_app.command("list")
-def list_(runs_dir: RunsDir = Path("runs")) -> None:
+def list_runs(runs_dir: RunsDir = Path("runs")) -> None:
     """List the runs under --runs-dir: status (running, completed, stopped, failed, died), last step,
     last reward/mean, start time."""
-    from rich.table import Table
-
-    from jaxrl.cli import runs
-
     found = [runs.info(folder) for folder in runs.find_runs(runs_dir)]
     if not found:
         out.print(f"no runs in {runs_dir}" + ("" if runs_dir.is_dir() else " (no such folder)"), markup=False)
@@ -61,7 +52,6 @@ def list_(runs_dir: RunsDir = Path("runs")) -> None:
     Console(width=max(out.width, 100), highlight=False).print(table)
 
 
-@manage_app.command()
 def logs(
     ref: RunRef,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new output until the run ends.")]
@@ -71,13 +61,9 @@ def logs(
     runs_dir: RunsDir = Path("runs"),
 ) -> None:
     """Print a run's console output (its console.log); with --follow, until the run ends."""
-    import sys
-
-    from jaxrl.cli import runs
-
     folder = _run_folder(ref, runs_dir)
     if not (folder / runs.LOG).exists() and not follow:
-        raise _fail(f"jaxrl logs: {folder} has no {runs.LOG} (a run started before jaxrl kept one)")
+        raise fail(f"jaxrl logs: {folder} has no {runs.LOG} (a run started before jaxrl kept one)")
     if not follow:
         lines = (folder / runs.LOG).read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
         sys.stdout.write("".join(lines if tail is None else lines[-tail:] if tail else []))
@@ -91,7 +77,6 @@ def logs(
     out.print(f"[run {folder.name}: {runs.status(folder)}]", markup=False)
 
 
-@manage_app.command()
 def stop(
     ref: RunRef,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the run to checkpoint and exit.")] = 300.0,
@@ -99,15 +84,13 @@ def stop(
 ) -> None:
     """Stop a running run: SIGTERM, then it finishes the train step in progress, saves a checkpoint and
     exits (`jaxrl run` on its config again resumes it)."""
-    from jaxrl.cli import runs
-
     folder = _run_folder(ref, runs_dir)
     try:
         if (pid := runs.running_pid(folder)) is not None:
             err.print(f"stopping run {folder.name} (pid {pid}): waiting for its checkpoint ...", markup=False)
         state = runs.stop(folder, timeout)
     except runs.RunsError as exc:
-        raise _fail(f"jaxrl stop: {exc}") from None
+        raise fail(f"jaxrl stop: {exc}") from None
     if state == "running":
         err.print(f"jaxrl stop: run {folder.name} is still running after {timeout:g}s; it exits after its "
                   f"checkpoint (see `jaxrl logs {folder.name}`)", markup=False)
@@ -116,7 +99,6 @@ def stop(
     out.print(f"run {folder.name}: {state}" + (f"; its log ends: {last[0]}" if last else ""), markup=False)
 
 
-@manage_app.command()
 def delete(
     ref: RunRef,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
@@ -125,37 +107,30 @@ def delete(
     """Delete a run: its folder, and its checkpoint folder when that is a separate local one
     (`[jax] checkpoint_dir`). Checkpoints on gs:// are left in place, and said so. Refuses a running run,
     and any folder that is not a run (it holds `run.json`) inside --runs-dir."""
-    from jaxrl.cli import runs
-
     folder = _run_folder(ref, runs_dir)
     try:
         runs.check_deletable(folder, runs_dir)
     except runs.RunsError as exc:
-        raise _fail(f"jaxrl delete: {exc}") from None
+        raise fail(f"jaxrl delete: {exc}") from None
     local, kept = runs.deletion_plan(folder)
     if not yes:
         out.print(f"run {folder.name} ({runs.status(folder)}): deleting removes\n"
                   + "\n".join(f"  {p}" for p in local), markup=False)
         if not typer.confirm(f"delete run {folder.name}?", default=False):
-            raise _fail("jaxrl delete: nothing deleted")
+            raise fail("jaxrl delete: nothing deleted")
     try:
         runs.delete(folder, runs_dir)
     except (runs.RunsError, OSError) as exc:
-        raise _fail(f"jaxrl delete: {exc}") from None
+        raise fail(f"jaxrl delete: {exc}") from None
     out.print(f"deleted run {folder.name}: " + ", ".join(map(str, local)), markup=False)
     for what in kept:
         out.print(f"not deleted: {what}", markup=False)
 
 
-@manage_app.command()
 def checkpoints(ref: RunRef, runs_dir: RunsDir = Path("runs")) -> None:
     """List a run's complete checkpoints (local or gs://) and PEFT adapter folders, with the reward/mean
     of each step. Each checkpoint is read back whole; one that does not restore is marked `damaged` with
     why, as is one a resumed run set aside (`<step>.damaged`)."""
-    from rich.table import Table
-
-    from jaxrl.cli import runs
-
     folder = _run_folder(ref, runs_dir)
     directory, adapters = runs.checkpoint_dir(folder), runs.adapters_dir(folder)
     steps: list[int] = []
@@ -172,7 +147,7 @@ def checkpoints(ref: RunRef, runs_dir: RunsDir = Path("runs")) -> None:
             damage = {step: why for step in steps if (why := checkpointer.damage(step))}
             checkpointer.close()
         except Exception as exc:  # noqa: BLE001 - storage errors of any layer
-            raise _fail(f"jaxrl checkpoints: cannot list {directory}: {type(exc).__name__}: {exc}") from None
+            raise fail(f"jaxrl checkpoints: cannot list {directory}: {type(exc).__name__}: {exc}") from None
         if not directory.startswith("gs://"):  # steps a resumed run set aside (`Checkpointer.set_aside`)
             damage |= {int(p.name.split(".")[0]): f"set aside as {p}" for p in Path(directory).glob("*.damaged*")
                        if p.name.split(".")[0].isdigit()}
@@ -199,7 +174,6 @@ def checkpoints(ref: RunRef, runs_dir: RunsDir = Path("runs")) -> None:
         out.print(f"export one: jaxrl export {folder} --step {steps[-1]} --out DIR [--adapter]", markup=False)
 
 
-@manage_app.command()
 def plot(
     ref: RunRef,
     out_path: Annotated[Path | None, typer.Option("--out", help="PNG to write. Default: `<run folder>/plot.png`.",
@@ -208,12 +182,9 @@ def plot(
 ) -> None:
     """Write a PNG of a run's reward curve (reward/mean +- reward/std, per environment too) and, when its
     metrics have them, its eval/ and val/ curves."""
-    from jaxrl.cli import runs
-    from jaxrl.cli.plot import plot_run
-
     folder = _run_folder(ref, runs_dir)
     try:
         written = plot_run(runs.metrics_rows(folder), out_path or folder / "plot.png", f"run {folder.name}")
     except ValueError as exc:
-        raise _fail(f"jaxrl plot: {folder}: {exc}") from None
+        raise fail(f"jaxrl plot: {folder}: {exc}") from None
     out.print(f"wrote {written}", markup=False)

@@ -43,7 +43,8 @@ class Loaded:
     description: str
 
 
-def _is_hf_folder(ref: str) -> bool:
+def is_hf_folder(ref: str) -> bool:
+    """Whether `ref` is a Hugging Face model folder: a `config.json` and safetensors weights."""
     p = Path(ref).expanduser()
     return (p / "config.json").is_file() and any(p.glob("*.safetensors"))
 
@@ -79,7 +80,7 @@ def load(ref: str, *, name: str | None = None, decode_slots: int = 32, seq_len: 
     from jaxrl.export import exporter as export  # pulls in the trainer's modules: only a checkpoint needs them
 
     lora, lora_scale, source = None, 0.0, None
-    if _is_hf_folder(ref):
+    if is_hf_folder(ref):
         model_path = tokenizer_path = str(Path(ref).expanduser())
     elif not Path(ref).expanduser().exists() and _hub_id(ref):
         try:  # an `owner/name[@rev]` id that is no path here: from the HF cache, else downloaded from the Hub

@@ -1,19 +1,26 @@
-"""Running a training job in this process for `jaxrl run` and `jaxrl sft` (`jaxrl.cli.main`): third-party
-logs kept quiet, the runner's errors printed without traceback, the exit status and `run.json` record.
-Imports no JAX until a job starts."""
+"""`jaxrl run` and `jaxrl sft`: a run config checked to be of the command's kind, then trained in the
+foreground or detached into the background (`jaxrl.cli.runs.detach`), the run folder's record claimed so
+that one run is not started twice; and the training job in this process: third-party logs kept quiet,
+the runner's errors printed without traceback, the exit status and `run.json` record. Imports no JAX
+until a job starts."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
+from jaxrl.cli import runs
+from jaxrl.cli.common import ConfigPath, err, fail, load_run_config, out
 from jaxrl.config.schema import ConfigError, RunConfig
-
-err = Console(stderr=True, soft_wrap=True, highlight=False)
+from jaxrl.run.errors import RunError
+from jaxrl.run.layout import run_dir_of, run_name
 
 
 def quiet_libraries() -> None:
@@ -44,16 +51,14 @@ def train(cfg: RunConfig, console: Console | None = None, log: Any = None, run_d
     record is one more line on stderr, never a traceback."""
     import traceback
 
-    from jaxrl.cli import runs
-    from jaxrl.run.errors import RunError
-    from jaxrl.run.runner import run as run_training
+    from jaxrl.run.runner import run as run_training  # JAX and the trainer: only a job that starts
 
     code, message, fields = 1, None, {}
     try:
         if cfg.jax.sft is None:
             run_training(cfg, console)  # it loads the `env_file` secrets into the environment
         else:
-            from jaxrl.run.sft import SftRun
+            from jaxrl.run.sft import SftRun  # JAX and the trainer, as the runner
 
             run_training(cfg, console, run_class=SftRun)
         code = 0
@@ -91,3 +96,96 @@ def train(cfg: RunConfig, console: Console | None = None, log: Any = None, run_d
                               markup=False)
     if code:
         raise typer.Exit(code=code)
+
+
+def run(
+    path: ConfigPath,
+    detach: Annotated[bool, typer.Option("--detach", help="Run in the background (a new session, so closing the "
+                                                          "terminal does not stop it); output to the run "
+                                                          "folder's console.log.")] = False,
+    bench: Annotated[bool, typer.Option("--bench", help="Benchmark instead: the engine's and the trainer's "
+                                                        "throughput on synthetic rollouts (random prompts, "
+                                                        "max_tokens each, no environment), a few steps, "
+                                                        "nothing written; a JSON report on the last line "
+                                                        "(jaxrl.run.bench).")] = False,
+) -> None:
+    """Train: load the config, then start the run (in the foreground, or in
+    the background with --detach). Its console output is also kept in `<output_dir>/<name>/console.log`."""
+    if bench:
+        _bench(path)
+        return
+    _start(path, detach, "run")
+
+
+def _bench(path: Path) -> None:
+    """`jaxrl run --bench`: the report of `jaxrl.run.bench` on stdout, its last line JSON; exit 2 on a config
+    problem (the model cannot be loaded, the mesh does not fit)."""
+    cfg = load_run_config(path)
+    if cfg.jax.sft is not None:
+        raise fail(f"{path}: jax.sft: --bench measures an RL config's engine and trainer")
+    quiet_libraries()
+    from jaxrl.run.bench import bench  # JAX and the trainer: only a benchmark that starts
+
+    try:
+        report = bench(cfg, out)
+    except ConfigError as exc:
+        raise fail(str(exc)) from None
+    out.print(json.dumps(report), markup=False, soft_wrap=True)
+
+
+def sft(
+    path: ConfigPath,
+    detach: Annotated[bool, typer.Option("--detach", help="Run in the background, as `jaxrl run --detach`.")] = False,
+) -> None:
+    """Supervised fine-tuning: train the LoRA on the chat JSONL that the config's `[jax.sft]` names
+    (README, "Supervised fine-tuning"); a run like `jaxrl run`'s (checkpoints, adapters, metrics, eval,
+    `--detach`), whose checkpoint an RL config's `checkpoint_id` starts from."""
+    _start(path, detach, "sft")
+
+
+def _start(path: Path, detach: bool, command: str) -> None:
+    """`jaxrl run` or `jaxrl sft` (`command`): the config must be of that kind (`[jax.sft]` set for sft
+    only); then the run, in the foreground or detached."""
+    cfg = load_run_config(path)
+    if command == "run" and cfg.jax.sft is not None:
+        raise fail(f"{path}: jax.sft: this is an SFT config; train it with `jaxrl sft {path}`")
+    if command == "sft" and cfg.jax.sft is None:
+        raise fail(f"{path}: jax.sft: required by `jaxrl sft` (the data to train on); an RL config runs with "
+                    f"`jaxrl run {path}`")
+    run_dir, name = run_dir_of(cfg), run_name(cfg)
+
+    def refuse_if_running() -> None:
+        pid = runs.running_pid(run_dir)
+        if pid is not None and pid != os.getpid():  # a detached run's own process finds itself recorded
+            raise fail(f"jaxrl {command}: run {name} is already running (pid {pid}) in {run_dir}; follow it "
+                        f"with `jaxrl logs {name} --follow`, stop it with `jaxrl stop {name}`")
+
+    with runs.claimed(run_dir):  # two commands of one run at once: the second finds the first recorded
+        refuse_if_running()
+        if detach:
+            pid = runs.detach(path.resolve(), run_dir, command)
+    if detach:
+        where = "" if cfg.jax.output_dir == runs.DEFAULT_RUNS_DIR else f" --runs-dir {cfg.jax.output_dir}"
+        out.print(f"started run {name} in the background (pid {pid}); its folder is {run_dir}\n"
+                  f"follow it:  jaxrl logs {name}{where} --follow\n"
+                  f"stop it:    jaxrl stop {name}{where}", markup=False)
+        return
+    quiet_libraries()
+    from jaxrl.parallel import distributed  # JAX, as the runner: kept off the validate/init path
+
+    try:  # join a multi-host run (JAX_* variables, GCP Batch, Cloud TPU pod) before any device is touched
+        distributed.initialize(distributed.from_env())
+    except ValueError as exc:
+        raise fail(f"jaxrl {command}: {exc}") from None
+    if not distributed.is_primary():  # process 0 alone keeps the run's record and log
+        train(cfg)
+        return
+    with runs.claimed(run_dir):  # checked again: not held while JAX starts, which waits for the other hosts
+        refuse_if_running()
+        previous = runs.start(run_dir, path.resolve())
+    if runs.stdout_is(run_dir / runs.LOG):  # detached: stdout and stderr already go to the log
+        train(cfg, run_dir=run_dir, previous=previous)
+        return
+    with (run_dir / runs.LOG).open("a", encoding="utf-8") as log:
+        log.write(f"--- jaxrl {command} {path.resolve()} {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
+        train(cfg, runs.TeeConsole(log, soft_wrap=True), log, run_dir, previous)

@@ -19,6 +19,8 @@ from typing import Any
 
 from gepa.strategies.instruction_proposal import InstructionProposalSignature
 
+from jaxrl.inference.template import ChatTemplate
+
 OUTPUT = "completion"
 """The record field holding a rollout's output (verifiers' classic and v1 GEPA adapters both name it so)."""
 _EXAMPLES = "```\n<side_info>"
@@ -53,8 +55,6 @@ def local_budget(tokenizer_path: str, context: int, reply: int) -> PromptBudget:
     Raises:
         Unrecoverable: `reply` leaves no room for a prompt in `context`.
     """
-    from jaxrl.inference.template import ChatTemplate
-
     if reply >= context:
         raise Unrecoverable(f"--reflection-max-tokens ({reply}) leaves no room for the reflection prompt in the "
                             f"reflection model's {context}-token context: raise --seq-len or lower "

@@ -318,9 +318,10 @@ class Job:
             return new_state, {k: float(v) for k, v in jax.device_get(metrics).items()}
 
     def publish(self, version: int) -> float:
-        """Hand the trainer's LoRA (or weights) to the engine as policy `version`; return the seconds it took
-        (the step's `time/weight_update`): placing them for the engine (a copy onto its mesh, a cast to its
-        dtype) until they are ready, and the hand-over. The engine takes them between two decode steps."""
+        """Hand the trainer's LoRA (or, in full fine-tuning, its weights) to the engine as policy `version`;
+        return the seconds it took (the step's `time/weight_update`): placing them for the engine (a copy
+        onto its mesh, a cast to its dtype) until they are ready, and the hand-over. The engine takes them
+        between two decode steps."""
         t0 = time.perf_counter()
         self.serving.publish(jax.block_until_ready(self.engine_params()), version)
         return time.perf_counter() - t0

@@ -36,18 +36,28 @@ def trainer_mesh(cfg: RunConfig) -> Mesh:
 
 def engine_group(cfg: RunConfig, mcfg: ModelConfig, mesh: Mesh, console: Any, micro: int | None = None) -> range:
     """The processes whose devices this process's rollout engine spans: `[jax] engine_hosts` consecutive
-    ones, or the fit rule's (`jaxrl.parallel.distributed.engine_hosts`; `jaxrl.compile.report.run_engine_hosts`).
-    `micro`: the train step's sequences per micro-batch (`Placement.micro_batch`). Raises ConfigError (key
-    `jax.mesh` when the compiler refuses the train step, else `jax.engine_hosts`)."""
+    ones, or by the fit rule (`jaxrl.parallel.distributed.engine_hosts`): one on CPU or with one process,
+    else the fewest whose engine fits beside the train step compiled for `mesh`
+    (`jaxrl.compile.report.run_engine_hosts`). `micro`: the train step's sequences per micro-batch
+    (`Placement.micro_batch`).
+
+    Raises:
+        ConfigError: key `jax.mesh` when the compiler refuses the train step (it needs more than a chip's
+            HBM); key `jax.engine_hosts` when compiling it fails otherwise, or the value does not divide
+            the process count.
+    """
     def fit(chip_bytes: int) -> int:
         console.print("engine_hosts = 0: compiling the train step to choose the rollout engine's hosts "
                       "(set [jax] engine_hosts to skip this; jaxrl compile prints the value)")
         try:
             return report.run_engine_hosts(cfg, mcfg, mesh, chip_bytes, micro)
+        except ProgramTooLarge as exc:
+            raise ConfigError(cfg.source, [("jax.mesh", f"the train step does not fit: {exc}; "
+                                                        f"`jaxrl compile` names the term to shrink")]) from None
         except Exception as exc:  # noqa: BLE001 - not the checkpoint's fault: say which step failed
-            key = "jax.mesh" if isinstance(exc, ProgramTooLarge) else "jax.engine_hosts"
-            raise ConfigError(cfg.source, [(key, f"compiling the train step to choose the engine hosts: "
-                                                 f"{type(exc).__name__}: {exc}; `jaxrl compile` says more")]) from None
+            raise ConfigError(cfg.source, [("jax.engine_hosts", f"compiling the train step to choose the engine "
+                                                                f"hosts failed ({type(exc).__name__}: {exc}); "
+                                                                f"set engine_hosts to skip it")]) from None
 
     try:
         hosts = distributed.engine_hosts(cfg.jax.engine_hosts, jax.process_count(), distributed.chip_memory(), fit)

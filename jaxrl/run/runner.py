@@ -303,8 +303,8 @@ class Run(Job):
                 {"teacher/failed": float(len(errors))})
 
     def publish(self, version: int) -> float:
-        """Hand the trainer's LoRA (or weights) to the engine as policy `version` (`Job.publish`, whose
-        seconds it returns); the next groups play it."""
+        """Hand the trainer's LoRA (or, in full fine-tuning, its weights) to the engine as policy `version`
+        (`Job.publish`, whose seconds it returns); the producer's next groups play it."""
         seconds = super().publish(version)
         self.producer.set_version(version)
         return seconds
