@@ -44,6 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxrl.inference.engine import Engine  # noqa: E402
+from jaxrl.inference.layout import Plain  # noqa: E402
 from jaxrl.model import attention, modules  # noqa: E402
 from jaxrl.model.qwen3 import ModelConfig  # noqa: E402
 from jaxrl.parallel.sharding import make_mesh, spec_shardings  # noqa: E402
@@ -156,8 +157,10 @@ def decode_step(name: str, cfg: ModelConfig, slots: int, seq: int, pos: int, bw:
     `paged`: over the paged cache (a pool of slots x `seq` positions, each slot's pages of positions
     [0, pos) assigned, their contents zeros as the dense cache's)."""
     mesh, base, lora = build(cfg, jnp.bfloat16)
+    # the dense rows ask for the dense cache: with no kv_cache_tokens an accelerator's engine is paged
     engine = Engine(cfg, mesh, max_concurrent_decodes=slots, max_seq_len=seq, lora_scale=1.0,
-                    cache_dtype=jnp.bfloat16, kv_cache_tokens=slots * seq if paged else None)
+                    cache_dtype=jnp.bfloat16, kv_cache_tokens=slots * seq if paged else None,
+                    layout=None if paged else Plain(cfg, slots, seq))
     params = engine.prepare({"base": base, "lora": lora})
     for slot in range(slots if paged else 0):
         engine.pages.assign(slot, pos, pos)

@@ -52,33 +52,62 @@ def test_cli_compiles_a_checkpoint_config_for_a_slice(tmp_path, tiny_model_dir):
     # the compiler's cost of a layer against the ideal (4 FLOPs per weight and token with LoRA, and attention)
     cost = data["cost"]
     assert cost["layer_flops"] > cost["ideal_layer_flops"] > 0 and "compiler cost" in result.output
-    # and of a prefill layer (the 127-token bucket) and a decode layer (8 slots over 128 positions), each
+    # and of a prefill layer (the 127-token bucket) and a decode layer (8 slots over 128 positions of the
+    # engine's paged pool: the tiny model's 16-wide heads take the gather, not the Pallas kernel), each
     # unrolled at 2 and 3 layers: the einsum attention is visible, so the compiler counts at least the ideal
-    # (2 FLOPs per active weight and token + attention), and at least the weights (+ KV) in bytes
+    # (2 FLOPs per active weight and token + attention); the prefill's bytes at least the weights (+ KV); the
+    # decode's bytes are its own line's (below)
     prefill, decode = cost["engine"]
     assert (prefill["program"], decode["program"]) == ("prefill 127 tokens", "decode 8 slots x 128")
+    assert prefill["bytes"] >= prefill["ideal_bytes"] > 0 and not decode["bytes_counted"]
     for layer in (prefill, decode):
-        assert layer["flops"] >= layer["ideal_flops"] > 0 and layer["bytes"] >= layer["ideal_bytes"] > 0, layer
-        assert layer["kernel_flops"] == 0 and f"compiler cost ({layer['program']}, one layer" in result.output
-    # the dense cache in tokens (8 slots x 128), its room beside the run, rollouts of 64 tokens (seq_len / 2)
-    assert (data["kv_pool_tokens"], data["kv_pool_paged"], data["engines"]) == (8 * 128, False, 1)
-    assert data["kv_pool_tokens_fit"] > data["kv_pool_tokens"] and "KV cache: 1,024 tokens" in result.output
+        assert layer["flops"] >= layer["ideal_flops"] > 0 and layer["kernel_flops"] == 0, layer
+        assert f"compiler cost ({layer['program']}, one layer" in result.output
+    assert "ratio" in result.output.split("compiler cost (decode")[1].split("(bytes: the decode step bytes line)")[0]
+    # no [jax] kv_cache_tokens on TPU: the paged pool that fits, capped at the 8 slots x 128 it can ever hold;
+    # its room beside the run, rollouts of 64 tokens (seq_len / 2)
+    assert (data["kv_pool_tokens"], data["kv_pool_paged"], data["kv_pool_auto"], data["engines"]) == \
+        (8 * 128, True, True, 1)
+    assert data["kv_pool_tokens_fit"] > data["kv_pool_tokens"] and "KV cache: 1,024 tokens per engine, paged pool " \
+        "sized to fit ([jax] kv_cache_tokens unset" in result.output
     assert data["concurrent_rollouts"] == {"mean_tokens": 64, "per_engine": 8, "per_slice": 8, "per_slice_fit": 8}
+    _check_decode_bytes(data, result.output)
     bad = runner.invoke(app, ["compile", str(config), "--topology", "v5p-7"])
     assert bad.exit_code == 2 and "--topology: slice 'v5p-7'" in bad.output
     wrong = runner.invoke(app, ["compile", str(config), "--topology", "v6e-8"])
     assert wrong.exit_code == 2 and "jax.mesh" in wrong.output and "v6e-8 has 8 chips" in wrong.output
     assert "v5litepod-16" in runner.invoke(app, ["compile", "--help"]).output
     # full fine-tuning: float32 master weights (twice the bfloat16 ones), AdamW moments and the step's new
-    # weights and moments beside them (at least 5 x the weights), and the engine's bfloat16 copy
-    config.write_text(config.read_text() + 'finetune = "full"\n')
+    # weights and moments beside them (at least 5 x the weights), and the engine's bfloat16 copy; and a pool
+    # set by [jax] kv_cache_tokens is that pool (whole pages), not the one that fits
+    config.write_text(config.read_text() + 'finetune = "full"\nkv_cache_tokens = 200\n')
     full = runner.invoke(app, ["compile", str(config), "--topology", "v5litepod-4", "--no-cost", "--no-context",
                                "--json", str(tmp_path / "f.json")])
     assert full.exit_code == 0, full.output
-    lora, full = data["bytes_per_chip"], json.loads((tmp_path / "f.json").read_text())["bytes_per_chip"]
+    pool = json.loads((tmp_path / "f.json").read_text())
+    assert (pool["kv_pool_tokens"], pool["kv_pool_paged"], pool["kv_pool_auto"]) == (208, True, False)
+    assert "paged pool ([jax] kv_cache_tokens)" in full.output
+    lora, full = data["bytes_per_chip"], pool["bytes_per_chip"]
     assert full["weights"] == 2 * lora["weights"] and full["engine_weights"] == lora["weights"] > 0
     assert lora["engine_weights"] == 0 and full["lora_optimizer"] >= 5 * full["weights"]
     _check_kl_reference(runner, app, config, tmp_path, data, json.loads((tmp_path / "f.json").read_text()))
+
+
+def _check_decode_bytes(data: dict, output: str):
+    """The decode step's bytes a chip from its compiled buffers (`jaxrl.compile.decode_bytes`): its weights
+    and LoRA as declared, its cache read as the gather reads it (every slot's first chunk, 128 positions, for
+    slots at position 64), this step's key and value, and its ideal the weights once + 8 x 64 positions;
+    its temporaries under 10% of its KV cache (no copy of the pool)."""
+    step, decode = data["decode_bytes"], data["programs"][f"decode@{data['model_layers']}"]
+    per_token = data["kv_bytes_per_token"]
+    assert step["weights"] == decode["declared"]["weights"] + decode["declared"]["lora"] > 0
+    assert (step["reads"], step["position"], step["slots"]) == ("gather", 64, 8)
+    assert (step["kv_read"], step["kv_written"], step["kv_in_use"]) == \
+        (int(8 * 128 * per_token), int(8 * per_token), int(8 * 64 * per_token))
+    assert step["ideal"] == step["weights"] + step["kv_in_use"] and step["moved"] >= step["ideal"]
+    assert step["cache"] == data["bytes_per_chip"]["kv_cache"] and step["temp"] < 0.1 * step["cache"], step
+    assert f"ratio {step['moved'] / step['ideal']:.2f}" in output.split("decode step bytes (8 slots at position 64")[1]
+    assert "decode temporaries: " in output and "of the KV cache" in output
 
 
 def _check_kl_reference(runner, app, config, tmp_path, lora: dict, full: dict):
@@ -116,6 +145,74 @@ def _check_kl_reference(runner, app, config, tmp_path, lora: dict, full: dict):
                                  micro_batch_size=lora["micro_batch_size"])
     program = programs.compile_train(shapes, mesh)
     assert program.declared["reference"] == 0 and program.argument == lora["programs"][train]["argument"]
+
+
+def test_the_kv_pool_that_fits_is_whole_pages_beside_its_table_capped_at_what_the_slots_hold():
+    """`[jax] kv_cache_tokens` unset on an accelerator: the pool that fits its room (`pool.fit_pool_tokens`:
+    less the page table and the scratch page, whole pages) capped at decode_slots x seq_len and at least one
+    sequence (`pool.auto_pool_tokens`); hand-computed numbers."""
+    from jaxrl.compile import pool
+
+    # 1 GiB, a 64 KiB table, 24 KiB a token (Qwen3-30B-A3B on expert 4): (2^30 - 2^16) // 24576 = 43,688,
+    # less the scratch page 43,672, whole pages of 16: 43,664
+    assert pool.fit_pool_tokens(2**30, 24 * 2**10, 2**16, 16) == 43_664
+    assert pool.fit_pool_tokens(2**16, 24 * 2**10, 2**16, 16) == pool.fit_pool_tokens(-5.0, 1.0, 0, 16) == 0
+    assert pool.fit_pool_tokens(16 * 100 + 0.5, 1.0, 0, 16) == 16 * 99  # 1,600 positions, less scratch
+    # 256 slots of 8,192: the fit under the cap (2,097,152); the cap over it; one sequence at least
+    assert pool.auto_pool_tokens(1_343_168, 256, 8192, 16) == 1_343_168
+    assert pool.auto_pool_tokens(3_000_000, 256, 8192, 16) == 256 * 8192
+    assert pool.auto_pool_tokens(0, 256, 8192, 16) == 8192
+    # seq_len 100 in pages of 16: 112 positions a slot, 4 slots 448
+    assert pool.auto_pool_tokens(10**6, 4, 100, 16) == 448 and pool.auto_pool_tokens(5, 4, 100, 16) == 112
+
+
+def test_decode_bytes_are_the_step_buffers_against_weights_once_and_the_kv_in_use():
+    """`decode_bytes.of` on hand-made byte counts: 4 slots at position 300 of 1,024 with 1 KiB a cached
+    position; weights 100 MiB + LoRA 1 MiB; the compiled arguments 200 MiB (the cache 64 MiB + the slot
+    state), outputs 65 MiB of which 64 MiB in place, temporaries 3 MiB."""
+    from jaxrl.compile import decode_bytes
+
+    mib = 2**20
+    decode = {"declared_weights": 100 * mib, "declared_lora": mib, "declared_kv_cache": 64 * mib,
+              "argument": 200 * mib, "output": 65 * mib, "alias": 64 * mib, "temp": 3 * mib}
+    step = decode_bytes.of(decode, 64 * mib, 1024.0, "kernel", 4, 300, 1024)
+    # the kernel reads 3 blocks of 128 positions a slot (384), writes one position a slot
+    assert (step.kv_read, step.kv_written, step.kv_in_use) == (4 * 384 * 1024, 4 * 1024, 4 * 300 * 1024)
+    assert (step.weights, step.state, step.outputs) == (101 * mib, 35 * mib, mib)
+    assert step.moved == 101 * mib + 4 * 384 * 1024 + 4 * 1024 + 35 * mib + mib + 6 * mib
+    assert step.ideal == 101 * mib + 4 * 300 * 1024
+    lines = decode_bytes.of(decode, 64 * mib, 1024.0, "dense", 4, 300, 1024).lines()
+    assert "KV read 4.00 MiB (the whole dense cache, masked)" in lines[0] and "4.7% of the KV cache" in lines[1]
+    assert decode_bytes.positions_read("gather", 300, 1024) == 512  # chunks 256, 256, 512 (cpu.chunk_sizes)
+
+
+def test_a_run_on_an_accelerator_sizes_its_kv_pool_to_what_fits(tiny_model_dir, monkeypatch):
+    """The run's side (`run_pool.startup_kv_cache_tokens`): no memory reported (CPU), the dense cache (None);
+    `[jax] kv_cache_tokens` set, that (nothing compiled); else, with a chip's memory and what is in use (a
+    v5p's 95 GiB and 1 GiB stood in for here: this machine has no accelerator), the train step, prefill and
+    decode compiled and the pool that fits, here every slot's 128 positions (8 x 128); with no room left, one
+    sequence. The tiny Qwen3 on v5p-16 (fsdp 8): 512 B a position a chip (2 x 2 layers x 2 kv heads x 16 x
+    float32, the heads not split: 8 chips do not divide 2), a table of 8 x 8 int32."""
+    from jaxrl.compile import pool, report, run_pool
+    from jaxrl.parallel import distributed
+
+    cfg, mcfg, mesh = _tiny_on_v5p_16(tiny_model_dir)
+    said = []
+    monkeypatch.setattr(distributed, "chip_memory", lambda: None)
+    assert run_pool.startup_kv_cache_tokens(cfg, mcfg, mesh, mesh, 16, said.append) is None and not said
+    monkeypatch.setattr(distributed, "chip_memory", lambda: 95 * 2**30)
+    monkeypatch.setattr(distributed, "memory_in_use", lambda: 2**30)
+    keyed = cfg.model_copy(deep=True)
+    keyed.jax.kv_cache_tokens = 300
+    assert run_pool.startup_kv_cache_tokens(keyed, mcfg, mesh, mesh, 16, said.append) == 300 and not said
+    assert run_pool.startup_kv_cache_tokens(cfg, mcfg, mesh, mesh, 16, said.append) == 8 * 128
+    assert "kv_cache_tokens unset: compiling the train step, prefill and decode" in said[0]
+    assert said[1].startswith("KV pool: 1,024 tokens per engine")
+    shapes = report.shapes_of(cfg, mcfg)
+    assert pool.token_bytes(mcfg, {"fsdp": 8}, 4) == 512
+    # room for the table (256 B), the scratch page and 500 positions: 496 in whole pages; none: one sequence
+    assert pool.sized(shapes, mesh, 256 + (16 + 500) * 512).kv_cache_tokens == 496
+    assert pool.sized(shapes, mesh, -1).kv_cache_tokens == 128
 
 
 def test_overflow_advice_leaves_out_what_the_run_already_does():
@@ -317,7 +414,7 @@ def test_cpu_only_choices_follow_the_mesh_not_the_host():
 
     from jaxrl.inference.cpu import CpuLayout
     from jaxrl.inference.engine import Engine
-    from jaxrl.inference.layout import Plain
+    from jaxrl.inference.paged import PagedLayout
     from jaxrl.model import head
     from jaxrl.model.qwen3 import ModelConfig
     from jaxrl.parallel.sharding import make_mesh, mesh_platform
@@ -346,7 +443,10 @@ def test_cpu_only_choices_follow_the_mesh_not_the_host():
                         num_kv_heads=2, head_dim=16)
     on_cpu, on_tpu = Engine(small, on_cpu, 16, 64), Engine(small, tpu, 16, 64)
     assert isinstance(on_cpu.layout, CpuLayout) and on_cpu.layout.blocked_sampling
-    assert isinstance(on_tpu.layout, Plain) and on_tpu.layout.reads_training_weights
+    # and on an accelerator no [jax] kv_cache_tokens is the paged pool (`jaxrl.compile.pool.sized` sizes a
+    # run's), at most every slot's 64 positions in pages of 16, and the scratch page
+    assert isinstance(on_tpu.layout, PagedLayout) and on_tpu.layout.reads_training_weights
+    assert on_tpu.pages.num_pages == 16 * 64 // 16 + 1
 
 
 def test_a_run_on_accelerator_hosts_compiles_to_choose_its_engine_group(tiny_model_dir, monkeypatch):

@@ -104,6 +104,11 @@ def test_qwen3_4b_trains_32k_token_rows_on_a_v5p_8(compiled):
     assert (r.hosts, r.engine_hosts, r.terms["engine_weights"]) == (1, 1, 0)
     model, slice_, mesh, slots, _, seq_len = CASES["4b-v5p-8-32k"]
     assert catalog.COMPILED_CONTEXT[model] == (seq_len, slice_, "tensor 4", slots) and mesh == {"tensor": 4}
+    # no [jax] kv_cache_tokens: the paged pool that fits, here all 16 slots' 32,768 positions (36 KiB a token
+    # a chip: the dense cache's 18 GiB), the scratch page and the page table (int32 [16, 2048]) beside them
+    dense = slots * seq_len * 36 * 2**10
+    assert r.pool.auto and r.pool.tokens == slots * seq_len and r.pool.fit_tokens > r.pool.tokens
+    assert r.terms["kv_cache"] == dense + 16 * 36 * 2**10 + slots * 2048 * 4, r.terms
 
     # The same run with a paged KV pool ([jax] kv_cache_tokens, JAX's Pallas kernel): 64 slots over 2**20
     # tokens, 36 GiB a chip, 64 rollouts of 16,384 tokens at once where the dense cache runs 16. Its decode
@@ -125,8 +130,7 @@ def test_qwen3_4b_trains_32k_token_rows_on_a_v5p_8(compiled):
     print(f"with the pool: {paged.total / 2**30:.2f} GiB a chip")  # 58.88 (2026-11-26; the whole report 58.87)
     # the pool: twice the dense cache's tokens and the scratch page, 36 KiB a token a chip; the page table
     # (int32 [64, 2048]) on every chip
-    assert paged.fits and paged.terms["kv_cache"] == 2 * r.terms["kv_cache"] + 16 * 36 * 2**10 + 64 * 2048 * 4, \
-        paged.terms
+    assert paged.fits and paged.terms["kv_cache"] == 2 * dense + 16 * 36 * 2**10 + 64 * 2048 * 4, paged.terms
 
 
 def test_memory_is_affine_in_depth(compiled):

@@ -76,7 +76,9 @@ def compiled_context(shapes: Shapes, mesh: Any, hbm_bytes: int, depths: tuple[in
     def bytes_at(i: int) -> int | None:
         t = lengths[i]
         if t not in sized:
-            at = dataclasses.replace(shapes, seq_len=t, micro_batch_size=batch_shards(mesh))
+            # a pool set by [jax] kv_cache_tokens holds at least one sequence of the length tried
+            pool = None if shapes.kv_cache_tokens is None else max(shapes.kv_cache_tokens, t)
+            at = dataclasses.replace(shapes, seq_len=t, micro_batch_size=batch_shards(mesh), kv_cache_tokens=pool)
             try:
                 train = {d: programs.compile_train(at.at_depth(d), mesh) for d in depths}
             except programs.ProgramTooLarge:

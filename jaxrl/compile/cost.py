@@ -54,12 +54,21 @@ class LayerCost:
     ideal_flops: float
     ideal_bytes: float
     kernel_flops: float = 0.0
+    # whether the line compares the bytes accessed with the ideal: not for decode, whose bytes the decode
+    # step bytes line gives from its buffers (`jaxrl.compile.decode_bytes`; the unrolled step's bytes accessed
+    # count each layer's cache slice and nothing inside the paged-attention kernel)
+    bytes_counted: bool = True
 
     def line(self) -> str:
         """One report line: the counts, the ideal and their ratios."""
         seen = self.ideal_flops - self.kernel_flops
-        kernel = (f", {flops_text(self.kernel_flops)} of it attention inside the splash kernel, not counted by the "
-                  f"compiler (outside it: ratio {self.flops / seen:.2f})" if self.kernel_flops else "")
+        which = "splash" if self.program.startswith("prefill") else "paged-attention"
+        kernel = (f", {flops_text(self.kernel_flops)} of it attention inside the {which} kernel, not counted by "
+                  f"the compiler (outside it: ratio {self.flops / seen:.2f})" if self.kernel_flops else "")
+        if not self.bytes_counted:
+            return (f"compiler cost ({self.program}, one layer, per chip): {flops_text(self.flops)}; ideal "
+                    f"{flops_text(self.ideal_flops)}{kernel}: ratio {self.flops / self.ideal_flops:.2f} FLOPs "
+                    f"(bytes: the decode step bytes line)")
         return (f"compiler cost ({self.program}, one layer, per chip): {flops_text(self.flops)}, "
                 f"{bytes_text(self.bytes)} accessed; ideal {flops_text(self.ideal_flops)}{kernel}, "
                 f"{bytes_text(self.ideal_bytes)} (weights once + KV): ratio {self.flops / self.ideal_flops:.2f} "

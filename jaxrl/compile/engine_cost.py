@@ -3,8 +3,9 @@
 `cost_analysis()` counts a scanned layer once whatever the depth (`jaxrl.compile.cost`), and the engine's
 programs scan their layers. So each is compiled here with its layers unrolled at the two depths of
 `jaxrl.compile.depths.cost_depths`, through the same model code the engine runs (`qwen3.forward` over
-a prompt bucket, as `Engine._prefill_forward`; `decode.decode_step` over the stacked cache, as the
-`Plain` layout's step), without the sampling around them: the difference is one layer.
+a prompt bucket, as `Engine._prefill_forward`; `decode.decode_step` over the engine's cache layout: on
+TPU the paged pool read by the Pallas kernel), without the sampling around them: the difference is one
+layer.
 
 Ideal, per layer, divided evenly over the engine's chips (a prefill of one sequence is not split over the
 batch axes, so its chips repeat each other's work and its ratio shows it):
@@ -15,11 +16,13 @@ batch axes, so its chips repeat each other's work and its ratio shows it):
     S = seq_len, a slot at its last position).
   * Bytes: the layer's weights and LoRA read once, and the KV cache written (prefill: the prompt's k and
     v) or read (decode: the layer's whole cache), as the compiled programs hold them per chip.
-Under splash attention (prefill on TPU) the attention is inside a Pallas kernel, which `cost_analysis()`
-does not count: `LayerCost.kernel_flops` says how much of the ideal that is. The compiler's bytes
-accessed sum every operation's operands and results, and the unrolled decode slices each layer's k and v
-out of the stacked cache (the scanned step reads them at an index): its bytes are an upper bound on the
-engine's (Qwen3-4B, 256 slots x 4096 on v5p-8: 11.01 GiB a layer a chip against 1.05 ideal; FLOPs 1.06x).
+Under splash attention (prefill on TPU) and the paged-attention kernel (decode on TPU) the attention is
+inside a Pallas kernel, which `cost_analysis()` does not count: `LayerCost.kernel_flops` says how much of
+the ideal that is. The compiler's bytes accessed sum every operation's operands and results, and the
+unrolled dense decode slices each layer's k and v out of the stacked cache: an upper bound that had to
+be explained away (Qwen3-4B, 256 slots x 4096 on v5p-8: 11.01 GiB a layer a chip against 1.05 ideal).
+So the decode's line gives FLOPs only, and its bytes are the decode step bytes line's, from the compiled
+step's buffers (`jaxrl.compile.decode_bytes`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl.compile import depths, programs
 from jaxrl.compile.cost import LayerCost, active_layer_weights
 from jaxrl.compile.programs import Program, Shapes
-from jaxrl.model import decode, modules, qwen3
+from jaxrl.model import decode, modules, paged, qwen3
 from jaxrl.model.attention import implementation
 from jaxrl.parallel.sharding import mesh_platform
 
@@ -77,17 +80,28 @@ def prefill_cost(shapes: Shapes, mesh: Mesh) -> LayerCost:
                      attention / chips if kernel else 0.0)
 
 
-def decode_cost(shapes: Shapes, mesh: Mesh) -> LayerCost | None:
-    """`LayerCost` of a decode step of `decode_slots` slots over the dense cache of `seq_len` positions on
-    `mesh` (the engine's): `decode.decode_step` with its layers unrolled, the cache donated as the engine
-    donates it. None for a paged pool (`[jax] kv_cache_tokens`: its attention is a Pallas kernel on TPU,
-    not counted by the compiler; not costed). Two compiles.
+def _cache_layout(engine: Any, cache: Any, mesh: Mesh) -> decode.CacheLayout:
+    """The `decode.CacheLayout` `engine`'s step runs over `cache` on `mesh`, as its layout's `decode` picks it:
+    the stacked dense cache, or the paged pool read by JAX's Pallas kernel (TPU) or gathered."""
+    if engine.pages is None:
+        return decode.STACKED
+    layout = engine.layout
+    if layout.implementation(mesh) == "pallas":
+        return paged.PagedKernel(cache["pages"], layout.page, layout.max_seq_len, mesh=mesh)
+    return paged.Paged(cache["pages"], layout.page, layout.max_seq_len)
+
+
+def decode_cost(shapes: Shapes, mesh: Mesh) -> LayerCost:
+    """`LayerCost` of a decode step of `decode_slots` slots over the engine's cache of `seq_len` positions a
+    slot on `mesh` (the engine's: a paged pool on TPU, `[jax] kv_cache_tokens` or the pool that fits):
+    `decode.decode_step` with its layers unrolled over the engine's cache layout, the cache donated as the
+    engine donates it. Under the Pallas paged-attention kernel the attention is not counted by the compiler
+    (`kernel_flops`). Its bytes are the decode step bytes line's (`jaxrl.compile.decode_bytes`), not these
+    (`bytes_counted`). Two compiles.
 
     Raises:
         programs.ProgramTooLarge: the compiler refused one of them.
     """
-    if shapes.kv_cache_tokens is not None:
-        return None
     m = shapes.model
     da, db = depths.cost_depths(m)
     compiled, read = [], []
@@ -97,10 +111,10 @@ def decode_cost(shapes: Shapes, mesh: Mesh) -> LayerCost | None:
         state = programs.abstract_decode_state(engine)
 
         def step(base: Any, lora: Any, tokens_B: jax.Array, positions_B: jax.Array, cache: Any,
-                 s: Shapes = s) -> Any:
+                 s: Shapes = s, engine: Any = engine) -> Any:
             layers = qwen3.join_layers(qwen3.unstack_layers(s.model, base), qwen3.unstack_layers(s.model, lora))
-            return decode.decode_step(s.model, base, tokens_B, positions_B, cache, lora=lora,
-                                      lora_scale=s.lora_scale, mesh=mesh, layers=layers, layout=decode.STACKED)
+            return decode.decode_step(s.model, base, tokens_B, positions_B, cache, lora=lora, lora_scale=s.lora_scale,
+                                      mesh=mesh, layers=layers, layout=_cache_layout(engine, cache, mesh))
 
         lowered = jax.jit(step, donate_argnums=4).lower(params.base, params.lora, state.tokens,
                                                         state.positions, state.cache)
@@ -109,10 +123,13 @@ def decode_cost(shapes: Shapes, mesh: Mesh) -> LayerCost | None:
                     + programs.shard_bytes(state.cache))
     flops, nbytes = _difference(*compiled, da, db)
     chips, slots = mesh.devices.size, shapes.decode_slots
-    ideal = slots * (2 * active_layer_weights(m) + 4 * shapes.seq_len * m.num_heads * m.head_dim) / chips
-    return LayerCost(f"decode {slots} slots x {shapes.seq_len}", flops, nbytes, ideal, (read[1] - read[0]) / (db - da))
+    attention = slots * 4 * shapes.seq_len * m.num_heads * m.head_dim / chips
+    ideal = slots * 2 * active_layer_weights(m) / chips + attention
+    kernel = isinstance(_cache_layout(engine, state.cache, mesh), paged.PagedKernel)
+    return LayerCost(f"decode {slots} slots x {shapes.seq_len}", flops, nbytes, ideal, (read[1] - read[0]) / (db - da),
+                     attention if kernel else 0.0, bytes_counted=False)
 
 
 def engine_costs(shapes: Shapes, mesh: Mesh) -> tuple[LayerCost, ...]:
-    """The prefill's and (dense cache) the decode's `LayerCost` on the engine's `mesh`: four compiles."""
-    return tuple(c for c in (prefill_cost(shapes, mesh), decode_cost(shapes, mesh)) if c is not None)
+    """The prefill's and the decode's `LayerCost` on the engine's `mesh`: four compiles."""
+    return prefill_cost(shapes, mesh), decode_cost(shapes, mesh)

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl.config.algorithms import LossConfig
 from jaxrl.inference.engine import DecodeState, Engine
 from jaxrl.inference.engine_params import EngineParams
+from jaxrl.inference.layout import Plain
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.sampling import SlotSampling
 from jaxrl.model.modules import lora_specs, param_specs
@@ -209,9 +210,12 @@ def compile_train(s: Shapes, mesh: Mesh) -> Program:
     return _measure("train" + (" unrolled" if s.unroll else ""), lowered, declared)
 
 
-def _engine(s: Shapes, mesh: Mesh) -> tuple[Engine, EngineParams]:
+def _engine(s: Shapes, mesh: Mesh, dense: bool = False) -> tuple[Engine, EngineParams]:
+    """The engine of `s` on `mesh` (`dense`: with the dense cache, `Plain`, whatever the platform) and its
+    abstract params."""
+    layout = Plain(s.model, s.decode_slots, s.seq_len) if dense else None
     engine = Engine(s.model, mesh, s.decode_slots, s.seq_len, lora_scale=s.lora_scale, cache_dtype=s.dtype,
-                    kv_cache_tokens=s.kv_cache_tokens)
+                    layout=layout, kv_cache_tokens=s.kv_cache_tokens)
     base, lora = _weights(s, mesh)
     return engine, EngineParams(base=base, lora=lora)
 
@@ -287,8 +291,11 @@ def engine_declared_bytes(s: Shapes, mesh: Mesh, own_weights: bool) -> int:
     """Per chip, what a rollout engine on `mesh` holds by its declared shapes and shardings (nothing is
     compiled): its KV cache, and with `own_weights` its copy of the base weights and LoRA (an engine on
     fewer hosts than the trainer; one on all of them reads the trainer's). The decode step's scratch is
-    not in it."""
-    engine, params = _engine(s, mesh)
+    not in it. With no `kv_cache_tokens` the pool is sized to what is left once the rules that read this
+    have chosen (`jaxrl.compile.pool.sized`): it counts here as the dense cache of `decode_slots` x
+    `seq_len` as the mesh shards it (slots over the batch axes, which a pool's pages cannot be), what these
+    rules reserved before the pool was the default."""
+    engine, params = _engine(s, mesh, dense=s.kv_cache_tokens is None)
     weights = shard_bytes(params.base) + shard_bytes(params.lora) if own_weights else 0
     return weights + shard_bytes(abstract_decode_state(engine).cache)
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jaxrl.compile import decode_bytes, fit, pool, programs, slices
 from jaxrl.compile import depths as depth_rule
-from jaxrl.compile import fit, pool, programs, slices
 from jaxrl.compile.context import Context, compiled_context
 from jaxrl.compile.cost import Cost, train_cost
 from jaxrl.compile.engine_cost import engine_costs
@@ -44,7 +44,8 @@ ADVICE = {
     "kl_reference": "[jax.loss] kl_coef = 0, or finetune = \"lora\" (its reference is the base with the LoRA off: "
                     "no copy), or more fsdp / expert chips",
     "engine_weights": "an engine over more hosts (--engine-hosts), or a larger slice",
-    "kv_cache": "fewer [jax] decode_slots or a shorter seq_len",
+    "kv_cache": "a smaller [jax] kv_cache_tokens (the paged pool; unset on TPU and GPU, the pool that fits), "
+                "fewer [jax] decode_slots or a shorter seq_len",
     "temporaries": "[jax] remat = true, a smaller [jax] micro_batch_size, fewer decode_slots, or a larger slice",
     "other": "a smaller batch_size or decode_slots",
 }
@@ -72,6 +73,7 @@ class Report:
     cost: Cost | None = None  # the compiler's FLOPs and bytes of a train-step, prefill and decode layer
     pool: pool.PoolSize | None = None  # the engine's KV cache in tokens, and the rollouts it runs at once
     context: Context | None = None  # the longest sequences this slice trains
+    decode_bytes: decode_bytes.DecodeBytes | None = None  # the decode step's bytes a chip against the ideal
 
     @property
     def total(self) -> int:
@@ -111,6 +113,7 @@ class Report:
             "train_step_s": self.train_step_s, "decode_step_s": self.decode_step_s,
             "decode_tokens_per_s_per_engine": self.decode_tokens_per_s, "compile_s": self.compile_s,
             "chip": dataclasses.asdict(self.slice.chip), **(self.pool.to_json() if self.pool else {}),
+            "decode_bytes": None if self.decode_bytes is None else self.decode_bytes.to_json(),
         }
 
     def text(self) -> str:
@@ -136,6 +139,7 @@ class Report:
         lines.append(f"roofline: train step {self.train_step_s:.2f} s, decode step {self.decode_step_s * 1e3:.1f} ms "
                      f"= {self.decode_tokens_per_s:.0f} tok/s per engine ({self.slice.chip.source})")
         lines += self.pool.lines() if self.pool else []
+        lines += self.decode_bytes.lines() if self.decode_bytes else []
         if self.cost is not None:
             lines += self.cost.lines(self.slice.chip)
         if self.context is not None:
@@ -330,6 +334,10 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
     train, prefill, decode = (fit.at_depth(compiled[n], depths, model.num_layers)
                               for n in ("train", "prefill", "decode"))
     terms = memory_terms(train, prefill, decode, fit.engine_owns_weights(shapes, emesh, mesh))
+    auto = shapes.kv_cache_tokens is None  # the pool that fits, beside the decode step's scratch and slot state too
+    if auto:  # (a pool's size leaves them as they are: the kernel reads its pages in place)
+        shapes = pool.sized(shapes, emesh, FIT_SHARE * slice_.chip.hbm_bytes - sum(terms.values()) + terms["kv_cache"])
+        terms["kv_cache"] = programs.engine_declared_bytes(shapes, emesh, own_weights=False)
     k = -(-shapes.batch_rows // shapes.micro_batch_size)
     # the tokens an expert group dispatches per micro-batch: a batch shard's, times the expert axis
     shards = math.prod(mesh.shape[a] for a in RULES["batch"])
@@ -339,14 +347,26 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
                                  terms["weights"], decode["declared_weights"], terms["kv_cache"], k, chunked)
     layer_cost = dataclasses.replace(train_cost(shapes, mesh), engine=engine_costs(shapes, emesh)) if cost else None
     free = int(FIT_SHARE * slice_.chip.hbm_bytes) - sum(terms.values()) + terms["kv_cache"]  # the cache's room
-    kv = pool.of(shapes, emesh, hosts // g, free, rollout_tokens or shapes.seq_len // 2)
+    kv = pool.of(shapes, emesh, hosts // g, free, rollout_tokens or shapes.seq_len // 2,
+                 auto and shapes.kv_cache_tokens is not None)
+    step = decode_bytes.of(decode, terms["kv_cache"], kv.bytes_per_token, _reads(shapes, emesh), shapes.decode_slots,
+                           kv.mean_tokens, shapes.seq_len)
     raw = {f"{n}@{d}": dataclasses.asdict(p) for n, ps in compiled.items() for d, p in sorted(ps.items())}
     full = {"train": train, "prefill": prefill, "decode": decode}
     return Report(slice_, hosts, dict(mesh.shape), g, dict(emesh.shape), shapes, depths, terms,
                   {**raw, **({f"{n}@{model.num_layers}": v for n, v in full.items()} if len(depths) > 1 else {})},
                   train_s, decode_s, time.perf_counter() - t0,
                   "set" if engine_hosts else "the fewest that fit beside the compiled train step", micro_from,
-                  layer_cost, kv, longest_context(shapes, mesh, slice_.chip.hbm_bytes, depths) if context else None)
+                  layer_cost, kv, longest_context(shapes, mesh, slice_.chip.hbm_bytes, depths) if context else None,
+                  step)
+
+
+def _reads(shapes: Shapes, emesh: Any) -> str:
+    """How `shapes`' engine on `emesh` reads its KV cache in a decode step (`decode_bytes.DecodeBytes.reads`)."""
+    engine = programs._engine(shapes, emesh)[0]
+    if engine.pages is None:
+        return "dense"
+    return "kernel" if engine.layout.implementation(emesh) == "pallas" else "gather"
 
 
 def _compile_programs(shapes: Shapes, mesh: Any, hbm_bytes: int, depths: tuple[int, ...],
@@ -354,9 +374,10 @@ def _compile_programs(shapes: Shapes, mesh: Any, hbm_bytes: int, depths: tuple[i
     """`compile_report`'s compiles: the train step at each of `depths` first (the micro-batch, when
     `shapes` has none, chosen by compiling: `compiled_micro_batch`), then, on the engine's hosts
     (`engine_hosts`, else `compiled_engine_hosts` beside the train step's compiled bytes), the largest
-    prefill bucket and the decode step. Returns the shapes with their micro-batch, where that micro-batch
-    came from ("set" or the rule), the programs by name ("train", "prefill", "decode") and depth, and the
-    hosts per engine.
+    prefill bucket and the decode step (with no `kv_cache_tokens`, over the paged pool that fits beside the
+    train step and prefill: `pool.sized`; `compile_report` then sizes it beside the decode step too).
+    Returns the shapes with their micro-batch, where that micro-batch came from ("set" or the rule), the
+    programs by name ("train", "prefill", "decode") and depth, and the hosts per engine.
 
     Raises:
         ProgramTooLarge: the compiler refused a program, naming the depth and what to change.
@@ -383,7 +404,12 @@ def _compile_programs(shapes: Shapes, mesh: Any, hbm_bytes: int, depths: tuple[i
     emesh = programs.engine_mesh(mesh, g)
     for depth in depths:
         run("prefill", depth, lambda d=depth: programs.compile_prefill(shapes.at_depth(d), emesh))
-        run("decode", depth, lambda d=depth: programs.compile_decode(shapes.at_depth(d), emesh))
+    prefill = fit.at_depth(compiled["prefill"], depths, shapes.model.num_layers)
+    own = prefill["declared_weights"] + prefill["declared_lora"] if fit.engine_owns_weights(shapes, emesh, mesh) else 0
+    room = fit.FIT_SHARE * hbm_bytes - fit.trainer_bytes(train) - prefill["temp"] - prefill["output"] - own
+    decoded = pool.sized(shapes, emesh, room) if shapes.kv_cache_tokens is None else shapes
+    for depth in depths:
+        run("decode", depth, lambda d=depth: programs.compile_decode(decoded.at_depth(d), emesh))
     return shapes, micro_from, compiled, g
 
 

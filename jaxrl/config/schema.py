@@ -157,11 +157,16 @@ class JaxConfig(_Table):
     decode_slots: int = Field(32, ge=1)
     """Max concurrent decodes (KV cache rows) in the rollout engine. Default 32."""
     kv_cache_tokens: int | None = Field(None, ge=1)
-    """Positions of the rollout engine's paged KV cache (`jaxrl.inference.paged`): a pool of pages of 16
-    positions handed to the sequences as their tokens arrive and returned when they finish, a group's
-    rollouts sharing their prompt's pages; must be >= `seq_len` (one sequence fits). Set, the engine runs
-    the paged cache (on CPU too, instead of the CPU's chunked dense cache); default None: the dense cache
-    of `decode_slots` x `seq_len` positions, as before."""
+    """Positions (tokens) of the rollout engine's paged KV cache (`jaxrl.inference.paged`), per engine: a pool
+    of pages of 16 positions handed to the sequences as their tokens arrive and returned when they finish, a
+    group's rollouts sharing their prompt's pages; must be >= `seq_len` (one sequence fits), rounded up to
+    whole pages. Set, the engine runs a pool of that size on every platform (on CPU instead of its chunked
+    dense cache). Default None: on TPU and GPU the paged pool that fits beside the rest of the run, at most
+    `decode_slots` x `seq_len` (more is never used): at startup the run reads the chip's memory and what its
+    weights and train state hold (`memory_stats()`) and compiles its train step, prefill and decode step to
+    learn their scratch (`jaxrl.compile.run_pool`), as `jaxrl compile` does for a slice (it prints the value,
+    `kv_pool_tokens`; setting it skips those compiles); on CPU the dense cache of `decode_slots` x `seq_len`
+    positions (faster there)."""
     kv_reuse_turns: bool = False
     """With `kv_cache_tokens`: keep a finished rollout's pages for a multi-turn conversation's next turn,
     which then prefills only its new tokens (`Scheduler`'s `keep_turns`; dropped at each weight update; not

@@ -1,5 +1,5 @@
 """The rollout engine's CPU tuning, behind one seam: `CpuLayout`, the `jaxrl.inference.layout.EngineLayout`
-an engine on a CPU mesh runs (`layout.for_mesh` picks it; `layout.Plain` is what a TPU or GPU runs).
+an engine on a CPU mesh runs (`layout.for_mesh` picks it; on TPU and GPU it picks the paged pool).
 
 Memory is plentiful on a CPU host and bandwidth is what a decode step spends, so the engine keeps its own
 copy of the weights and a cache laid out for XLA's CPU backend (figures: docs/benchmarks.md, issues 4

@@ -1,6 +1,7 @@
 """How a rollout engine holds its weights and KV cache and samples: the interface the engine calls
-(`EngineLayout`), the plain implementation a TPU or GPU runs (`Plain`), and the one place that picks an
-implementation from the mesh's platform (`for_mesh`; on CPU `jaxrl.inference.cpu.CpuLayout`).
+(`EngineLayout`), the plain dense implementation (`Plain`), and the one place that picks an implementation
+from the mesh's platform (`for_mesh`: the paged pool on TPU and GPU, `jaxrl.inference.paged.PagedLayout`;
+on CPU `jaxrl.inference.cpu.CpuLayout`).
 
 The cache's layout is declared once, in `EngineLayout.cache`: the engine builds its zeros from it
 (`Engine.init_decode_state`) and `jaxrl compile` its abstract decode state (`programs.abstract_decode_state`).
@@ -71,9 +72,10 @@ class EngineLayout(Protocol):
 
 @dataclasses.dataclass
 class Plain:
-    """The plain layout, what a TPU or GPU engine runs: the training weights read in place (a copy would
-    cost a second base model's HBM), one stacked cache {"k","v"} [L, B, S, K, H] per k and v
-    (`decode.STACKED`, the layers scanned over it), sampling from the [B, V] logits."""
+    """The plain dense layout (a TPU or GPU engine given it; `for_mesh` picks the paged pool there): the
+    training weights read in place (a copy would cost a second base model's HBM), one stacked cache
+    {"k","v"} [L, B, S, K, H] per k and v (`decode.STACKED`, the layers scanned over it), sampling from
+    the [B, V] logits."""
 
     cfg: ModelConfig
     slots: int
@@ -108,14 +110,15 @@ class Plain:
 
 def for_mesh(cfg: ModelConfig, mesh: Mesh, slots: int, max_seq_len: int,
              kv_cache_tokens: int | None = None) -> EngineLayout:
-    """The layout of an engine of `slots` slots and `max_seq_len` positions on `mesh`: with `kv_cache_tokens`
-    the paged cache of that many positions (`jaxrl.inference.paged.PagedLayout`, any platform, its decode
-    attention `decode_implementation`'s for the mesh: the Pallas kernel on TPU); else
-    `cpu.CpuLayout` on a CPU mesh (`mesh_platform`: the mesh's devices decide, so `jaxrl compile`'s TPU
-    programs traced on a CPU host are the plain ones), else `Plain`."""
-    if kv_cache_tokens is not None:
+    """The layout of an engine of `slots` slots and `max_seq_len` positions on `mesh`: on an accelerator
+    (`mesh_platform`: the mesh's devices decide, so `jaxrl compile`'s TPU programs traced on a CPU host are
+    the TPU's) or with `kv_cache_tokens`, the paged cache of that many positions (None: `slots` x
+    `max_seq_len`, at most what its slots ever hold; a run sizes it to what fits first,
+    `jaxrl.compile.pool.sized`) (`jaxrl.inference.paged.PagedLayout`, its decode attention
+    `decode_implementation`'s for the mesh: the Pallas kernel on TPU); else, on CPU, `cpu.CpuLayout`'s dense
+    cache (faster there). `Plain`, the dense cache on an accelerator, is passed to the engine explicitly."""
+    platform = mesh_platform(mesh)
+    if kv_cache_tokens is not None or platform != "cpu":
         return paged.PagedLayout(cfg, slots, max_seq_len, kv_cache_tokens,
-                                 decode_impl=decode_implementation(mesh_platform(mesh), cfg.head_dim))
-    if mesh_platform(mesh) == "cpu":
-        return cpu.CpuLayout(cfg, slots, max_seq_len)
-    return Plain(cfg, slots, max_seq_len)
+                                 decode_impl=decode_implementation(platform, cfg.head_dim))
+    return cpu.CpuLayout(cfg, slots, max_seq_len)

@@ -248,6 +248,12 @@ def chip_memory() -> int | None:
     return None if None in limits else int(min(limits))
 
 
+def memory_in_use() -> int:
+    """Bytes allocated now on this process's devices, the most on any one (`memory_stats()`'s
+    `bytes_in_use`; 0 where the runtime does not report it, as on CPU)."""
+    return max(int((d.memory_stats() or {}).get("bytes_in_use", 0)) for d in jax.local_devices())
+
+
 def share(n: int) -> range:
     """This process's contiguous share of `n` items: process p of P gets `[p * n // P, (p + 1) * n // P)`,
     shares differing in size by at most one, so every process's share in process order is `range(n)`."""

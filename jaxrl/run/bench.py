@@ -77,7 +77,7 @@ class Bench(Job):
             raise ConfigError(self.cfg.source, [("jax", "--bench runs on one process (one host) only")])
         self.load_model()
         self.init_training()
-        engine = run_engine(self.cfg, self.model.config, self.placement)
+        engine = run_engine(self.cfg, self.model.config, self.placement, self.console.print)
         self.scheduler = Scheduler(engine, self.engine_params(), self.cfg.model, seed=self.cfg.sampling_seed)
         loop = asyncio.new_event_loop()
         try:

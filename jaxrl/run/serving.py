@@ -20,6 +20,7 @@ from typing import Any
 import jax.numpy as jnp
 from rich.console import Console
 
+from jaxrl.compile import run_pool
 from jaxrl.config.schema import SEED_MULTIPLIER, ConfigError, RunConfig
 from jaxrl.envs import loader
 from jaxrl.inference.engine import Engine
@@ -49,13 +50,17 @@ def sampling_params(cfg: RunConfig) -> SamplingParams:
                           max_tokens=s.max_tokens or cfg.jax.seq_len - 1)
 
 
-def run_engine(cfg: RunConfig, mcfg: ModelConfig, placement: Placement) -> Engine:
+def run_engine(cfg: RunConfig, mcfg: ModelConfig, placement: Placement, say: Any = print) -> Engine:
     """The run's rollout engine on `placement.engine_mesh`: `[jax] decode_slots` slots of `seq_len`
-    positions, `kv_cache_tokens`, the cache in `[jax] dtype`, LoRA at `lora_alpha / lora_rank`."""
+    positions, `kv_cache_tokens` (unset on an accelerator: the pool that fits, sized now, saying so with
+    `say`: `jaxrl.compile.run_pool.startup_kv_cache_tokens`), the cache in `[jax] dtype`, LoRA at
+    `lora_alpha / lora_rank`. Raises ConfigError (key `jax.kv_cache_tokens`) when sizing the pool fails."""
     jcfg = cfg.jax
+    kv_tokens = run_pool.startup_kv_cache_tokens(cfg, mcfg, placement.mesh, placement.engine_mesh,
+                                                 placement.micro_batch, say)
     return Engine(mcfg, placement.engine_mesh, jcfg.decode_slots, jcfg.seq_len,
                   lora_scale=cfg.lora_alpha / jcfg.lora_rank, cache_dtype=params_dtype(cfg),
-                  kv_cache_tokens=jcfg.kv_cache_tokens)
+                  kv_cache_tokens=kv_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +107,7 @@ class Serving:
                  secrets: list[str]) -> None:
         jcfg = cfg.jax
         self.console, self.envs = console, envs
-        engine = run_engine(cfg, mcfg, placement)
+        engine = run_engine(cfg, mcfg, placement, console.print)
         seed, hosts = cfg.sampling_seed * SEED_MULTIPLIER + start_step, placement.engine_hosts
         console.print(f"rollout engine: one over {hosts} processes (engine_hosts = {hosts})" if hosts > 1
                       else "rollout engine: one per process")
