@@ -138,7 +138,7 @@ def sft(
     detach: Annotated[bool, typer.Option("--detach", help="Run in the background, as `jaxrl run --detach`.")] = False,
 ) -> None:
     """Supervised fine-tuning: train the LoRA on the chat JSONL that the config's `[jax.sft]` names
-    (README, "Supervised fine-tuning"); a run like `jaxrl run`'s (checkpoints, adapters, metrics, eval,
+    (docs/sft.md); a run like `jaxrl run`'s (checkpoints, adapters, metrics, eval,
     `--detach`), whose checkpoint an RL config's `checkpoint_id` starts from."""
     _start(path, detach, "sft")
 
