@@ -217,3 +217,77 @@ def test_a_run_without_checkpoints_does_not_claim_to_resume_from_step_0(tmp_path
     ckpt = Checkpointer(str(tmp_path / "ckpt"))
     assert ckpt.resume_note() == "no checkpoint yet: it starts from step 0"
     ckpt.close()
+
+
+LEFTOVERS = textwrap.dedent("""
+    import asyncio, gc, sys
+    from pathlib import Path
+    import numpy as np, optax, jax.numpy as jnp, tensorstore as ts
+    from rich.console import Console
+    from jaxrl.rl.train import TrainState
+    from jaxrl.run.checkpoint import Checkpointer, CheckpointError
+    from jaxrl.run.identity import restore_newest
+
+    def state(value):
+        rng = np.random.default_rng(value)
+        w = {f"w{i}": jnp.asarray(rng.normal(size=64).astype(np.float32)) for i in range(200)}
+        adam = optax.ScaleByAdamState(jnp.int32(value), w, w)
+        return TrainState(w, (adam, optax.EmptyState()), jnp.int32(value))
+
+    d = Path(sys.argv[1]) / "checkpoints"
+    ckpt = Checkpointer(str(d), keep=-1)
+    for s in (1, 2, 3):
+        ckpt.save(s, state(s), {"step": s})
+    ckpt.close()
+    for s in (2, 3):  # every array file cut to 10 bytes: 600 reads fail at once
+        for f in (d / str(s) / "state").rglob("d/*"):
+            if f.is_file():
+                f.write_bytes(f.read_bytes()[:10])
+    ckpt = Checkpointer(str(d), keep=-1)
+    try:
+        ckpt.restore(3, state(0))
+    except CheckpointError as exc:
+        orbax_error = exc.__cause__  # raised through Orbax's code
+    restored, meta = restore_newest(ckpt, state(0), {}, Console(width=400, no_color=True))
+    print("restored step", meta["step"], flush=True)
+    # tensorstore's own error, as it reaches an asyncio future: raised in C++, no Python frames
+    spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": str(d / "3.damaged" / "x")}}
+    ts_error = ts.open(spec).exception()
+    assert ts_error is not None and ts_error.__traceback__ is None and str(d) in str(ts_error), ts_error
+    try:
+        raise ValueError(f"jaxrl's own bug about {d}")
+    except ValueError as exc:
+        ours = exc
+    loop = asyncio.new_event_loop()
+    for error in (orbax_error, ts_error, ours, ValueError("another unretrieved error")):
+        loop.create_future().set_exception(error)  # dropped unretrieved: asyncio reports it when collected
+        gc.collect()
+    loop.close()
+    gc.collect()
+    ckpt.close()
+    print("end", flush=True)
+""")
+
+
+def test_orbax_leftovers_of_a_failed_restore_print_nothing(tmp_path):
+    """Issue 41 item 5: a resume past damaged checkpoints prints one line per damaged step, and nothing of the reads
+    Orbax leaves behind (before: about 150 lines of "Task/Future/_GatheringFuture exception was never retrieved" and
+    their tracebacks, from Orbax's event loop closed at the first failed read; with 200 arrays of one step failing at
+    once, 1 restore in 3 showed them here). That race is not certain, so the same asyncio reports are also made
+    for sure: unretrieved futures holding the exception a failed Orbax restore raised and tensorstore's error naming
+    the checkpoint folder are dropped, while an unretrieved future of jaxrl's own error (even one naming the folder)
+    and of any other error is still reported."""
+    script = tmp_path / "leftovers.py"
+    script.write_text(LEFTOVERS)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=300)
+    both = done.stdout + done.stderr
+    assert done.returncode == 0 and "restored step 1" in done.stdout and "end" in done.stdout, both
+    for step in (3, 2):
+        assert len(re.findall(rf"checkpoint step {step} is damaged; resuming from step 1", both)) == 1, both
+    reports = re.findall(r"^(?:ERROR:asyncio:)?(.*exception was never retrieved|Task was destroyed.*)$", done.stderr,
+                         re.MULTILINE)
+    assert reports == ["Future exception was never retrieved"] * 2, done.stderr
+    assert f"ValueError: jaxrl's own bug about {tmp_path / 'checkpoints'}" in done.stderr
+    assert "ValueError: another unretrieved error" in done.stderr
+    assert done.stderr.count("Traceback") == 1 and "/orbax/" not in done.stderr, done.stderr  # jaxrl's own error's

@@ -51,6 +51,34 @@ class _ReportedAsCheckpointError(logging.Filter):
 
 logging.getLogger("absl").addFilter(_ReportedAsCheckpointError())  # Orbax logs through absl's logger
 
+_DIRECTORIES: set[str] = set()  # every Checkpointer's folder (absolute) or gs:// URL in this process
+
+
+class _OrbaxAsyncLeftovers(logging.Filter):
+    """Drops asyncio's reports of Orbax's reads and writes left behind by a failed restore or save ("Task
+    exception was never retrieved", "Future ...", "_GatheringFuture ...", "Task was destroyed but it is
+    pending!", a traceback each: about 150 lines around the one line of a damaged checkpoint of a real run).
+    Orbax stops and closes its event loop at the first failed read; reads that fail in the same turn of the
+    loop are then never awaited, and asyncio reports each when it is collected. The failure itself reaches
+    the call that waits for it and is reported once, as a CheckpointError. A record is Orbax's when its
+    exception was raised in Orbax's code or its text names that code (a task of Orbax's coroutines), or when
+    its exception has no Python frames (tensorstore's, raised in C++) and names a checkpoint folder of this
+    process. An exception raised in jaxrl's own code, outside Orbax, is kept whatever it names."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        frames = [f.f_code.co_filename.replace("\\", "/") for f, _ in traceback.walk_tb(exc.__traceback__)] \
+            if exc is not None else []
+        text = record.getMessage() + (str(exc) if exc is not None else "")
+        orbax_code = any("/orbax/" in f for f in frames) or "/orbax/" in record.getMessage().replace("\\", "/")
+        checkpoint_io = not frames and any(directory in text for directory in _DIRECTORIES)
+        return not (orbax_code or checkpoint_io)
+
+
+logging.getLogger("asyncio").addFilter(_OrbaxAsyncLeftovers())  # asyncio's default exception handler logs here
+
 
 def _closed_loop_callback(kind: type[BaseException] | None, value: BaseException | None, tb: Any) -> bool:
     """Whether an exception is tensorstore's callback into an asyncio loop Orbax has closed after a failed read
@@ -176,6 +204,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(preservation_policy=policy, create=not read_only,
                                                read_only=read_only, cleanup_tmp_directories=not read_only)
         self._mngr = ocp.CheckpointManager(directory if self._probe else os.path.abspath(directory), options=options)
+        _DIRECTORIES.add(directory.rstrip("/") if self._probe else os.path.abspath(directory))
         self._pending: int | None = None
         self._failed = False  # a save failed: `close` releases Orbax's threads
         self._last_complete = self._mngr.latest_step()
