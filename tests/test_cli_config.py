@@ -1,6 +1,7 @@
 """The `jaxrl validate`, `init` and `run` commands as a user meets them: exit codes and messages."""
 
 import json
+import os
 import subprocess
 import sys
 import types
@@ -11,6 +12,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from jaxrl.cli.main import app
+from jaxrl.config.model_path import hf_cache_dir
 from jaxrl.config.schema import ConfigError, RunConfig, load_config
 from jaxrl.config.starter import STARTER_TOML
 
@@ -60,6 +62,29 @@ def test_validate_says_where_the_weights_are(tmp_path):
     result = invoke("validate", tmp_path / "rl.toml")
     assert result.exit_code == 0
     assert f"model weights: {(tmp_path / 'qwen').resolve()}" in result.stderr
+
+
+def test_validate_exits_2_where_run_would_stop_for_its_model(tmp_path):
+    """Issue 41 item 7, as a shell runs it: with HF_HUB_OFFLINE=1 a model in no cache (before: exit 0 and a
+    note), and a model that is neither a folder nor an owner/name id, are one `file: key: reason` line and exit
+    2, as `jaxrl run` stops at them; the resolved config is still printed. Online, the same id is one to
+    download (exit 0)."""
+    path = tmp_path / "rl.toml"
+    path.write_text(MINIMAL.replace("PrimeIntellect/Qwen3-0.6B-Reverse-Text-SFT", "nobody/not-cached"))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-m", "jaxrl", "validate", str(path)], capture_output=True, text=True,
+                            cwd=ROOT, timeout=60, env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"{path}: model: model nobody/not-cached@main is not in the Hugging Face cache {hf_cache_dir()} and "
+        f"HF_HUB_OFFLINE is set, so it is not downloaded (and there is no folder {tmp_path / 'nobody/not-cached'})"]
+    assert json.loads(result.stdout)["model"] == "nobody/not-cached"
+    assert jaxrl("validate", path).returncode == 0
+    path.write_text(MINIMAL.replace("PrimeIntellect/Qwen3-0.6B-Reverse-Text-SFT", "my-model"))
+    result = jaxrl("validate", path)
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"{path}: model: model 'my-model' not found: no folder {tmp_path / 'my-model'}, and it is not a Hugging "
+        "Face id (owner/name)")
 
 
 def test_validate_reports_every_error_and_exits_2(tmp_path):

@@ -12,7 +12,7 @@ from jaxrl.cli import runs
 from jaxrl.cli.main import app
 
 BASE = """\
-model = "m"
+model = "o/m"
 batch_size = 8
 rollouts_per_example = 4
 

@@ -184,7 +184,8 @@ def test_every_seed_example_is_accepted_by_prime_too(prime_rlconfig):
 def test_hosted_fields_with_no_effect_here_are_accepted_with_a_note(tmp_path):
     path = tmp_path / "rl.toml"
     path.write_text('model = "m"\ncluster_name = "c1"\n[sampling]\nreasoning_effort = "low"\nextra_body = { a = 1 }\n'
-                    '[[env]]\nid = "o/e"\n[tailscale]\nenabled = false\n[run_config]\nx = 1\n')
+                    '[[env]]\nid = "o/e"\n[tailscale]\nenabled = false\n[run_config]\nx = 1\n'
+                    '[jax]\nmodel_path = "."\n')  # a folder: validate exits 2 for a model `run` cannot find
     result = CliRunner().invoke(app, ["validate", str(path)])
     assert result.exit_code == 0, result.output
     for key in ("cluster_name", "run_config", "tailscale", "sampling.extra_body", "sampling.reasoning_effort"):

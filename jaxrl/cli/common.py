@@ -1,6 +1,7 @@
 """What every `jaxrl` command shares: its consoles (messages quote TOML tables such as `[jax]`, which rich
 must print as they are, not read as markup), the exit-2 refusal of a config or usage problem, a run
-config loaded with its problems listed, a `--mesh` parsed, and the settings of each typer app.
+config loaded with its problems listed, its model located, a `--mesh` parsed, and the settings of each typer
+app.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import typer
 from rich.console import Console
 
 from jaxrl.config.env_file import load_env_file
-from jaxrl.config.schema import ConfigError, RunConfig, load_config, no_effect_notes
+from jaxrl.config.model_path import HubModel
+from jaxrl.config.schema import ConfigError, RunConfig, load_config, locate_model_path, no_effect_notes
 
 out = Console(soft_wrap=True, highlight=False)
 err = Console(stderr=True, soft_wrap=True, highlight=False)
@@ -46,6 +48,15 @@ def load_run_config(path: Path) -> RunConfig:
     for note in no_effect_notes(cfg):
         err.print(f"note: {path}: {note}", style="yellow", markup=False)
     return cfg
+
+
+def check_model(cfg: RunConfig) -> str | HubModel:
+    """Where the run's weights are (`locate_model_path`: no network); exit 2 with its one line where `jaxrl run`
+    would stop: no such folder, or a model to download with HF_HUB_OFFLINE set."""
+    try:
+        return locate_model_path(cfg)
+    except ConfigError as exc:
+        raise fail(str(exc)) from None
 
 
 def parse_mesh(text: str) -> dict[str, int]:

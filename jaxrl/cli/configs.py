@@ -14,25 +14,21 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from jaxrl.cli.common import ConfigPath, err, fail, load_run_config, out, parse_mesh
-from jaxrl.config.model_path import hf_cache_dir, hub_endpoint, hub_offline
-from jaxrl.config.schema import ConfigError, locate_model_path
+from jaxrl.cli.common import ConfigPath, check_model, err, fail, load_run_config, out, parse_mesh
+from jaxrl.config.model_path import hf_cache_dir, hub_endpoint
 from jaxrl.config.starter import STARTER_TOML
 from jaxrl.model import catalog
 from jaxrl.parallel.spec import is_spec
 
 
 def validate(path: ConfigPath) -> None:
-    """Check a config and print it with every default filled in (JSON on stdout, notes on stderr)."""
+    """Check a config and print it with every default filled in (JSON on stdout, notes on stderr); exit 2
+    where `jaxrl run` would stop before training: a config error, or model weights it cannot find (no such
+    folder, or not in the HF cache with HF_HUB_OFFLINE set)."""
     cfg = load_run_config(path)
     out.print_json(data=cfg.model_dump(mode="json"))
-    try:
-        found = locate_model_path(cfg)
-        err.print(f"model weights: {found if isinstance(found, str) else found.describe()}", markup=False)
-        if not isinstance(found, str) and hub_offline():
-            err.print("note: `jaxrl run` would stop here: HF_HUB_OFFLINE is set", style="yellow", markup=False)
-    except ConfigError as exc:
-        err.print(f"note: `jaxrl run` would stop here: {exc}", style="yellow", markup=False)
+    found = check_model(cfg)
+    err.print(f"model weights: {found if isinstance(found, str) else found.describe()}", markup=False)
 
 
 def init(

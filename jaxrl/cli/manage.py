@@ -106,7 +106,8 @@ def delete(
 ) -> None:
     """Delete a run: its folder, and its checkpoint folder when that is a separate local one
     (`[jax] checkpoint_dir`). Checkpoints on gs:// are left in place, and said so. Refuses a running run,
-    and any folder that is not a run (it holds `run.json`) inside --runs-dir."""
+    and any folder that is not a run inside --runs-dir (it holds `run.json`, or only what `jaxrl run`
+    writes)."""
     folder = _run_folder(ref, runs_dir)
     try:
         runs.check_deletable(folder, runs_dir)

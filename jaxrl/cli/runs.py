@@ -6,9 +6,10 @@ there (`metrics.jsonl`, `run_config.json`, `checkpoints/`, ...), `jaxrl run` kee
 - `console.log`: the run's console output, without colours. A foreground run copies what it prints
   to it (the terminal output is unchanged); a detached run's stdout and stderr are the file itself, so
   it also holds what libraries print.
-- `run.json`: `{"pid", "host", "status", "config", "started", "ended", "exit_code", "last_checkpoint"}`,
-  rewritten whole (a temporary file renamed; in place on a full disk: `write_record`) when the run starts
-  and when it ends; a config error found by the run puts back the record it found (`restore_record`).
+- `run.json`: `{"pid", "host", "status", "config", "started", "ended", "exit_code", "last_checkpoint",
+  "error"}`, rewritten whole (a temporary file renamed; in place on a full disk: `write_record`) when the run
+  starts and when it ends (`error`: the line a failed run ended with); a config error found by the run puts
+  back the record it found, or records the run `failed` when there was none (`restore_record`).
   `status` is `running`, `completed` (exit 0), `stopped` (SIGTERM/SIGINT: checkpointed, exit 143; or
   ended by `jaxrl stop`) or `failed`; a `.lock` file beside it orders two commands of one run (`claimed`).
   A record that says `running` while its process is gone (SIGKILL, out of memory, a lost machine) reads
@@ -48,13 +49,16 @@ from jaxrl.run.layout import (
     OLD_RUN_CONFIG,
     RECORD,
     RUN_CONFIG,
+    WANDB,
+    WANDB_ID,
     read_run_config,
 )
 
 DEFAULT_RUNS_DIR = "runs"
 LOCK = ".lock"  # `claimed`'s lock file in a run folder
 HOST = socket.gethostname()
-_MARKERS = (RECORD, LOG, METRICS, RUN_CONFIG, OLD_RUN_CONFIG)
+_MARKERS = (RECORD, LOG, METRICS, RUN_CONFIG, OLD_RUN_CONFIG, LOCK)
+_WRITTEN = frozenset((*_MARKERS, CHECKPOINTS, ADAPTERS, WANDB, WANDB_ID))  # all that `jaxrl run` writes in a run folder
 
 
 class RunsError(Exception):
@@ -152,13 +156,19 @@ def _rewrite_in_place(path: Path, text: str) -> bool:
     return True
 
 
-def restore_record(folder: Path, previous: dict[str, Any] | None) -> None:
-    """Put back the `run.json` that `start` found (`previous`), or remove the record when there was none: a
-    run that stopped at a config error leaves no record of its own and never overwrites an earlier run's."""
+def restore_record(folder: Path, previous: dict[str, Any] | None, reason: str) -> None:
+    """After a config error that only the run found (a model that cannot be downloaded, an environment that
+    cannot be loaded): put back the `run.json` that `start` found (`previous`), so an earlier run's record is
+    never overwritten; when there was none, record this run as `failed` (exit code 2) with `reason` as its
+    `error`, so that its folder is a run `list` and `delete` know.
+
+    Raises:
+        OSError: `write_record`'s.
+    """
     if previous:
         write_record(folder, **({key: None for key in read_record(folder)} | previous))
     else:
-        (folder / RECORD).unlink(missing_ok=True)
+        write_record(folder, status="failed", ended=time.time(), exit_code=2, error=reason)
 
 
 @contextlib.contextmanager
@@ -192,7 +202,8 @@ def pid_alive(pid: int) -> bool:
 
 def status(folder: Path, record: dict[str, Any] | None = None) -> str:
     """`running`, `completed`, `stopped`, `failed`, `died` (recorded as running, process gone) or
-    `unknown` (a folder without `run.json`, from before it existed)."""
+    `unknown` (a folder without `run.json`: from before it existed, or a start cut off before it recorded
+    itself)."""
     record = read_record(folder) if record is None else record
     state = record.get("status", "unknown")
     if state == "running" and record.get("host", HOST) == HOST and not (
@@ -290,7 +301,7 @@ def start(folder: Path, config: Path) -> dict[str, Any]:
     found = read_record(folder)
     previous = (found.get("previous") or {}) if found.get("pid") == os.getpid() else found
     write_record(folder, pid=os.getpid(), host=HOST, status="running", config=str(config), started=time.time(),
-                 ended=None, exit_code=None, last_checkpoint=None, previous=None)
+                 ended=None, exit_code=None, last_checkpoint=None, error=None, previous=None)
     return previous
 
 
@@ -319,7 +330,7 @@ def detach(config: Path, folder: Path, command: str = "run") -> int:
         proc = subprocess.Popen([sys.executable, "-m", "jaxrl", command, str(config)], stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     write_record(folder, pid=proc.pid, host=HOST, status="running", config=str(config), started=time.time(),
-                 ended=None, exit_code=None, previous=previous)
+                 ended=None, exit_code=None, error=None, previous=previous)
     return proc.pid
 
 
@@ -412,22 +423,30 @@ def _separate_checkpoints_problem(ckpt: Path, folder: Path) -> str | None:
 
 
 def check_deletable(folder: Path, runs_dir: Path) -> None:
-    """Raises RunsError when `folder` is not a run folder (one that holds `run.json`, not a symbolic link)
-    strictly inside `runs_dir`, holds the working directory, or is running, here or on another host (stop
-    it first). A name like `.` or `..` thus never reaches the runs folder or its parent."""
+    """Raises RunsError when `folder` is not a run folder (not a symbolic link, and holding `run.json` or
+    only what `jaxrl run` writes, as a start cut off before it recorded itself leaves `console.log` and
+    `.lock`) strictly inside `runs_dir`, holds the working directory, or is running, here or on another host
+    (stop it first). A name like `.` or `..` thus never reaches the runs folder or its parent."""
     real, root = folder.resolve(), runs_dir.resolve()
     if folder.is_symlink() or not folder.is_dir() or root not in real.parents:
         raise RunsError(f"refused to delete {folder}: not a run folder inside the runs folder {runs_dir} "
                         f"(another runs folder: --runs-dir DIR); nothing deleted")
-    if not (folder / RECORD).is_file():
-        raise RunsError(f"refused to delete {folder}: it has no {RECORD}, so `jaxrl run` did not make it; "
-                        f"nothing deleted")
+    if not (folder / RECORD).is_file() and (others := _not_written_by_run(folder)):
+        raise RunsError(f"refused to delete {folder}: it has no {RECORD} and holds what `jaxrl run` does not "
+                        f"write ({', '.join(others[:4])}{', ...' if len(others) > 4 else ''}); nothing deleted")
     if real == Path.cwd().resolve() or real in Path.cwd().resolve().parents:
         raise RunsError(f"refused to delete {folder}: it holds the working directory; nothing deleted")
     record = read_record(folder)
     if status(folder, record) == "running":
         where = f"pid {record.get('pid')}" + ("" if record.get("host", HOST) == HOST else f" on {record['host']}")
         raise RunsError(f"run {folder.name} is running ({where}); stop it first with `jaxrl stop {folder.name}`")
+
+
+def _not_written_by_run(folder: Path) -> list[str]:
+    """The names in `folder` that are not among those `jaxrl run` writes there (`run.json`'s temporary
+    files count as its own)."""
+    return sorted(p.name for p in folder.iterdir() if p.name not in _WRITTEN
+                  and not (p.name.startswith(f".{RECORD}.") and p.name.endswith(".tmp")))
 
 
 def delete(folder: Path, runs_dir: Path) -> tuple[list[Path], list[str]]:

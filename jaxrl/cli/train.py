@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 
 from jaxrl.cli import runs
-from jaxrl.cli.common import ConfigPath, err, fail, load_run_config, out
+from jaxrl.cli.common import ConfigPath, check_model, err, fail, load_run_config, out
 from jaxrl.config.schema import ConfigError, RunConfig
 from jaxrl.run.errors import RunError
 from jaxrl.run.layout import run_dir_of, run_name
@@ -46,9 +46,9 @@ def train(cfg: RunConfig, console: Console | None = None, log: Any = None, run_d
           previous: dict[str, Any] | None = None) -> None:
     """Run the runner (the SFT one for a config with `[jax.sft]`); print its errors without traceback on
     stderr first, then copy them to `log`, and exit with its status; record how the run ended in `run_dir`'s
-    `run.json` when given (with `last_checkpoint` after a failed save), or, after a config error, put back
-    the record `previous` that `runs.start` found. A full or read-only disk that refuses the log or the
-    record is one more line on stderr, never a traceback."""
+    `run.json` when given (with `last_checkpoint` after a failed save, `error` after a failure), or, after a
+    config error, put back the record `previous` that `runs.start` found (`runs.restore_record`). A full or
+    read-only disk that refuses the log or the record is one more line on stderr, never a traceback."""
     import traceback
 
     from jaxrl.run.runner import run as run_training  # JAX and the trainer: only a job that starts
@@ -87,9 +87,9 @@ def train(cfg: RunConfig, console: Console | None = None, log: Any = None, run_d
         if run_dir is not None:
             try:
                 if code == 2:
-                    runs.restore_record(run_dir, previous)
+                    runs.restore_record(run_dir, previous, message)
                 else:
-                    runs.finish(run_dir, code, **fields)
+                    runs.finish(run_dir, code, **fields, **({"error": message} if message else {}))
             except OSError as exc:
                 with contextlib.suppress(OSError):
                     err.print(f"jaxrl run: cannot record the run's end in {run_dir / runs.RECORD}: {exc}",
@@ -152,6 +152,7 @@ def _start(path: Path, detach: bool, command: str) -> None:
     if command == "sft" and cfg.jax.sft is None:
         raise fail(f"{path}: jax.sft: required by `jaxrl sft` (the data to train on); an RL config runs with "
                     f"`jaxrl run {path}`")
+    check_model(cfg)  # before the run folder is made: a model `run` cannot find leaves no folder behind
     run_dir, name = run_dir_of(cfg), run_name(cfg)
 
     def refuse_if_running() -> None:
@@ -160,16 +161,16 @@ def _start(path: Path, detach: bool, command: str) -> None:
             raise fail(f"jaxrl {command}: run {name} is already running (pid {pid}) in {run_dir}; follow it "
                         f"with `jaxrl logs {name} --follow`, stop it with `jaxrl stop {name}`")
 
-    with runs.claimed(run_dir):  # two commands of one run at once: the second finds the first recorded
-        refuse_if_running()
-        if detach:
-            pid = runs.detach(path.resolve(), run_dir, command)
     if detach:
+        with runs.claimed(run_dir):  # two commands of one run at once: the second finds the first recorded
+            refuse_if_running()
+            pid = runs.detach(path.resolve(), run_dir, command)
         where = "" if cfg.jax.output_dir == runs.DEFAULT_RUNS_DIR else f" --runs-dir {cfg.jax.output_dir}"
         out.print(f"started run {name} in the background (pid {pid}); its folder is {run_dir}\n"
                   f"follow it:  jaxrl logs {name}{where} --follow\n"
                   f"stop it:    jaxrl stop {name}{where}", markup=False)
         return
+    refuse_if_running()  # at once, before JAX starts; again under the lock below, which makes the folder
     quiet_libraries()
     from jaxrl.parallel import distributed  # JAX, as the runner: kept off the validate/init path
 

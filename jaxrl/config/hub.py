@@ -66,8 +66,7 @@ def download(model: HubModel) -> Path:
 
     where = f"{model.repo_id}@{model.revision}"
     if hub_offline():
-        raise ModelNotFoundError(f"model {where} is not in the Hugging Face cache {hf_cache_dir()} and "
-                                 "HF_HUB_OFFLINE is set, so it is not downloaded")
+        raise ModelNotFoundError(model.offline_refusal())
     cache = hf_cache_dir()
     (cache / ".locks").mkdir(parents=True, exist_ok=True)
     with FileLock(cache / ".locks" / f"jaxrl--{model.repo_id.replace('/', '--')}.lock"):

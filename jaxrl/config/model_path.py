@@ -33,6 +33,11 @@ class HubModel:
         return (f"{self.repo_id} at revision {self.revision}, downloaded by `jaxrl run` from the Hugging Face "
                 f"Hub ({hub_endpoint()}) into {hf_cache_dir()}")
 
+    def offline_refusal(self) -> str:
+        """Why it is not downloaded while `hub_offline()`."""
+        return (f"model {self.repo_id}@{self.revision} is not in the Hugging Face cache {hf_cache_dir()} and "
+                "HF_HUB_OFFLINE is set, so it is not downloaded")
+
 
 def hf_cache_dir() -> Path:
     """The Hugging Face hub cache: `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`."""

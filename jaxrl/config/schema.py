@@ -29,7 +29,7 @@ from jaxrl.config.base import (
 )
 from jaxrl.config.envs import BufferConfig, EnvConfig, EvalConfig, ValConfig
 from jaxrl.config.hub import resolve_model
-from jaxrl.config.model_path import HubModel, ModelNotFoundError, locate_model
+from jaxrl.config.model_path import HubModel, ModelNotFoundError, hub_offline, locate_model
 from jaxrl.config.sampling import SamplingConfig
 from jaxrl.config.sft import DataError, SftConfig, read_jsonl
 from jaxrl.config.teacher import TeacherConfig, teacher_file_problems, teacher_rules
@@ -493,12 +493,17 @@ def resolve_model_path(cfg: RunConfig) -> str:
 
 def locate_model_path(cfg: RunConfig) -> str | HubModel:
     """Where `resolve_model_path` would find the weights, without the network: a folder, `gs://` URL or
-    cached snapshot, or the `HubModel` it would download. Raises ConfigError as it does."""
+    cached snapshot, or the `HubModel` it would download. Raises ConfigError as it does, also for a
+    `HubModel` while HF_HUB_OFFLINE is set (`resolve_model_path` would refuse to download it)."""
     key, where = ("jax.model_path", cfg.jax.model_path) if cfg.jax.model_path else ("model", cfg.model)
     try:
-        return locate_model(where, cfg.config_dir, cfg.jax.model_revision)
+        found = locate_model(where, cfg.config_dir, cfg.jax.model_revision)
     except ModelNotFoundError as exc:
         raise ConfigError(cfg.source, [(key, str(exc))]) from None
+    if isinstance(found, HubModel) and hub_offline():
+        raise ConfigError(cfg.source, [(key, f"{found.offline_refusal()} (and there is no folder "
+                                             f"{cfg.config_dir / where})")])
+    return found
 
 
 def resolve_tokenizer_path(cfg: RunConfig) -> str:

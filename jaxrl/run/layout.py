@@ -10,6 +10,7 @@ config. Nothing else spells these names.
       checkpoints/<step>/           Orbax checkpoints (`checkpoint_dir_of`), unless `[jax] checkpoint_dir`
                                     puts them in `<checkpoint_dir>/<name>/` (a folder or `gs://` URL)
       adapters/step_<n>/            PEFT adapters (`[adapters]`, `adapters_dir_of`), beside the checkpoints
+      wandb/, wandb_id              W&B's offline runs and the W&B run id (`[wandb]`, `jaxrl.run.wandb_log`)
 
 No JAX here: the CLI's run management reads this without paying for JAX.
 """
@@ -30,6 +31,8 @@ LOG = "console.log"
 RECORD = "run.json"
 CHECKPOINTS = "checkpoints"
 ADAPTERS = "adapters"
+WANDB = "wandb"  # W&B's own folder (`[wandb]`, offline runs), made by `wandb.init(dir=<run folder>)`
+WANDB_ID = "wandb_id"  # the W&B run id a resume continues
 
 
 def run_name(cfg: RunConfig) -> str:

@@ -20,7 +20,7 @@ from rich.console import Console
 
 from jaxrl.config.schema import RunConfig
 from jaxrl.run.errors import RunError
-from jaxrl.run.layout import run_name
+from jaxrl.run.layout import WANDB_ID, run_name
 from jaxrl.run.redaction import redact
 
 
@@ -64,7 +64,7 @@ def start(cfg: RunConfig, run_dir: Path, secrets: list[str], console: Console) -
 
     os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")  # else it advertises Weave on seeing openai imported
     mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-    id_file = run_dir / "wandb_id"
+    id_file = run_dir / WANDB_ID
     run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
     id_file.write_text(run_id)
     try:
