@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-devices", type=int, default=1,
                     help="split the host into this many XLA CPU devices; the engine runs tensor-parallel over them")
     ap.add_argument("--paged", action="store_true",
-                    help="the paged KV cache (jaxrl.inference.paged, a pool of concurrency x seq positions)")
+                    help="the paged KV cache (jaxrl.kv.paged, a pool of concurrency x seq positions)")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args(argv)
     if args.cpu_devices > 1:

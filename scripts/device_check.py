@@ -13,7 +13,7 @@ Sections, in order (a section that would start past `--budget` seconds is skippe
     the 7 projections and full fine-tuning (float32 master weights, AdamW), tokens/s and MFU;
   * decode steps (`Engine.generate`, greedy, LoRA on) at 8 / 64 / 256 slots with every slot at position
     `--decode-pos`: tokens/s and the step's bytes over the chip's HBM bandwidth; at 64 / 256 slots also
-    over the paged KV cache (`jaxrl.inference.paged`, a pool the dense cache's size, each slot holding
+    over the paged KV cache (`jaxrl.kv.paged`, a pool the dense cache's size, each slot holding
     the pages of its positions), beside the dense cache's figures;
   * attention alone, causal, Qwen3-4B's heads (32 q, 8 kv, 128 dims), one sequence, forward + backward:
     each implementation `jax.nn.dot_product_attention` offers ("cudnn", "xla") and jaxrl's own
@@ -44,7 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxrl.inference.engine import Engine  # noqa: E402
-from jaxrl.inference.layout import Plain  # noqa: E402
+from jaxrl.kv.dense import Dense  # noqa: E402
 from jaxrl.model import attention, modules  # noqa: E402
 from jaxrl.model.qwen3 import ModelConfig  # noqa: E402
 from jaxrl.parallel.sharding import make_mesh, spec_shardings  # noqa: E402
@@ -160,7 +160,7 @@ def decode_step(name: str, cfg: ModelConfig, slots: int, seq: int, pos: int, bw:
     # the dense rows ask for the dense cache: with no kv_cache_tokens an accelerator's engine is paged
     engine = Engine(cfg, mesh, max_concurrent_decodes=slots, max_seq_len=seq, lora_scale=1.0,
                     cache_dtype=jnp.bfloat16, kv_cache_tokens=slots * seq if paged else None,
-                    layout=None if paged else Plain(cfg, slots, seq))
+                    kv=None if paged else Dense(cfg, slots, seq))
     params = engine.prepare({"base": base, "lora": lora})
     for slot in range(slots if paged else 0):
         engine.pages.assign(slot, pos, pos)

@@ -412,9 +412,11 @@ def test_cpu_only_choices_follow_the_mesh_not_the_host():
     CPU) are off on a TPU mesh."""
     import jax
 
-    from jaxrl.inference.cpu import CpuLayout
+    from jaxrl.inference.cpu import CpuWeights
     from jaxrl.inference.engine import Engine
-    from jaxrl.inference.paged import PagedLayout
+    from jaxrl.inference.engine_params import PlainWeights
+    from jaxrl.kv.chunked import Chunked
+    from jaxrl.kv.paged import Paged
     from jaxrl.model import head
     from jaxrl.model.qwen3 import ModelConfig
     from jaxrl.parallel.sharding import make_mesh, mesh_platform
@@ -442,11 +444,11 @@ def test_cpu_only_choices_follow_the_mesh_not_the_host():
     small = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=16)
     on_cpu, on_tpu = Engine(small, on_cpu, 16, 64), Engine(small, tpu, 16, 64)
-    assert isinstance(on_cpu.layout, CpuLayout) and on_cpu.layout.blocked_sampling
+    assert isinstance(on_cpu.kv, Chunked) and isinstance(on_cpu.weights, CpuWeights) and on_cpu.weights.blocked_sampling
     # and on an accelerator no [jax] kv_cache_tokens is the paged pool (`jaxrl.compile.pool.sized` sizes a
     # run's), at most every slot's 64 positions in pages of 16, and the scratch page
-    assert isinstance(on_tpu.layout, PagedLayout) and on_tpu.layout.reads_training_weights
-    assert on_tpu.pages.num_pages == 16 * 64 // 16 + 1
+    assert isinstance(on_tpu.kv, Paged) and isinstance(on_tpu.weights, PlainWeights)
+    assert on_tpu.weights.reads_training_weights and on_tpu.pages.num_pages == 16 * 64 // 16 + 1
 
 
 def test_a_run_on_accelerator_hosts_compiles_to_choose_its_engine_group(tiny_model_dir, monkeypatch):

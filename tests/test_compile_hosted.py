@@ -27,6 +27,7 @@ import pytest
 
 from jaxrl.compile import pool, programs, report, slices
 from jaxrl.config.schema import RunConfig
+from jaxrl.kv.pallas import PagedPallas
 from jaxrl.model import catalog, qwen3
 from jaxrl.model.modules import param_specs
 from jaxrl.model.qwen3 import ModelConfig
@@ -192,7 +193,7 @@ def test_paged_decode_compiles_the_pallas_kernel_for_qwen3_30b_a3b_at_8k():
     mesh = make_mesh(CASES["30b-v5p-8"][2], slices.topology_devices(slices.parse_slice("v5p-8")))
     engine, params = programs._engine(shapes, mesh)
     state = programs.abstract_decode_state(engine)
-    assert engine.layout.implementation(mesh) == "pallas" and engine.layout.chunks(100) is None
+    assert isinstance(engine.kv, PagedPallas) and engine.kv.chunks(100) is None
     lowered = engine._generate.lower(params, state, truncate=True, penalize=True)
     assert "tpu_custom_call" in lowered.as_text()
     p = programs._program("decode", *programs._compile("decode", lowered), {})

@@ -5,13 +5,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.inference.cpu import CpuLayout
+from jaxrl.inference.cpu import CpuWeights
 from jaxrl.inference.engine import Engine, pad_prompt
 from jaxrl.inference.engine_params import EngineParams
-from jaxrl.inference.layout import Plain
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
-from jaxrl.model import cpu, decode, modules, qwen3
+from jaxrl.kv import chunked
+from jaxrl.kv.chunks import chunk_sizes
+from jaxrl.kv.dense import Dense
+from jaxrl.model import decode, modules, qwen3
 from jaxrl.model.qwen3 import LORA_TARGETS, ModelConfig
 from jaxrl.parallel.sharding import make_mesh, spec_shardings
 
@@ -62,7 +64,7 @@ def test_prefill_insert_generate_match_full_forward(plain):
     training weights read in place, the layers scanned), forced on this CPU."""
     params = _params(lora_seed=1)
     engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=3, max_seq_len=48, lora_scale=0.5,
-                    layout=Plain(CFG, 3, 48) if plain else None)
+                    kv=Dense(CFG, 3, 48) if plain else None)
     weights = EngineParams.of(params)  # not `prepare`d: the CPU layout over the stacks
     state = engine.init_decode_state()
     prompts = {0: [5, 7, 9, 11, 3], 2: list(range(1, 20))}
@@ -90,7 +92,7 @@ def test_prefill_insert_generate_match_full_forward(plain):
 @pytest.mark.parametrize(("unstacked", "split"), [(False, ()), (True, ()), (True, (24,)), (True, (4, 4, 8, 8))])
 def test_decode_step_matches_model_forward_with_cache(unstacked, split):
     """`unstacked`: the per-layer weights (the CPU engine's); `split`: the per-layer head-major cache in chunks
-    of those many positions (of the 24: `cpu.CHUNKED`); neither: the plain path a TPU runs (`decode.STACKED`)."""
+    of those many positions (of the 24: `chunked.Chunked`); neither: the plain path a TPU runs (`Dense`)."""
     params = _params(lora_seed=1)
     layers = None
     if unstacked:
@@ -103,15 +105,15 @@ def test_decode_step_matches_model_forward_with_cache(unstacked, split):
     positions = jnp.array([0, 9, 23], jnp.int32)
     want_h, want_cache = qwen3.forward(CFG, params["base"], tokens[:, None], positions[:, None], lora=params["lora"],
                                        lora_scale=0.5, cache=cache)
-    layout = cpu.CHUNKED if split else decode.STACKED
+    layout = chunked.Chunked(CFG, b, s) if split else Dense(CFG, b, s)
     step = jax.jit(lambda p, c, ly: decode.decode_step(CFG, p["base"], tokens, positions, c, lora=p["lora"],
                                                        lora_scale=0.5, layers=ly, layout=layout))
-    got_h, got_cache = step(params, cpu.split_cache(cache, split) if split else cache, layers)
+    got_h, got_cache = step(params, chunked.split_cache(cache, split) if split else cache, layers)
     np.testing.assert_allclose(got_h, want_h, rtol=1e-4, atol=1e-4)
     assert isinstance(got_cache["k"], list) == bool(split)
     if split:
         assert [[c.shape[-1] for c in layer] for layer in got_cache["k"]] == [list(split)] * CFG.num_layers
-    got_cache = cpu.join_cache(got_cache) if split else got_cache
+    got_cache = chunked.join_cache(got_cache) if split else got_cache
     for name in ("k", "v"):
         np.testing.assert_allclose(got_cache[name], want_cache[name], rtol=1e-5, atol=1e-5)
 
@@ -119,17 +121,17 @@ def test_decode_step_matches_model_forward_with_cache(unstacked, split):
 @pytest.mark.numerics
 def test_decode_step_over_the_first_chunks_is_the_same_bit_for_bit():
     """A step given only the first chunks of each layer's cache (`Engine.generate`'s `chunks`) computes the
-    rows whose positions they hold exactly as over every chunk (`cpu.Chunked.attend` merges the softmax
+    rows whose positions they hold exactly as over every chunk (`chunked.Chunked.attend` merges the softmax
     chunk by chunk), writes their keys/values in them, and leaves the other chunks to the caller."""
     params = _params(lora_seed=1)
     layers = qwen3.join_layers(qwen3.unstack_layers(CFG, params["base"]), qwen3.unstack_layers(CFG, params["lora"]))
     ks = jax.random.split(jax.random.key(6), 2)
     shape = (CFG.num_layers, 3, 32, CFG.num_kv_heads, CFG.head_dim)
-    cache = cpu.split_cache({"k": jax.random.normal(ks[0], shape), "v": jax.random.normal(ks[1], shape)},
+    cache = chunked.split_cache({"k": jax.random.normal(ks[0], shape), "v": jax.random.normal(ks[1], shape)},
                             (8, 8, 16))
     tokens, positions = jnp.array([3, 50, 7], jnp.int32), jnp.array([0, 9, 15], jnp.int32)
     step = jax.jit(lambda c: decode.decode_step(CFG, params["base"], tokens, positions, c, lora=params["lora"],
-                                                lora_scale=0.5, layers=layers, layout=cpu.CHUNKED))
+                                                lora_scale=0.5, layers=layers, layout=chunked.Chunked(CFG, 3, 32)))
     all_h, all_cache = step(cache)
     first = {n: [layer[:2] for layer in cache[n]] for n in ("k", "v")}  # positions 0..15 of 32
     some_h, some_cache = step(first)
@@ -244,7 +246,7 @@ def test_ban_only_while_a_slot_is_short_of_min_tokens():
     steps take the blocked sampler (`sample_unembedded`): greedy tokens and logprobs as the full forward."""
     params = _params(lora_seed=1)
     engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=2, max_seq_len=32, lora_scale=0.5,
-                    layout=CpuLayout(CFG, 2, 32, blocked_sampling=True))
+                    weights=CpuWeights(CFG, 2, blocked_sampling=True))
     prompt = [5, 7, 9, 11, 3]
     greedy = _greedy_reference(params, prompt, 6)
     bans, generate = [], engine.generate
@@ -306,9 +308,9 @@ def test_scheduler_steps_read_the_cache_chunks_in_use():
     mid-generation match the full forward pass."""
     params = _params(lora_seed=1)
     engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=2, max_seq_len=300, lora_scale=0.5)
-    assert (engine.layout.chunk_sizes, engine.layout.num_chunks) == ((128, 128, 44), 3)
-    assert cpu.chunk_sizes(32) == (32,) and cpu.chunk_sizes(1000) == (128, 128, 256, 488)
-    assert cpu.chunk_sizes(4096) == (128, 128, 256, 512, 1024, 2048)  # each as long as those before it
+    assert engine.kv.chunk_sizes == (128, 128, 44)
+    assert chunk_sizes(32) == (32,) and chunk_sizes(1000) == (128, 128, 256, 488)
+    assert chunk_sizes(4096) == (128, 128, 256, 512, 1024, 2048)  # each as long as those before it
     # all three chunks: None, the whole cache (one compiled step for it, however it is asked for)
     assert [engine.cache_chunks(n) for n in (1, 128, 129, 256, 257, 300)] == [1, 1, 2, 2, None, None]
     rng = np.random.default_rng(3)
@@ -373,7 +375,7 @@ def test_sharded_engine_matches_single_device(plain):
         base = jax.device_put(params["base"], spec_shardings(modules.param_specs(CFG), CFG.dims(), mesh))
         p = EngineParams(base=base, lora=params["lora"])
         engine = Engine(CFG, mesh, max_concurrent_decodes=4, max_seq_len=32, lora_scale=0.5,
-                        layout=Plain(CFG, 4, 32) if plain else None)
+                        kv=Dense(CFG, 4, 32) if plain else None)
         state = engine.init_decode_state()
         prefix = engine.prefill(params=p, padded_tokens=pad_prompt([3, 1, 4, 1, 5], 16), true_length=5,
                                 sampling=SamplingParams(temperature=0.0))
@@ -398,11 +400,11 @@ def test_weight_copies_only_on_cpu_and_the_same_tokens_without_them():
     params = _params(lora_seed=1)
     mesh = make_mesh({}, jax.devices()[:1])
     outs = []
-    for layout in (None, Plain(CFG, 2, 32)):
-        engine = Engine(CFG, mesh, max_concurrent_decodes=2, max_seq_len=32, lora_scale=0.5, layout=layout)
+    for kv in (None, Dense(CFG, 2, 32)):
+        engine = Engine(CFG, mesh, max_concurrent_decodes=2, max_seq_len=32, lora_scale=0.5, kv=kv)
         prepared = engine.prepare(params)
-        if layout is None:  # decided by the CPU mesh
-            assert isinstance(engine.layout, CpuLayout) and None not in (prepared.layers, prepared.unembed)
+        if kv is None:  # decided by the CPU mesh
+            assert isinstance(engine.weights, CpuWeights) and None not in (prepared.layers, prepared.unembed)
         else:
             assert (prepared.layers, prepared.unembed, prepared.unembed_blocks) == (None, None, None)
             assert prepared.base is params["base"] and prepared.lora is params["lora"]
@@ -419,8 +421,8 @@ def test_weight_copies_only_on_cpu_and_the_same_tokens_without_them():
         outs.append((toks, lps))
     assert outs[0][0] == outs[1][0]
     np.testing.assert_allclose(outs[0][1], outs[1][1], atol=1e-5)
-    with pytest.raises(ValueError, match="engine layout"):
-        Engine(CFG, mesh, max_concurrent_decodes=4, max_seq_len=32, layout=Plain(CFG, 2, 32))
+    with pytest.raises(ValueError, match="KV cache for"):
+        Engine(CFG, mesh, max_concurrent_decodes=4, max_seq_len=32, kv=Dense(CFG, 2, 32))
 
 
 MOE_CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
@@ -439,12 +441,12 @@ def test_prefill_through_the_per_layer_copy_matches_the_stacks(cfg):
     mesh = make_mesh({}, jax.devices()[:1])
     tokens = pad_prompt([5, 7, 9, 11, 3, 2, 8], 16)
     outs = []
-    for layout in (None, Plain(cfg, 2, 32)):
-        engine = Engine(cfg, mesh, max_concurrent_decodes=2, max_seq_len=32, lora_scale=0.5, layout=layout)
+    for kv in (None, Dense(cfg, 2, 32)):
+        engine = Engine(cfg, mesh, max_concurrent_decodes=2, max_seq_len=32, lora_scale=0.5, kv=kv)
         prepared = engine.prepare({"base": base, "lora": lora})
-        assert (prepared.layers is not None) == (layout is None)
+        assert (prepared.layers is not None) == (kv is None)
         outs.append(engine._prefill_forward(prepared, tokens, jnp.int32(7)))
-        if layout is None:  # the copy is what it reads: its layers in reverse order give other logits
+        if kv is None:  # the copy is what it reads: its layers in reverse order give other logits
             swapped = engine._prefill_forward(prepared.replace(layers=prepared.layers[::-1]), tokens, jnp.int32(7))
             assert np.abs(np.asarray(swapped[1]) - np.asarray(outs[0][1])).max() > 1e-2
     (cache, logits), (want_cache, want_logits) = outs

@@ -1,4 +1,4 @@
-"""The engine's paged KV cache (`jaxrl.inference.paged`, `jaxrl.inference.pages`, `jaxrl.model.paged`):
+"""The engine's paged KV cache (`jaxrl.kv.paged`, `jaxrl.kv.pages`):
 the same tokens and logprobs, bit for bit, as the dense cache; pages follow the tokens in flight; a
 group's rollouts share their prompt's pages."""
 
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from jaxrl.inference.engine import Engine, pad_prompt
-from jaxrl.inference.layout import Plain
-from jaxrl.inference.paged import PAGE, PagedLayout, pool_pages
-from jaxrl.inference.pages import PageAllocator, PoolExhausted
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
+from jaxrl.kv.dense import Dense
+from jaxrl.kv.paged import PAGE, Paged, pool_pages
+from jaxrl.kv.pages import PageAllocator, PoolExhausted
 from jaxrl.model import modules
 from jaxrl.model.qwen3 import LORA_TARGETS, ModelConfig
 from jaxrl.parallel.sharding import make_mesh
@@ -30,8 +30,8 @@ def _params():
     return {"base": base, "lora": lora}
 
 
-def _serve(layout, reqs, slots, seq_len):
-    engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), slots, seq_len, lora_scale=0.5, layout=layout)
+def _serve(kv, reqs, slots, seq_len):
+    engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), slots, seq_len, lora_scale=0.5, kv=kv)
     sched = Scheduler(engine, _params(), "tiny")
     peak = []
     if engine.pages is not None:  # the pages in use after each decode step
@@ -69,9 +69,9 @@ def test_paged_engine_matches_the_dense_cache_bit_for_bit():
             for i, n in enumerate((3, 16, 32, 17, 40, 1))]
     reqs += [(group, SamplingParams(temperature=1.0, max_tokens=10 + 3 * i, seed=100 + i)) for i in range(8)]
     reqs += [(rng.integers(1, 96, size=130).tolist(), SamplingParams(temperature=1.0, max_tokens=12, seed=9))]
-    dense, dense_engine, _ = _serve(Plain(CFG, 3, 160), reqs, 3, 160)  # chunks of 128 and 32 positions
+    dense, dense_engine, _ = _serve(Dense(CFG, 3, 160), reqs, 3, 160)  # chunks of 128 and 32 positions
     # a pool of 224 positions (14 pages), not 3 x 160: requests wait for pages (the 130-token prompt needs 9)
-    paged, engine, peak = _serve(PagedLayout(CFG, 3, 160, kv_cache_tokens=224), reqs, 3, 160)
+    paged, engine, peak = _serve(Paged(CFG, 3, 160, kv_cache_tokens=224), reqs, 3, 160)
     for d, p in zip(dense, paged, strict=True):
         assert (p.token_ids, p.logprobs, p.finish_reason) == (d.token_ids, d.logprobs, d.finish_reason)
     assert engine.pages.in_use == 0 and 9 <= peak <= 14
@@ -88,8 +88,8 @@ def test_a_request_the_pool_cannot_hold_is_preempted_and_completes():
     one admitted last is preempted, computed again once the other is done, and both sample the dense
     cache's tokens and logprobs."""
     reqs = [([3 + i] * 10, SamplingParams(temperature=1.0, max_tokens=40, seed=i)) for i in range(2)]
-    dense, _, _ = _serve(Plain(CFG, 2, 64), reqs, 2, 64)
-    paged, engine, peak = _serve(PagedLayout(CFG, 2, 64, kv_cache_tokens=64), reqs, 2, 64)
+    dense, _, _ = _serve(Dense(CFG, 2, 64), reqs, 2, 64)
+    paged, engine, peak = _serve(Paged(CFG, 2, 64, kv_cache_tokens=64), reqs, 2, 64)
     for d, p in zip(dense, paged, strict=True):
         assert (p.token_ids, p.logprobs, p.policy_versions) == (d.token_ids, d.logprobs, d.policy_versions)
     assert engine.preemptions == 1 and peak == 4 and engine.pages.in_use == 0
@@ -101,7 +101,7 @@ def test_pages_follow_the_tokens_in_flight_and_a_group_shares_its_prompt():
     the first decode step, which gives 3 of them a copy of the partial page (copy on write); each decode
     step's pages are exactly those the positions need; a later prefill of the prompt runs no forward while
     a slot holds its pages; a released slot's pages return (the shared ones when their last holder goes)."""
-    engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), 4, 80, lora_scale=0.5, layout=PagedLayout(CFG, 4, 80))
+    engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), 4, 80, lora_scale=0.5, kv=Paged(CFG, 4, 80))
     alloc, params = engine.pages, engine.prepare(_params())
     prompt = list(range(1, 38))
     prefixes = engine.prefill_shared(params, pad_prompt(prompt, engine.bucket(37)), 37,
@@ -145,13 +145,13 @@ def test_allocator_refuses_past_the_pool_and_sizes_in_tokens():
 
 
 
-def _conversation(layout, keep: bool):
-    """Two conversations of 3 turns (one greedy, one seeded) through a scheduler over `layout` (3 slots of
+def _conversation(kv, keep: bool):
+    """Two conversations of 3 turns (one greedy, one seeded) through a scheduler over the cache `kv` (3 slots of
     64 positions): each next prompt is the last prompt, its completion of 5 tokens and 2 new tokens (a
     multi-turn environment's reply; every prompt in one prefill bucket). The weights are updated (the same
     values, a new version) before the third turn. Returns per turn the prompts, their completions and the
     engine's metrics after them."""
-    engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), 3, 64, lora_scale=0.5, layout=layout)
+    engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), 3, 64, lora_scale=0.5, kv=kv)
     params = _params()
     sched = Scheduler(engine, params, "tiny", keep_turns=keep)
     rng = np.random.default_rng(0)
@@ -183,8 +183,8 @@ def test_a_conversations_next_turn_shares_its_last_turns_pages():
     logprobs within float rounding of its whole prefill's (the kept keys and values of sampled tokens come
     from decode steps, not a prefill: not bit for bit). The first turn, and the turn after new weights
     (which drop the kept pages: prefilled whole), are the dense engine's bit for bit."""
-    dense = _conversation(Plain(CFG, 3, 64), False)
-    kept = _conversation(PagedLayout(CFG, 3, 64), True)
+    dense = _conversation(Dense(CFG, 3, 64), False)
+    kept = _conversation(Paged(CFG, 3, 64), True)
     for turn, ((_, d, _), (_, k, _)) in enumerate(zip(dense, kept, strict=True)):
         for a, b in zip(d, k, strict=True):
             assert b.token_ids == a.token_ids and len(a.token_ids) == 5

@@ -1,5 +1,5 @@
-"""The TPU decode attention over the paged KV cache (JAX's Pallas paged-attention kernel, `jaxrl.model.paged.
-PagedKernel`) against the gather-based reference (`Paged`), in Pallas interpret mode on CPU: a decode step of
+"""The TPU decode attention over the paged KV cache (JAX's Pallas paged-attention kernel, `jaxrl.kv.pallas.
+PagedPallas`) against the gather-based reference (`Paged`), in Pallas interpret mode on CPU: a decode step of
 a tiny GQA model over slots at different lengths, float32 and bfloat16 pools, on one device and inside
 `shard_map` (kv heads over `tensor`, three a chip, slots over `fsdp`)."""
 
@@ -11,10 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrl.kv.paged import Paged, pool_shape
+from jaxrl.kv.pallas import PagedPallas
+from jaxrl.kv.pick import kind_for
 from jaxrl.model import modules
-from jaxrl.model.attention import decode_implementation
 from jaxrl.model.decode import decode_step
-from jaxrl.model.paged import Paged, PagedKernel, pool_shape
 from jaxrl.model.qwen3 import ModelConfig
 from jaxrl.parallel.sharding import make_mesh
 
@@ -59,8 +60,8 @@ def test_pallas_kernel_matches_the_gather_reference(dtype, mesh_shape):
     def step(layout):
         return jax.jit(lambda c: decode_step(CFG, params, tokens, positions, c, mesh=mesh, layout=layout))(cache)
 
-    ref_hidden, ref_cache = step(Paged(cache["pages"], PAGE, SEQ))
-    hidden, out_cache = step(PagedKernel(cache["pages"], PAGE, SEQ, mesh=mesh))
+    ref_hidden, ref_cache = step(Paged(CFG, 4, SEQ, page=PAGE))
+    hidden, out_cache = step(PagedPallas(CFG, 4, SEQ, page=PAGE, mesh=mesh))
     # measured: hidden states (up to 0.35) off by 7.6e-4 in float32, 2e-7 in bfloat16; the caches (up to 4.7)
     # by 9.3e-4 and 0 (an off page or layer: O(1))
     np.testing.assert_allclose(np.asarray(hidden, np.float32), np.asarray(ref_hidden, np.float32), rtol=0,
@@ -72,6 +73,11 @@ def test_pallas_kernel_matches_the_gather_reference(dtype, mesh_shape):
 
 
 def test_the_kernel_is_the_decode_attention_on_tpu_only():
-    assert decode_implementation("tpu", 128) == "pallas"
-    assert decode_implementation("tpu", 64) == decode_implementation("cpu", 128) == "gather"
-    assert decode_implementation("gpu", 128) == "gather"
+    """`jaxrl.kv.pick` gives a paged pool the kernel on TPU with heads of 128 lanes, the gather elsewhere."""
+    import dataclasses
+
+    def kind(platform, head_dim):
+        return type(kind_for(platform, dataclasses.replace(CFG, head_dim=head_dim), 4, SEQ, 4 * SEQ))
+
+    assert kind("tpu", 128) is PagedPallas
+    assert kind("tpu", 64) is kind("cpu", 128) is kind("gpu", 128) is Paged

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).parent.parent / "jaxrl"
-LAYERS = ("config", "parallel", "model", "inference", "envs", "rl", "compile", "run", "export", "evaluation", "cli")
+LAYERS = ("config", "parallel", "model", "kv", "inference", "envs", "rl", "compile", "run", "export", "evaluation",
+          "cli")
 """The subpackages in data-flow order (docs/design.md): each may import those before it, never those after."""
 MODULES = sorted(PACKAGE.rglob("*.py"))
 

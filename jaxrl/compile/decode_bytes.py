@@ -12,7 +12,7 @@ what the step's attention reads of it, below), each output not written in place 
 written is this step's key and value a slot, and the temporaries are written once and read once: a lower
 bound on the program's traffic when each buffer is touched once, and what it cannot do with less.
 The attention reads, per slot: with JAX's Pallas paged-attention kernel (TPU) its pages up to its position,
-in the kernel's compute blocks (`jaxrl.model.paged.KERNEL_BLOCK` positions); with the dense stacked cache
+in the kernel's compute blocks (`jaxrl.kv.pallas.KERNEL_BLOCK` positions); with the dense stacked cache
 every position of it (masked); with the paged gather reference (GPU, CPU) the chunks that hold its
 position (`jaxrl.model.cpu.chunk_sizes`), gathered into a dense copy (counted in the temporaries).
 """
@@ -24,7 +24,7 @@ import itertools
 from typing import Any
 
 from jaxrl.compile.cost import bytes_text
-from jaxrl.model import paged
+from jaxrl.kv import pallas
 from jaxrl.model.cpu import chunk_sizes
 
 
@@ -75,7 +75,7 @@ class DecodeBytes:
 def positions_read(reads: str, position: int, seq_len: int) -> int:
     """Positions a slot at `position` has its attention read (`DecodeBytes.reads`; see the module)."""
     if reads == "kernel":
-        return -(-position // paged.KERNEL_BLOCK) * paged.KERNEL_BLOCK
+        return -(-position // pallas.KERNEL_BLOCK) * pallas.KERNEL_BLOCK
     if reads == "gather":
         return next(h for h in itertools.accumulate(chunk_sizes(seq_len)) if h >= position)
     return seq_len

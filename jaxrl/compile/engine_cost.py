@@ -3,9 +3,9 @@
 `cost_analysis()` counts a scanned layer once whatever the depth (`jaxrl.compile.cost`), and the engine's
 programs scan their layers. So each is compiled here with its layers unrolled at the two depths of
 `jaxrl.compile.depths.cost_depths`, through the same model code the engine runs (`qwen3.forward` over
-a prompt bucket, as `Engine._prefill_forward`; `decode.decode_step` over the engine's cache layout: on
-TPU the paged pool read by the Pallas kernel), without the sampling around them: the difference is one
-layer.
+a prompt bucket, as `Engine._prefill_forward`; `decode.decode_step` over the engine's KV cache kind
+(`jaxrl.kv`: on TPU the paged pool read by the Pallas kernel), without the sampling around them: the
+difference is one layer.
 
 Ideal, per layer, divided evenly over the engine's chips (a prefill of one sequence is not split over the
 batch axes, so its chips repeat each other's work and its ratio shows it):
@@ -27,6 +27,7 @@ step's buffers (`jaxrl.compile.decode_bytes`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -36,7 +37,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl.compile import depths, programs
 from jaxrl.compile.cost import LayerCost, active_layer_weights
 from jaxrl.compile.programs import Program, Shapes
-from jaxrl.model import decode, modules, paged, qwen3
+from jaxrl.kv.paged import Paged
+from jaxrl.kv.pallas import PagedPallas
+from jaxrl.model import decode, modules, qwen3
 from jaxrl.model.attention import implementation
 from jaxrl.parallel.sharding import mesh_platform
 
@@ -80,15 +83,11 @@ def prefill_cost(shapes: Shapes, mesh: Mesh) -> LayerCost:
                      attention / chips if kernel else 0.0)
 
 
-def _cache_layout(engine: Any, cache: Any, mesh: Mesh) -> decode.CacheLayout:
-    """The `decode.CacheLayout` `engine`'s step runs over `cache` on `mesh`, as its layout's `decode` picks it:
-    the stacked dense cache, or the paged pool read by JAX's Pallas kernel (TPU) or gathered."""
-    if engine.pages is None:
-        return decode.STACKED
-    layout = engine.layout
-    if layout.implementation(mesh) == "pallas":
-        return paged.PagedKernel(cache["pages"], layout.page, layout.max_seq_len, mesh=mesh)
-    return paged.Paged(cache["pages"], layout.page, layout.max_seq_len)
+def _cache_layout(engine: Any, mesh: Mesh) -> decode.CacheLayout:
+    """The `decode.CacheLayout` `engine`'s step runs on `mesh`: its KV cache kind (`jaxrl.kv`), a paged one
+    with the step's mesh (its Pallas kernel's `shard_map` on TPU), as the kind's `decode` gives it."""
+    kind = engine.kv
+    return dataclasses.replace(kind, mesh=mesh) if isinstance(kind, Paged) else kind
 
 
 def decode_cost(shapes: Shapes, mesh: Mesh) -> LayerCost:
@@ -108,13 +107,13 @@ def decode_cost(shapes: Shapes, mesh: Mesh) -> LayerCost:
     for d in (da, db):
         s = shapes.at_depth(d)
         engine, params = programs._engine(s, mesh)
-        state = programs.abstract_decode_state(engine)
+        state, kind = programs.abstract_decode_state(engine), _cache_layout(engine, mesh)
 
         def step(base: Any, lora: Any, tokens_B: jax.Array, positions_B: jax.Array, cache: Any,
-                 s: Shapes = s, engine: Any = engine) -> Any:
+                 s: Shapes = s, kind: Any = kind) -> Any:
             layers = qwen3.join_layers(qwen3.unstack_layers(s.model, base), qwen3.unstack_layers(s.model, lora))
             return decode.decode_step(s.model, base, tokens_B, positions_B, cache, lora=lora, lora_scale=s.lora_scale,
-                                      mesh=mesh, layers=layers, layout=_cache_layout(engine, cache, mesh))
+                                      mesh=mesh, layers=layers, layout=kind)
 
         lowered = jax.jit(step, donate_argnums=4).lower(params.base, params.lora, state.tokens,
                                                         state.positions, state.cache)
@@ -125,7 +124,7 @@ def decode_cost(shapes: Shapes, mesh: Mesh) -> LayerCost:
     chips, slots = mesh.devices.size, shapes.decode_slots
     attention = slots * 4 * shapes.seq_len * m.num_heads * m.head_dim / chips
     ideal = slots * 2 * active_layer_weights(m) / chips + attention
-    kernel = isinstance(_cache_layout(engine, state.cache, mesh), paged.PagedKernel)
+    kernel = isinstance(engine.kv, PagedPallas)
     return LayerCost(f"decode {slots} slots x {shapes.seq_len}", flops, nbytes, ideal, (read[1] - read[0]) / (db - da),
                      attention if kernel else 0.0, bytes_counted=False)
 

@@ -4,10 +4,10 @@ pool that fits, `fit_pool_tokens`; the CPU's dense cache, `decode_slots` x `seq_
 costs a chip, the largest pool that fits beside the rest of the run, and how many rollouts of a given mean
 length run at once on the slice.
 
-A token's bytes a chip come from the cache the engine declares (`EngineLayout.cache`, placed as the run
+A token's bytes a chip come from the cache the engine declares (`jaxrl.kv.kind.CacheKind.cache`, placed as the run
 places it: `programs.abstract_decode_state`): 2 (k, v) x L x K x H x the cache's bytes, over the chips its
 kv heads are split across (a paged pool: `tensor` then the batch axes, as many as divide K,
-`jaxrl.model.paged.POOL_AXES`; a dense cache: `tensor` for the heads and the batch axes for the slots).
+`jaxrl.kv.paged.POOL_AXES`; a dense cache: `tensor` for the heads and the batch axes for the slots).
 A rollout of n tokens holds about n positions of the pool (whole pages: up to 15 more); decode slots cap
 the sequences an engine runs at once, whatever its pool holds.
 """
@@ -22,7 +22,7 @@ import jax
 
 from jaxrl.compile import programs
 from jaxrl.compile.programs import Shapes
-from jaxrl.model import paged
+from jaxrl.kv import paged
 from jaxrl.model.qwen3 import ModelConfig
 from jaxrl.parallel.sharding import MESH_AXES, logical_spec
 
@@ -119,7 +119,7 @@ def auto_pool_tokens(fit: int, slots: int, seq_len: int, page: int) -> int:
 
 
 def token_bytes(cfg: ModelConfig, mesh_shape: dict[str, int], itemsize: int) -> float:
-    """Bytes a device holds per token of a paged pool (`jaxrl.model.paged`) of `cfg` on a mesh of
+    """Bytes a device holds per token of a paged pool (`jaxrl.kv.paged`) of `cfg` on a mesh of
     `mesh_shape` (no devices needed: `jaxrl models`): 2 (k, v) x L x K x H x `itemsize`, over the devices
     the pool's kv heads are split across (`POOL_AXES`)."""
     mesh = jax.sharding.AbstractMesh(tuple(int(mesh_shape.get(a, 1)) for a in MESH_AXES), MESH_AXES)

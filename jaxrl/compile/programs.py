@@ -22,9 +22,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl.config.algorithms import LossConfig
 from jaxrl.inference.engine import DecodeState, Engine
 from jaxrl.inference.engine_params import EngineParams
-from jaxrl.inference.layout import Plain
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.sampling import SlotSampling
+from jaxrl.kv.dense import Dense
 from jaxrl.model.modules import lora_specs, param_specs
 from jaxrl.model.qwen3 import ModelConfig
 from jaxrl.parallel.sharding import MESH_AXES, array_sharding, mesh_platform, spec_shardings
@@ -211,11 +211,11 @@ def compile_train(s: Shapes, mesh: Mesh) -> Program:
 
 
 def _engine(s: Shapes, mesh: Mesh, dense: bool = False) -> tuple[Engine, EngineParams]:
-    """The engine of `s` on `mesh` (`dense`: with the dense cache, `Plain`, whatever the platform) and its
-    abstract params."""
-    layout = Plain(s.model, s.decode_slots, s.seq_len) if dense else None
+    """The engine of `s` on `mesh` (`dense`: with the dense cache, `jaxrl.kv.dense.Dense`, whatever the
+    platform) and its abstract params."""
+    kv = Dense(s.model, s.decode_slots, s.seq_len) if dense else None
     engine = Engine(s.model, mesh, s.decode_slots, s.seq_len, lora_scale=s.lora_scale, cache_dtype=s.dtype,
-                    layout=layout, kv_cache_tokens=s.kv_cache_tokens)
+                    kv=kv, kv_cache_tokens=s.kv_cache_tokens)
     base, lora = _weights(s, mesh)
     return engine, EngineParams(base=base, lora=lora)
 
@@ -251,12 +251,12 @@ def compile_prefill(s: Shapes, mesh: Mesh, bucket: int | None = None) -> Program
 
 
 def abstract_decode_state(engine: Engine) -> DecodeState:
-    """The decode state `Engine.init_decode_state` makes, as ShapeDtypeStructs: the cache its layout declares
-    (`EngineLayout.cache`, placed by the same logical axes: on an accelerator one buffer [L, B, S, K, H] per k
-    and v, or a paged pool [K, L, P, page, H] per k and v and its page table), every per-slot array
-    split over the slots' batch axis as the cache is."""
+    """The decode state `Engine.init_decode_state` makes, as ShapeDtypeStructs: the cache its kind declares
+    (`jaxrl.kv.kind.CacheKind.cache`, placed by the same logical axes: on an accelerator one buffer
+    [L, B, S, K, H] per k and v, or a paged pool [K, L, P, page, H] per k and v and its page table), every
+    per-slot array split over the slots' batch axis as the cache is."""
     c, b = engine.cfg, engine.max_concurrent_decodes
-    cache = engine.layout.cache(lambda shape, axes, dtype=None: jax.ShapeDtypeStruct(
+    cache = engine.kv.cache(lambda shape, axes, dtype=None: jax.ShapeDtypeStruct(
         shape, dtype or engine.cache_dtype, sharding=array_sharding(axes, shape, engine.mesh)))
     vec_sh = array_sharding(("batch",), (b,), engine.mesh)
     slot_vocab_sh = array_sharding(("batch", None), (b, c.vocab_size), engine.mesh)
@@ -278,7 +278,7 @@ def compile_decode(s: Shapes, mesh: Mesh) -> Program:
     """`Engine._generate` (truncating sampling and the repetition penalty on: the largest variant) for
     `decode_slots` slots of `seq_len` tokens on `mesh`."""
     engine, params = _engine(s, mesh)
-    if not engine.layout.reads_training_weights:  # the CPU's layout: weight copies made from real arrays
+    if not engine.weights.reads_training_weights:  # the CPU's: weight copies made from real arrays
         raise ValueError(f"decode is compiled for an accelerator mesh, not {mesh_platform(mesh)}")
     state = abstract_decode_state(engine)
     lowered = engine._generate.lower(params, state, truncate=True, penalize=True)

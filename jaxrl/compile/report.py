@@ -30,6 +30,7 @@ from jaxrl.compile.roofline import roofline
 from jaxrl.config.hub import download_config
 from jaxrl.config.model_path import HubModel, ModelNotFoundError, find_in_hf_cache
 from jaxrl.config.schema import ConfigError, RunConfig, locate_model_path
+from jaxrl.kv.pallas import PagedPallas
 from jaxrl.model import catalog, hf, moe
 from jaxrl.model.qwen3 import ModelConfig
 from jaxrl.parallel import distributed
@@ -366,7 +367,7 @@ def _reads(shapes: Shapes, emesh: Any) -> str:
     engine = programs._engine(shapes, emesh)[0]
     if engine.pages is None:
         return "dense"
-    return "kernel" if engine.layout.implementation(emesh) == "pallas" else "gather"
+    return "kernel" if isinstance(engine.kv, PagedPallas) else "gather"
 
 
 def _compile_programs(shapes: Shapes, mesh: Any, hbm_bytes: int, depths: tuple[int, ...],

@@ -157,7 +157,7 @@ class JaxConfig(_Table):
     decode_slots: int = Field(32, ge=1)
     """Max concurrent decodes (KV cache rows) in the rollout engine. Default 32."""
     kv_cache_tokens: int | None = Field(None, ge=1)
-    """Positions (tokens) of the rollout engine's paged KV cache (`jaxrl.inference.paged`), per engine: a pool
+    """Positions (tokens) of the rollout engine's paged KV cache (`jaxrl.kv.paged`), per engine: a pool
     of pages of 16 positions handed to the sequences as their tokens arrive and returned when they finish, a
     group's rollouts sharing their prompt's pages; must be >= `seq_len` (one sequence fits), rounded up to
     whole pages. Set, the engine runs a pool of that size on every platform (on CPU instead of its chunked

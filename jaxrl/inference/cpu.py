@@ -1,5 +1,6 @@
-"""The rollout engine's CPU tuning, behind one seam: `CpuLayout`, the `jaxrl.inference.layout.EngineLayout`
-an engine on a CPU mesh runs (`layout.for_mesh` picks it; on TPU and GPU it picks the paged pool).
+"""The rollout engine's CPU tuning of its weights and sampling, behind one seam: `CpuWeights`, the
+`jaxrl.inference.engine_params.EngineWeights` of an engine over the CPU's KV cache (`jaxrl.kv.chunked`,
+which `jaxrl.kv.pick` picks on a CPU mesh; a TPU or GPU runs `engine_params.PlainWeights` over a paged pool).
 
 Memory is plentiful on a CPU host and bandwidth is what a decode step spends, so the engine keeps its own
 copy of the weights and a cache laid out for XLA's CPU backend (figures: docs/benchmarks.md, issues 4
@@ -7,8 +8,8 @@ and 13, gathered in 2026-11-26):
   * a per-layer copy of the layer weights (`qwen3.unstack_layers` outside jit: each layer's slices their
     own arrays, since XLA's CPU backend copies a layer's weights out of a stack before each read), the
     projections and the unembedding output-major (`jaxrl.model.cpu.OutMajor`); prefills read it too;
-  * the KV cache per layer, head-major, in chunks that grow (`jaxrl.model.cpu.chunk_sizes`, 128, 128, 256,
-    ...), of which a decode step reads only those that hold its slots' positions (`chunks`);
+  * (the KV cache per layer, head-major, in chunks that grow: `jaxrl.kv.chunked.Chunked`, which the
+    per-layer copy is read with);
   * with `blocked_sampling`, a decode step that only applies a temperature samples without the [B, V]
     logits (`sample_unembedded`, over the unembedding's rows in blocks of their own, `vocab_blocks`):
     faster at a small hidden size and many slots only (`blocked_sampling_pays`). It draws from the same
@@ -21,9 +22,6 @@ Letters as in `jaxrl.model.qwen3`.
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +29,7 @@ import jax.numpy as jnp
 from jaxrl.inference.engine_params import EngineParams
 from jaxrl.inference.sampling import CHUNK, SlotSampling, pick_chunk, pick_within, sample
 from jaxrl.model import cpu, qwen3
-from jaxrl.model.qwen3 import KVCache, ModelConfig, Params
+from jaxrl.model.qwen3 import ModelConfig, Params
 
 BLOCK = 8192  # vocabulary rows per block of `sample_unembedded` (a multiple of `sampling.CHUNK`)
 
@@ -44,21 +42,18 @@ def blocked_sampling_pays(cfg: ModelConfig, slots: int) -> bool:
 
 
 @dataclasses.dataclass
-class CpuLayout:
-    """The CPU engine's layout (`EngineLayout`, see the module's docstring) for `cfg`, `slots` decode slots
-    and a cache of `max_seq_len` positions. `blocked_sampling` None: `blocked_sampling_pays`."""
+class CpuWeights:
+    """The CPU engine's weights and sampling (`jaxrl.inference.engine_params.EngineWeights`, see the module's
+    docstring) for `cfg` and `slots` decode slots. `blocked_sampling` None: `blocked_sampling_pays`."""
 
     cfg: ModelConfig
     slots: int
-    max_seq_len: int
     blocked_sampling: bool | None = None
     reads_training_weights = False
 
     def __post_init__(self) -> None:
         if self.blocked_sampling is None:
             self.blocked_sampling = blocked_sampling_pays(self.cfg, self.slots)
-        self.chunk_sizes = cpu.chunk_sizes(self.max_seq_len)  # positions per chunk of each layer's cache
-        self.num_chunks = len(self.chunk_sizes)
         self._base_views: tuple | None = None  # (the base they were made from, layers, unembedding, its blocks)
 
     def prepare(self, params: Params) -> EngineParams:
@@ -76,42 +71,6 @@ class CpuLayout:
         lora = params.get("lora")
         layers = qwen3.join_layers(base_layers, qwen3.unstack_layers(self.cfg, lora))
         return EngineParams(base=base, layers=layers, lora=lora, unembed=unembed, unembed_blocks=blocks)
-
-    def cache(self, make: Callable[[tuple[int, ...], tuple[str | None, ...]], Any]) -> KVCache:
-        """Per layer, head-major chunks of `chunk_sizes` positions: keys [B, K, H, C], values [B, K, C, H]."""
-        c, b, axes = self.cfg, self.slots, ("batch", "kv_heads", None, None)
-        return {"k": [[make((b, c.num_kv_heads, c.head_dim, n), axes) for n in self.chunk_sizes]
-                      for _ in range(c.num_layers)],
-                "v": [[make((b, c.num_kv_heads, n, c.head_dim), axes) for n in self.chunk_sizes]
-                      for _ in range(c.num_layers)]}
-
-    def insert(self, cache: KVCache, prefix_cache: KVCache, slot: jax.Array) -> KVCache:
-        """The prompt's chunks (`split_cache` of its [L, 1, T, K, H]) at `slot`; those after it keep their data."""
-        src = cpu.split_cache(prefix_cache, self.chunk_sizes)
-
-        def put_chunks(dst, pieces):
-            return [jax.lax.dynamic_update_slice(d, x, (slot, 0, 0, 0))
-                    for d, x in zip(dst[:len(pieces)], pieces, strict=True)] + dst[len(pieces):]
-
-        return {n: [put_chunks(dst, pieces) for dst, pieces in zip(cache[n], src[n], strict=True)]
-                for n in ("k", "v")}
-
-    def chunks(self, positions: int) -> int | None:
-        """The fewest chunks that hold positions [0, `positions`) (one compiled step per count: about
-        log2(max_seq_len / 128) + 1 of them); None when that is all of them."""
-        held = itertools.accumulate(self.chunk_sizes)
-        n = next((n for n, h in enumerate(held, 1) if h >= positions), self.num_chunks)
-        return None if n == self.num_chunks else n
-
-    def decode(self, model, params, tokens_B, positions_B, cache, chunks, mesh):
-        """The step over the first `chunks` chunks of each layer's cache (None: all), the others as they
-        were: a slot's numbers are the same, bit for bit, for any `chunks` that holds its position."""
-        read = cache if chunks is None else {n: [layer[:chunks] for layer in cache[n]] for n in ("k", "v")}
-        hidden_BTD, new = model.decode(tokens_B, positions_B, read, mesh=mesh, layers=params.layers,
-                                       layout=cpu.CHUNKED)
-        if chunks is not None:
-            new = {n: [a + b[chunks:] for a, b in zip(new[n], cache[n], strict=True)] for n in ("k", "v")}
-        return hidden_BTD, new
 
     def logits(self, params: EngineParams, hidden_BTD: jax.Array) -> jax.Array:
         """Through the prepared `OutMajor` unembedding (the base's where `prepare` did not run)."""
@@ -136,7 +95,7 @@ def _unembedding(params: EngineParams) -> Params:
 
 def vocab_blocks(unembed_VD: jax.Array, block: int = BLOCK) -> tuple[jax.Array, ...]:
     """The unembedding's rows [V, D] as `sample_unembedded`'s blocks: `block` rows each, the last shorter.
-    Called outside jit (`CpuLayout.prepare`) each block is a copy in its own array, since XLA's CPU backend
+    Called outside jit (`CpuWeights.prepare`) each block is a copy in its own array, since XLA's CPU backend
     copies a block out of a larger array before every dot that reads it (docs/benchmarks.md, 2026-11-26)."""
     return tuple(unembed_VD[i:i + block] for i in range(0, unembed_VD.shape[0], block))
 

@@ -15,10 +15,11 @@ sampled fewer, its stop tokens (`DecodeState.stop`) are banned, in the same comp
 request. Both jitted steps rebuild the model, `jaxrl.model.modules.Qwen3`, over the engine params' arrays
 (`modules.bind`: `nnx.merge`, no copies, so the engine reads the trainer's base weights in place): prefill
 calls it (`qwen3.forward`), a decode step calls `Qwen3.decode` (`jaxrl.model.decode`, the same layers with a
-bandwidth-minded attention over the cache). How the engine holds its weights and cache and samples is its
-`layout` (`jaxrl.inference.layout`: the plain one on TPU and GPU, the CPU's copies and chunked cache on CPU,
-`jaxrl.inference.cpu`). The decode state is donated to `insert` and `generate`, so the cache is updated in
-place.
+bandwidth-minded attention over the cache). How the engine holds its KV cache is its `kv`, a kind of
+`jaxrl.kv` (picked once by `jaxrl.kv.pick`); how it holds its weights and samples its `weights`
+(`jaxrl.inference.engine_params.EngineWeights`: the trainer's arrays in place on TPU and GPU, the CPU's
+copies, `jaxrl.inference.cpu`, beside the CPU's cache). The decode state is donated to `insert` and
+`generate`, so the cache is updated in place.
 
 The method names and arguments follow `jetstream.engine.engine_api.Engine` (google-jetstream 0.2.2) so
 that JetStream's orchestrator can drive this engine; `prefill` and `insert` take extra keyword
@@ -36,11 +37,12 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl.inference import layout as layouts
-from jaxrl.inference.engine_params import EngineParams
-from jaxrl.inference.pages import PageAllocator
+from jaxrl.inference.cpu import CpuWeights
+from jaxrl.inference.engine_params import EngineParams, EngineWeights, PlainWeights
 from jaxrl.inference.protocol import MAX_TOP_LOGPROBS, SamplingParams
 from jaxrl.inference.sampling import SlotSampling, mark_seen, sample_with_top, stop_ban
+from jaxrl.kv.kind import CacheKind
+from jaxrl.kv.pick import pick
 from jaxrl.model import modules
 from jaxrl.model.qwen3 import KVCache, ModelConfig, Params
 from jaxrl.parallel.sharding import array_sharding
@@ -73,7 +75,7 @@ class Prefix:
 
 @struct.dataclass
 class DecodeState:
-    """All decode slots: the KV cache as the engine's layout declares it (`EngineLayout.cache`: [L, B, S, K,
+    """All decode slots: the KV cache as the engine's kind declares it (`CacheKind.cache`: [L, B, S, K,
     H] per k and v on TPU and GPU, per-layer chunks on CPU); the next input token [B] and its position [B];
     sampling settings; one PRNG key per slot [B]; tokens seen per slot, bool [B, V] (kept up to date only
     while some slot has a repetition penalty: a slot's settings are fixed at insert); each slot's stop
@@ -115,14 +117,15 @@ class Engine:
     """JetStream-style engine over a Qwen3 params pytree.
 
     Engine params (`EngineParams`) are what `prepare` makes of `{"base": params, "lora": lora_or_None}`
-    (the layout's: the training arrays themselves on TPU and GPU; on CPU with its per-layer copies). LoRA products are
-    scaled by `lora_scale` (alpha / rank). `max_seq_len` (S) is the cache length: prompt plus sampled
-    tokens. `layout` (None: `jaxrl.inference.layout.for_mesh`, from the mesh's platform and
-    `kv_cache_tokens`: given, a paged cache of that many positions, `jaxrl.inference.paged`) holds the weights
-    and cache and samples (`EngineLayout`).
+    (`weights`': the training arrays themselves on TPU and GPU; on CPU with its per-layer copies). LoRA
+    products are scaled by `lora_scale` (alpha / rank). `max_seq_len` (S) is the cache length: prompt plus
+    sampled tokens. `kv` (None: `jaxrl.kv.pick.pick`, from the mesh's platform and `kv_cache_tokens`: given,
+    a paged cache of that many positions, `jaxrl.kv.paged`) is the KV cache's kind (`jaxrl.kv.kind.CacheKind`);
+    `weights` (None: `PlainWeights` where the kind reads the trainer's weights, else `CpuWeights`) holds the
+    weights and samples (`EngineWeights`).
 
     Raises:
-        ValueError: a given `layout` is for another model, slot count or cache length.
+        ValueError: a given `kv` is for another model, slot count or cache length.
     """
 
     cfg: ModelConfig
@@ -131,17 +134,21 @@ class Engine:
     max_seq_len: int
     lora_scale: float = 0.0
     cache_dtype: Any = jnp.float32
-    layout: layouts.EngineLayout | None = None
+    kv: CacheKind | None = None
     kv_cache_tokens: int | None = None
+    weights: EngineWeights | None = None
 
     def __post_init__(self) -> None:
-        if self.layout is None:
-            self.layout = layouts.for_mesh(self.cfg, self.mesh, self.max_concurrent_decodes, self.max_seq_len,
-                                           self.kv_cache_tokens)
-        got = (self.layout.cfg, self.layout.slots, self.layout.max_seq_len)
+        if self.kv is None:
+            self.kv = pick(self.cfg, self.mesh, self.max_concurrent_decodes, self.max_seq_len, self.kv_cache_tokens)
+        got = (self.kv.cfg, self.kv.slots, self.kv.max_seq_len)
         if got != (self.cfg, self.max_concurrent_decodes, self.max_seq_len):
-            raise ValueError(f"engine layout for (model, slots, max_seq_len) {got[1:]} given to an engine of "
+            raise ValueError(f"KV cache for (model, slots, max_seq_len) {got[1:]} given to an engine of "
                              f"{(self.max_concurrent_decodes, self.max_seq_len)} (or another model)")
+        if self.weights is None:
+            self.weights = (PlainWeights(self.cfg) if self.kv.reads_training_weights
+                            else CpuWeights(self.cfg, self.max_concurrent_decodes))
+        self.pages = self.kv.allocator()  # the host side of a paged cache (`jaxrl.kv.pages`); None: dense
         self.max_prefill_length = self.max_seq_len - 1
         self.buckets = prefill_buckets(self.max_prefill_length)
         self._prefill_forward = jax.jit(self._prefill_forward_impl)
@@ -156,8 +163,8 @@ class Engine:
                                  static_argnames=("truncate", "penalize", "ban", "chunks", "top"))
 
     def prepare(self, params: Params) -> EngineParams:
-        """Engine params for `prefill` / `generate` from `{"base", "lora"}` (`EngineLayout.prepare`)."""
-        return self.layout.prepare(params)
+        """Engine params for `prefill` / `generate` from `{"base", "lora"}` (`EngineWeights.prepare`)."""
+        return self.weights.prepare(params)
 
     # JetStream Engine API -------------------------------------------------------------------------
     @property
@@ -185,7 +192,7 @@ class Engine:
             return jax.jit(lambda: jnp.zeros(shape, dtype or self.cache_dtype),
                            out_shardings=array_sharding(axes, shape, self.mesh))()
 
-        cache = self.layout.cache(zeros)
+        cache = self.kv.cache(zeros)
         return DecodeState(
             cache=cache,
             tokens=jax.device_put(jnp.zeros((b,), jnp.int32), vec_sh),
@@ -302,7 +309,7 @@ class Engine:
         whole pages of a kept sequence it extends, `prefill_shared`, which are shared).
 
         Raises:
-            PoolExhausted: a paged layout's pool has too few free pages for the prompt.
+            PoolExhausted: a paged cache's pool has too few free pages for the prompt.
             ValueError: a prefix without its cache whose prompt's pages are no longer held.
         """
         pages = None
@@ -319,13 +326,8 @@ class Engine:
             prefix = prefix.replace(top_ids=prefix.top_ids[:, :0], top_logprobs=prefix.top_logprobs[:, :0])
         return self._insert(prefix, decode_state, jnp.int32(slot), pages)
 
-    @property
-    def pages(self) -> PageAllocator | None:
-        """The paged layout's allocator (`jaxrl.inference.pages`), None with a dense cache."""
-        return getattr(self.layout, "pages", None)
-
     def metrics(self) -> dict[str, float]:
-        """`engine/prefills` (prompts run through the model, since the start) and, with a paged layout,
+        """`engine/prefills` (prompts run through the model, since the start) and, with a paged cache,
         `engine/prefix_hits` (inserts that shared a prompt's pages or a kept sequence's, since the start),
         `engine/prefill_tokens` (positions prefills ran) and `engine/prefix_tokens` (prompt positions
         inserts shared instead, since the start), `engine/kv_pages` (pages slots hold now) and
@@ -347,13 +349,13 @@ class Engine:
         """One decode step for every slot (the decode state's buffers are donated). `truncate=False`
         skips min_p / top_k / top_p, `penalize=False` the repetition penalty and its bookkeeping, and
         `ban=False` the `min_tokens` ban (`stop_ban`): faster, for when no active slot uses them (no
-        slot still short of its `min_tokens`, for `ban`); with all three off the CPU's layout may sample
+        slot still short of its `min_tokens`, for `ban`); with all three off the CPU's weights may sample
         without the [B, V] logits (`jaxrl.inference.cpu`).
         `chunks` (`cache_chunks`; None: all): the step reads and writes only the part of the cache that
         holds positions before those, so attention reads the positions in use, not `max_seq_len`: every
         slot that matters must be at a position it holds; a slot past it samples from a truncated cache.
         A slot's numbers are the same, bit for bit, for any `chunks` that holds its position
-        (`jaxrl.model.cpu.Chunked.attend`). `top` (`top_for`; 0: none): each slot's `top` most likely tokens
+        (`jaxrl.kv.chunked.Chunked.attend`). `top` (`top_for`; 0: none): each slot's `top` most likely tokens
         come back in the result, all slots sampling from the [B, V] logits (the CPU's blocked sampler,
         `cpu.blocked_sampling_pays`, then sits the step out: the same distribution, its tokens the same up to
         float rounding at a chunk boundary). Each combination compiles once."""
@@ -372,20 +374,20 @@ class Engine:
                               top=top)
 
     def cache_chunks(self, positions: int) -> int | None:
-        """`generate`'s `chunks` for slots at positions below `positions` (`EngineLayout.chunks`: on CPU the
+        """`generate`'s `chunks` for slots at positions below `positions` (`CacheKind.chunks`: on CPU the
         fewest cache chunks that hold them; None, the whole cache, elsewhere)."""
-        return self.layout.chunks(positions)
+        return self.kv.chunks(positions)
 
     # jitted bodies --------------------------------------------------------------------------------
     def _prefill_forward_impl(self, params, tokens_T, true_length):
         """The prompt's cache {"k","v"} [L, 1, T, K, H] and the logits after its last token, [1, V]
-        (through the per-layer copy where the layout's `prepare` made one, as decode steps)."""
+        (through the per-layer copy where `weights.prepare` made one, as decode steps)."""
         t = tokens_T.shape[0]
         model = modules.bind(self.cfg, params.base, params.lora, self.lora_scale)
         hidden_BTD, kv = model(tokens_T[None], jnp.arange(t, dtype=jnp.int32)[None], mesh=self.mesh,
                                layers=params.layers)
         last_BD = jax.lax.dynamic_index_in_dim(hidden_BTD[0], true_length - 1, keepdims=True)
-        logits_BV = self.layout.logits(params, last_BD[None])[:, 0]
+        logits_BV = self.weights.logits(params, last_BD[None])[:, 0]
         return {k: v.astype(self.cache_dtype) for k, v in kv.items()}, logits_BV
 
     def _score_impl(self, params, tokens_T):
@@ -417,8 +419,7 @@ class Engine:
         def put1(dst, src):
             return jax.lax.dynamic_update_slice(dst, src, (slot,))
 
-        cache = (self.layout.insert(state.cache, prefix.cache, slot) if pages is None else
-                 self.layout.insert(state.cache, prefix.cache, slot, pages))
+        cache = self.kv.insert(state.cache, prefix.cache, slot, pages)
         return DecodeState(
             cache=cache,
             tokens=put1(state.tokens, prefix.token),
@@ -437,31 +438,29 @@ class Engine:
         written into and attends over (`qwen3.forward` with a cache: a query reads keys at positions <= its
         own). Returns that cache, in the pool's dtype, and the logits after the last token, [1, V]."""
         t = tokens_T.shape[0]
-        k, layers, _, page, h = pool["k"].shape
-        s = read_N.shape[0] * page
-        cache = {n: x[:, :, read_N].reshape(k, layers, s, h).transpose(1, 2, 0, 3)[:, None] for n, x in pool.items()}
+        cache = self.kv.extend_cache(pool, read_N)
         model = modules.bind(self.cfg, params.base, params.lora, self.lora_scale)
         hidden_BTD, kv = model(tokens_T[None], (start + jnp.arange(t, dtype=jnp.int32))[None], cache=cache,
                                mesh=self.mesh)
         last_BD = jax.lax.dynamic_index_in_dim(hidden_BTD[0], true_length - 1, keepdims=True)
-        return kv, self.layout.logits(params, last_BD[None])[:, 0]
+        return kv, self.weights.logits(params, last_BD[None])[:, 0]
 
     def _copy_pages_impl(self, state: DecodeState, src_B, dst_B) -> DecodeState:
-        """`state` with pool pages `src_B` copied to `dst_B` (int32 [B] each: `PagedLayout.copy_pages`)."""
-        return state.replace(cache=self.layout.copy_pages(state.cache, src_B, dst_B))
+        """`state` with pool pages `src_B` copied to `dst_B` (int32 [B] each: `jaxrl.kv.paged.Paged.copy_pages`)."""
+        return state.replace(cache=self.kv.copy_pages(state.cache, src_B, dst_B))
 
     def _generate_impl(self, params, state: DecodeState, *, truncate, penalize, ban=True, chunks=None, top=0):
         model = modules.bind(self.cfg, params.base, params.lora, self.lora_scale)
-        hidden_BTD, cache = self.layout.decode(model, params, state.tokens, state.positions, state.cache, chunks,
-                                               self.mesh)
+        hidden_BTD, cache = self.kv.decode(model, params.layers, state.tokens, state.positions, state.cache, chunks,
+                                           self.mesh)
         split = jax.vmap(jax.random.split)(state.keys)
         rules = {"truncate": truncate, "seen_BV": state.seen if penalize else None,
                  "ban_BV": stop_ban(state.stop, state.generated, state.sampling.min_tokens) if ban else None}
-        if top:  # the alternatives need the [B, V] logits: every layout's `sample` samples from these
+        if top:  # the alternatives need the [B, V] logits: every `weights.sample` samples from these
             tokens, logprobs, top_ids, top_lps = sample_with_top(
-                self.layout.logits(params, hidden_BTD)[:, 0], state.sampling, split[:, 1], top=top, **rules)
+                self.weights.logits(params, hidden_BTD)[:, 0], state.sampling, split[:, 1], top=top, **rules)
         else:
-            tokens, logprobs = self.layout.sample(params, hidden_BTD[:, 0], state.sampling, split[:, 1], **rules)
+            tokens, logprobs = self.weights.sample(params, hidden_BTD[:, 0], state.sampling, split[:, 1], **rules)
             top_ids, top_lps = jnp.zeros((tokens.shape[0], 0), jnp.int32), jnp.zeros((tokens.shape[0], 0), jnp.float32)
         positions = jnp.minimum(state.positions + 1, self.max_seq_len - 1)
         seen = mark_seen(state.seen, tokens) if penalize else state.seen

@@ -1,15 +1,22 @@
-"""The rollout engine's parameters, `EngineParams`: what its layout (`jaxrl.inference.layout.EngineLayout.prepare`)
-makes of the trainer's weights at each policy update, and what every prefill and decode program takes.
-Letters as in `jaxrl.model.qwen3`.
+"""The rollout engine's parameters, `EngineParams`: what its weights seam (`EngineWeights.prepare`) makes of
+the trainer's weights at each policy update, and what every prefill and decode program takes; and that seam,
+`EngineWeights`: `PlainWeights` (the trainer's arrays read in place, TPU and GPU) or the CPU's copies
+(`jaxrl.inference.cpu.CpuWeights`), chosen by the engine from its KV cache's kind
+(`jaxrl.kv.kind.CacheKind.reads_training_weights`). Letters as in `jaxrl.model.qwen3`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Protocol
+
 import jax
 from flax import struct
 
+from jaxrl.inference.sampling import SlotSampling, sample
+from jaxrl.model import qwen3
 from jaxrl.model.cpu import OutMajor
-from jaxrl.model.qwen3 import LayerWeights, Params
+from jaxrl.model.qwen3 import LayerWeights, ModelConfig, Params
 
 
 @struct.dataclass
@@ -21,13 +28,13 @@ class EngineParams:
     base: the base weights, `jaxrl.model.modules.param_specs`' structure: `embed` [V, D], the stacks
         `layers` [L, ...], `mlp` [Q, ...] and `moe` [U, ...], `final_norm` [D], `unembed` [D, V] unless
         tied. On TPU and GPU the trainer's arrays themselves (no copy).
-    layers: the CPU layout's per-layer copy (`jaxrl.inference.cpu.CpuLayout.prepare`): one
+    layers: the CPU's per-layer copy (`jaxrl.inference.cpu.CpuWeights.prepare`): one
         `qwen3.LayerWeights` per layer, its projections output-major (`jaxrl.model.cpu.OutMajor`), its
         LoRA the slices of `lora`; None: the layers run over the stacks of `base` and `lora`.
     lora: the LoRA factors, `modules.lora_specs`' structure, or None (full fine-tuning, a bare base).
-    unembed: the CPU layout's unembedding as an `OutMajor` [V, D] (a tied embedding read in place); None:
+    unembed: the CPU's unembedding as an `OutMajor` [V, D] (a tied embedding read in place); None:
         `qwen3.logits` of `base`.
-    unembed_blocks: the CPU layout's unembedding rows in blocks of `jaxrl.inference.cpu.BLOCK` rows [v, D]
+    unembed_blocks: the CPU's unembedding rows in blocks of `jaxrl.inference.cpu.BLOCK` rows [v, D]
         (`cpu.vocab_blocks`, copies) for its blocked sampler; None: no blocks made (the sampler, where it
         runs, slices them at each call).
     """
@@ -41,11 +48,51 @@ class EngineParams:
     @classmethod
     def of(cls, weights: Params) -> EngineParams:
         """The engine params that read `weights`, a `{"base", "lora"}` dict (`jaxrl.model.modules`' pair;
-        "lora" absent or None: none), in place: what the plain and paged layouts' `prepare` return."""
+        "lora" absent or None: none), in place: what `PlainWeights.prepare` returns."""
         return cls(base=weights["base"], lora=weights.get("lora"))
 
     def weights(self) -> Params:
         """The `{"base", "lora"}` dict these were made from (`of`'s inverse): what `Engine.prepare` takes,
         to prepare them again for a second front end (JetStream's, `jaxrl serve --jetstream`); the CPU
-        layout then reuses its views of the same base."""
+        weights then reuse their views of the same base."""
         return {"base": self.base, "lora": self.lora}
+
+
+class EngineWeights(Protocol):
+    """How the engine holds its weights and samples.
+
+    reads_training_weights: the engine reads the trainer's weights in place (no copy of its own).
+    prepare(params): the `EngineParams` of `{"base", "lora"}` (outside jit, at each policy update).
+    logits(params, hidden_BTD): float32 [B, T, V] (`qwen3.logits`).
+    sample(params, hidden_BD, sampling, keys_B, *, truncate, seen_BV, ban_BV): (tokens int32 [B],
+        logprobs float32 [B]) as `jaxrl.inference.sampling.sample` of the logits.
+    """
+
+    reads_training_weights: bool
+
+    def prepare(self, params: Params) -> EngineParams: ...
+
+    def logits(self, params: EngineParams, hidden_BTD: jax.Array) -> jax.Array: ...
+
+    def sample(self, params: EngineParams, hidden_BD: jax.Array, sampling: SlotSampling, keys_B: jax.Array, *,
+               truncate: bool, seen_BV: jax.Array | None,
+               ban_BV: jax.Array | None) -> tuple[jax.Array, jax.Array]: ...
+
+
+@dataclasses.dataclass
+class PlainWeights:
+    """The plain `EngineWeights`, what a TPU or GPU engine runs: the training weights read in place (a copy
+    would cost a second base model's HBM), sampling from the [B, V] logits."""
+
+    cfg: ModelConfig
+    reads_training_weights = True
+
+    def prepare(self, params: Params) -> EngineParams:
+        return EngineParams.of(params)
+
+    def logits(self, params: EngineParams, hidden_BTD: jax.Array) -> jax.Array:
+        return qwen3.logits(params.base, hidden_BTD)
+
+    def sample(self, params, hidden_BD, sampling, keys_B, *, truncate, seen_BV, ban_BV):
+        return sample(self.logits(params, hidden_BD[:, None])[:, 0], sampling, keys_B, truncate=truncate,
+                      seen_BV=seen_BV, ban_BV=ban_BV)

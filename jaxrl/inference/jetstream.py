@@ -36,7 +36,7 @@ own modules (`jax` itself is not touched):
 4. `server_lib.JetStreamServer` binds every interface (`[::]`) with no parameter; `serve` binds
    `host` instead (swapping `_HOST`, and `LLMOrchestrator` for the checking servicer, while it builds).
 5. JetStream frees a slot by putting it back on its queue of free slots (the detokenize thread, once the
-   request is complete); the engine is not told. With a paged cache (`jaxrl.inference.paged`) the driver's
+   request is complete); the engine is not told. With a paged cache (`jaxrl.kv.paged`) the driver's
    queue's `put` first returns the slot's pages (`Engine.release`, under the adapter's lock: the generate
    thread inserts and steps under it), so the pages in use follow the requests in flight. JetStream gives
    the engine no request's `max_tokens`, so any slot may grow to `max_seq_len`: the adapter offers

@@ -163,7 +163,7 @@ class GroupScheduler(Scheduler):
                 new = self._versions.get(version)
                 self._versions = {v: p for v, p in self._versions.items() if v > version}
             if new is not None:
-                self._params, self.policy_version = self.engine.prepare(new), version
+                self._use_weights(new, version)
         self._idle = plan["idle"]
         if plan["pause"]:
             self._park()

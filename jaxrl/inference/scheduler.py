@@ -176,7 +176,7 @@ class Scheduler:
         self.decode_steps = 0
         self.preemptions = 0  # requests put back to wait for pages, to be computed again (a paged cache)
         self._admitted = 0  # admissions so far: a running request's order, the last admitted preempted first
-        self._epoch, self._epoch_params = 0, None  # weight sets the engine's cache has seen, the last one
+        self._epoch = 0  # weight sets served so far, less one (`_use_weights`)
         self._thread = threading.Thread(target=self._run, name="jaxrl-scheduler", daemon=True)
         self._thread.start()
 
@@ -299,13 +299,22 @@ class Scheduler:
             if self._stop:
                 return None
             if self._pending is not None:
-                new, self.policy_version = self._pending
-                self._params = self.engine.prepare(new)
+                self._use_weights(*self._pending)
                 self._pending = None
             free = min(self._slots.count(None), len(self._waiting))
             n = self._admissible([(len(r.prompt_ids), r.max_tokens) for r in list(self._waiting)[:free]])
             admit = [self._waiting.popleft() for _ in range(n)]
         return admit
+
+    def _use_weights(self, params: Params, version: int) -> None:
+        """Serve `params` (`{"base", "lora"}`) as policy `version` from the next prefill and decode step on:
+        the one place a weight swap is applied. The engine prepares them (`Engine.prepare`), and the keys
+        and values computed so far are the old policy's: the epoch moves on (a request admitted before
+        keeps no pages, `_remember`) and kept pages and shared prompts are forgotten."""
+        self._params, self.policy_version = self.engine.prepare(params), version
+        self._epoch += 1
+        if self.engine.pages is not None:
+            self.engine.pages.forget_all()
 
     preempts = True  # a paged cache: admit beside the running requests' next pages, preempt when out
 
@@ -367,10 +376,6 @@ class Scheduler:
     def _admit(self, admit: list[_Request]) -> None:
         """Dispatch the prefills of `admit` (one per distinct prompt: `Engine.prefill_shared`) and, for
         each request whose prefill does not sample its last token, its insert into a free slot, in order."""
-        if self._params is not self._epoch_params:  # new weights: keys and values computed so far are stale
-            self._epoch, self._epoch_params = self._epoch + 1, self._params
-            if self.engine.pages is not None:
-                self.engine.pages.forget_all()
         live = [(req, self._key(req)) for req in admit if not self._dropped(req)]
         groups: dict[tuple[int, ...], list[tuple[_Request, jax.Array]]] = {}
         for req, key in live:
@@ -466,7 +471,7 @@ class Scheduler:
         weights in use now; else (None, or new weights since its prefill) they go back to the pool."""
         if not self.keeps:
             return
-        if tokens is None or req.epoch != self._epoch or self._params is not self._epoch_params:
+        if tokens is None or req.epoch != self._epoch:
             self.engine.pages.remember(req.admitted, [])
             return
         self.engine.pages.remember(req.admitted, tokens[:len(req.prompt_ids) + req.dispatched - 1])

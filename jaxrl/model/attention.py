@@ -17,9 +17,8 @@ compile` traces TPU programs on a CPU host):
     for rows of one segment in bfloat16 or float16 with a head dim of at most 128 and a multiple of 8.
   * "xla": on GPU otherwise, `jax.nn.dot_product_attention(implementation="xla")` with the mask.
 
-The engine's decode step over a paged KV cache picks its implementation here too
-(`decode_implementation`): JAX's Pallas paged-attention kernel on TPU, the gather-based reference
-elsewhere (`jaxrl.model.paged`).
+The engine's decode step attends over its KV cache as the cache's kind does (`jaxrl.kv`, picked by
+`jaxrl.kv.pick`).
 
 The kernels mask by index (query i sees keys j <= i of its segment); the einsum by position (`mask`:
 keys at a position <= the query's). The two agree wherever each segment's positions count up by one
@@ -84,17 +83,6 @@ def implementation(platform: str, t: int, dtype, head_dim: int, segmented: bool)
             return "cudnn"
         return "xla"
     return "einsum"
-
-
-DecodeImplementation = Literal["gather", "pallas"]
-
-
-def decode_implementation(platform: str, head_dim: int) -> DecodeImplementation:
-    """How a decode step attends over a paged KV cache on `platform` (`mesh_platform`; "cpu" for no mesh):
-    "pallas" on TPU with heads of a multiple of 128 (JAX's paged-attention kernel,
-    `jax.experimental.pallas.ops.tpu.paged_attention`: its blocks are [page positions, head_dim] in a vreg's
-    128 lanes), "gather" (the reference, `jaxrl.model.paged.Paged`) elsewhere."""
-    return "pallas" if platform == "tpu" and head_dim % 128 == 0 else "gather"
 
 
 def mask(positions_BT: jax.Array, key_pos_BS: jax.Array, segment_ids_BT: jax.Array | None = None) -> jax.Array:

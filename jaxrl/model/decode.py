@@ -11,9 +11,9 @@ the cache once:
   * the layers return only this step's key/value [L, B, K, H]; after the last layer has read the
     cache, one scatter writes them into the (donated) cache in place.
 
-How the cache is laid out is a `CacheLayout`: the plain one, `STACKED` ({"k","v"} [L, B, S, K, H]), is
-what a TPU or GPU engine reads; the rollout engine on CPU passes `jaxrl.model.cpu.CHUNKED` (per layer,
-head-major chunks) and per-layer weight copies (`layers`), its seam (`jaxrl.inference.cpu`).
+How the cache is laid out, written and attended over is a `CacheLayout`: a kind of `jaxrl.kv` (the
+plain stacked `jaxrl.kv.dense.Dense`, the CPU's per-layer chunks `jaxrl.kv.chunked.Chunked`, whose engine
+also passes per-layer weight copies, `layers`, or a page pool, `jaxrl.kv.paged`).
 
 Everything else is the training forward's own code: the attention inputs (norm, q/k/v projections
 with LoRA, per-head norms, RoPE: `qwen3.attention_inputs`), the dense or MoE feed-forward with its
@@ -24,7 +24,6 @@ step against `qwen3.forward` to 1e-4. The figures behind these choices are in do
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Protocol
 
@@ -33,7 +32,6 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxrl.model import qwen3
-from jaxrl.model.cpu import chunk_sizes
 from jaxrl.model.qwen3 import KVCache, LayerWeights, ModelConfig, Params, join_layers, unstack_layers
 
 
@@ -47,8 +45,9 @@ class CacheLayout(Protocol):
     write(cache, k_LBKH, v_LBKH, positions_B): the cache with this step's keys/values at `positions_B`.
     indexed (default False): the layout reads the whole cache at a layer index instead of the scan's
         per-layer slice, through `attend_layer(q_BKGH, k_BKH, v_BKH, positions_B, cache, layer)` ->
-        (attention as `attend`'s, the cache): a paged pool (`jaxrl.model.paged`), whose TPU kernel writes
+        (attention as `attend`'s, the cache): a paged pool (`jaxrl.kv.paged`), whose TPU kernel writes
         this step's key/value layer by layer (the cache is then the layer loop's carry).
+    The kinds of `jaxrl.kv` implement it (`jaxrl.kv.kind.CacheKind`).
     """
 
     per_layer: bool
@@ -58,63 +57,6 @@ class CacheLayout(Protocol):
                k_layer, v_layer) -> jax.Array: ...
 
     def write(self, cache: KVCache, k_LBKH: jax.Array, v_LBKH: jax.Array, positions_B: jax.Array) -> KVCache: ...
-
-
-class Stacked(CacheLayout):
-    """The plain cache layout: {"k","v"} [L, B, S, K, H], index s holding position s (`qwen3.forward`'s)."""
-
-    per_layer = False
-
-    @staticmethod
-    def attend(q_BKGH, k_BKH, v_BKH, positions_B, k_BSKH, v_BSKH) -> jax.Array:
-        """`attend_chunks` over one layer's [B, S, K, H] as it is, in `chunk_sizes(S)` (`CacheLayout.attend`)."""
-        sizes = chunk_sizes(k_BSKH.shape[1])
-        starts = itertools.accumulate(sizes[:-1], initial=0)
-        chunks = [(s, k_BSKH[:, s:s + c], v_BSKH[:, s:s + c]) for s, c in zip(starts, sizes, strict=True)]
-        return attend_chunks(q_BKGH, k_BKH, v_BKH, positions_B, chunks)
-
-    @staticmethod
-    def write(cache: KVCache, k_LBKH: jax.Array, v_LBKH: jax.Array, positions_B: jax.Array) -> KVCache:
-        """One scatter per buffer at (layer, row, position)."""
-        rows_B = jnp.arange(positions_B.shape[0])
-        return {"k": cache["k"].at[:, rows_B, positions_B].set(k_LBKH),
-                "v": cache["v"].at[:, rows_B, positions_B].set(v_LBKH)}
-
-
-STACKED = Stacked()
-
-
-def attend_chunks(q_BKGH: jax.Array, k_BKH: jax.Array, v_BKH: jax.Array, positions_B: jax.Array,
-                  chunks: list[tuple[int, jax.Array, jax.Array]]) -> jax.Array:
-    """Attention of each row's one new query (float32 [B, K, G, H], pre-scaled by 1/sqrt(H)) over cache
-    chunks `(start, keys [B, C, K, H], values [B, C, K, H])` (positions start .. start + C - 1, those at or
-    past a row's position masked out) and this step's key/value [B, K, H]; float32 [B, K, G, H].
-
-    Each chunk is a multiply-and-reduce (`q * k` summed over H, `p * v` summed over C) and the softmax is
-    merged chunk by chunk, this step's key/value first (the running max, sum and weighted values of
-    flash-decoding: Dao et al. 2023, as `jaxrl.model.cpu.Chunked.attend`), so a chunk wholly past a row's
-    position changes nothing, bit for bit, and masked positions are never read into the sums: a dense
-    cache (`Stacked`) and a paged one (`jaxrl.model.paged.Paged`) chunked alike give the same numbers,
-    whatever the masked positions hold (finite)."""
-    f32 = jnp.float32
-    top_BKG = jnp.sum(q_BKGH * k_BKH[:, :, None, :].astype(f32), axis=-1)  # this step's score: weight 1
-    total_BKG = jnp.ones_like(top_BKG)
-    attn_BKGH = jnp.broadcast_to(v_BKH[:, :, None, :].astype(f32), q_BKGH.shape)
-    for start, k_BCKH, v_BCKH in chunks:
-        c = k_BCKH.shape[1]
-        before_B11C = ((start + jnp.arange(c))[None] < positions_B[:, None])[:, None, None, :]
-        scores_BKGC = jnp.sum(q_BKGH[:, None] * k_BCKH[:, :, :, None, :].astype(f32), axis=-1).transpose(0, 2, 3, 1)
-        scores_BKGC = jnp.where(before_B11C, scores_BKGC, -1e30)
-        top_c_BKG = jnp.max(scores_BKGC, axis=-1)
-        probs_BKGC = jnp.where(before_B11C, jnp.exp(scores_BKGC - top_c_BKG[..., None]), 0.0)
-        new_top_BKG = jnp.maximum(top_BKG, top_c_BKG)
-        old_w_BKG, chunk_w_BKG = jnp.exp(top_BKG - new_top_BKG), jnp.exp(top_c_BKG - new_top_BKG)
-        total_BKG = total_BKG * old_w_BKG + jnp.sum(probs_BKGC, axis=-1) * chunk_w_BKG
-        values_BKGH = jnp.sum(probs_BKGC.transpose(0, 3, 1, 2)[..., None] * v_BCKH[:, :, :, None, :].astype(f32),
-                              axis=1)
-        attn_BKGH = attn_BKGH * old_w_BKG[..., None] + values_BKGH * chunk_w_BKG[..., None]
-        top_BKG = new_top_BKG
-    return attn_BKGH / total_BKG[..., None]
 
 
 def _layer(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | None, attend, cache_dtype, x_BTD,
@@ -152,17 +94,17 @@ def _attend(layout: CacheLayout, positions_B, cache, layer, k_layer, v_layer):
 
 def decode_step(cfg: ModelConfig, params: Params, tokens_B: jax.Array, positions_B: jax.Array, cache: KVCache, *,
                 lora: Params | None = None, lora_scale: float = 0.0, mesh: Mesh | None = None,
-                layers: list[LayerWeights] | None = None, layout: CacheLayout = STACKED) -> tuple[jax.Array, KVCache]:
+                layers: list[LayerWeights] | None = None, layout: CacheLayout) -> tuple[jax.Array, KVCache]:
     """Advance every row by one token: what `qwen3.forward` returns for `tokens_B[:, None]` at
     `positions_B[:, None]` with `cache`, faster.
 
     Args:
         tokens_B: int32 [B], the token at `positions_B` (int32 [B]) of each row.
-        cache: the KV cache as `layout` holds it: for `STACKED`, {"k","v"} [L, B, S, K, H] where index s
-            holds position s; for the CPU engine's `jaxrl.model.cpu.CHUNKED`, per layer a list of
+        cache: the KV cache as `layout` holds it: for `jaxrl.kv.dense.Dense`, {"k","v"} [L, B, S, K, H] where
+            index s holds position s; for the CPU engine's `jaxrl.kv.chunked.Chunked`, per layer a list of
             head-major chunks (those given are all the step reads and writes). Donate it to update in place.
         layers: per layer `LayerWeights` from `unstack_layers` of `params` and of `lora` (`join_layers`;
-            the CPU engine's copies, `jaxrl.inference.cpu`), run unrolled; None scans the
+            the CPU engine's copies, `jaxrl.inference.cpu.CpuWeights`), run unrolled; None scans the
             stacked `params` / `lora`, one scan per run of layers of one kind (`qwen3.scan_runs`; a
             `per_layer` cache is unrolled).
         layout: how the cache is held (`CacheLayout`).

@@ -234,7 +234,7 @@ class Qwen3(nnx.Module):
 
     def decode(self, tokens_B: jax.Array, positions_B: jax.Array, cache: KVCache, *, mesh: Mesh | None = None,
                layers: list[tuple] | None = None,
-               layout: decode.CacheLayout = decode.STACKED) -> tuple[jax.Array, KVCache]:
+               layout: decode.CacheLayout) -> tuple[jax.Array, KVCache]:
         """One decode step for every row: `jaxrl.model.decode.decode_step` (arguments as there)."""
         base, factors = self.weights()
         return decode.decode_step(self.cfg, base, tokens_B, positions_B, cache, lora=factors,

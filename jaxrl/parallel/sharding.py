@@ -35,7 +35,7 @@ RULES: Rules = {
     "mlp": ("tensor",),
     "vocab": ("tensor",),
     "experts": ("expert",),
-    # a paged KV pool's kv heads (`jaxrl.model.paged`): its pages are shared by every slot, so the pool is
+    # a paged KV pool's kv heads (`jaxrl.kv.paged`): its pages are shared by every slot, so the pool is
     # split by heads over every axis that divides them, the batch axes too (`PARTIAL`)
     "kv_pool": ("tensor", "expert", "fsdp", "data"),
 }

@@ -1,4 +1,4 @@
-"""The host side of the engine's paged KV cache (`jaxrl.model.paged`): which pages of the pool each decode
+"""The host side of the engine's paged KV cache (`jaxrl.kv.paged`): which pages of the pool each decode
 slot holds, a free list and reference counts, as vLLM's block manager (Kwon et al. 2023, arXiv:2309.06180).
 
 Every process of an engine group makes the same calls in the same order (`jaxrl.inference.lockstep`), so
