@@ -396,7 +396,7 @@ class Engine:
         model = modules.bind(self.cfg, params.base, params.lora, self.lora_scale)
         hidden_BTD, _ = model(tokens_T[None], jnp.arange(t, dtype=jnp.int32)[None], mesh=self.mesh,
                               layers=params.layers)
-        logits_TV = self.layout.logits(params, hidden_BTD)[0, :-1].astype(jnp.float32)
+        logits_TV = self.weights.logits(params, hidden_BTD)[0, :-1].astype(jnp.float32)
         picked_T = jnp.take_along_axis(logits_TV, tokens_T[1:, None], axis=1)[:, 0]
         logp_T = picked_T - jax.nn.logsumexp(logits_TV, axis=1)
         return logp_T, 1 + jnp.sum(logits_TV > picked_T[:, None], axis=1, dtype=jnp.int32)
