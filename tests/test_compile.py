@@ -183,7 +183,7 @@ def test_decode_bytes_are_the_step_buffers_against_weights_once_and_the_kv_in_us
     assert step.ideal == 101 * mib + 4 * 300 * 1024
     lines = decode_bytes.of(decode, 64 * mib, 1024.0, "dense", 4, 300, 1024).lines()
     assert "KV read 4.00 MiB (the whole dense cache, masked)" in lines[0] and "4.7% of the KV cache" in lines[1]
-    assert decode_bytes.positions_read("gather", 300, 1024) == 512  # chunks 256, 256, 512 (cpu.chunk_sizes)
+    assert decode_bytes.positions_read("gather", 300, 1024) == 512  # chunks 256, 256, 512 (jaxrl.kv.chunks.chunk_sizes)
 
 
 def test_a_run_on_an_accelerator_sizes_its_kv_pool_to_what_fits(tiny_model_dir, monkeypatch):

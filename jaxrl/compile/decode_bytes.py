@@ -14,7 +14,7 @@ bound on the program's traffic when each buffer is touched once, and what it can
 The attention reads, per slot: with JAX's Pallas paged-attention kernel (TPU) its pages up to its position,
 in the kernel's compute blocks (`jaxrl.kv.pallas.KERNEL_BLOCK` positions); with the dense stacked cache
 every position of it (masked); with the paged gather reference (GPU, CPU) the chunks that hold its
-position (`jaxrl.model.cpu.chunk_sizes`), gathered into a dense copy (counted in the temporaries).
+position (`jaxrl.kv.chunks.chunk_sizes`), gathered into a dense copy (counted in the temporaries).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 from jaxrl.compile.cost import bytes_text
 from jaxrl.kv import pallas
-from jaxrl.model.cpu import chunk_sizes
+from jaxrl.kv.chunks import chunk_sizes
 
 
 @dataclasses.dataclass(frozen=True)
