@@ -245,7 +245,7 @@ def test_text_stream_holds_back_partial_characters_and_stop_prefixes(template):
         ({"messages": [{"role": "user", "content": 5}]}, 400, "content"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
          "image_url"),
-        ({"messages": [{"role": "assistant", "content": "x", "tool_calls": "abc"}]}, 400, "chat template"),
+        ({"messages": [{"role": "assistant", "content": "x", "tool_calls": "abc"}]}, 400, "tool_calls must be a list"),
         ({"max_tokens": -3}, 400, "max_tokens"),
         ({"max_completion_tokens": 0}, 400, "max_tokens"),
         ({"max_tokens": 2.5}, 400, "max_tokens"),

@@ -247,7 +247,7 @@ def test_other_errors(root):
     assert {k: v for k, v in r.json()["error"].items() if k != "message"} == {  # OpenAI's shape, vLLM's values
         "type": "NotFoundError", "param": None, "code": 404}
     r = httpx.post(root + GENERATE_ROUTE, json={"token_ids": [1], "sampling_params": {"best_of": 2}})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.best_of", r.text
     assert r.json()["error"]["type"] == "BadRequestError"
     r = httpx.post(root + GENERATE_ROUTE, json={"token_ids": [1, RAISE_ID]})
     assert r.status_code == 500 and "engine exploded" in r.json()["error"]["message"]

@@ -151,3 +151,89 @@ def test_text_without_a_block_is_plain_and_streams_whole(text):
     hold = ContentHold()
     sent = "".join(hold.add(ch) for ch in text)
     assert text.startswith(sent) and not hold.calling
+
+
+CALLED = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "call_a", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 40}'}},
+    {"id": "call_b", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 1}}}]}
+
+
+def _tool(call_id="call_a", content="42"):
+    return {"role": "tool", "content": content} | ({"tool_call_id": call_id} if call_id is not None else {})
+
+
+@pytest.mark.parametrize(("history", "param", "needle"), [
+    ([_tool(), *USER], "messages.[0].role", "is 'tool', but it is first in the conversation"),
+    ([*USER, {"role": "assistant", "content": "Hi."}, _tool()], "messages.[2].role",
+     "is 'tool', but it follows no assistant message with tool_calls"),
+    ([*USER, CALLED, _tool(), {"role": "user", "content": "and?"}, _tool("call_b")], "messages.[4].role",
+     "is 'tool', but it follows no assistant message with tool_calls"),  # a call answered once the user spoke again
+    ([*USER, CALLED, _tool("call_z")], "messages.[2].tool_call_id",
+     "'call_z' is not the id of a call in the tool_calls of the assistant message before it (call_a, call_b)"),
+    ([*USER, CALLED, _tool(None)], "messages.[2].tool_call_id", "is required"),
+    ([*USER, {"role": "assistant", "content": "", "tool_calls": "oops"}, _tool()], "messages.[1].tool_calls",
+     "must be a list of tool call objects, got a string"),
+    ([*USER, {"role": "assistant", "content": "", "tool_calls": [{}]}, _tool()], "messages.[1].tool_calls.[0].id",
+     "must be a non-empty string, got null"),
+    ([*USER, {"role": "assistant", "tool_calls": [{"id": "c", "function": {"arguments": "{}"}}]}, _tool("c")],
+     "messages.[1].tool_calls.[0].function.name", "must be a non-empty string"),
+    ([*USER, {"role": "assistant", "tool_calls": [{"id": "c", "type": "custom", "function": {}}]}],
+     "messages.[1].tool_calls.[0].type", 'must be "function"'),
+    ([*USER, {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "add"}}]}],
+     "messages.[1].tool_calls.[0].function.arguments", "must be a JSON string (or an object), got null"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_histories_are_checked_by_openais_rules(client, backend, history, param, needle, stream):
+    """Through the SDK: each broken history is a 400 naming the message's index and field (`param` in OpenAI's
+    spelling), before the chat template sees it (no jinja UndefinedError)."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        ask(client, backend, "unused", messages=history, stream=stream)
+    path = param.replace(".[", "[")
+    assert refused.value.status_code == 400 and refused.value.param == param, refused.value
+    assert f"{path} {needle}" in refused.value.message and "Undefined" not in refused.value.message, refused.value
+
+
+def test_a_history_answering_each_call_in_turn_is_served(client, backend, template):
+    history = [*USER, CALLED, _tool("call_b", "2"), _tool("call_a", "42")]  # answered in any order
+    out = ask(client, backend, "It is 42.", messages=history)
+    assert out.choices[0].message.content == "It is 42."
+    text = template.tokenizer.apply_chat_template(history, tools=[ADD], tokenize=False, add_generation_prompt=True)
+    assert backend.prompts[-1] == template.tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize(("kwargs", "param"), [
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools.[0].function.name"),
+    ({"tool_choice": {"type": "function", "function": {"name": "sub"}}}, "tool_choice"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"extra_body": {"chat_template_kwargs": {"tools": []}}}, "chat_template_kwargs"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.[0].content.[0]"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.[0].role"),
+    ({"stream_options": {"include_usage": "yes"}, "stream": True}, "stream_options.include_usage"),
+    ({"max_tokens": 0}, "max_tokens"),
+])
+def test_every_refusal_names_its_field(client, backend, kwargs, param):
+    """A sample of the route's 400s through the SDK: `param` is never null (test_structure-like scan below for
+    the rest)."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        ask(client, backend, "unused", **kwargs)
+    assert refused.value.param == param, refused.value
+
+
+def test_every_400_the_server_raises_sets_param():
+    """Every `BadRequest` raised in jaxrl's code gives the request field it is about (`param`), unless its
+    status is not 400: a new refusal without one fails here."""
+    import ast
+    from pathlib import Path
+
+    import jaxrl
+
+    missing = []
+    for path in sorted(Path(jaxrl.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "BadRequest":
+                status = node.args[1] if len(node.args) > 1 else None
+                not_400 = isinstance(status, ast.Constant) and status.value != 400
+                if not not_400 and len(node.args) < 3 and "param" not in {k.arg for k in node.keywords}:
+                    missing.append(f"{path.name}:{node.lineno}")
+    assert not missing, missing

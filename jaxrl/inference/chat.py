@@ -53,13 +53,13 @@ from typing import Any
 
 from jaxrl.inference import tools
 from jaxrl.inference.detokenize import TextStream
+from jaxrl.inference.messages import chat_messages
 from jaxrl.inference.protocol import MAX_TOP_LOGPROBS, Completion, GenerateBackend, SamplingParams
 from jaxrl.inference.template import ChatTemplate
 from jaxrl.inference.wire import BadRequest, check_penalties, error_body, is_int, sampling_from
 
 CHAT_ROUTE = "/v1/chat/completions"
 MAX_STOP_STRINGS = 16
-_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 # Neutral values of OpenAI and vLLM fields this server has no sampling for; anything else is refused.
 _NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "echo": False,
             "add_generation_prompt": True, "continue_final_message": False, "include_stop_str_in_output": False}
@@ -105,42 +105,15 @@ def top_logprobs(value: Any, field: str) -> int:
     return value
 
 
-def flag(body: dict, key: str, default: bool = False) -> bool:
-    """`body[key]` as a bool (absent or null: `default`); `BadRequest` for anything but true or false."""
+def flag(body: dict, key: str, default: bool = False, param: str | None = None) -> bool:
+    """`body[key]` as a bool (absent or null: `default`); `BadRequest` (about `param`, else `key`) for anything
+    but true or false."""
     value = body.get(key)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise BadRequest(f"{key} must be true or false, got {value!r}")
+        raise BadRequest(f"{key} must be true or false, got {value!r}", param=param or key)
     return value
-
-
-def _messages(raw: Any) -> list[dict]:
-    """Messages with text content only (parts joined), `developer` read as `system`."""
-    if not isinstance(raw, list) or not raw:
-        raise BadRequest("messages must be a non-empty list")
-    out = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict):
-            raise BadRequest(f"messages[{i}] must be an object")
-        role = m.get("role")
-        if role not in _ROLES:
-            raise BadRequest(f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}, got {role!r}")
-        content = m.get("content")
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise BadRequest(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
-                texts.append(part["text"])
-            content = "".join(texts)
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content must be a string, a list of text parts or null")
-        out.append({**m, "role": "system" if role == "developer" else role, "content": content})
-    return out
 
 
 def check_fields(body: Any, model_name: str, built: frozenset[str], neutral: dict[str, Any]) -> dict[str, Any]:
@@ -148,7 +121,7 @@ def check_fields(body: Any, model_name: str, built: frozenset[str], neutral: dic
     404), with no field outside `built`, `NO_EFFECT` and `neutral`, the fields in `neutral` only at their
     neutral value, penalties in OpenAI's [-2, 2] and `logit_bias` empty; raises `BadRequest` naming the field."""
     if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
+        raise BadRequest("request body must be a JSON object", param="body")
     model = body.get("model")
     if model is not None and model != model_name:
         raise BadRequest(f"model {model!r} does not exist; this server serves {model_name!r}", 404)
@@ -168,8 +141,8 @@ def include_usage(body: dict[str, Any]) -> bool:
     """`stream_options.include_usage`; `BadRequest` for `stream_options` that is not an object."""
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
-        raise BadRequest("stream_options must be an object")
-    return flag(options or {}, "include_usage")
+        raise BadRequest("stream_options must be an object", param="stream_options")
+    return flag(options or {}, "include_usage", param="stream_options.include_usage")
 
 
 def stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
@@ -197,11 +170,11 @@ def parse_chat_request(body: Any, template: ChatTemplate, model_name: str, max_m
     _check_effort(body)
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
-        raise BadRequest("response_format is not supported (only {'type': 'text'})")
-    messages = _messages(body.get("messages"))
+        raise BadRequest("response_format is not supported (only {'type': 'text'})", param="response_format")
+    messages = chat_messages(body.get("messages"))
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict):
-        raise BadRequest("chat_template_kwargs must be an object")
+        raise BadRequest("chat_template_kwargs must be an object", param="chat_template_kwargs")
     stop = stop_strings(body)
     tool_plan = tools.plan(body)
     prompt_ids = template.render(messages, template_kwargs, tool_plan.tools, tool_plan.forced, max_model_len)
@@ -349,7 +322,7 @@ async def closed_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
             async for item in inner:
                 yield item
         except ValueError as exc:
-            yield event(error_body(str(exc), 400))
+            yield event(error_body(str(exc), 400, getattr(exc, "param", None) or "messages"))
         except Exception as exc:  # noqa: BLE001 - the status line is sent: the error can only go in the stream
             yield event(error_body(f"backend error: {type(exc).__name__}: {exc}", 500))
     yield "data: [DONE]\n\n"

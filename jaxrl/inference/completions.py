@@ -51,7 +51,7 @@ def _prompt_ids(raw: Any, template: ChatTemplate, max_model_len: int) -> list[in
     if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str | list):
         raw = raw[0]
     if isinstance(raw, str) and raw:
-        return encode_within(template.tokenizer, raw, max_model_len)
+        return encode_within(template.tokenizer, raw, max_model_len, param="prompt")
     if isinstance(raw, list) and raw and all(is_int(t) and t >= 0 for t in raw):
         if len(raw) >= max_model_len:
             raise BadRequest(f"the prompt is {len(raw)} tokens; this model's context is {max_model_len} "
@@ -70,7 +70,7 @@ def parse_completion_request(body: Any, template: ChatTemplate, model_name: str,
     fields = {k: body.get(k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
                                        "stop_token_ids", "min_tokens")}
     fields["max_tokens"] = body.get("max_tokens", DEFAULT_MAX_TOKENS)
-    params = sampling_from(fields, len(prompt_ids), max_model_len, clamp_max_tokens)
+    params = sampling_from(fields, len(prompt_ids), max_model_len, clamp_max_tokens, prompt_field="prompt")
     stop_ids = params.stop_token_ids + (() if flag(body, "ignore_eos") else template.stop_token_ids)
     params = dataclasses.replace(params, stop_token_ids=stop_ids, top_logprobs=top)
     scored = _prompt_logprobs(body)

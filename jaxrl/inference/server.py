@@ -103,20 +103,26 @@ def parse_sampling(raw: Any, prompt_len: int, max_model_len: int, clamp_max_toke
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise BadRequest("sampling_params must be an object")
+        raise BadRequest("sampling_params must be an object", param="sampling_params")
     unknown = sorted(set(raw) - _SAMPLING_KEYS)
     if unknown:
-        raise BadRequest(f"unsupported sampling parameter(s): {', '.join(unknown)}", param=unknown[0])
-    check_penalties(raw)
+        raise BadRequest(f"unsupported sampling parameter(s): {', '.join(unknown)}",
+                         param=f"sampling_params.{unknown[0]}")
     for key, neutral in _NEUTRAL_SAMPLING_VALUES.items():
         if key in raw and raw[key] is not None and raw[key] != neutral:
-            raise BadRequest(f"sampling parameter {key}={raw[key]!r} is not supported (only {neutral!r})")
+            raise BadRequest(f"sampling parameter {key}={raw[key]!r} is not supported (only {neutral!r})",
+                             param=f"sampling_params.{key}")
     # The response always carries the sampled token's own logprob, which is what `logprobs` 0 or 1
     # asks vLLM for; more would mean top-k alternatives per position, which this route does not return.
     logprobs = raw.get("logprobs")
     if logprobs is not None and (not is_int(logprobs) or logprobs not in (0, 1)):
-        raise BadRequest(f"logprobs must be 0 or 1, got {logprobs!r}")
-    return sampling_from(raw, prompt_len, max_model_len, clamp_max_tokens)
+        raise BadRequest(f"logprobs must be 0 or 1, got {logprobs!r}", param="sampling_params.logprobs")
+    try:
+        check_penalties(raw)
+        return sampling_from(raw, prompt_len, max_model_len, clamp_max_tokens, prompt_field="token_ids")
+    except BadRequest as exc:  # the field is a key of sampling_params here
+        inside = exc.param not in (None, "token_ids")
+        raise BadRequest(str(exc), exc.status, f"sampling_params.{exc.param}" if inside else exc.param) from None
 
 
 def parse_generate_request(
@@ -124,7 +130,7 @@ def parse_generate_request(
 ) -> tuple[list[int], SamplingParams, str | None]:
     """Validates a generate request body: (prompt ids, sampling, request id or None); raises `BadRequest`."""
     if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
+        raise BadRequest("request body must be a JSON object", param="body")
     unknown = sorted(set(body) - _REQUEST_KEYS)
     if unknown:
         raise BadRequest(f"unsupported request field(s): {', '.join(unknown)}", param=unknown[0])
@@ -133,14 +139,14 @@ def parse_generate_request(
         raise BadRequest(f"model {model!r} does not exist; this server serves {backend.model_name!r}", 404)
     token_ids = body.get("token_ids")
     if token_ids is None:
-        raise BadRequest("token_ids is required")
+        raise BadRequest("token_ids is required", param="token_ids")
     if not isinstance(token_ids, list) or not token_ids:
-        raise BadRequest("token_ids must be a non-empty list of integers")
+        raise BadRequest("token_ids must be a non-empty list of integers", param="token_ids")
     if not all(is_int(t) and t >= 0 for t in token_ids):
-        raise BadRequest("token_ids must contain only non-negative integers")
+        raise BadRequest("token_ids must contain only non-negative integers", param="token_ids")
     request_id = body.get("request_id")
     if request_id is not None and not isinstance(request_id, str):
-        raise BadRequest("request_id must be a string")
+        raise BadRequest("request_id must be a string", param="request_id")
     params = parse_sampling(body.get("sampling_params"), len(token_ids), backend.max_model_len, clamp_max_tokens)
     return token_ids, params, request_id
 
@@ -227,7 +233,7 @@ def backend_failure(exc: Exception, route: str) -> JSONResponse:
         case ClientGone():
             return error_response("client disconnected", 499)
         case ValueError():
-            return error_response(str(exc), 400)
+            return error_response(str(exc), 400, param=getattr(exc, "param", None) or "body")
         case BackendStopped():
             return error_response(f"{exc}; the request was dropped", 503)
     logger.error("backend failed on a %s request", route, exc_info=exc)
@@ -277,7 +283,7 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     try:  # a 16 MiB body parses in about 0.1 s: in a worker thread, as the request's other CPU work
         return await asyncio.to_thread(json.loads, b"".join(chunks))
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise BadRequest(f"invalid JSON body: {e}") from None
+        raise BadRequest(f"invalid JSON body: {e}", param="body") from None
 
 
 @dataclasses.dataclass

@@ -62,12 +62,13 @@ class ChatTemplate:
         (`encode_within`: found without tokenizing the whole of a long prompt)."""
         reserved = sorted(set(template_kwargs) & _template_parameters(self.tokenizer))
         if reserved:
-            raise BadRequest(f"chat_template_kwargs may not set {', '.join(reserved)}")
+            raise BadRequest(f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
         try:
             text = self.tokenizer.apply_chat_template(messages, tools=tool_defs, tokenize=False,
                                                       add_generation_prompt=True, **template_kwargs)
         except Exception as exc:  # noqa: BLE001 - jinja2 errors and the template's raise_exception alike
-            raise BadRequest(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}") from None
+            raise BadRequest(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}",
+                             param="messages") from None
         return encode_within(self.tokenizer, text + forced, max_tokens)
 
 
@@ -76,14 +77,15 @@ FIRST_CHARS_PER_TOKEN = 8
 code run at about 4 characters a token), then twice as many at each try."""
 
 
-def encode_within(tokenizer: Any, text: str, limit: int | None) -> list[int]:
+def encode_within(tokenizer: Any, text: str, limit: int | None, param: str = "messages") -> list[int]:
     """`tokenizer.encode(text)` (no special tokens added) when it is under `limit` tokens; raises
     `BadRequest` when it is not, having tokenized only a prefix of a long text: the first
     `limit * FIRST_CHARS_PER_TOKEN` characters, cut before a space that follows a non-space (where
     byte-level BPE's pre-tokenizer splits the whole text the same way), doubled until the prefix reaches
     `limit` tokens (the whole text then has at least as many) or is the whole text. A 10 MB prompt to a
     256-token model thus costs the tokenization of about 2,000 characters, not 36 s (Qwen3's tokenizer,
-    2 loaded cores). `limit` None: the whole text, unbounded."""
+    2 loaded cores). `limit` None: the whole text, unbounded. The refusal's `param` is `param` (the request
+    field holding the prompt)."""
     size = len(text) if limit is None else limit * FIRST_CHARS_PER_TOKEN
     while True:
         cut = len(text) if size >= len(text) else _space_cut(text, size)
@@ -92,7 +94,7 @@ def encode_within(tokenizer: Any, text: str, limit: int | None) -> list[int]:
             more = "" if cut == len(text) else f"more than {len(ids)} tokens (counted over its first {cut:,} of " \
                                                 f"{len(text):,} characters)"
             raise BadRequest(f"the prompt is {more or f'{len(ids)} tokens'}; this model's context is {limit} "
-                             "(prompt and completion)")
+                             "(prompt and completion)", param=param)
         if cut == len(text):
             return ids
         size *= 2

@@ -61,19 +61,22 @@ def plan(body: dict[str, Any]) -> ToolPlan:
     """Validates `tools`, `tool_choice`, `functions` and `function_call`; raises `BadRequest` naming the field."""
     for key in ("functions", "function_call"):
         if body.get(key) is not None and body[key] not in ("none", "auto"):
-            raise BadRequest(f"{key} (OpenAI's legacy function calling) is not supported; send tools and tool_choice")
+            raise BadRequest(f"{key} (OpenAI's legacy function calling) is not supported; send tools and tool_choice",
+                             param=key)
     tools = body.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise BadRequest("tools must be a list of objects")
+        raise BadRequest("tools must be a list of objects", param="tools")
     names = []
     for i, tool in enumerate(tools or []):
         fn = tool.get("function")
         if tool.get("type") != "function" or not isinstance(fn, dict):
-            raise BadRequest(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}")
+            raise BadRequest(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}",
+                             param=f"tools.[{i}]")
         if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise BadRequest(f"tools[{i}].function.name must be a non-empty string")
+            raise BadRequest(f"tools[{i}].function.name must be a non-empty string", param=f"tools.[{i}].function.name")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-            raise BadRequest(f"tools[{i}].function.parameters must be a JSON Schema object")
+            raise BadRequest(f"tools[{i}].function.parameters must be a JSON Schema object",
+                             param=f"tools.[{i}].function.parameters")
         names.append(fn["name"])
     choice = body.get("tool_choice")
     if choice is None:
@@ -83,15 +86,16 @@ def plan(body: dict[str, Any]) -> ToolPlan:
         name = fn.get("name") if isinstance(fn, dict) else None
         if choice.get("type") != "function" or not isinstance(name, str):
             raise BadRequest('tool_choice must be "none", "auto", "required" or {"type": "function", '
-                             '"function": {"name": ...}}')
+                             '"function": {"name": ...}}', param="tool_choice")
         if name not in names:
-            raise BadRequest(f"tool_choice names function {name!r}, which is not among tools")
+            raise BadRequest(f"tool_choice names function {name!r}, which is not among tools", param="tool_choice")
         return ToolPlan(tools, True, f'{TOOL_CALL_START}\n{{"name": {json.dumps(name, ensure_ascii=False)}, '
                                      '"arguments": ')
     if choice not in _CHOICES:
-        raise BadRequest(f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}')
+        raise BadRequest(f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}',
+                         param="tool_choice")
     if choice != "none" and not tools:
-        raise BadRequest(f"tool_choice={choice!r} needs tools")
+        raise BadRequest(f"tool_choice={choice!r} needs tools", param="tool_choice")
     if choice == "required":
         return ToolPlan(tools, True, f'{TOOL_CALL_START}\n{{"name": "')
     return ToolPlan(tools or None, choice == "auto")

@@ -58,11 +58,11 @@ def check_penalties(raw: Mapping[str, Any]) -> None:
     for key in ("presence_penalty", "frequency_penalty"):
         value = raw.get(key)
         if value is not None and not (is_number(value) and -2 <= value <= 2):
-            raise BadRequest(f"{key} must be a number in [-2, 2], got {value!r}")
+            raise BadRequest(f"{key} must be a number in [-2, 2], got {value!r}", param=key)
 
 
 def sampling_from(raw: Mapping[str, Any], prompt_len: int, max_model_len: int,
-                  clamp_max_tokens: bool = False) -> SamplingParams:
+                  clamp_max_tokens: bool = False, prompt_field: str = "messages") -> SamplingParams:
     """`SamplingParams` from the sampling fields of a request (absent or null: the default); raises
     `BadRequest` naming the field, with vLLM's ranges.
 
@@ -72,7 +72,8 @@ def sampling_from(raw: Mapping[str, Any], prompt_len: int, max_model_len: int,
     larger value is cut to the room left instead; default: the room left in the context,
     `max_model_len - prompt_len`, as in vLLM), stop_token_ids (non-negative integers), min_tokens
     (integer in [0, max_tokens], as in vLLM: no stop token is sampled before that many tokens), seed (an
-    int64). Keys other than these are the caller's business.
+    int64). Keys other than these are the caller's business. Each refusal's `param` is the field's key
+    (`prompt_field`, the request's prompt, for a prompt that leaves no room for a completion).
     """
     defaults = SamplingParams()
 
@@ -81,7 +82,7 @@ def sampling_from(raw: Mapping[str, Any], prompt_len: int, max_model_len: int,
         if value is None:
             return getattr(defaults, key)
         if not is_number(value) or not ok(value):
-            raise BadRequest(f"{key} must be {rule}, got {value!r}")
+            raise BadRequest(f"{key} must be {rule}, got {value!r}", param=key)
         return float(value)
 
     temperature = number("temperature", lambda v: v >= 0, "a number >= 0")
@@ -93,35 +94,38 @@ def sampling_from(raw: Mapping[str, Any], prompt_len: int, max_model_len: int,
     if top_k is None:
         top_k = defaults.top_k
     elif not is_int(top_k) or top_k < -1:
-        raise BadRequest(f"top_k must be an integer, -1 or 0 (off) or at least 1, got {top_k!r}")
+        raise BadRequest(f"top_k must be an integer, -1 or 0 (off) or at least 1, got {top_k!r}", param="top_k")
 
     max_tokens = raw.get("max_tokens")
     if max_tokens is None:
         max_tokens = max_model_len - prompt_len
         if max_tokens < 1:
-            raise BadRequest(f"a prompt of {prompt_len} tokens fills the context of {max_model_len}")
+            raise BadRequest(f"a prompt of {prompt_len} tokens fills the context of {max_model_len}",
+                             param=prompt_field)
     elif not is_int(max_tokens) or max_tokens < 1:
-        raise BadRequest(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        raise BadRequest(f"max_tokens must be an integer >= 1, got {max_tokens!r}", param="max_tokens")
     elif prompt_len < max_model_len < prompt_len + max_tokens and not clamp_max_tokens:  # a full prompt: the engine's
         raise BadRequest(f"max_tokens: this model's maximum context length is {max_model_len} tokens, and the "
                          f"request asks for {prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} in "
-                         f"the completion); reduce max_tokens to at most {max_model_len - prompt_len}")
+                         f"the completion); reduce max_tokens to at most {max_model_len - prompt_len}",
+                         param="max_tokens")
 
     min_tokens = raw.get("min_tokens")
     if min_tokens is None:
         min_tokens = defaults.min_tokens
     elif not is_int(min_tokens) or not 0 <= min_tokens <= max_tokens:
-        raise BadRequest(f"min_tokens must be an integer in [0, max_tokens = {max_tokens}], got {min_tokens!r}")
+        raise BadRequest(f"min_tokens must be an integer in [0, max_tokens = {max_tokens}], got {min_tokens!r}",
+                         param="min_tokens")
 
     stop = raw.get("stop_token_ids")
     if stop is None:
         stop = []
     elif not isinstance(stop, list) or not all(is_int(t) and t >= 0 for t in stop):
-        raise BadRequest("stop_token_ids must be a list of non-negative integers")
+        raise BadRequest("stop_token_ids must be a list of non-negative integers", param="stop_token_ids")
 
     seed = raw.get("seed")
     if seed is not None and not (is_int(seed) and -(2**63) <= seed < 2**63):
-        raise BadRequest(f"seed must be a 64-bit integer, got {seed!r}")
+        raise BadRequest(f"seed must be a 64-bit integer, got {seed!r}", param="seed")
 
     return SamplingParams(
         temperature=0.0 if temperature < GREEDY_BELOW else temperature,
