@@ -480,3 +480,45 @@ def test_a_run_on_accelerator_hosts_compiles_to_choose_its_engine_group(tiny_mod
     monkeypatch.setattr(report, "run_engine_hosts", refused)
     with pytest.raises(ConfigError, match="jax.mesh.*the train step does not fit: train step: 9 GiB"):
         placement.engine_group(cfg, mcfg, mesh, Console(file=io.StringIO()))
+
+
+def test_an_in_process_teacher_is_a_term_of_its_own(tmp_path, tiny_model_dir):
+    """`[jax.teacher] model` (issue 42): the train step takes the teacher's weights, in `[jax] dtype` at the
+    teacher's own depth and sharded by the student's rules, beside its own; `jaxrl compile` reports them as
+    the `teacher` term, the compiled arguments grow by them (plus tile padding under 1 MiB), and every other
+    term but the step's scratch and outputs is as without a teacher."""
+    from typer.testing import CliRunner
+
+    from jaxrl.cli.main import app
+    from jaxrl.compile import programs, report
+    from jaxrl.config.schema import load_config
+    from jaxrl.model import assets, hf
+    from jaxrl.parallel.sharding import make_mesh
+
+    teacher = assets.build_tiny_model(tmp_path / "teacher", seed=1, layers=3, hidden=96, mlp=256)
+    text = (f'model = "tiny"\nbatch_size = 16\nrollouts_per_example = 4\n[[env]]\nid = "a/b"\n'
+            f'[jax]\nmodel_path = "{tiny_model_dir}"\nseq_len = 128\ndecode_slots = 8\nmicro_batch_size = 16\n'
+            f'dtype = "bfloat16"\nmesh = {{ fsdp = 4 }}\n')
+    (tmp_path / "plain.toml").write_text(text)
+    (tmp_path / "taught.toml").write_text(text + f'[jax.loss]\nteacher_tau = 1.0\n[jax.teacher]\nmodel = "{teacher}"\n')
+    runner, out, printed = CliRunner(), {}, {}
+    for name in ("plain", "taught"):
+        done = runner.invoke(app, ["compile", str(tmp_path / f"{name}.toml"), "--topology", "v5litepod-4", "--no-cost",
+                                   "--no-context", "--json", str(tmp_path / f"{name}.json")])
+        assert done.exit_code == 0, done.output
+        out[name], printed[name] = json.loads((tmp_path / f"{name}.json").read_text()), done.output
+    tcfg = hf.load_config(str(teacher))
+    mesh = make_mesh({"fsdp": 4}, slices.topology_devices(slices.parse_slice("v5litepod-4")))
+    import jax.numpy as jnp
+
+    from jaxrl.model.modules import param_specs
+
+    expected = programs.shard_bytes(programs.abstract_params(param_specs(tcfg), tcfg.dims(), mesh, jnp.bfloat16))
+    on, off = out["taught"]["bytes_per_chip"], out["plain"]["bytes_per_chip"]
+    train = f"train@{out['plain']['model_layers']}"
+    assert off["teacher"] == 0 and on["teacher"] == expected == out["taught"]["programs"][train]["declared"]["teacher"]
+    grew = out["taught"]["programs"][train]["argument"] - out["plain"]["programs"][train]["argument"]
+    assert 0 <= grew - expected < 2**20 and "  teacher" in printed["taught"]
+    same = [t for t in report.TERMS if t not in ("teacher", "temporaries", "lora_optimizer")]
+    assert {t: on[t] for t in same} == {t: off[t] for t in same}
+    assert report.teacher_model_of(load_config(tmp_path / "taught.toml")) == tcfg

@@ -45,10 +45,10 @@ def at_depth(by_depth: dict[int, Program], depths: tuple[int, ...], layers: int)
 
 def trainer_bytes(train: dict[str, int]) -> int:
     """Per chip, what the compiled train step (`at_depth`'s counts) keeps whether or not the engine shares
-    its chips: the report's weights, lora_optimizer, kl_reference and batch terms, and the step's
+    its chips: the report's weights, lora_optimizer, kl_reference, teacher and batch terms, and the step's
     temporaries."""
     return (train["declared_weights"] + train["declared_lora"] + train["declared_optimizer"] + train["output"]
-            + train["declared_reference"] + train["declared_batch"] + train["temp"])
+            + train["declared_reference"] + train["declared_teacher"] + train["declared_batch"] + train["temp"])
 
 
 def hosts(mesh: Any) -> int:

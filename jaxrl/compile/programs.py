@@ -50,6 +50,7 @@ class Shapes:
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)  # `[jax.loss]`: kl_coef > 0 runs a reference
     unroll: bool = False  # the train step's layers unrolled, not scanned: `cost_analysis()` then counts each
     kv_cache_tokens: int | None = None  # `[jax] kv_cache_tokens`: the engine's paged pool; None, the dense cache
+    teacher: ModelConfig | None = None  # `[jax.teacher] model` (teacher_tau > 0): a frozen model run in the step
 
     @property
     def kl_copy(self) -> bool:
@@ -179,14 +180,18 @@ def compile_train(s: Shapes, mesh: Mesh) -> Program:
     widest a run trains, `make_batch`), in micro-batches of `micro_batch_size`, with the run's `[jax.loss]`.
     In full fine-tuning the weights are the float32 master weights (declared as `weights`), and with
     `kl_coef > 0` the step also takes the KL reference, the starting weights in `dtype` on the trainer's
-    mesh as the run keeps them (`Run.init_training`; declared as `reference`)."""
+    mesh as the run keeps them (`Run.init_training`; declared as `reference`), and with an in-process teacher
+    (`s.teacher`) the teacher's weights in `dtype`, at its own full depth (declared as `teacher`: the same at
+    every depth the student is compiled at, so the depth fit keeps it as it is)."""
     if s.micro_batch_size is None:
         raise ValueError("compile_train needs a micro_batch_size (report.compiled_micro_batch chooses one)")
     trainer = Trainer(s.model, mesh, make_optimizer(1e-5, full=s.full), lora_scale=s.lora_scale, loss_cfg=s.loss,
                       remat=s.remat, micro_batch_size=s.micro_batch_size, full=s.full, dtype=s.dtype,
-                      unroll=s.unroll)
+                      unroll=s.unroll, teacher_cfg=s.teacher)
     base, lora = _weights(s, mesh, jnp.float32 if s.full else None)
     reference = _weights(s, mesh)[0] if s.kl_copy else None
+    # an in-process teacher: its own weights in `dtype`, at its full depth whatever depth the student compiles at
+    teacher = None if s.teacher is None else abstract_params(param_specs(s.teacher), s.teacher.dims(), mesh, s.dtype)
     replicated = NamedSharding(mesh, PartitionSpec())
     opt = _optimizer_state(trainer, base, lora, replicated)
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
@@ -204,9 +209,9 @@ def compile_train(s: Shapes, mesh: Mesh) -> Program:
     batch = {n: jax.ShapeDtypeStruct(shape, dt, sharding=array_sharding(("batch",) + (None,) * (len(shape) - 1),
                                                                         shape, mesh))
              for n, (shape, dt) in fields.items()}
-    lowered = trainer._step.lower(state, reference if s.full else base, batch, micro_batches=k)
+    lowered = trainer._step.lower(state, reference if s.full else base, batch, teacher, micro_batches=k)
     declared = {"weights": shard_bytes(base), "lora": shard_bytes(lora), "optimizer": shard_bytes((opt, state.step)),
-                "batch": shard_bytes(batch), "reference": shard_bytes(reference)}
+                "batch": shard_bytes(batch), "reference": shard_bytes(reference), "teacher": shard_bytes(teacher)}
     return _measure("train" + (" unrolled" if s.unroll else ""), lowered, declared)
 
 

@@ -21,29 +21,31 @@ import jax.numpy as jnp
 
 from jaxrl.compile import decode_bytes, fit, pool, programs, slices
 from jaxrl.compile import depths as depth_rule
+from jaxrl.compile.architecture import model_of, teacher_model_of
 from jaxrl.compile.context import Context, compiled_context
 from jaxrl.compile.cost import Cost, train_cost
 from jaxrl.compile.engine_cost import engine_costs
 from jaxrl.compile.fit import FIT_SHARE
 from jaxrl.compile.programs import Program, Shapes
 from jaxrl.compile.roofline import roofline
-from jaxrl.config.hub import download_config
-from jaxrl.config.model_path import HubModel, ModelNotFoundError, find_in_hf_cache
-from jaxrl.config.schema import ConfigError, RunConfig, locate_model_path
+from jaxrl.config.schema import ConfigError, RunConfig
 from jaxrl.kv.pallas import PagedPallas
-from jaxrl.model import catalog, hf, moe
+from jaxrl.model import moe
 from jaxrl.model.qwen3 import ModelConfig
 from jaxrl.parallel import distributed
 from jaxrl.parallel.sharding import MESH_AXES, RULES, batch_shards, make_mesh
 from jaxrl.rl.train import loss_config
 
-TERMS = ("weights", "lora_optimizer", "kl_reference", "engine_weights", "kv_cache", "temporaries", "other")
+TERMS = ("weights", "lora_optimizer", "kl_reference", "teacher", "engine_weights", "kv_cache", "temporaries",
+         "other")
 ADVICE = {
     "weights": "more chips for the weights: a larger slice, or mesh axes fsdp / expert / tensor instead of data",
     "lora_optimizer": "a smaller [jax] lora_rank or fewer lora_targets (finetune = \"lora\" rather than \"full\"), "
                       "or more fsdp / expert chips",
     "kl_reference": "[jax.loss] kl_coef = 0, or finetune = \"lora\" (its reference is the base with the LoRA off: "
                     "no copy), or more fsdp / expert chips",
+    "teacher": "a smaller [jax.teacher] model, a server teacher ([jax.teacher] base_url), [jax] dtype = "
+               "\"bfloat16\", or more fsdp / expert chips",
     "engine_weights": "an engine over more hosts (--engine-hosts), or a larger slice",
     "kv_cache": "a smaller [jax] kv_cache_tokens (the paged pool; unset on TPU and GPU, the pool that fits), "
                 "fewer [jax] decode_slots or a shorter seq_len",
@@ -424,48 +426,14 @@ def memory_terms(train: dict[str, int], prefill: dict[str, int], decode: dict[st
         "lora_optimizer": train["declared_lora"] + train["declared_optimizer"] + train["output"],
         # full fine-tuning with kl_coef > 0: the frozen starting weights (in `dtype`) the KL reference runs
         "kl_reference": train["declared_reference"],
+        # `[jax.teacher] model`: the teacher's frozen weights (in `dtype`), run in the train step
+        "teacher": train["declared_teacher"],
         "engine_weights": decode["declared_weights"] + decode["declared_lora"] if engine_owns_weights else 0,
         "kv_cache": decode["declared_kv_cache"],
         # the train step runs in a thread while the engine decodes: both programs' scratch at once
         "temporaries": train["temp"] + max(prefill["temp"], decode["temp"]),
         "other": train["declared_batch"] + decode["declared_slots"] + prefill["output"],
     }
-
-
-def model_of(cfg: RunConfig) -> ModelConfig:
-    """The run's architecture, from its `config.json` alone: the checkpoint's when it is on this machine
-    (a folder, or the local HF cache, a config-only entry included); else the catalogue's facts for a
-    Hosted Training model name (`jaxrl.model.catalog.HOSTED_MODELS`); else the Hub's `config.json` of the
-    id, downloaded alone (`jaxrl.config.hub.download_config`). A `gs://` checkpoint is not read.
-
-    Raises:
-        ConfigError: none of these has it (naming the places looked in, or why the download failed).
-    """
-    try:
-        found: str | HubModel = locate_model_path(cfg)
-    except ConfigError as exc:  # e.g. a `[jax] model_path` folder of the training machine, absent here
-        found = str(exc)
-        if (facts := catalog.HOSTED_MODELS.get(cfg.model)) is not None:
-            return ModelConfig.from_hf(facts)
-        hosted = ", ".join(catalog.HOSTED_MODELS)
-        raise ConfigError(cfg.source, [("model", f"no architecture for {cfg.model!r}: {found}; and it is not a "
-                                                 f"Hosted Training model ({hosted})")]) from None
-    if isinstance(found, str) and not found.startswith("gs://"):
-        return hf.load_config(found)
-    if isinstance(found, HubModel) and (cached := find_in_hf_cache(found.repo_id, found.revision,
-                                                                   need="config")) is not None:
-        return hf.load_config(cached)
-    facts = catalog.HOSTED_MODELS.get(cfg.model)
-    if facts is not None:
-        return ModelConfig.from_hf(facts)
-    if isinstance(found, str):
-        raise ConfigError(cfg.source, [("model", f"no architecture for {cfg.model!r}: {found} is not read for "
-                                                 "compiling, and it is not a Hosted Training model "
-                                                 f"({', '.join(catalog.HOSTED_MODELS)})")])
-    try:
-        return hf.load_config(download_config(found).parent)
-    except ModelNotFoundError as exc:
-        raise ConfigError(cfg.source, [("model", str(exc))]) from None
 
 
 def shapes_of(cfg: RunConfig, model: ModelConfig) -> Shapes:
@@ -475,7 +443,8 @@ def shapes_of(cfg: RunConfig, model: ModelConfig) -> Shapes:
     j = cfg.jax
     return Shapes(model, jnp.bfloat16 if j.dtype == "bfloat16" else jnp.float32, j.lora_rank, tuple(j.lora_targets),
                   cfg.lora_alpha / j.lora_rank, j.remat, cfg.batch_size, j.seq_len, j.micro_batch_size,
-                  j.decode_slots, full=j.finetune == "full", loss=loss_config(cfg), kv_cache_tokens=j.kv_cache_tokens)
+                  j.decode_slots, full=j.finetune == "full", loss=loss_config(cfg), kv_cache_tokens=j.kv_cache_tokens,
+                  teacher=teacher_model_of(cfg))
 
 
 def compile_run(cfg: RunConfig, slice_name: str, depths: tuple[int, ...] | None = None,
