@@ -191,12 +191,12 @@ def test_paged_decode_compiles_the_pallas_kernel_for_qwen3_30b_a3b_at_8k():
     model = report.model_of(cfg)
     shapes = report.shapes_of(cfg, model).at_depth(2)
     mesh = make_mesh(CASES["30b-v5p-8"][2], slices.topology_devices(slices.parse_slice("v5p-8")))
-    engine, params = programs._engine(shapes, mesh)
+    engine, params = programs.abstract_engine(shapes, mesh)
     state = programs.abstract_decode_state(engine)
     assert isinstance(engine.kv, PagedPallas) and engine.kv.chunks(100) is None
     lowered = engine._generate.lower(params, state, truncate=True, penalize=True)
     assert "tpu_custom_call" in lowered.as_text()
-    p = programs._program("decode", *programs._compile("decode", lowered), {})
+    p = programs.measure("decode", lowered, {})
     kv = pool.of(dataclasses.replace(shapes, model=model), mesh, 1, 0, 2048)
     assert kv.tokens >= 256 * 2048 and kv.bytes_per_token == 24 * 2**10 and kv.rollouts(kv.tokens) == 256
     assert programs.shard_bytes({n: state.cache[n] for n in ("k", "v")}) == 2 * (kv.tokens + 16) * 24 * 2**10 / 48

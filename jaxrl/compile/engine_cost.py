@@ -56,20 +56,20 @@ def prefill_cost(shapes: Shapes, mesh: Mesh) -> LayerCost:
         programs.ProgramTooLarge: the compiler refused one of them.
     """
     m = shapes.model
-    bucket = programs._engine(shapes, mesh)[0].buckets[-1]  # compile_prefill's
+    bucket = programs.abstract_engine(shapes, mesh)[0].buckets[-1]  # compile_prefill's
     replicated = NamedSharding(mesh, PartitionSpec())
     tokens = jax.ShapeDtypeStruct((1, bucket), jnp.int32, sharding=replicated)
     da, db = depths.cost_depths(m)
     compiled, weights, kv = [], [], []
     for d in (da, db):
         s = shapes.at_depth(d)
-        base, lora = programs._weights(s, mesh)
+        base, lora = programs.abstract_weights(s, mesh)
 
         def forward(base: Any, lora: Any, tokens_BT: jax.Array, s: Shapes = s) -> Any:
             model = modules.bind(s.model, base, lora, s.lora_scale)
             return model(tokens_BT, jnp.arange(bucket, dtype=jnp.int32)[None], mesh=mesh, scan_layers=False)
 
-        p = programs._measure(f"prefill {bucket} unrolled", jax.jit(forward).lower(base, lora, tokens), {})
+        p = programs.measure(f"prefill {bucket} unrolled", jax.jit(forward).lower(base, lora, tokens), {})
         compiled.append(p)
         weights.append(programs.shard_bytes(base) + programs.shard_bytes(lora))
         kv.append(p.output)  # the hidden states (as deep at both depths) and every layer's k and v
@@ -106,7 +106,7 @@ def decode_cost(shapes: Shapes, mesh: Mesh) -> LayerCost:
     compiled, read = [], []
     for d in (da, db):
         s = shapes.at_depth(d)
-        engine, params = programs._engine(s, mesh)
+        engine, params = programs.abstract_engine(s, mesh)
         state, kind = programs.abstract_decode_state(engine), _cache_layout(engine, mesh)
 
         def step(base: Any, lora: Any, tokens_B: jax.Array, positions_B: jax.Array, cache: Any,
@@ -117,7 +117,7 @@ def decode_cost(shapes: Shapes, mesh: Mesh) -> LayerCost:
 
         lowered = jax.jit(step, donate_argnums=4).lower(params.base, params.lora, state.tokens,
                                                         state.positions, state.cache)
-        compiled.append(programs._measure("decode unrolled", lowered, {}))
+        compiled.append(programs.measure("decode unrolled", lowered, {}))
         read.append(programs.shard_bytes(params.base) + programs.shard_bytes(params.lora)
                     + programs.shard_bytes(state.cache))
     flops, nbytes = _difference(*compiled, da, db)

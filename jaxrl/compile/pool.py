@@ -89,7 +89,7 @@ def sized(shapes: Shapes, emesh: Any, free: float) -> Shapes:
 def _cache_of(shapes: Shapes, emesh: Any) -> tuple[bool, int, float, int, int]:
     """(paged, positions held with a pool's scratch page, bytes a chip per position, the page table's bytes
     a chip, positions per page: 1 for a dense cache) of the cache `shapes`' engine declares on `emesh`."""
-    engine, _ = programs._engine(shapes, emesh)
+    engine, _ = programs.abstract_engine(shapes, emesh)
     cache = programs.abstract_decode_state(engine).cache
     pool = {n: cache[n] for n in ("k", "v")}  # the pools (a paged cache's page table is not per token)
     paged = engine.pages is not None

@@ -102,7 +102,7 @@ def abstract_params(specs: Any, dims: dict[str, int], mesh: Mesh, dtype: Any) ->
                         is_leaf=is_spec)
 
 
-def _weights(s: Shapes, mesh: Mesh, dtype: Any = None) -> tuple[Any, Any]:
+def abstract_weights(s: Shapes, mesh: Mesh, dtype: Any = None) -> tuple[Any, Any]:
     """The base weights (in `dtype`, default `s.dtype`) and the LoRA (None in full fine-tuning)."""
     m = s.model
     base = abstract_params(param_specs(m), m.dims(), mesh, s.dtype if dtype is None else dtype)
@@ -122,7 +122,7 @@ class ProgramTooLarge(ValueError):
     """The compiler refused a program: it needs more memory than one chip's HBM."""
 
 
-def _measure(name: str, lowered: Any, declared: dict[str, int]) -> Program:
+def measure(name: str, lowered: Any, declared: dict[str, int]) -> Program:
     """Compile `lowered` and read its per-chip memory.
 
     Raises:
@@ -132,7 +132,7 @@ def _measure(name: str, lowered: Any, declared: dict[str, int]) -> Program:
 
 
 def _compile(name: str, lowered: Any) -> tuple[Any, float]:
-    """`lowered` compiled, and the seconds it took (`_measure`'s errors)."""
+    """`lowered` compiled, and the seconds it took (`measure`'s errors)."""
     t0 = time.perf_counter()
     try:
         compiled = lowered.compile()
@@ -188,8 +188,8 @@ def compile_train(s: Shapes, mesh: Mesh) -> Program:
     trainer = Trainer(s.model, mesh, make_optimizer(1e-5, full=s.full), lora_scale=s.lora_scale, loss_cfg=s.loss,
                       remat=s.remat, micro_batch_size=s.micro_batch_size, full=s.full, dtype=s.dtype,
                       unroll=s.unroll, teacher_cfg=s.teacher)
-    base, lora = _weights(s, mesh, jnp.float32 if s.full else None)
-    reference = _weights(s, mesh)[0] if s.kl_copy else None
+    base, lora = abstract_weights(s, mesh, jnp.float32 if s.full else None)
+    reference = abstract_weights(s, mesh)[0] if s.kl_copy else None
     # an in-process teacher: its own weights in `dtype`, at its full depth whatever depth the student compiles at
     teacher = None if s.teacher is None else abstract_params(param_specs(s.teacher), s.teacher.dims(), mesh, s.dtype)
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -212,16 +212,16 @@ def compile_train(s: Shapes, mesh: Mesh) -> Program:
     lowered = trainer._step.lower(state, reference if s.full else base, batch, teacher, micro_batches=k)
     declared = {"weights": shard_bytes(base), "lora": shard_bytes(lora), "optimizer": shard_bytes((opt, state.step)),
                 "batch": shard_bytes(batch), "reference": shard_bytes(reference), "teacher": shard_bytes(teacher)}
-    return _measure("train" + (" unrolled" if s.unroll else ""), lowered, declared)
+    return measure("train" + (" unrolled" if s.unroll else ""), lowered, declared)
 
 
-def _engine(s: Shapes, mesh: Mesh, dense: bool = False) -> tuple[Engine, EngineParams]:
+def abstract_engine(s: Shapes, mesh: Mesh, dense: bool = False) -> tuple[Engine, EngineParams]:
     """The engine of `s` on `mesh` (`dense`: with the dense cache, `jaxrl.kv.dense.Dense`, whatever the
     platform) and its abstract params."""
     kv = Dense(s.model, s.decode_slots, s.seq_len) if dense else None
     engine = Engine(s.model, mesh, s.decode_slots, s.seq_len, lora_scale=s.lora_scale, cache_dtype=s.dtype,
                     kv=kv, kv_cache_tokens=s.kv_cache_tokens)
-    base, lora = _weights(s, mesh)
+    base, lora = abstract_weights(s, mesh)
     return engine, EngineParams(base=base, lora=lora)
 
 
@@ -233,7 +233,7 @@ def compile_prefill(s: Shapes, mesh: Mesh, bucket: int | None = None) -> Program
     they run one after the other: their arguments, outputs and aliases add up (the logits are the first's
     output and the second's argument, declared as `logits`), their temporaries do not (one program's
     scratch at a time: the larger)."""
-    engine, params = _engine(s, mesh)
+    engine, params = abstract_engine(s, mesh)
     bucket = bucket or engine.buckets[-1]
     replicated = NamedSharding(mesh, PartitionSpec())
     tokens = jax.ShapeDtypeStruct((bucket,), jnp.int32, sharding=replicated)
@@ -246,7 +246,7 @@ def compile_prefill(s: Shapes, mesh: Mesh, bucket: int | None = None) -> Program
     sampling, key = _placed(jax.eval_shape(lambda: (SlotSampling.of(SamplingParams()), jax.random.key(0))),
                             lambda x: replicated)
     stop = jax.ShapeDtypeStruct((s.model.vocab_size,), jnp.bool_, sharding=replicated)
-    sample = _measure(name, engine._prefill_sample.lower(logits, tokens, length, sampling, key, stop, truncate=True),
+    sample = measure(name, engine._prefill_sample.lower(logits, tokens, length, sampling, key, stop, truncate=True),
                       {})
     declared = {"weights": shard_bytes(params.base), "lora": shard_bytes(params.lora),
                 "logits": shard_bytes(logits)}
@@ -282,14 +282,14 @@ def abstract_decode_state(engine: Engine) -> DecodeState:
 def compile_decode(s: Shapes, mesh: Mesh) -> Program:
     """`Engine._generate` (truncating sampling and the repetition penalty on: the largest variant) for
     `decode_slots` slots of `seq_len` tokens on `mesh`."""
-    engine, params = _engine(s, mesh)
+    engine, params = abstract_engine(s, mesh)
     if not engine.weights.reads_training_weights:  # the CPU's: weight copies made from real arrays
         raise ValueError(f"decode is compiled for an accelerator mesh, not {mesh_platform(mesh)}")
     state = abstract_decode_state(engine)
     lowered = engine._generate.lower(params, state, truncate=True, penalize=True)
     declared = {"weights": shard_bytes(params.base), "lora": shard_bytes(params.lora),
                 "kv_cache": shard_bytes(state.cache), "slots": shard_bytes(dataclasses.replace(state, cache={}))}
-    return _measure("decode", lowered, declared)
+    return measure("decode", lowered, declared)
 
 
 def engine_declared_bytes(s: Shapes, mesh: Mesh, own_weights: bool) -> int:
@@ -300,7 +300,7 @@ def engine_declared_bytes(s: Shapes, mesh: Mesh, own_weights: bool) -> int:
     have chosen (`jaxrl.compile.pool.sized`): it counts here as the dense cache of `decode_slots` x
     `seq_len` as the mesh shards it (slots over the batch axes, which a pool's pages cannot be), what these
     rules reserved before the pool was the default."""
-    engine, params = _engine(s, mesh, dense=s.kv_cache_tokens is None)
+    engine, params = abstract_engine(s, mesh, dense=s.kv_cache_tokens is None)
     weights = shard_bytes(params.base) + shard_bytes(params.lora) if own_weights else 0
     return weights + shard_bytes(abstract_decode_state(engine).cache)
 

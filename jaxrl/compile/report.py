@@ -366,7 +366,7 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
 
 def _reads(shapes: Shapes, emesh: Any) -> str:
     """How `shapes`' engine on `emesh` reads its KV cache in a decode step (`decode_bytes.DecodeBytes.reads`)."""
-    engine = programs._engine(shapes, emesh)[0]
+    engine = programs.abstract_engine(shapes, emesh)[0]
     if engine.pages is None:
         return "dense"
     return "kernel" if isinstance(engine.kv, PagedPallas) else "gather"

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
-from jaxrl.config.base import _Table
+from jaxrl.config.base import Table
 
 LossType = Literal["is", "ppo", "gspo", "cispo"]
 Aggregation = Literal["token_mean", "sequence_mean", "sequence_sum"]
@@ -30,7 +30,7 @@ def _ratio_bound(value: float) -> float:
     return value
 
 
-class LossConfig(_Table):
+class LossConfig(Table):
     """`[jax.loss]`: the policy loss (`jaxrl.rl.losses.policy_loss`). Every ratio below is the per-token
     importance ratio `exp(logp_trainer - logp_engine)` against the engine that sampled the token."""
 
@@ -95,7 +95,7 @@ class LossConfig(_Table):
         return self
 
 
-class AdvantageConfig(_Table):
+class AdvantageConfig(Table):
     """`[jax.advantage]`: how rewards become advantages (`jaxrl.rl.losses.advantages`). Groups are the
     `rollouts_per_example` rollouts of one example; failed rollouts are left out of their group."""
 
@@ -119,7 +119,7 @@ class AdvantageConfig(_Table):
         return self
 
 
-class OptimConfig(_Table):
+class OptimConfig(Table):
     """`[jax.optim]`: AdamW (Loshchilov & Hutter 2019) on the trained weights, at the top-level
     `learning_rate`, with global-norm gradient clipping and a learning-rate schedule over `max_steps`
     (`jaxrl.rl.train.learning_rate`); the rate of each step is logged as `optim/lr`."""

@@ -67,7 +67,7 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
-class _Invalid(ValueError):
+class BrokenRules(ValueError):
     """Raised by a table's cross-field check (`RunConfig`'s, `[sampling]`'s, `[jax.teacher]`'s) with every
     broken rule as `(dotted key from the file's top, reason)`, so all of them are reported."""
 
@@ -76,7 +76,7 @@ class _Invalid(ValueError):
         self.problems = problems
 
 
-class _Table(BaseModel):
+class Table(BaseModel):
     """Base of every TOML table: unknown keys are errors and TOML types are not coerced."""
 
     model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True, allow_inf_nan=False)

@@ -9,10 +9,10 @@ from typing import Any
 
 from pydantic import Field
 
-from jaxrl.config.base import AllOrPositive, EnvId, FolderName, _Table
+from jaxrl.config.base import AllOrPositive, EnvId, FolderName, Table
 
 
-class _EnvTable(_Table):
+class _EnvTable(Table):
     """The fields `[[env]]` and `[[eval.env]]` share."""
 
     id: EnvId
@@ -53,7 +53,7 @@ class EvalEnvConfig(_EnvTable):
     """Rollouts per eval example. Default None: `eval.rollouts_per_example`."""
 
 
-class EvalConfig(_Table):
+class EvalConfig(Table):
     """`[eval]`: online evaluation during training (`jaxrl.run.evaluate`): each environment's first
     `num_examples` examples of its eval split (its loaded tasks when it has none), with the run's
     `[sampling]`; metrics `eval/<env>/reward/mean`, `eval/<env>/pass@k`, ... in the step's row."""
@@ -71,7 +71,7 @@ class EvalConfig(_Table):
     environments."""
 
 
-class ValConfig(_Table):
+class ValConfig(Table):
     """`[val]`: validation on the training environments' eval splits (their train examples when they have
     none), with the run's `[sampling]` (`jaxrl.run.evaluate`); metrics `val/reward/mean`, ... (and
     `val/<env>/...` with several environments) in the step's row."""
@@ -85,7 +85,7 @@ class ValConfig(_Table):
     """Validate every N training steps. Default 5."""
 
 
-class BufferConfig(_Table):
+class BufferConfig(Table):
     """`[buffer]`: which examples are sampled, and online difficulty filtering (`jaxrl.rl.buffer`)."""
 
     online_difficulty_filtering: bool = False

@@ -28,14 +28,14 @@ from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
 
-from jaxrl.config.base import _Table
+from jaxrl.config.base import Table
 from jaxrl.config.schema import ConfigError, SamplingConfig, read_toml
 
 FLAGS = "flags"
 """The `source` of a config built from flags alone, as errors name it."""
 
 
-class GepaEnvConfig(_Table):
+class GepaEnvConfig(Table):
     """`[[env]]`: the environment whose system prompt is optimised."""
 
     env_id: str = Field(min_length=1)
@@ -57,7 +57,7 @@ class GepaEnvConfig(_Table):
         return data
 
 
-class GepaSearchConfig(_Table):
+class GepaSearchConfig(Table):
     """`[gepa]`: the search (vf-gepa's keys and defaults)."""
 
     max_calls: int = Field(500, ge=1)
@@ -79,7 +79,7 @@ class GepaSearchConfig(_Table):
     """gepa's seed (minibatch order, candidate choice) and the rollouts' sampling seed. Default 0."""
 
 
-class GepaJaxConfig(_Table):
+class GepaJaxConfig(Table):
     """`[jax]`: what vf-gepa has no key for."""
 
     seq_len: int = Field(4096, ge=2)
@@ -93,7 +93,7 @@ class GepaJaxConfig(_Table):
     """Failed proposals in a row that stop the run with an error, --max-failed-proposals. Default 5."""
 
 
-class GepaConfig(_Table):
+class GepaConfig(Table):
     """A GEPA run: the top-level keys of vf-gepa's TOML and the tables above."""
 
     model: str = Field(min_length=1)

@@ -7,10 +7,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from jaxrl.config.base import _Invalid, _Table, minus_one_or_positive
+from jaxrl.config.base import BrokenRules, Table, minus_one_or_positive
 
 
-class TempSchedulerConfig(_Table):
+class TempSchedulerConfig(Table):
     """`[sampling.temp_scheduler]`: the sampling temperature over steps, from `start_temperature` at step 1
     to `end_temperature` at `total_steps` (then held), linearly or along a half cosine
     (`jaxrl.rl.rollouts.temperature_at`). A group of rollouts samples at the temperature of the step the
@@ -26,7 +26,7 @@ class TempSchedulerConfig(_Table):
     """Steps the schedule spans. Default None: `max_steps`."""
 
 
-class SamplingConfig(_Table):
+class SamplingConfig(Table):
     """`[sampling]`: how the policy samples during rollouts."""
 
     max_tokens: int | None = Field(None, ge=1)
@@ -68,5 +68,5 @@ class SamplingConfig(_Table):
         if self.min_tokens is not None and self.max_tokens is not None and self.min_tokens > self.max_tokens:
             problems.append(("sampling.min_tokens", f"{self.min_tokens} must be <= max_tokens ({self.max_tokens})"))
         if problems:
-            raise _Invalid(problems)
+            raise BrokenRules(problems)
         return self

@@ -19,11 +19,11 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from jaxrl.config.algorithms import AdvantageConfig, LossConfig, OptimConfig
 from jaxrl.config.base import (
     AllOrPositive,
+    BrokenRules,
     ConfigError,
     FolderName,
     PathStr,
-    _Invalid,
-    _Table,
+    Table,
     folder_name_problem,
     read_toml,
 )
@@ -40,7 +40,7 @@ SEED_MULTIPLIER = 1_000_003
 """Rollout seeds are `(jax.seed * SEED_MULTIPLIER + group number) * rollouts_per_example + i` (the run loop)."""
 
 
-class WandbConfig(_Table):
+class WandbConfig(Table):
     """`[wandb]`: Weights & Biases logging (offline, to the run folder, when WANDB_API_KEY is not set)."""
 
     project: str | None = None
@@ -51,7 +51,7 @@ class WandbConfig(_Table):
     """W&B run name. Default None (the run's `name`)."""
 
 
-class CheckpointsConfig(_Table):
+class CheckpointsConfig(Table):
     """`[checkpoints]`: Orbax checkpoints of the training state."""
 
     interval: int = Field(10, ge=1)
@@ -61,7 +61,7 @@ class CheckpointsConfig(_Table):
     one is complete. Default 5."""
 
 
-class AdaptersConfig(_Table):
+class AdaptersConfig(Table):
     """`[adapters]`: the LoRA as PEFT adapter folders during a run (`jaxrl.run.adapters.RunAdapters`), in
     `<output_dir>/<name>/adapters/step_<n>`, or `<checkpoint_dir>/<name>/adapters/step_<n>` (a folder or
     `gs://`) when `[jax] checkpoint_dir` is set."""
@@ -72,7 +72,7 @@ class AdaptersConfig(_Table):
     """Adapters kept (-1 = all). Default 3."""
 
 
-class InfrastructureConfig(_Table):
+class InfrastructureConfig(Table):
     """`[infrastructure]`: environment container resources on Hosted Training; here, the CPU share of the
     environments, which run in the trainer's process (`jaxrl.run.resources`)."""
 
@@ -82,7 +82,7 @@ class InfrastructureConfig(_Table):
     rollouts in flight at once S 8*C, M 32*C, L no limit. Default "M"."""
 
 
-class TailscaleConfig(_Table):
+class TailscaleConfig(Table):
     """`[tailscale]`: Hosted Training's tailnet sidecar for environment servers. Accepted; no effect here
     (a note says so)."""
 
@@ -94,7 +94,7 @@ class TailscaleConfig(_Table):
     """Sidecar hostname prefix. Default "prime-hosted-training"."""
 
 
-class MeshConfig(_Table):
+class MeshConfig(Table):
     """`[jax.mesh]`: device mesh shape; the product of the axes must equal the device count."""
 
     data: int = Field(1, ge=1)
@@ -107,7 +107,7 @@ class MeshConfig(_Table):
     """Expert-parallel axis size (MoE experts sharded). Default 1."""
 
 
-class JaxConfig(_Table):
+class JaxConfig(Table):
     """`[jax]`: everything a local JAX run needs that the Hosted Training schema does not have."""
 
     model_path: PathStr | None = None
@@ -210,7 +210,7 @@ class JaxConfig(_Table):
     (`jaxrl.config.sft`). Default None: an RL config (`jaxrl run`)."""
 
 
-class RunConfig(_Table):
+class RunConfig(Table):
     """A whole run: a Hosted Training TOML file plus the optional `[jax]` table."""
 
     name: FolderName | None = None
@@ -375,7 +375,7 @@ class RunConfig(_Table):
             problems.append(("jax.optim.warmup_steps", f"{self.jax.optim.warmup_steps} must be < max_steps "
                                                        f"({self.max_steps})"))
         if problems:
-            raise _Invalid(problems)
+            raise BrokenRules(problems)
         return self
 
 
@@ -522,7 +522,7 @@ def _problems(exc: ValidationError) -> list[tuple[str, str]]:
     for err in exc.errors():
         key = ".".join(str(part) for part in err["loc"])
         cause = err.get("ctx", {}).get("error")
-        if isinstance(cause, _Invalid):
+        if isinstance(cause, BrokenRules):
             problems += cause.problems
         elif err["type"] == "extra_forbidden":
             problems.append((key, _unknown_key(err["loc"])))

@@ -21,7 +21,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field
 
-from jaxrl.config.base import _Table, json_object
+from jaxrl.config.base import Table, json_object
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -32,7 +32,7 @@ def _path(value: str) -> str:
     return value
 
 
-class SftConfig(_Table):
+class SftConfig(Table):
     """`[jax.sft]`: present in a config that `jaxrl sft` trains (and `jaxrl run` refuses). Each step is one
     AdamW step (`[jax.optim]`, top-level `learning_rate`, LoRA as `[jax]` sets it) on `batch_size` rows
     of `[jax] seq_len` tokens packed from the data, for `max_steps` steps (or `epochs` passes); the rows

@@ -17,11 +17,11 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from jaxrl.config.base import PathStr, _Invalid, _Table
+from jaxrl.config.base import BrokenRules, PathStr, Table
 from jaxrl.config.model_path import ModelNotFoundError, locate_model
 
 
-class TeacherConfig(_Table):
+class TeacherConfig(Table):
     """`[jax.teacher]`: where the teacher's logprobs come from; exactly one of `model` and `base_url`."""
 
     model: PathStr | None = None
@@ -60,7 +60,7 @@ class TeacherConfig(_Table):
         if self.base_url is not None and not self.base_url.startswith(("http://", "https://")):
             problems.append(("jax.teacher.base_url", f"{self.base_url!r} is not an http:// or https:// URL"))
         if problems:
-            raise _Invalid(problems)
+            raise BrokenRules(problems)
         return self
 
 

@@ -443,7 +443,7 @@ async def run_group(
                                          sampling=sampling, env_name=env.name, enable_thinking=enable_thinking)
         return [Rollout(**f) for f in fields]
     assert isinstance(task, vf.Task)
-    _rebind_renderers_lock()
+    rebind_renderers_lock()
     episodes = await asyncio.gather(
         *(
             env.env.run_episode(task, model_context(base_url, model_name, tokenizer_path, sampling, i, enable_thinking))
@@ -453,7 +453,7 @@ async def run_group(
     return [r for episode in episodes for r in _episode_rollouts(episode, env.name)]
 
 
-def _rebind_renderers_lock() -> None:
+def rebind_renderers_lock() -> None:
     """renderers 0.1.12 guards its one-time `GET /v1/models` lookup with a module-level asyncio.Lock
     (renderers/client.py:68), which binds to the first event loop that waits on it; in any later loop
     a contended lookup then fails every waiting rollout ("bound to a different event loop"). Give a

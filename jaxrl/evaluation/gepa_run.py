@@ -135,7 +135,7 @@ def _split(env: loader.LoadedEnv, num_train: int, num_val: int) -> tuple[list, l
 
 
 async def _rebind_renderers_lock() -> None:
-    loader._rebind_renderers_lock()  # renderers' module lock must not stay bound to an earlier event loop
+    loader.rebind_renderers_lock()  # renderers' module lock must not stay bound to an earlier event loop
 
 
 @contextlib.contextmanager

@@ -170,7 +170,7 @@ async def play(env: loader.LoadedEnv, tasks: list, rollouts_per_example: int, en
     rollouts at once; rows in (example, rollout) order. Rollout r of example e is seeded
     `sampling.seed + e * rollouts_per_example + r` when `sampling.seed` is set."""
     gate = asyncio.Semaphore(concurrency)
-    loader._rebind_renderers_lock()  # a fresh event loop: renderers' module lock must not be bound to an old one
+    loader.rebind_renderers_lock()  # a fresh event loop: renderers' module lock must not be bound to an old one
     jobs = [(e, r) for e in range(len(tasks)) for r in range(rollouts_per_example)]
     if isinstance(env.env, ClassicEnv):
         environment = env.env.environment
