@@ -96,10 +96,11 @@ def check(r: report.Report, case: str) -> None:
 
 def test_qwen3_4b_trains_32k_token_rows_on_a_v5p_8(compiled):
     """Qwen3-4B on v5p-8 (one host of 4 chips, tensor 4) trains a Hosted batch of 32,768-token rows beside
-    16 decode slots of 32,768 tokens and a prefill of 32,767 (splash attention; 40.85 of 95 GiB a chip:
-    18.00 KV cache, 19.36 temporaries, 2026-11-26); the engine reads the trainer's weights in place. What
-    `jaxrl models` says Qwen3-4B trains (catalog.COMPILED_CONTEXT). With a paged KV pool in place of the
-    dense cache, 64 slots run over twice its memory, and it still fits (one more compile: the paged decode)."""
+    16 decode slots of 32,768 tokens and a prefill of 32,767 (splash attention; 40.87 of 95 GiB a chip with
+    no [jax] kv_cache_tokens, the paged pool that fits: every slot's 32,768 positions, 18.00 GiB, 2026-11-27;
+    40.85 with the dense cache, 2026-11-26); the engine reads the trainer's weights in place. What
+    `jaxrl models` says Qwen3-4B trains (catalog.COMPILED_CONTEXT). With a pool of twice that (set), 64 slots
+    run over it, and it still fits (one more compile: that pool's decode). 1,165 s alone under load 17."""
     r = compiled("4b-v5p-8-32k")
     check(r, "4b-v5p-8-32k")
     assert (r.hosts, r.engine_hosts, r.terms["engine_weights"]) == (1, 1, 0)
