@@ -17,7 +17,7 @@ from jaxrl.model import modules, qwen3
 from jaxrl.model.qwen3 import LORA_TARGETS
 from jaxrl.parallel.sharding import batch_shards, make_mesh, spec_shardings
 from jaxrl.rl import cpu
-from jaxrl.rl.train import Trainer, learning_rate, loss_width, make_batch, make_optimizer, sampled_logprobs
+from jaxrl.rl.train import Trainer, detached, learning_rate, loss_width, make_batch, make_optimizer, sampled_logprobs
 from jaxrl.run.checkpoint import Checkpointer
 
 CFG = tiny_model_config()
@@ -155,7 +155,7 @@ def test_step_metrics_are_those_of_the_batch(plain):
     base, trainer, state = _setup(mesh, tuning=cpu.Tuning.plain(CFG) if plain else None)
     assert trainer.tuning.scan_layers == plain
     batch = random_batch(1)
-    _, metrics = trainer.step(state, base, batch)
+    _, metrics = trainer.step(detached(state), base, batch)  # the step donates its state: `state` is read below
     b, t = batch.inputs.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 

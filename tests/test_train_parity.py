@@ -10,7 +10,7 @@ import pytest
 from helpers import random_batch, tiny_model_config, tiny_trainer
 
 from jaxrl.parallel.sharding import make_mesh
-from jaxrl.rl.train import Trainer, make_optimizer
+from jaxrl.rl.train import Trainer, detached, make_optimizer
 
 CFG = tiny_model_config()
 LR = 1e-2
@@ -131,7 +131,7 @@ def test_sharded_train_step_matches_single_device(parity):
     setups, (g1, _) = parity
     after = {}
     for name, (base, trainer, state) in setups.items():
-        new, metrics = trainer.step(state, base, random_batch(0))
+        new, metrics = trainer.step(detached(state), base, random_batch(0))  # the step donates its state
         assert float(metrics["optim/grad_norm"]) < 1.0
         after[name] = jax.tree.map(np.asarray, new.lora)
     _assert_same_first_adam_step(setups["one"][2].lora, g1, after["one"], after["mesh"])
@@ -157,7 +157,8 @@ def test_gradient_accumulation_matches_one_pass(shape, n, micro):
     state = one_pass.init_state(base, _with_random_b(state.lora))
     accumulating = Trainer(CFG, mesh, make_optimizer(LR), lora_scale=2.0, micro_batch_size=micro)
     assert accumulating.micro_batches(8) == -(-8 // micro) > 1
-    (s1, m1), (sk, mk) = (trainer.step(state, base, random_batch(0)) for trainer in (one_pass, accumulating))
+    (s1, m1), (sk, mk) = (trainer.step(detached(state), base, random_batch(0))  # each step donates its state
+                          for trainer in (one_pass, accumulating))
     adam1, adamk = _adam_state(s1.opt_state), _adam_state(sk.opt_state)
     assert int(adam1.count) == int(adamk.count) == 1 and int(s1.step) == int(sk.step) == 1
     _assert_close_by_norm(adam1.mu, adamk.mu, GRAD_RTOL)

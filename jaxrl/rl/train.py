@@ -128,6 +128,21 @@ class TrainState:
         return self.lora if self.base is None else self.base
 
 
+@jax.jit
+def _copy(x: jax.Array) -> jax.Array:
+    return jnp.copy(x)  # a new buffer with `x`'s sharding (jit forwards a bare input unchanged)
+
+
+def detached(tree: Any, donated: Any = None) -> Any:
+    """`tree` with every leaf that is one of `donated`'s arrays (the same object; None: every leaf) replaced
+    by a copy of it on the same devices, so it stays readable after `Trainer.step` donates `donated` (a
+    `TrainState` part); other leaves (a cast, a copy onto another mesh) are kept as they are."""
+    if donated is None:
+        return jax.tree.map(_copy, tree)
+    ids = {id(x) for x in jax.tree.leaves(donated)}
+    return jax.tree.map(lambda x: _copy(x) if id(x) in ids else x, tree)
+
+
 def loss_config(cfg: RunConfig) -> LossConfig:
     """The run's `[jax.loss]`, Dr.GRPO's `aggregation_length` defaulting to `[sampling] max_tokens`, else
     `[jax] seq_len`."""
@@ -193,14 +208,19 @@ class Trainer:
         if self.tuning is None:  # the platform's layer stack and head sizes
             self.tuning = cpu.tuning(self.mesh, self.cfg)
         self.teacher_tuning = None if self.teacher_cfg is None else cpu.tuning(self.mesh, self.teacher_cfg)
-        # Nothing is donated: the rollout engine may still hold the previous LoRA while this step runs.
-        self._step = jax.jit(self._step_impl, static_argnames=("micro_batches",))
+        # The state is donated: the new weights, LoRA and moments are written over the old ones. The caller
+        # hands the engine a copy of them before the next step (`jaxrl.run.job.Job.engine_params`).
+        self._step = jax.jit(self._step_impl, static_argnames=("micro_batches",), donate_argnames=("state",))
 
     def init_state(self, base: Params, lora: Params | None) -> TrainState:
         """A state at step 0 (arrays placed as they are; the optimizer moments take the weights'
-        shardings). In full fine-tuning `base` is the trained weights (float32) and `lora` is ignored."""
+        shardings). In full fine-tuning `base` is the trained weights (float32) and `lora` is ignored.
+        The state holds copies of the weights it trains (`detached`): `step` donates them, and the
+        caller's `lora` (or full fine-tuning's starting `base`, a KL reference) stays readable."""
         if self.full:
-            lora = {}
+            base, lora = detached(base), {}
+        else:
+            lora = detached(lora)
         opt_state = self.tx.init(base if self.full else {"base": base, "lora": lora})
         replicated = NamedSharding(self.mesh, PartitionSpec())
         # Scalars (Adam's count, the step) are born on one device; put every leaf on the mesh so that a
@@ -243,8 +263,10 @@ class Trainer:
 
     def step(self, state: TrainState, base: Params | None, batch: Batch,
              teacher: Params | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
-        """One optimizer step on `batch`. Metrics stay on device (read them late). `base`: the frozen base
-        weights with LoRA; in full fine-tuning the KL reference's weights (None without `kl_coef`).
+        """One optimizer step on `batch`. Metrics stay on device (read them late). `state` is donated: its
+        arrays are deleted (the new state is written over them), so keep a copy of any that must be read
+        later (the engine's weights, a checkpoint in flight). `base`: the frozen base weights with LoRA; in
+        full fine-tuning the KL reference's weights (None without `kl_coef`), arrays other than the state's.
         `teacher`: an in-process teacher's weights (of `teacher_cfg`), not changed by the step.
 
         Raises:

@@ -31,7 +31,7 @@ from jaxrl.model.config import ModelConfig
 from jaxrl.model.modules import init_lora, lora_specs, param_specs
 from jaxrl.parallel import distributed
 from jaxrl.parallel.sharding import spec_shardings
-from jaxrl.rl.train import TrainState, trainer_for
+from jaxrl.rl.train import TrainState, detached, trainer_for
 from jaxrl.run import wandb_log
 from jaxrl.run.adapters import RunAdapters
 from jaxrl.run.checkpoint import Checkpointer
@@ -282,12 +282,16 @@ class Job:
     def engine_params(self) -> dict[str, Any]:
         """The engine's parameters: its base weights and the trainer's LoRA, or in full fine-tuning the
         trained weights in `[jax] dtype` and no LoRA, placed for this host's engine (a collective with
-        several processes)."""
+        several processes). Never the train state's own arrays: the next train step donates them while the
+        engine may still sample (`max_async_level >= 1`), so an engine sharing the trainer's mesh gets a
+        copy (the LoRA; in full fine-tuning the weights, unless the cast to `dtype` made one)."""
         place = self.placement
         if self.full:
             weights = self.engine_weights(self.state.base)
+            weights = detached(weights, self.state.base) if place.shared else weights
             return {"base": place.to_engine(weights, self.weight_shardings(place.engine_mesh)), "lora": None}
-        return {"base": self.engine_base, "lora": place.to_engine(self.state.lora, self.engine_lora_shardings)}
+        lora = detached(self.state.lora) if place.shared else self.state.lora
+        return {"base": self.engine_base, "lora": place.to_engine(lora, self.engine_lora_shardings)}
 
     def preflight(self) -> None:
         """When the job serves: compile the engine, serve the environments for the run, `verify` them and
