@@ -77,8 +77,9 @@ def test_cli_compiles_a_checkpoint_config_for_a_slice(tmp_path, tiny_model_dir):
     wrong = runner.invoke(app, ["compile", str(config), "--topology", "v6e-8"])
     assert wrong.exit_code == 2 and "jax.mesh" in wrong.output and "v6e-8 has 8 chips" in wrong.output
     assert "v5litepod-16" in runner.invoke(app, ["compile", "--help"]).output
-    # full fine-tuning: float32 master weights (twice the bfloat16 ones), AdamW moments and the step's new
-    # weights and moments beside them (at least 5 x the weights), and the engine's bfloat16 copy; and a pool
+    # full fine-tuning: float32 master weights (twice the bfloat16 ones), AdamW moments (2 x the weights; the
+    # state is donated, so the step's new weights and moments are written over the old ones, not beside them:
+    # 5 x before), and the engine's bfloat16 copy; and a pool
     # set by [jax] kv_cache_tokens is that pool (whole pages), not the one that fits
     config.write_text(config.read_text() + 'finetune = "full"\nkv_cache_tokens = 200\n')
     full = runner.invoke(app, ["compile", str(config), "--topology", "v5litepod-4", "--no-cost", "--no-context",
@@ -89,7 +90,7 @@ def test_cli_compiles_a_checkpoint_config_for_a_slice(tmp_path, tiny_model_dir):
     assert "paged pool ([jax] kv_cache_tokens)" in full.output
     lora, full = data["bytes_per_chip"], pool["bytes_per_chip"]
     assert full["weights"] == 2 * lora["weights"] and full["engine_weights"] == lora["weights"] > 0
-    assert lora["engine_weights"] == 0 and full["lora_optimizer"] >= 5 * full["weights"]
+    assert lora["engine_weights"] == 0 and 2 * full["weights"] <= full["lora_optimizer"] < 3 * full["weights"]
     _check_kl_reference(runner, app, config, tmp_path, data, json.loads((tmp_path / "f.json").read_text()))
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax.numpy as jnp
-
 from jaxrl.compile.programs import Program, Shapes
 
 FIT_SHARE = 0.9  # a run fits when its total is at most this share of HBM (the rest: runtime, fragmentation)
@@ -48,7 +46,8 @@ def trainer_bytes(train: dict[str, int]) -> int:
     its chips: the report's weights, lora_optimizer, kl_reference, teacher and batch terms, and the step's
     temporaries."""
     return (train["declared_weights"] + train["declared_lora"] + train["declared_optimizer"] + train["output"]
-            + train["declared_reference"] + train["declared_teacher"] + train["declared_batch"] + train["temp"])
+            - train["alias"] + train["declared_reference"] + train["declared_teacher"] + train["declared_batch"]
+            + train["temp"])
 
 
 def hosts(mesh: Any) -> int:
@@ -58,6 +57,7 @@ def hosts(mesh: Any) -> int:
 
 def engine_owns_weights(shapes: Shapes, emesh: Any, mesh: Any) -> bool:
     """Whether an engine on `emesh` holds its own copy of the weights: it runs on fewer devices than the
-    trainer's `mesh`, or full fine-tuning casts the float32 master weights to another `dtype`. Otherwise it
-    reads the trainer's in place."""
-    return emesh.devices.size < mesh.devices.size or (shapes.full and shapes.dtype != jnp.float32)
+    trainer's `mesh`, or full fine-tuning (a cast of the float32 master weights to `dtype`, or a copy of
+    them: the train step donates them, `jaxrl.run.job.Job.engine_params`). Otherwise it reads the
+    trainer's frozen base in place."""
+    return emesh.devices.size < mesh.devices.size or shapes.full

@@ -422,8 +422,9 @@ def memory_terms(train: dict[str, int], prefill: dict[str, int], decode: dict[st
     (`fit.at_depth`); the engine's weights count only where it holds its own copy (`engine_owns_weights`)."""
     return {
         "weights": train["declared_weights"],  # full fine-tuning: the float32 master weights
-        # the state in and out of the step (nothing is donated: the engine still reads the old LoRA or weights)
-        "lora_optimizer": train["declared_lora"] + train["declared_optimizer"] + train["output"],
+        # the state (donated: its update is written in place, the compiler's aliased bytes) and the step's
+        # other outputs (its metrics)
+        "lora_optimizer": train["declared_lora"] + train["declared_optimizer"] + train["output"] - train["alias"],
         # full fine-tuning with kl_coef > 0: the frozen starting weights (in `dtype`) the KL reference runs
         "kl_reference": train["declared_reference"],
         # `[jax.teacher] model`: the teacher's frozen weights (in `dtype`), run in the train step

@@ -28,11 +28,11 @@ def pool_room(chip_bytes: int, in_use: int, train: programs.Program, prefill: pr
               decode: programs.Program | None) -> float:
     """Bytes a chip left for the KV pool (k and v pools and page table): `fit.FIT_SHARE` of `chip_bytes`
     less `in_use` (what is allocated) and what the compiled programs add to it: the train step's temporaries,
-    outputs (its new state: nothing is donated) and batch, the larger of the prefill's and decode's
+    outputs not written over its donated state (its metrics) and batch, the larger of the prefill's and decode's
     temporaries, the prefill's outputs and the decode's slot state (`report.compile_report`'s terms;
     `decode` None: not compiled yet, left out)."""
     temp, slots = (prefill.temp, 0) if decode is None else (max(prefill.temp, decode.temp), decode.declared["slots"])
-    return (fit.FIT_SHARE * chip_bytes - in_use - train.temp - train.output - train.declared["batch"]
+    return (fit.FIT_SHARE * chip_bytes - in_use - train.temp - (train.output - train.alias) - train.declared["batch"]
             - temp - prefill.output - slots)
 
 
