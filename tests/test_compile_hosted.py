@@ -210,7 +210,8 @@ def test_intellect_3_decode_reads_each_layers_cache_in_place():
     each layer's KV cache in the donated buffer, so the step's scratch is the sampler's, not the cache's.
     Unrolled (before 2026-11-26) the compiler kept each layer's cache slices beside the cache: 5.62 GiB
     of temporaries a chip at 3 layers, growing 1.08 GB a layer (2x a layer's 0.54 GB of k and v); scanned,
-    1.19 GiB at 3 layers and at 4. The whole model's report is docs/tpu.md's INTELLECT-3 row."""
+    1.19 GiB at 3 layers and at 4. Since the paged pool became TPU's default (2026-11-27) the step reads the
+    pool in place through JAX's Pallas kernel. The whole model's report is docs/tpu.md's INTELLECT-3 row."""
     cfg = RunConfig.model_validate({
         "model": "PrimeIntellect/INTELLECT-3", "batch_size": 256, "rollouts_per_example": 8, "lora_alpha": 32,
         "env": [{"id": "a/b"}], "sampling": {"max_tokens": 2048},
@@ -221,5 +222,8 @@ def test_intellect_3_decode_reads_each_layers_cache_in_place():
     shapes = report.shapes_of(cfg, model).at_depth(3)
     mesh = make_mesh(cfg.jax.mesh.model_dump(), slices.topology_devices(slices.parse_slice("v5p-16")))
     p = programs.compile_decode(shapes, mesh)
-    assert p.declared["kv_cache"] == 3 * 2 * 256 * 4096 * 8 * 128 * 2 // 8  # 3 layers' k and v, bfloat16, 8 chips
+    # the paged pool, TPU's default since 5e165b3 (capped at 256 slots x 4,096 positions): 3 layers' k and v in
+    # bfloat16 over 8 chips, the scratch page of 16 positions beside them, and the page table (int32 [256, 256])
+    # on every chip
+    assert p.declared["kv_cache"] == 3 * 2 * (256 * 4096 + 16) * 8 * 128 * 2 // 8 + 256 * (4096 // 16) * 4
     assert p.temp < 2 * 2**30, p  # under 4 layers' cache slices; unrolled, 5.62 GiB

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrl.kv.dense import Dense
 from jaxrl.model import decode, hf, modules, qwen3
 from jaxrl.parallel.sharding import make_mesh, spec_shardings
 from jaxrl.parallel.spec import is_spec
@@ -135,7 +136,7 @@ def test_kv_cache_decode_matches_full_forward(checkpoint):
     cache = {"k": jnp.zeros(shape), "v": jnp.zeros(shape)}
     first_BTD, cache = _forward(cfg, params, tokens_BT[:, :6], positions_BT[:, :6], cache=cache)
     steps, fast, fast_cache = [first_BTD], [first_BTD], cache
-    step = jax.jit(functools.partial(decode.decode_step, cfg))
+    step = jax.jit(functools.partial(decode.decode_step, cfg, layout=Dense(cfg, b, t)))
     for s in range(6, t):
         step_BTD, cache = _forward(cfg, params, tokens_BT[:, s:s + 1], positions_BT[:, s:s + 1], cache=cache)
         steps.append(step_BTD)
