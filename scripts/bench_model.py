@@ -29,13 +29,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxrl.model import decoder as model  # noqa: E402
 from jaxrl.model import modules  # noqa: E402
-from jaxrl.model import qwen3 as model  # noqa: E402
+from jaxrl.model.config import ModelConfig  # noqa: E402
 from jaxrl.parallel.sharding import make_mesh, spec_shardings  # noqa: E402
 from jaxrl.rl.train import Trainer, make_batch, make_optimizer  # noqa: E402
 
-QWEN3_06B = model.ModelConfig(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_layers=28,
-                              num_heads=16, num_kv_heads=8, head_dim=128, tie_word_embeddings=True)
+QWEN3_06B = ModelConfig(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_layers=28,
+                        num_heads=16, num_kv_heads=8, head_dim=128, tie_word_embeddings=True)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -54,13 +55,13 @@ def _time(fn) -> float:
     return time.perf_counter() - t
 
 
-def forward_flops_per_token(cfg: model.ModelConfig, t: int) -> float:
+def forward_flops_per_token(cfg: ModelConfig, t: int) -> float:
     d, f, n, k, h = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     per_layer = d * (n * h + 2 * k * h) + n * h * d + 3 * d * f
     return 2 * cfg.num_layers * per_layer + cfg.num_layers * 4 * t * n * h + 2 * d * cfg.vocab_size
 
 
-def build(cfg: model.ModelConfig, dtype, rank: int):
+def build(cfg: ModelConfig, dtype, rank: int):
     mesh = make_mesh({}, jax.devices()[:1])
     base = jax.jit(lambda k: modules.init_params(cfg, k, dtype),
                    out_shardings=spec_shardings(modules.param_specs(cfg), cfg.dims(), mesh))(jax.random.key(0))
@@ -104,7 +105,7 @@ def bench_train(cfg, mesh, base, lora, b: int, t: int, rank: int, reps: int, ful
     return min(times)
 
 
-def compile_times(cfg: model.ModelConfig, b: int, t: int, rank: int) -> dict[str, float]:
+def compile_times(cfg: ModelConfig, b: int, t: int, rank: int) -> dict[str, float]:
     """Seconds to lower + compile the LoRA forward+backward with a scanned and an unrolled layer stack."""
     base = jax.eval_shape(lambda: modules.init_params(cfg, jax.random.key(0)))
     lora = jax.eval_shape(lambda: modules.init_lora(cfg, rank, TARGETS, jax.random.key(1)))

@@ -45,7 +45,7 @@ from jaxrl.inference.engine import Engine, pad_prompt
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
 from jaxrl.model import modules
-from jaxrl.model.qwen3 import ModelConfig
+from jaxrl.model.config import ModelConfig
 from jaxrl.parallel.sharding import make_mesh, spec_shardings
 
 QWEN3_06B = ModelConfig(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,

@@ -56,7 +56,7 @@ import numpy as np  # noqa: E402
 from jaxrl.inference.engine import Engine  # noqa: E402
 from jaxrl.kv.dense import Dense  # noqa: E402
 from jaxrl.model import attention, modules  # noqa: E402
-from jaxrl.model.qwen3 import ModelConfig  # noqa: E402
+from jaxrl.model.config import ModelConfig  # noqa: E402
 from jaxrl.parallel.sharding import make_mesh, spec_shardings  # noqa: E402
 from jaxrl.rl.train import Trainer, make_batch, make_optimizer  # noqa: E402
 

@@ -221,7 +221,7 @@ def random_batch(seed: int = 0, b: int = 8, t: int = 24, vocab: int = 128, pad_t
 
 def tiny_model_config():
     """The tiny dense Qwen3 of the trainer tests: vocab 128, hidden 32, MLP 64, 2 layers, 4 q / 2 kv heads of 8."""
-    from jaxrl.model.qwen3 import ModelConfig
+    from jaxrl.model.config import ModelConfig
 
     return ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=8)
@@ -231,11 +231,12 @@ def tiny_trainer(cfg, mesh, tx=None, rank: int = 4, **trainer_kwargs):
     """(base weights, Trainer, TrainState) for model `cfg` on `mesh`: random base (key 0) and fresh LoRA (key 1)
     of `rank` on every target, placed by their specs; the optimizer `tx` (default: `make_optimizer(1e-2)`),
     lora_scale 2; `trainer_kwargs`: more `Trainer` fields."""
-    from jaxrl.model import modules, qwen3
+    from jaxrl.model import modules
+    from jaxrl.model.blocks import LORA_TARGETS
     from jaxrl.parallel.sharding import spec_shardings
     from jaxrl.rl.train import Trainer, make_optimizer
 
-    targets = tuple(qwen3.LORA_TARGETS)
+    targets = tuple(LORA_TARGETS)
     base = modules.init_params(cfg, jax.random.key(0))
     base = jax.device_put(base, spec_shardings(modules.param_specs(cfg), cfg.dims(), mesh))
     lora = modules.init_lora(cfg, rank, targets, jax.random.key(1))

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.model import assets, hf, modules, qwen3
+from jaxrl.model import assets, decoder, hf, modules
+from jaxrl.model.config import ModelConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -117,13 +118,13 @@ def test_tiny_model_loads_in_jaxrl_and_transformers(tiny):
 
     cfg, params = hf.load_hf(tiny)
     assert cfg.vocab_size == 151936 and cfg.tie_word_embeddings and "unembed" not in params
-    assert cfg == qwen3.ModelConfig(vocab_size=151936, hidden_size=64, intermediate_size=192, num_layers=2,
-                                    num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
+    assert cfg == ModelConfig(vocab_size=151936, hidden_size=64, intermediate_size=192, num_layers=2,
+                              num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
 
     tokens_BT = np.array([[9707, 1879, 151645, 0, 151668, 100]], np.int32)
     positions_BT = jnp.arange(tokens_BT.shape[1], dtype=jnp.int32)[None]
-    hidden_BTD, _ = qwen3.forward(cfg, params, jnp.asarray(tokens_BT), positions_BT)
-    got = np.asarray(qwen3.logits(params, hidden_BTD))
+    hidden_BTD, _ = decoder.forward(cfg, params, jnp.asarray(tokens_BT), positions_BT)
+    got = np.asarray(decoder.logits(params, hidden_BTD))
 
     m = transformers.AutoModelForCausalLM.from_pretrained(tiny).eval()
     assert type(m).__name__ == "Qwen3ForCausalLM"

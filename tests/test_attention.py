@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.model import attention, modules, qwen3
+from jaxrl.model import attention, blocks, decoder, modules
+from jaxrl.model.config import ModelConfig
 from jaxrl.parallel.sharding import make_mesh
 
 B, T, N, K, H = 2, 256, 4, 2, 128
@@ -117,9 +118,9 @@ def test_model_loss_and_lora_gradient_with_each_implementation():
     """A 1-layer Qwen3 with heads of 128 (4 q, 2 kv) and LoRA r4 on every target, packed rows of 128 on a
     fsdp 2 x tensor 2 mesh, remat on: the loss and the LoRA gradient with splash (interpret mode) and with
     `jax.nn.dot_product_attention`'s XLA path equal the einsum's (fp32, 1e-5 relative)."""
-    cfg = qwen3.ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=N,
-                            num_kv_heads=K, head_dim=H)
-    targets = tuple(qwen3.LORA_TARGETS)
+    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=N,
+                      num_kv_heads=K, head_dim=H)
+    targets = tuple(blocks.LORA_TARGETS)
     base = modules.init_params(cfg, jax.random.key(0))
     lora = modules.init_lora(cfg, 4, targets, jax.random.key(1))
     lora = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(2), x.shape, x.dtype), lora)  # b != 0
@@ -129,9 +130,9 @@ def test_model_loss_and_lora_gradient_with_each_implementation():
     mesh = make_mesh({"fsdp": 2, "tensor": 2}, jax.devices()[:4])
 
     def loss(lora, impl):
-        hidden, _ = qwen3.forward(cfg, base, tokens, positions, lora=lora, lora_scale=2.0, remat=True, mesh=mesh,
-                                  segment_ids=segments, attention_impl=impl)
-        logp = jax.nn.log_softmax(qwen3.logits(base, hidden))
+        hidden, _ = decoder.forward(cfg, base, tokens, positions, lora=lora, lora_scale=2.0, remat=True, mesh=mesh,
+                                    segment_ids=segments, attention_impl=impl)
+        logp = jax.nn.log_softmax(decoder.logits(base, hidden))
         nll = -jnp.take_along_axis(logp[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]
         return jnp.sum(nll * real[:, 1:]) / real[:, 1:].sum()
 

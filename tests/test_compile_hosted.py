@@ -28,9 +28,9 @@ import pytest
 from jaxrl.compile import pool, programs, report, slices
 from jaxrl.config.schema import RunConfig
 from jaxrl.kv.pallas import PagedPallas
-from jaxrl.model import catalog, qwen3
+from jaxrl.model import catalog, decoder
+from jaxrl.model.config import ModelConfig
 from jaxrl.model.modules import param_specs
-from jaxrl.model.qwen3 import ModelConfig
 from jaxrl.parallel.sharding import bytes_per_device, make_mesh
 
 pytestmark = pytest.mark.skipif(os.environ.get("JAXRL_HOSTED_COMPILE") == "0",
@@ -206,7 +206,7 @@ def test_paged_decode_compiles_the_pallas_kernel_for_qwen3_30b_a3b_at_8k():
 
 def test_intellect_3_decode_reads_each_layers_cache_in_place():
     """INTELLECT-3 (GLM-4.5-Air: a dense first layer, then MoE layers) at a Hosted batch on v5p-16, its decode
-    step alone at 3 layers (one compile): the mixed stack runs as two scans (`qwen3.scan_runs`), reading
+    step alone at 3 layers (one compile): the mixed stack runs as two scans (`decoder.scan_runs`), reading
     each layer's KV cache in the donated buffer, so the step's scratch is the sampler's, not the cache's.
     Unrolled (before 2026-11-26) the compiler kept each layer's cache slices beside the cache: 5.62 GiB
     of temporaries a chip at 3 layers, growing 1.08 GB a layer (2x a layer's 0.54 GB of k and v); scanned,
@@ -218,7 +218,7 @@ def test_intellect_3_decode_reads_each_layers_cache_in_place():
         "jax": {"mesh": {"fsdp": 2, "expert": 4}, "dtype": "bfloat16", "seq_len": 4096, "lora_rank": 16,
                 "decode_slots": 256, "micro_batch_size": 8}})
     model = report.model_of(cfg)
-    assert [(kind, stop - start) for kind, start, stop, _ in qwen3.layer_runs(model)] == [("mlp", 1), ("moe", 45)]
+    assert [(kind, stop - start) for kind, start, stop, _ in decoder.layer_runs(model)] == [("mlp", 1), ("moe", 45)]
     shapes = report.shapes_of(cfg, model).at_depth(3)
     mesh = make_mesh(cfg.jax.mesh.model_dump(), slices.topology_devices(slices.parse_slice("v5p-16")))
     p = programs.compile_decode(shapes, mesh)

@@ -25,7 +25,8 @@ from jaxrl.inference.lockstep import GroupScheduler
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
 from jaxrl.model import modules
-from jaxrl.model.qwen3 import LORA_TARGETS, ModelConfig
+from jaxrl.model.blocks import LORA_TARGETS
+from jaxrl.model.config import ModelConfig
 from jaxrl.parallel import distributed
 from jaxrl.parallel.sharding import array_sharding, make_mesh, spec_shardings
 from jaxrl.rl.train import Batch, Trainer, make_batch, make_optimizer

@@ -13,8 +13,9 @@ from jaxrl.inference.scheduler import Scheduler
 from jaxrl.kv import chunked
 from jaxrl.kv.chunks import chunk_sizes
 from jaxrl.kv.dense import Dense
-from jaxrl.model import decode, modules, qwen3
-from jaxrl.model.qwen3 import LORA_TARGETS, ModelConfig
+from jaxrl.model import decode, decoder, modules
+from jaxrl.model.blocks import LORA_TARGETS
+from jaxrl.model.config import ModelConfig
 from jaxrl.parallel.sharding import make_mesh, spec_shardings
 
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -33,9 +34,9 @@ def _params(seed=0, lora_seed=None):
 
 @jax.jit
 def _padded_logits(params, ids_T, temperature):
-    h, _ = qwen3.forward(CFG, params["base"], ids_T[None], jnp.arange(ids_T.shape[0])[None], lora=params["lora"],
-                         lora_scale=0.5)
-    logits_TV = qwen3.logits(params["base"], h)[0]
+    h, _ = decoder.forward(CFG, params["base"], ids_T[None], jnp.arange(ids_T.shape[0])[None], lora=params["lora"],
+                           lora_scale=0.5)
+    logits_TV = decoder.logits(params["base"], h)[0]
     return logits_TV, jax.nn.log_softmax(logits_TV / temperature, axis=-1)
 
 
@@ -96,15 +97,16 @@ def test_decode_step_matches_model_forward_with_cache(unstacked, split):
     params = _params(lora_seed=1)
     layers = None
     if unstacked:
-        layers = qwen3.join_layers(qwen3.unstack_layers(CFG, params["base"]), qwen3.unstack_layers(CFG, params["lora"]))
+        layers = decoder.join_layers(decoder.unstack_layers(CFG, params["base"]),
+                                     decoder.unstack_layers(CFG, params["lora"]))
     b, s = 3, 24
     ks = jax.random.split(jax.random.key(5), 3)
     cache = {"k": jax.random.normal(ks[0], (CFG.num_layers, b, s, CFG.num_kv_heads, CFG.head_dim)),
              "v": jax.random.normal(ks[1], (CFG.num_layers, b, s, CFG.num_kv_heads, CFG.head_dim))}
     tokens = jnp.array([3, 50, 7], jnp.int32)
     positions = jnp.array([0, 9, 23], jnp.int32)
-    want_h, want_cache = qwen3.forward(CFG, params["base"], tokens[:, None], positions[:, None], lora=params["lora"],
-                                       lora_scale=0.5, cache=cache)
+    want_h, want_cache = decoder.forward(CFG, params["base"], tokens[:, None], positions[:, None], lora=params["lora"],
+                                         lora_scale=0.5, cache=cache)
     layout = chunked.Chunked(CFG, b, s) if split else Dense(CFG, b, s)
     step = jax.jit(lambda p, c, ly: decode.decode_step(CFG, p["base"], tokens, positions, c, lora=p["lora"],
                                                        lora_scale=0.5, layers=ly, layout=layout))
@@ -124,7 +126,8 @@ def test_decode_step_over_the_first_chunks_is_the_same_bit_for_bit():
     rows whose positions they hold exactly as over every chunk (`chunked.Chunked.attend` merges the softmax
     chunk by chunk), writes their keys/values in them, and leaves the other chunks to the caller."""
     params = _params(lora_seed=1)
-    layers = qwen3.join_layers(qwen3.unstack_layers(CFG, params["base"]), qwen3.unstack_layers(CFG, params["lora"]))
+    layers = decoder.join_layers(decoder.unstack_layers(CFG, params["base"]),
+                                 decoder.unstack_layers(CFG, params["lora"]))
     ks = jax.random.split(jax.random.key(6), 2)
     shape = (CFG.num_layers, 3, 32, CFG.num_kv_heads, CFG.head_dim)
     cache = chunked.split_cache({"k": jax.random.normal(ks[0], shape), "v": jax.random.normal(ks[1], shape)},
@@ -433,7 +436,7 @@ MOE_CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_l
 @pytest.mark.numerics
 @pytest.mark.parametrize("cfg", [CFG, MOE_CFG], ids=["dense", "mixed-moe"])
 def test_prefill_through_the_per_layer_copy_matches_the_stacks(cfg):
-    """On CPU a prefill runs the layers of `Engine.prepare`'s per-layer copy unrolled (`qwen3.forward`'s
+    """On CPU a prefill runs the layers of `Engine.prepare`'s per-layer copy unrolled (`decoder.forward`'s
     `layers`) where XLA would copy each layer's weights out of the stack: the same cache and logits as the
     stacked weights (the plain layout), LoRA included, for a dense and a mixed dense/MoE stack."""
     base = jax.tree.map(lambda x: x * 20 if x.ndim > 1 else x, modules.init_params(cfg, jax.random.key(0)))

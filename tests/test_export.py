@@ -28,7 +28,8 @@ from typer.testing import CliRunner
 
 from jaxrl.cli.main import app
 from jaxrl.config.schema import load_config
-from jaxrl.model import hf, hf_lora, modules, qwen3
+from jaxrl.model import blocks, decoder, hf, hf_lora, modules
+from jaxrl.model.config import ModelConfig
 from jaxrl.parallel.spec import is_spec
 from jaxrl.rl.train import TrainState, make_optimizer
 from jaxrl.run import layout
@@ -44,9 +45,9 @@ ATOL = 1e-4
 VOCAB = 256
 TOKENS_BT = np.random.default_rng(2).integers(0, VOCAB, size=(2, 10)).astype(np.int32)
 RANK, ALPHA = 4, 8  # lora_scale 2
-ALL = tuple(qwen3.LORA_TARGETS)
+ALL = tuple(blocks.LORA_TARGETS)
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-_forward = jax.jit(qwen3.forward, static_argnums=0, static_argnames=("scan_layers",))
+_forward = jax.jit(decoder.forward, static_argnums=0, static_argnames=("scan_layers",))
 
 
 def _randomize(m, router_std: float = 1.0):
@@ -101,7 +102,7 @@ def base(request, tmp_path_factory) -> Path:
     return folder
 
 
-def _random_lora(cfg: qwen3.ModelConfig, targets=ALL, seed: int = 1) -> qwen3.Params:
+def _random_lora(cfg: ModelConfig, targets=ALL, seed: int = 1) -> blocks.Params:
     specs = modules.lora_specs(cfg, RANK, targets)
     leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
     rng = np.random.default_rng(seed)
@@ -114,7 +115,7 @@ def _jax_logits(cfg, params, lora=None) -> np.ndarray:
     positions_BT = np.broadcast_to(np.arange(TOKENS_BT.shape[1], dtype=np.int32), TOKENS_BT.shape)
     hidden_BTD, _ = _forward(cfg, params, jnp.asarray(TOKENS_BT), jnp.asarray(positions_BT), lora=lora,
                              lora_scale=ALPHA / RANK, scan_layers=not cfg.is_moe)
-    return np.asarray(qwen3.logits(params, hidden_BTD))
+    return np.asarray(decoder.logits(params, hidden_BTD))
 
 
 def _torch_logits(m) -> np.ndarray:
@@ -122,10 +123,9 @@ def _torch_logits(m) -> np.ndarray:
         return m(torch.from_numpy(TOKENS_BT.astype(np.int64))).logits.float().numpy()
 
 
-def _hf_class(cfg: qwen3.ModelConfig):
-    if cfg.is_glm:
-        return transformers.Glm4MoeForCausalLM
-    return transformers.Qwen3MoeForCausalLM if cfg.is_moe else transformers.Qwen3ForCausalLM
+def _hf_class(cfg: ModelConfig):
+    """The transformers class of `cfg`'s family (the architecture its config.json names)."""
+    return getattr(transformers, cfg.to_hf()["architectures"][0])
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ save round trip; the KV-cache decode against the full forward.
 Two option sets cover every option (one compile per mesh):
   * "air": GLM-4.5-Air's options, 3 layers: q/k/v biases, no qk-norm, a dense first layer, a shared expert,
     norm_topk_prob on, routed scaling 2.5, partial RoPE (half of each head); its stack runs as two scans
-    (`qwen3.scan_runs`: the dense layer, then the two MoE layers), reading `layers` and the cache by index;
+    (`decoder.scan_runs`: the dense layer, then the two MoE layers), reading `layers` and the cache by index;
   * "grouped": 2 layers, no biases, qk-norm, both MoE (one scan), a shared expert, norm_topk_prob off,
     routed scaling 1.0, grouped top-k (8 experts in 4 groups, 2 chosen), RoPE on a quarter of each head.
 The torch models get random weights of std 0.1, norms near 1 and a score-correction bias of std 0.3 (HF's
@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 
 from jaxrl.kv.dense import Dense
-from jaxrl.model import decode, hf, modules, qwen3
+from jaxrl.model import decode, decoder, hf, modules
+from jaxrl.model.config import ModelConfig
 from jaxrl.parallel.sharding import make_mesh, spec_shardings
 from jaxrl.parallel.spec import is_spec
 
@@ -34,7 +35,7 @@ transformers = pytest.importorskip("transformers")
 ATOL = 1e-4
 VOCAB = 256
 TOKENS_BT = np.random.default_rng(0).integers(0, VOCAB, size=(4, 10)).astype(np.int32)
-_forward = jax.jit(qwen3.forward, static_argnums=0, static_argnames="mesh")
+_forward = jax.jit(decoder.forward, static_argnums=0, static_argnames="mesh")
 
 OPTIONS = {
     "air": dict(num_hidden_layers=3, attention_bias=True, use_qk_norm=False, first_k_dense_replace=1,
@@ -76,7 +77,7 @@ def torch_logits(m, tokens_BT: np.ndarray = TOKENS_BT) -> np.ndarray:
 def _jax_logits(cfg, params, mesh=None, tokens_BT: np.ndarray = TOKENS_BT) -> np.ndarray:
     positions_BT = np.broadcast_to(np.arange(tokens_BT.shape[1], dtype=np.int32), tokens_BT.shape)
     hidden_BTD, _ = _forward(cfg, params, jnp.asarray(tokens_BT), jnp.asarray(positions_BT), mesh=mesh)
-    return np.asarray(qwen3.logits(params, hidden_BTD))
+    return np.asarray(decoder.logits(params, hidden_BTD))
 
 
 @pytest.fixture(scope="module", params=list(OPTIONS))
@@ -123,7 +124,7 @@ def test_round_trip_through_save_hf(checkpoint, tmp_path):
 @pytest.mark.numerics
 def test_kv_cache_decode_matches_full_forward(checkpoint):
     """Prefill then one token at a time through the cache (biases and partial RoPE on every step), by
-    `qwen3.forward` and by the engine's `decode.decode_step`; on the "air" options only (the other set's
+    `decoder.forward` and by the engine's `decode.decode_step`; on the "air" options only (the other set's
     attention differs by qk-norm alone, which Qwen3's tests cover)."""
     if checkpoint[0] != "air":
         pytest.skip("one option set suffices")
@@ -166,7 +167,7 @@ def test_config_reads_glm_fields_and_skips_mtp_layers(tmp_path: Path):
     safetensors.numpy.save_file(tensors, tmp_path / hf.WEIGHTS_FILE)
     hf.load_hf(tmp_path)
     with pytest.raises(ValueError, match="n_shared_experts = 2"):
-        qwen3.ModelConfig.from_hf({**hf_cfg, "n_shared_experts": 2})
+        ModelConfig.from_hf({**hf_cfg, "n_shared_experts": 2})
 
 
 @pytest.fixture(scope="module")

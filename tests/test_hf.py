@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from jaxrl.model import hf, modules, qwen3
+from jaxrl.model import blocks, decoder, hf, modules
+from jaxrl.model.config import ModelConfig
 from jaxrl.parallel.spec import is_spec
 
 torch = pytest.importorskip("torch")
@@ -26,7 +27,7 @@ transformers = pytest.importorskip("transformers")
 ATOL = 1e-4
 VOCAB = 512
 TOKENS_BT = np.random.default_rng(0).integers(0, VOCAB, size=(2, 12)).astype(np.int32)
-_forward = jax.jit(qwen3.forward, static_argnums=0)  # eager calls would re-trace the layer scan each time
+_forward = jax.jit(decoder.forward, static_argnums=0)  # eager calls would re-trace the layer scan each time
 
 
 def _hf_model(*, tie: bool, heads: int, kv_heads: int, layers: int = 2, seed: int = 0):
@@ -52,11 +53,11 @@ def _torch_logits(m, tokens_BT: np.ndarray = TOKENS_BT) -> np.ndarray:
         return m(torch.from_numpy(tokens_BT.astype(np.int64))).logits.float().numpy()
 
 
-def _jax_logits(cfg: qwen3.ModelConfig, params: qwen3.Params, tokens_BT: np.ndarray = TOKENS_BT
+def _jax_logits(cfg: ModelConfig, params: blocks.Params, tokens_BT: np.ndarray = TOKENS_BT
                 ) -> np.ndarray:
     positions_BT = np.broadcast_to(np.arange(tokens_BT.shape[1], dtype=np.int32), tokens_BT.shape)
     hidden_BTD, _ = _forward(cfg, params, jnp.asarray(tokens_BT), jnp.asarray(positions_BT))
-    return np.asarray(qwen3.logits(params, hidden_BTD))
+    return np.asarray(decoder.logits(params, hidden_BTD))
 
 
 def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
@@ -146,9 +147,9 @@ def test_packed_segments_match_separate_forwards(tmp_path):
     positions_1T = jnp.asarray(np.concatenate([np.arange(5), np.arange(7)])[None].astype(np.int32))
     segments_1T = jnp.asarray(np.array([[1] * 5 + [2] * 7], np.int32))
     packed_BTD, _ = _forward(cfg, params, tokens_1T, positions_1T, segment_ids=segments_1T)
-    assert _max_diff(np.asarray(qwen3.logits(params, packed_BTD))[0], want) <= ATOL
+    assert _max_diff(np.asarray(decoder.logits(params, packed_BTD))[0], want) <= ATOL
     crossed_BTD, _ = _forward(cfg, params, tokens_1T, positions_1T)
-    assert _max_diff(np.asarray(qwen3.logits(params, crossed_BTD))[0, 5:], want[5:]) > 1e-2
+    assert _max_diff(np.asarray(decoder.logits(params, crossed_BTD))[0, 5:], want[5:]) > 1e-2
 
 
 @pytest.mark.numerics
@@ -210,12 +211,12 @@ def test_save_hf_keeps_bf16(tmp_path):
 # Errors: checkpoints written by save_hf from a small random config, then damaged.
 
 
-def _tiny_cfg(tie: bool = False) -> qwen3.ModelConfig:
-    return qwen3.ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
-                             num_kv_heads=1, head_dim=8, tie_word_embeddings=tie)
+def _tiny_cfg(tie: bool = False) -> ModelConfig:
+    return ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                       num_kv_heads=1, head_dim=8, tie_word_embeddings=tie)
 
 
-def _random_params(cfg: qwen3.ModelConfig, dtype=np.float32) -> qwen3.Params:
+def _random_params(cfg: ModelConfig, dtype=np.float32) -> blocks.Params:
     """numpy weights of `param_specs(cfg)` (modules.init_params would spend seconds compiling its RNG)."""
     rng = np.random.default_rng(0)
     return jax.tree.map(lambda s: rng.normal(0.0, 0.02, s.shape(cfg.dims())).astype(dtype),

@@ -7,21 +7,22 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl.model import modules, qwen3
+from jaxrl.model import decoder, modules
+from jaxrl.model.config import ModelConfig
 from jaxrl.parallel.sharding import logical_spec, make_mesh, spec_shardings
 from jaxrl.parallel.spec import is_spec
 from jaxrl.rl.train import trainable_labels
 
 # a mixed stack (a dense layer, an MoE layer) with an untied unembedding: every group is declared
-CFG = qwen3.ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=4,
-                        num_kv_heads=2, head_dim=8, tie_word_embeddings=False, num_experts=4,
-                        num_experts_per_tok=2, moe_intermediate_size=8, mlp_only_layers=(0,))
+CFG = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, tie_word_embeddings=False, num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=8, mlp_only_layers=(0,))
 TARGETS = ("q_proj", "o_proj", "down_proj")
 RANK = 2
 
 
 def _abstract():
-    return nnx.state(nnx.eval_shape(lambda: modules.Qwen3(CFG, key=jax.random.key(0), lora_rank=RANK,
+    return nnx.state(nnx.eval_shape(lambda: modules.Model(CFG, key=jax.random.key(0), lora_rank=RANK,
                                                           lora_targets=TARGETS)))
 
 
@@ -70,7 +71,7 @@ def test_lora_filter_selects_the_factors_and_bind_copies_nothing():
         "w_down"]["a"]
     tokens, positions = jnp.array([[3, 5, 7]]), jnp.arange(3)[None]
     hidden, _ = model(tokens, positions)
-    want, _ = qwen3.forward(CFG, base, tokens, positions, lora=lora, lora_scale=0.5)
+    want, _ = decoder.forward(CFG, base, tokens, positions, lora=lora, lora_scale=0.5)
     np.testing.assert_array_equal(hidden, want)
     off, _ = model(tokens, positions, lora=False)
-    np.testing.assert_array_equal(off, qwen3.forward(CFG, base, tokens, positions)[0])
+    np.testing.assert_array_equal(off, decoder.forward(CFG, base, tokens, positions)[0])

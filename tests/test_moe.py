@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.model import hf, modules, moe, qwen3
+from jaxrl.model import blocks, decoder, hf, modules, moe
+from jaxrl.model.config import ModelConfig
 from jaxrl.parallel.sharding import make_mesh, spec_shardings
 from jaxrl.parallel.spec import is_spec
 
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.numerics
 ATOL = 1e-4
 VOCAB = 256
 TOKENS_BT = np.random.default_rng(1).integers(0, VOCAB, size=(2, 10)).astype(np.int32)
-_stack = jax.jit(qwen3.decoder_stack, static_argnums=0, static_argnames=("scan_layers",))
+_stack = jax.jit(decoder.decoder_stack, static_argnums=0, static_argnames=("scan_layers",))
 
 # name: (layers, experts, top_k, norm_topk_prob, decoder_sparse_step, mlp_only_layers, tied, max_shard_size)
 CHECKPOINTS = {
@@ -82,9 +83,9 @@ def test_logits_and_every_layer_match_transformers(checkpoint, scan_layers):
     # transformers' hidden_states: the embeddings, each layer's output, the last one after the final norm
     for i in range(cfg.num_layers - 1):
         np.testing.assert_allclose(np.asarray(layers_LBTD[i]), want_hidden[i + 1], atol=ATOL, rtol=0)
-    hidden_BTD = qwen3.rms_norm(x_BTD, params["final_norm"], cfg.rms_norm_eps)
+    hidden_BTD = blocks.rms_norm(x_BTD, params["final_norm"], cfg.rms_norm_eps)
     np.testing.assert_allclose(np.asarray(hidden_BTD), want_hidden[-1], atol=ATOL, rtol=0)
-    np.testing.assert_allclose(np.asarray(qwen3.logits(params, hidden_BTD)), want_logits, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(decoder.logits(params, hidden_BTD)), want_logits, atol=ATOL, rtol=0)
 
 
 def test_round_trip_through_save_hf(checkpoint, tmp_path):
@@ -170,17 +171,17 @@ def test_chunked_dispatch_gives_the_same_outputs_and_gradients(mesh_shape):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
-def _tiny_cfg(moe_model: bool) -> qwen3.ModelConfig:
+def _tiny_cfg(moe_model: bool) -> ModelConfig:
     extra = {} if not moe_model else dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                           norm_topk_prob=True)
-    return qwen3.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                             num_kv_heads=2, head_dim=8, tie_word_embeddings=False, **extra)
+    return ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=8, tie_word_embeddings=False, **extra)
 
 
 def _loss_and_grads(cfg, params, lora, tokens_BT, mesh):
     def loss(lora):
-        hidden, _ = qwen3.forward(cfg, params, tokens_BT, _positions(tokens_BT), lora=lora, lora_scale=2.0, mesh=mesh)
-        logits = qwen3.logits(params, hidden)
+        hidden, _ = decoder.forward(cfg, params, tokens_BT, _positions(tokens_BT), lora=lora, lora_scale=2.0, mesh=mesh)
+        logits = decoder.logits(params, hidden)
         return jnp.mean(jax.nn.logsumexp(logits, axis=-1)), logits
 
     (value, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(lora)
@@ -220,13 +221,13 @@ def test_expert_parallel_needs_divisible_experts():
     params = modules.init_params(cfg, jax.random.key(0))
     tokens = jnp.zeros((8, 4), jnp.int32)
     with pytest.raises(ValueError, match="4 experts cannot be split over an expert mesh axis of size 8"):
-        qwen3.forward(cfg, params, tokens, _positions(tokens), mesh=make_mesh({"expert": 8}))
+        decoder.forward(cfg, params, tokens, _positions(tokens), mesh=make_mesh({"expert": 8}))
 
 
 def test_lora_specs_cover_experts_and_dense_layers():
-    cfg = qwen3.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
-                            num_kv_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-                            moe_intermediate_size=16, mlp_only_layers=(1,))
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
+                      num_kv_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=16, mlp_only_layers=(1,))
     specs = modules.lora_specs(cfg, 4, ("q_proj", "down_proj"))
     dims = {**cfg.dims(), "R": 4}
     shapes = jax.tree.map(lambda s: s.shape(dims), specs, is_leaf=is_spec)
@@ -243,4 +244,4 @@ def test_from_hf_reads_moe_fields(tmp_path: Path):
     m.save_pretrained(tmp_path)
     cfg = hf.load_config(tmp_path)
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (4, 2, 24, True)
-    assert qwen3.ModelConfig.from_hf(cfg.to_hf()) == cfg
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg

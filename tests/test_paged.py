@@ -16,7 +16,8 @@ from jaxrl.kv.dense import Dense
 from jaxrl.kv.paged import PAGE, Paged, pool_pages
 from jaxrl.kv.pages import PageAllocator, PoolExhausted
 from jaxrl.model import modules
-from jaxrl.model.qwen3 import LORA_TARGETS, ModelConfig
+from jaxrl.model.blocks import LORA_TARGETS
+from jaxrl.model.config import ModelConfig
 from jaxrl.parallel.sharding import make_mesh
 
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,

@@ -15,8 +15,8 @@ from jaxrl.kv.paged import Paged, pool_shape
 from jaxrl.kv.pallas import PagedPallas
 from jaxrl.kv.pick import kind_for
 from jaxrl.model import modules
+from jaxrl.model.config import ModelConfig
 from jaxrl.model.decode import decode_step
-from jaxrl.model.qwen3 import ModelConfig
 from jaxrl.parallel.sharding import make_mesh
 
 # 12 query heads over 6 kv heads (G = 2) of 128, as every Qwen3's head_dim (the kernel's lanes)

@@ -17,7 +17,7 @@ from jaxrl.inference.engine import Engine
 from jaxrl.inference.protocol import Completion, SamplingParams
 from jaxrl.inference.scheduler import Scheduler
 from jaxrl.model import modules
-from jaxrl.model.qwen3 import ModelConfig
+from jaxrl.model.config import ModelConfig
 from jaxrl.parallel import distributed
 from jaxrl.parallel.sharding import make_mesh
 from jaxrl.rl.buffer import Buffer, BufferState

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from jaxrl.cli.main import app
 from jaxrl.config.schema import load_config
-from jaxrl.model import hf, modules, qwen3
+from jaxrl.model import decoder, hf, modules
 from jaxrl.parallel.spec import is_spec
 from jaxrl.rl.train import TrainState, make_optimizer
 from jaxrl.run import layout
@@ -136,8 +136,8 @@ def test_serve_a_checkpoint_applies_its_lora(run_dir, tmp_path):
     positions = jnp.arange(tokens.shape[1])[None]
 
     def logprobs(lora_or_none):
-        hidden, _ = qwen3.forward(mcfg, params, tokens, positions, lora=lora_or_none, lora_scale=ALPHA / RANK)
-        lp = np.asarray(jax.nn.log_softmax(qwen3.logits(params, hidden)[0], axis=-1))
+        hidden, _ = decoder.forward(mcfg, params, tokens, positions, lora=lora_or_none, lora_scale=ALPHA / RANK)
+        lp = np.asarray(jax.nn.log_softmax(decoder.logits(params, hidden)[0], axis=-1))
         return [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(ids)]
 
     np.testing.assert_allclose(lps, logprobs(lora), atol=1e-4)

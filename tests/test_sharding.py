@@ -6,7 +6,8 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxrl.model import modules, qwen3
+from jaxrl.model import modules
+from jaxrl.model.config import ModelConfig
 from jaxrl.parallel.sharding import RULES, bytes_per_device, check_rules, logical_spec, make_mesh
 
 
@@ -39,8 +40,8 @@ def test_mesh_must_use_every_device():
 
 
 def test_bytes_per_device_matches_placed_arrays():
-    cfg = qwen3.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                            num_kv_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
     shape = {"fsdp": 2, "tensor": 2, "expert": 2}
     mesh = make_mesh(shape)
     from jaxrl.parallel.sharding import spec_shardings

@@ -18,7 +18,7 @@ from helpers import REPO, jaxrl, random_batch, read_metrics, shrink, tiny_model_
 from jaxrl.config.algorithms import LossConfig
 from jaxrl.config.envs import BufferConfig
 from jaxrl.config.schema import ConfigError, load_config
-from jaxrl.model import assets, modules, qwen3
+from jaxrl.model import assets, decoder, modules
 from jaxrl.parallel.sharding import make_mesh, spec_shardings
 from jaxrl.rl import losses
 from jaxrl.rl.buffer import Buffer, BufferState
@@ -80,9 +80,9 @@ def _teacher_weights(cfg, mesh, key=7):
 def _full_logprobs(cfg, weights, batch, temperature=1.0):
     """log softmax(logits / T) of every target, from the whole vocabulary's logits: float64 [B, T]."""
     b, t = batch.inputs.shape
-    hidden, _ = qwen3.forward(cfg, weights, jnp.asarray(batch.inputs),
-                              jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
-    logits = np.asarray(qwen3.logits(weights, hidden), np.float64) / temperature
+    hidden, _ = decoder.forward(cfg, weights, jnp.asarray(batch.inputs),
+                                jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
+    logits = np.asarray(decoder.logits(weights, hidden), np.float64) / temperature
     logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
         - logits.max(-1, keepdims=True)
     return np.take_along_axis(logp, batch.targets[..., None], axis=-1)[..., 0]

@@ -140,7 +140,7 @@ def test_jaxrl_serve_teaches_with_the_models_own_logprobs(tiny_model_dir):
 
     from jaxrl.cli import serve
     from jaxrl.inference.server import start_server
-    from jaxrl.model import hf, qwen3
+    from jaxrl.model import decoder, hf
 
     loaded = serve.load(str(tiny_model_dir), name="teacher", decode_slots=2, seq_len=32)
     handle = start_server(loaded.scheduler, chat_template=loaded.chat_template)
@@ -152,8 +152,8 @@ def test_jaxrl_serve_teaches_with_the_models_own_logprobs(tiny_model_dir):
         assert errors == []
         mcfg, weights = hf.load_hf(str(tiny_model_dir))
         for ids, lps in zip(samples, logprobs, strict=True):
-            hidden, _ = qwen3.forward(mcfg, weights, jnp.asarray([ids]), jnp.arange(len(ids))[None])
-            logits = np.asarray(qwen3.logits(weights, hidden)[0], np.float64)
+            hidden, _ = decoder.forward(mcfg, weights, jnp.asarray([ids]), jnp.arange(len(ids))[None])
+            logits = np.asarray(decoder.logits(weights, hidden)[0], np.float64)
             full = logits - logits.max(-1, keepdims=True)
             full = full - np.log(np.exp(full).sum(-1, keepdims=True))
             np.testing.assert_allclose(lps[1:], [full[i, t] for i, t in enumerate(ids[1:])], atol=2e-5)

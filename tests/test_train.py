@@ -13,8 +13,8 @@ from jaxrl.config.algorithms import LossConfig
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
-from jaxrl.model import modules, qwen3
-from jaxrl.model.qwen3 import LORA_TARGETS
+from jaxrl.model import decoder, modules
+from jaxrl.model.blocks import LORA_TARGETS
 from jaxrl.parallel.sharding import batch_shards, make_mesh, spec_shardings
 from jaxrl.rl import cpu
 from jaxrl.rl.train import Trainer, detached, learning_rate, loss_width, make_batch, make_optimizer, sampled_logprobs
@@ -160,8 +160,8 @@ def test_step_metrics_are_those_of_the_batch(plain):
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
     def logprobs(lora):
-        hidden, _ = qwen3.forward(CFG, base, batch.inputs, positions, lora=lora, lora_scale=2.0)
-        logits = jnp.einsum("BTD,DV->BTV", hidden, qwen3.unembed_matrix(base))
+        hidden, _ = decoder.forward(CFG, base, batch.inputs, positions, lora=lora, lora_scale=2.0)
+        logits = jnp.einsum("BTD,DV->BTV", hidden, decoder.unembed_matrix(base))
         return jax.nn.log_softmax(logits, axis=-1)
 
     full = logprobs(state.lora)
@@ -259,8 +259,8 @@ def test_reference_kl_is_the_base_with_lora_off():
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
     def logprobs(lora):
-        hidden, _ = qwen3.forward(CFG, base, batch.inputs, positions, lora=lora, lora_scale=2.0)
-        full = jax.nn.log_softmax(jnp.einsum("BTD,DV->BTV", hidden, qwen3.unembed_matrix(base)), axis=-1)
+        hidden, _ = decoder.forward(CFG, base, batch.inputs, positions, lora=lora, lora_scale=2.0)
+        full = jax.nn.log_softmax(jnp.einsum("BTD,DV->BTV", hidden, decoder.unembed_matrix(base)), axis=-1)
         return np.asarray(jnp.take_along_axis(full, batch.targets[..., None], -1)[..., 0])
 
     log_r = logprobs(None) - logprobs(state.lora)

@@ -18,6 +18,7 @@ from jaxrl.cli.common import ConfigPath, check_model, err, fail, load_run_config
 from jaxrl.config.model_path import hf_cache_dir, hub_endpoint
 from jaxrl.config.starter import STARTER_TOML
 from jaxrl.model import catalog
+from jaxrl.model.config import ModelConfig
 from jaxrl.parallel.spec import is_spec
 
 
@@ -58,7 +59,8 @@ def models(
     import jax  # the model's parameter counts and shards: JAX, kept off the validate/init path
 
     from jaxrl.compile.pool import token_bytes
-    from jaxrl.model import modules, qwen3
+    from jaxrl.model import modules
+    from jaxrl.model.blocks import LORA_TARGETS
     from jaxrl.parallel.sharding import bytes_per_device
 
     shape = parse_mesh(mesh)
@@ -75,13 +77,13 @@ def models(
                 "full FT/device", "KV pool/token/device", "context: model / trains (compiled)"):
         table.add_column(col, justify="left" if col == "model" else "right")
     for name, hf_config in catalog.HOSTED_MODELS.items():
-        mcfg = qwen3.ModelConfig.from_hf(hf_config)
+        mcfg = ModelConfig.from_hf(hf_config)
         dims = mcfg.dims()
         specs = modules.param_specs(mcfg)
         total = sum(math.prod(s.shape(dims)) for s in jax.tree.leaves(specs, is_leaf=is_spec))
         inactive = 3 * mcfg.hidden_size * mcfg.moe_intermediate_size * (mcfg.num_experts - mcfg.num_experts_per_tok)
         active = total - inactive * len(mcfg.moe_layers)
-        targets = tuple(qwen3.LORA_TARGETS)
+        targets = tuple(LORA_TARGETS)
         lora = bytes_per_device(modules.lora_specs(mcfg, lora_rank, targets), {**dims, "R": lora_rank}, shape, 4)
         weights = bytes_per_device(specs, dims, shape, itemsize)
         full = 3 * bytes_per_device(specs, dims, shape, 4) + (weights if itemsize != 4 else 0)

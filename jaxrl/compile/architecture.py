@@ -7,7 +7,7 @@ from jaxrl.config.hub import download_config
 from jaxrl.config.model_path import HubModel, ModelNotFoundError, find_in_hf_cache
 from jaxrl.config.schema import ConfigError, RunConfig, locate_model_path
 from jaxrl.model import catalog, hf
-from jaxrl.model.qwen3 import ModelConfig
+from jaxrl.model.config import ModelConfig
 
 
 def model_of(cfg: RunConfig) -> ModelConfig:

@@ -20,7 +20,7 @@ from typing import Any
 from jaxrl.compile import depths, programs, slices
 from jaxrl.compile.programs import Shapes
 from jaxrl.model.attention import implementation
-from jaxrl.model.qwen3 import ModelConfig
+from jaxrl.model.config import ModelConfig
 from jaxrl.parallel.sharding import batch_shards, mesh_platform
 
 

@@ -1,6 +1,6 @@
 """Which reduced depths `jaxrl compile` may extrapolate a model's memory from, and at which its cost.
 
-The stack runs as one `jax.lax.scan` per run of layers of one kind (`jaxrl.model.qwen3.layer_runs`): a
+The stack runs as one `jax.lax.scan` per run of layers of one kind (`jaxrl.model.decoder.layer_runs`): a
 Qwen3 or Qwen3-MoE is one run; GLM-4.5 and INTELLECT-3 two, their `first_k_dense_replace` dense layers
 then their MoE layers. A scan of one trip is inlined by XLA, so a program whose growing run has one trip
 is not on the line through deeper ones (INTELLECT-3's prefill at 2 and 3 layers is not the per-layer
@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxrl.model.qwen3 import ModelConfig, layer_runs
+from jaxrl.model.config import ModelConfig
+from jaxrl.model.decoder import layer_runs
 
 
 def last_run_start(model: ModelConfig) -> int:

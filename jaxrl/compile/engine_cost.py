@@ -2,7 +2,7 @@
 
 `cost_analysis()` counts a scanned layer once whatever the depth (`jaxrl.compile.cost`), and the engine's
 programs scan their layers. So each is compiled here with its layers unrolled at the two depths of
-`jaxrl.compile.depths.cost_depths`, through the same model code the engine runs (`qwen3.forward` over
+`jaxrl.compile.depths.cost_depths`, through the same model code the engine runs (`decoder.forward` over
 a prompt bucket, as `Engine._prefill_forward`; `decode.decode_step` over the engine's KV cache kind
 (`jaxrl.kv`: on TPU the paged pool read by the Pallas kernel), without the sampling around them: the
 difference is one layer.
@@ -39,7 +39,7 @@ from jaxrl.compile.cost import LayerCost, active_layer_weights
 from jaxrl.compile.programs import Program, Shapes
 from jaxrl.kv.paged import Paged
 from jaxrl.kv.pallas import PagedPallas
-from jaxrl.model import decode, modules, qwen3
+from jaxrl.model import decode, decoder, modules
 from jaxrl.model.attention import implementation
 from jaxrl.parallel.sharding import mesh_platform
 
@@ -111,7 +111,7 @@ def decode_cost(shapes: Shapes, mesh: Mesh) -> LayerCost:
 
         def step(base: Any, lora: Any, tokens_B: jax.Array, positions_B: jax.Array, cache: Any,
                  s: Shapes = s, kind: Any = kind) -> Any:
-            layers = qwen3.join_layers(qwen3.unstack_layers(s.model, base), qwen3.unstack_layers(s.model, lora))
+            layers = decoder.join_layers(decoder.unstack_layers(s.model, base), decoder.unstack_layers(s.model, lora))
             return decode.decode_step(s.model, base, tokens_B, positions_B, cache, lora=lora, lora_scale=s.lora_scale,
                                       mesh=mesh, layers=layers, layout=kind)
 

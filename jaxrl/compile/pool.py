@@ -23,7 +23,7 @@ import jax
 from jaxrl.compile import programs
 from jaxrl.compile.programs import Shapes
 from jaxrl.kv import paged
-from jaxrl.model.qwen3 import ModelConfig
+from jaxrl.model.config import ModelConfig
 from jaxrl.parallel.sharding import MESH_AXES, logical_spec
 
 

@@ -25,8 +25,8 @@ from jaxrl.inference.engine_params import EngineParams
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.sampling import SlotSampling
 from jaxrl.kv.dense import Dense
+from jaxrl.model.config import ModelConfig
 from jaxrl.model.modules import lora_specs, param_specs
-from jaxrl.model.qwen3 import ModelConfig
 from jaxrl.parallel.sharding import MESH_AXES, array_sharding, mesh_platform, spec_shardings
 from jaxrl.parallel.spec import is_spec
 from jaxrl.rl.train import Batch, Trainer, TrainState, loss_width, make_optimizer

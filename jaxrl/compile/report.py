@@ -31,7 +31,7 @@ from jaxrl.compile.roofline import roofline
 from jaxrl.config.schema import ConfigError, RunConfig
 from jaxrl.kv.pallas import PagedPallas
 from jaxrl.model import moe
-from jaxrl.model.qwen3 import ModelConfig
+from jaxrl.model.config import ModelConfig
 from jaxrl.parallel import distributed
 from jaxrl.parallel.sharding import MESH_AXES, RULES, batch_shards, make_mesh
 from jaxrl.rl.train import loss_config

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from jaxrl.compile import slices
 from jaxrl.compile.programs import Shapes
-from jaxrl.model.qwen3 import ModelConfig
+from jaxrl.model.config import ModelConfig
 
 
 def roofline(m: ModelConfig, s: Shapes, chip: slices.Chip, chips: int, engine_chips: int,

@@ -18,7 +18,7 @@ from typing import Any
 
 from jaxrl.compile import fit, pool, programs, report
 from jaxrl.config.schema import ConfigError, RunConfig
-from jaxrl.model.qwen3 import ModelConfig
+from jaxrl.model.config import ModelConfig
 from jaxrl.parallel import distributed
 from jaxrl.parallel.sharding import batch_shards
 from jaxrl.rl.train import default_micro_batch

@@ -18,9 +18,10 @@ from safetensors import SafetensorError
 from jaxrl.config.schema import ConfigError, RunConfig, load_config, resolve_model_path, resolve_tokenizer_path
 from jaxrl.export.target import ExportError, Manifest, check_target, write_folder
 from jaxrl.model import hf
+from jaxrl.model.blocks import Params
+from jaxrl.model.config import ModelConfig
 from jaxrl.model.hf_lora import save_adapter, save_merged
 from jaxrl.model.modules import init_lora, param_specs
-from jaxrl.model.qwen3 import ModelConfig, Params
 from jaxrl.rl.train import TrainState, make_optimizer
 from jaxrl.run import gcs
 from jaxrl.run.checkpoint import Checkpointer, CheckpointError

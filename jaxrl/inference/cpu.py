@@ -5,7 +5,7 @@ which `jaxrl.kv.pick` picks on a CPU mesh; a TPU or GPU runs `engine_params.Plai
 Memory is plentiful on a CPU host and bandwidth is what a decode step spends, so the engine keeps its own
 copy of the weights and a cache laid out for XLA's CPU backend (figures: docs/benchmarks.md, issues 4
 and 13, gathered in 2026-11-26):
-  * a per-layer copy of the layer weights (`qwen3.unstack_layers` outside jit: each layer's slices their
+  * a per-layer copy of the layer weights (`decoder.unstack_layers` outside jit: each layer's slices their
     own arrays, since XLA's CPU backend copies a layer's weights out of a stack before each read), the
     projections and the unembedding output-major (`jaxrl.model.cpu.OutMajor`); prefills read it too;
   * (the KV cache per layer, head-major, in chunks that grow: `jaxrl.kv.chunked.Chunked`, which the
@@ -16,7 +16,7 @@ and 13, gathered in 2026-11-26):
     distribution with the same uniform as `jaxrl.inference.sampling.sample`: the unembedding runs over
     vocabulary blocks whose logits stay in cache, each leaving its chunk maxima and chunk sums (the online
     softmax, Milakov & Gimelshein 2018), and only the chosen chunk's logits are computed again for the draw.
-Letters as in `jaxrl.model.qwen3`.
+Letters as in `jaxrl.model.decoder`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ import jax.numpy as jnp
 
 from jaxrl.inference.engine_params import EngineParams
 from jaxrl.inference.sampling import CHUNK, SlotSampling, pick_chunk, pick_within, sample
-from jaxrl.model import cpu, qwen3
-from jaxrl.model.qwen3 import ModelConfig, Params
+from jaxrl.model import cpu, decoder
+from jaxrl.model.blocks import Params
+from jaxrl.model.config import ModelConfig
 
 BLOCK = 8192  # vocabulary rows per block of `sample_unembedded` (a multiple of `sampling.CHUNK`)
 
@@ -66,21 +67,21 @@ class CpuWeights:
         if self._base_views is None or self._base_views[0] is not base:
             unembed = cpu.unembedding(base)
             blocks = vocab_blocks(unembed.w_OI) if self.blocked_sampling else None
-            self._base_views = (base, cpu.out_major(self.cfg, qwen3.unstack_layers(self.cfg, base)), unembed, blocks)
+            self._base_views = (base, cpu.out_major(self.cfg, decoder.unstack_layers(self.cfg, base)), unembed, blocks)
         _, base_layers, unembed, blocks = self._base_views
         lora = params.get("lora")
-        layers = qwen3.join_layers(base_layers, qwen3.unstack_layers(self.cfg, lora))
+        layers = decoder.join_layers(base_layers, decoder.unstack_layers(self.cfg, lora))
         return EngineParams(base=base, layers=layers, lora=lora, unembed=unembed, unembed_blocks=blocks)
 
     def logits(self, params: EngineParams, hidden_BTD: jax.Array) -> jax.Array:
         """Through the prepared `OutMajor` unembedding (the base's where `prepare` did not run)."""
-        return qwen3.logits(_unembedding(params), hidden_BTD)
+        return decoder.logits(_unembedding(params), hidden_BTD)
 
     def sample(self, params, hidden_BD, sampling, keys_B, *, truncate, seen_BV, ban_BV):
         """`sample_unembedded` with `blocked_sampling` when the step only applies a temperature, else
         `sample` of the logits."""
         if self.blocked_sampling and not truncate and seen_BV is None and ban_BV is None:
-            w = qwen3.unembed_matrix(_unembedding(params))
+            w = decoder.unembed_matrix(_unembedding(params))
             rows_VD = w.w_OI if isinstance(w, cpu.OutMajor) else w.T  # tied: XLA cancels the two transposes
             return sample_unembedded(hidden_BD, rows_VD, sampling, keys_B, blocks=params.unembed_blocks)
         return sample(self.logits(params, hidden_BD[:, None])[:, 0], sampling, keys_B, truncate=truncate,
@@ -88,7 +89,7 @@ class CpuWeights:
 
 
 def _unembedding(params: EngineParams) -> Params:
-    """What `qwen3.logits` reads: the prepared `OutMajor` unembedding, or the base's where `prepare` did not
+    """What `decoder.logits` reads: the prepared `OutMajor` unembedding, or the base's where `prepare` did not
     run (`EngineParams.of` the weights: the same numbers, slower)."""
     return params.base if params.unembed is None else {"unembed": params.unembed}
 
@@ -159,7 +160,7 @@ def sample_unembedded(hidden_BD: jax.Array, unembed_VD: jax.Array, s: SlotSampli
     drawn.
 
     Args:
-        hidden_BD: final hidden states, any float dtype (the product is cast to float32, as `qwen3.logits`).
+        hidden_BD: final hidden states, any float dtype (the product is cast to float32, as `decoder.logits`).
         unembed_VD: the unembedding as [V, D] rows: a tied embedding as it is, or an `OutMajor`'s `w_OI`
             (the rows as the dot's left operand: XLA's CPU dot's fast orientation at a few rows).
         keys_B: one PRNG key per row.

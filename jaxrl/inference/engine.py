@@ -12,9 +12,9 @@ logprob), and, for a request that asks for `top_logprobs`, the most likely token
 nor run it). The truncations cut the distribution that is sampled from but not the reported logprob, as in
 vLLM's default. `min_tokens` is counted per slot on device (`DecodeState.generated`): while a slot has
 sampled fewer, its stop tokens (`DecodeState.stop`) are banned, in the same compiled decode step for every
-request. Both jitted steps rebuild the model, `jaxrl.model.modules.Qwen3`, over the engine params' arrays
+request. Both jitted steps rebuild the model, `jaxrl.model.modules.Model`, over the engine params' arrays
 (`modules.bind`: `nnx.merge`, no copies, so the engine reads the trainer's base weights in place): prefill
-calls it (`qwen3.forward`), a decode step calls `Qwen3.decode` (`jaxrl.model.decode`, the same layers with a
+calls it (`decoder.forward`), a decode step calls `Model.decode` (`jaxrl.model.decode`, the same layers with a
 bandwidth-minded attention over the cache). How the engine holds its KV cache is its `kv`, a kind of
 `jaxrl.kv` (picked once by `jaxrl.kv.pick`); how it holds its weights and samples its `weights`
 (`jaxrl.inference.engine_params.EngineWeights`: the trainer's arrays in place on TPU and GPU, the CPU's
@@ -44,7 +44,9 @@ from jaxrl.inference.sampling import SlotSampling, mark_seen, sample_with_top, s
 from jaxrl.kv.kind import CacheKind
 from jaxrl.kv.pick import pick
 from jaxrl.model import modules
-from jaxrl.model.qwen3 import KVCache, ModelConfig, Params
+from jaxrl.model.blocks import Params
+from jaxrl.model.config import ModelConfig
+from jaxrl.model.decoder import KVCache
 from jaxrl.parallel.sharding import array_sharding
 
 
@@ -435,7 +437,7 @@ class Engine:
         """`_prefill_forward_impl` for positions `start` .. `start` + `true_length` - 1 of a prompt whose
         earlier ones are in pool pages `read_N` (int32 [N], 0 past them): those pages gathered into a dense
         [L, 1, N * page, K, H] cache, which `tokens_T` (padded; positions past N * page are dropped) is
-        written into and attends over (`qwen3.forward` with a cache: a query reads keys at positions <= its
+        written into and attends over (`decoder.forward` with a cache: a query reads keys at positions <= its
         own). Returns that cache, in the pool's dtype, and the logits after the last token, [1, V]."""
         t = tokens_T.shape[0]
         cache = self.kv.extend_cache(pool, read_N)

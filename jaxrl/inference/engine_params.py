@@ -2,7 +2,7 @@
 the trainer's weights at each policy update, and what every prefill and decode program takes; and that seam,
 `EngineWeights`: `PlainWeights` (the trainer's arrays read in place, TPU and GPU) or the CPU's copies
 (`jaxrl.inference.cpu.CpuWeights`), chosen by the engine from its KV cache's kind
-(`jaxrl.kv.kind.CacheKind.reads_training_weights`). Letters as in `jaxrl.model.qwen3`.
+(`jaxrl.kv.kind.CacheKind.reads_training_weights`). Letters as in `jaxrl.model.decoder`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ import jax
 from flax import struct
 
 from jaxrl.inference.sampling import SlotSampling, sample
-from jaxrl.model import qwen3
+from jaxrl.model import decoder
+from jaxrl.model.blocks import Params
+from jaxrl.model.config import ModelConfig
 from jaxrl.model.cpu import OutMajor
-from jaxrl.model.qwen3 import LayerWeights, ModelConfig, Params
+from jaxrl.model.decoder import LayerWeights
 
 
 @struct.dataclass
@@ -29,11 +31,11 @@ class EngineParams:
         `layers` [L, ...], `mlp` [Q, ...] and `moe` [U, ...], `final_norm` [D], `unembed` [D, V] unless
         tied. On TPU and GPU the trainer's arrays themselves (no copy).
     layers: the CPU's per-layer copy (`jaxrl.inference.cpu.CpuWeights.prepare`): one
-        `qwen3.LayerWeights` per layer, its projections output-major (`jaxrl.model.cpu.OutMajor`), its
+        `decoder.LayerWeights` per layer, its projections output-major (`jaxrl.model.cpu.OutMajor`), its
         LoRA the slices of `lora`; None: the layers run over the stacks of `base` and `lora`.
     lora: the LoRA factors, `modules.lora_specs`' structure, or None (full fine-tuning, a bare base).
     unembed: the CPU's unembedding as an `OutMajor` [V, D] (a tied embedding read in place); None:
-        `qwen3.logits` of `base`.
+        `decoder.logits` of `base`.
     unembed_blocks: the CPU's unembedding rows in blocks of `jaxrl.inference.cpu.BLOCK` rows [v, D]
         (`cpu.vocab_blocks`, copies) for its blocked sampler; None: no blocks made (the sampler, where it
         runs, slices them at each call).
@@ -63,7 +65,7 @@ class EngineWeights(Protocol):
 
     reads_training_weights: the engine reads the trainer's weights in place (no copy of its own).
     prepare(params): the `EngineParams` of `{"base", "lora"}` (outside jit, at each policy update).
-    logits(params, hidden_BTD): float32 [B, T, V] (`qwen3.logits`).
+    logits(params, hidden_BTD): float32 [B, T, V] (`decoder.logits`).
     sample(params, hidden_BD, sampling, keys_B, *, truncate, seen_BV, ban_BV): (tokens int32 [B],
         logprobs float32 [B]) as `jaxrl.inference.sampling.sample` of the logits.
     """
@@ -91,7 +93,7 @@ class PlainWeights:
         return EngineParams.of(params)
 
     def logits(self, params: EngineParams, hidden_BTD: jax.Array) -> jax.Array:
-        return qwen3.logits(params.base, hidden_BTD)
+        return decoder.logits(params.base, hidden_BTD)
 
     def sample(self, params, hidden_BD, sampling, keys_B, *, truncate, seen_BV, ban_BV):
         return sample(self.logits(params, hidden_BD[:, None])[:, 0], sampling, keys_B, truncate=truncate,

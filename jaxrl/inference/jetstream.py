@@ -67,7 +67,7 @@ from flax import struct
 from jaxrl.inference.engine import DecodeState, Engine, Prefix, pad_prompt
 from jaxrl.inference.engine_params import EngineParams
 from jaxrl.inference.protocol import SamplingParams
-from jaxrl.model.qwen3 import Params
+from jaxrl.model.blocks import Params
 
 _root = logging.getLogger()
 _root_level, _root_handlers = _root.level, list(_root.handlers)

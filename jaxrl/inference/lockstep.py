@@ -37,7 +37,7 @@ from typing import Any
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler, _Request
-from jaxrl.model.qwen3 import Params
+from jaxrl.model.blocks import Params
 from jaxrl.parallel.distributed import Exchange
 
 

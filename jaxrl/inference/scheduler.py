@@ -52,7 +52,7 @@ import numpy as np
 from jaxrl.inference.engine import DecodeState, Engine, pad_prompt
 from jaxrl.inference.engine_params import EngineParams
 from jaxrl.inference.protocol import BackendStopped, Completion, SamplingParams
-from jaxrl.model.qwen3 import Params
+from jaxrl.model.blocks import Params
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ CPU backend copies a layer's slice out of a stacked cache before reading it), bo
 batched matmuls over (B, K) of contiguous operands, and a step reads only the chunks that hold its slots'
 positions. The engine over it keeps per-layer weight copies (`jaxrl.inference.cpu.CpuWeights`). The figures
 behind each choice are in docs/benchmarks.md (issues 4 and 13, 2026-11-23 .. 2026-11-26). Letters as in
-`jaxrl.model.qwen3`; C positions of one chunk.
+`jaxrl.model.decoder`; C positions of one chunk.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from jax.sharding import Mesh
 
 from jaxrl.kv.chunks import chunk_sizes, chunks_holding
 from jaxrl.kv.kind import MakeBuffer
-from jaxrl.model.qwen3 import KVCache, ModelConfig
+from jaxrl.model.config import ModelConfig
+from jaxrl.model.decoder import KVCache
 
 
 def split_cache(cache: KVCache, sizes: tuple[int, ...] | None = None) -> KVCache:

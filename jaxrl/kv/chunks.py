@@ -3,7 +3,7 @@ cut into chunks (`chunk_sizes`), how many chunks hold the positions in use (`chu
 attention over chunks of keys/values merged one chunk at a time (`attend_chunks`).
 
 A decode step compiled to read the first n chunks reads the positions in use, not `max_seq_len`, at a
-cost of about log2(S / 128) + 1 compiled steps (one per n). Letters as in `jaxrl.model.qwen3`; C
+cost of about log2(S / 128) + 1 compiled steps (one per n). Letters as in `jaxrl.model.decoder`; C
 positions of one chunk.
 """
 

@@ -1,7 +1,7 @@
 """The plain KV cache, what a TPU or GPU engine runs when given it (`Engine(kv=Dense(...))`; the picker gives
 an accelerator the paged pool): one stacked buffer per k and v, {"k","v"} [L, B, S, K, H], index s of row b
-holding slot b's position s (`qwen3.forward`'s cache), the layers scanned with the cache as their carry,
-read in place at each layer's index. Letters as in `jaxrl.model.qwen3`.
+holding slot b's position s (`decoder.forward`'s cache), the layers scanned with the cache as their carry,
+read in place at each layer's index. Letters as in `jaxrl.model.decoder`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from jax.sharding import Mesh
 
 from jaxrl.kv.chunks import attend_chunks, chunk_sizes, chunk_starts, chunks_holding
 from jaxrl.kv.kind import MakeBuffer
-from jaxrl.model.qwen3 import KVCache, ModelConfig
+from jaxrl.model.config import ModelConfig
+from jaxrl.model.decoder import KVCache
 
 AXES = (None, "batch", None, "kv_heads", None)  # the logical axes of [L, B, S, K, H]
 

@@ -5,7 +5,7 @@ kind in this package implements (`jaxrl.kv.dense.Dense`, `jaxrl.kv.chunked.Chunk
 A kind is a value (a frozen dataclass): its shapes follow from the model, the slots and the positions it
 was made for; what changes per compiled step (the chunks a step reads, the mesh its kernel runs on) is
 given to `decode`, which hands the decode step (`jaxrl.model.decode.decode_step`) the kind itself as the
-step's `CacheLayout`. Letters as in `jaxrl.model.qwen3`.
+step's `CacheLayout`. Letters as in `jaxrl.model.decoder`.
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ from jax.sharding import Mesh
 
 from jaxrl.kv.pages import PageAllocator
 from jaxrl.model import modules
+from jaxrl.model.config import ModelConfig
 from jaxrl.model.decode import CacheLayout
-from jaxrl.model.qwen3 import KVCache, LayerWeights, ModelConfig
 
 # `CacheKind.cache`'s maker of one buffer: (shape, logical axes[, dtype: None, the cache's]) -> an array or a
+from jaxrl.model.decoder import KVCache, LayerWeights
+
 # ShapeDtypeStruct
 MakeBuffer = Callable[..., Any]
 
@@ -58,6 +60,6 @@ class CacheKind(CacheLayout, Protocol):
 
     def chunks(self, positions: int) -> int | None: ...
 
-    def decode(self, model: modules.Qwen3, layers: list[LayerWeights] | None, tokens_B: jax.Array,
+    def decode(self, model: modules.Model, layers: list[LayerWeights] | None, tokens_B: jax.Array,
                positions_B: jax.Array, cache: KVCache, chunks: int | None,
                mesh: Mesh) -> tuple[jax.Array, KVCache]: ...

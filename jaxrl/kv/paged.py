@@ -20,7 +20,7 @@ plus the scratch page.
 pages into a dense [B, C, K, H] (`gather`, the one gather of the pool: prefill extends and page copies read
 through it too) and attended as `jaxrl.kv.dense.Dense` attends a dense cache's chunk, so a step reads the
 pages in use, not `max_seq_len`, with the dense cache's numbers; this step's keys and values are written
-after the last layer (`Paged.write`). Letters as in `jaxrl.model.qwen3`; P pages per layer, N table entries.
+after the last layer (`Paged.write`). Letters as in `jaxrl.model.decoder`; P pages per layer, N table entries.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from jax.sharding import Mesh
 from jaxrl.kv.chunks import CACHE_CHUNK, attend_chunks, chunk_sizes, chunk_starts, chunks_holding
 from jaxrl.kv.kind import MakeBuffer
 from jaxrl.kv.pages import PageAllocator
-from jaxrl.model.qwen3 import KVCache, ModelConfig
+from jaxrl.model.config import ModelConfig
+from jaxrl.model.decoder import KVCache
 
 PAGE = 16  # positions per page (vLLM's default block size on GPU)
 # the pool's logical axes: its kv heads split over `tensor` and the batch axes, as many as divide them (no

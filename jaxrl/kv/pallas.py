@@ -4,7 +4,7 @@ pages up to its length straight from HBM. The kernel attends over the cache alon
 log-sum-exp to merge this step's key into), so each layer writes this step's key/value into its pages first
 and the kernel reads positions 0 .. position; the pool is then the layer loop's carry (written in place),
 not a per-layer slice. On a CPU mesh it runs in Pallas interpret mode (tests). Letters as in
-`jaxrl.model.qwen3`; P pages per layer, N table entries.
+`jaxrl.model.decoder`; P pages per layer, N table entries.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl.kv.paged import POOL_AXES, Paged
-from jaxrl.model.qwen3 import KVCache
+from jaxrl.model.decoder import KVCache
 from jaxrl.parallel.sharding import RULES, logical_spec, mesh_platform
 
 KERNEL_BLOCK = 128  # positions the kernel reads per compute block (pages_per_compute_block x page)

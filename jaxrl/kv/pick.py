@@ -11,7 +11,7 @@ from jaxrl.kv.chunked import Chunked
 from jaxrl.kv.kind import CacheKind
 from jaxrl.kv.paged import Paged
 from jaxrl.kv.pallas import PagedPallas
-from jaxrl.model.qwen3 import ModelConfig
+from jaxrl.model.config import ModelConfig
 from jaxrl.parallel.sharding import mesh_platform
 
 

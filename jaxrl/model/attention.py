@@ -1,6 +1,6 @@
 """Causal self-attention for training and prefill, one function over several implementations.
 
-`attention(q, k, v, ...)` is what the model calls (`jaxrl.model.qwen3`); `implementation(...)` picks how
+`attention(q, k, v, ...)` is what the model calls (`jaxrl.model.decoder`); `implementation(...)` picks how
 it runs, in one place, from the platform of the mesh's devices (not `jax.default_backend()`: `jaxrl
 compile` traces TPU programs on a CPU host):
 
@@ -27,7 +27,7 @@ prefill (0..T-1) guarantee. They differ only on padding that shares a segment wi
 (`jaxrl.rl.sft.pack`'s segment 0 at position 0): such queries attend to the padding before them
 instead of all of it, outputs no loss reads and no real token sees.
 
-Letters as in `jaxrl.model.qwen3` (B batch, T queries, S keys = T, N query heads, K kv heads, G = N / K,
+Letters as in `jaxrl.model.decoder` (B batch, T queries, S keys = T, N query heads, K kv heads, G = N / K,
 H head dim).
 """
 
@@ -99,7 +99,7 @@ def einsum_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, ma
     """Softmax attention (Vaswani et al. 2017) with grouped-query heads (Ainslie et al. 2023), scores
     scaled by 1/sqrt(H) and computed in float32, masked by `mask_BTS` (bool [B, T, S], `mask`).
     q [B, T, N, H], k and v [B, S, K, H]; returns [B, T, N, H] in q's dtype. Also attends over a KV cache
-    (S > T, the engine's reference decode in `qwen3.forward`)."""
+    (S > T, the engine's reference decode in `decoder.forward`)."""
     b, t, n, hd = q_BTNH.shape
     nk = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(b, t, nk, n // nk, hd)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3 (dense)", "Qwen3MoeForCausalLM": "qwen3_moe (mixture of experts)",
-                 "Glm4MoeForCausalLM": "glm4_moe (GLM-4.5 mixture of experts)"}
+from jaxrl.model.families import FAMILIES
+
+ARCHITECTURES = {arch: line for family in FAMILIES.values() for arch, line in family.architectures.items()}
+"""HF architecture class -> a line for `jaxrl models`, from every registered family."""
 
 _QWEN3_4B: dict[str, Any] = {
     "model_type": "qwen3", "vocab_size": 151_936, "hidden_size": 2560, "intermediate_size": 9728,

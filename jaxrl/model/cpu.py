@@ -3,12 +3,12 @@
 `jaxrl.kv.chunked`).
 
   * `OutMajor`: a projection's weight stored output-major, [O, Y]. The model's code multiplies by a
-    weight as `x @ w` (`qwen3.project`); with an `OutMajor` that product is `w_OI @ x.T`, the orientation
+    weight as `x @ w` (`blocks.project`); with an `OutMajor` that product is `w_OI @ x.T`, the orientation
     XLA's CPU dot reads fastest at a few rows (about 2.4x at the Qwen3-0.6B decode shape).
     `out_major` converts the per-layer weights.
 
 The figures behind each choice are in docs/benchmarks.md (2026-11-23 .. 2026-11-26). Letters as in
-`jaxrl.model.qwen3`.
+`jaxrl.model.decoder`.
 """
 
 from __future__ import annotations
@@ -19,14 +19,15 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxrl.model import qwen3
-from jaxrl.model.qwen3 import ModelConfig, Params
+from jaxrl.model import blocks
+from jaxrl.model.blocks import Params
+from jaxrl.model.config import ModelConfig
 
 
 @struct.dataclass
 class OutMajor:
     """A projection's weight of logical `shape` [Y..., O...] stored output-major: `w_OI` [O, Y], its output
-    axes flattened first. It stands where `qwen3.project` expects the weight: its `reshape` to the flat
+    axes flattened first. It stands where `blocks.project` expects the weight: its `reshape` to the flat
     [Y, O] keeps it output-major, and `x_MY @ w` (Python's `__rmatmul__`: a jax array defers to an operand
     it does not know) computes `w_OI @ x_MY.T`, transposed back outside the dot, where an optimization
     barrier keeps XLA's algebraic simplifier from folding the transpose into the dot (which would undo the
@@ -60,16 +61,16 @@ class OutMajor:
 
 
 def out_major(cfg: ModelConfig, layers: list[tuple]) -> list[tuple]:
-    """Per-layer base weights `(layers slice, mlp or moe slice)` from `qwen3.unstack_layers`, with each
+    """Per-layer base weights `(layers slice, mlp or moe slice)` from `decoder.unstack_layers`, with each
     attention and dense-MLP projection as an `OutMajor` (a transposed copy, made outside jit, in place of
     the slice); norms, routers and experts as they are."""
-    n_in = dict(qwen3.LORA_TARGETS.values())
+    n_in = dict(blocks.LORA_TARGETS.values())
 
     def convert(group: Params) -> Params:
         return {k: OutMajor.of(a, n_in[k]) if k in n_in else a for k, a in group.items()}
 
     return [(convert(w), convert(mw) if kind == "mlp" else mw)
-            for (w, mw), kind in zip(layers, qwen3.layer_kinds(cfg), strict=True)]
+            for (w, mw), kind in zip(layers, cfg.layer_kinds, strict=True)]
 
 
 def unembedding(base: Params) -> OutMajor:

@@ -1,6 +1,6 @@
 """One decode step (T = 1) over a KV cache, written for memory bandwidth.
 
-`qwen3.forward(..., cache=...)` is the reference: per layer it scatters the new key/value into the
+`decoder.forward(..., cache=...)` is the reference: per layer it scatters the new key/value into the
 cache, returns the whole updated cache as a scan output (a full copy of the cache every step) and
 attends with batched dots whose batch (B x K) is large and whose matrices are tiny. Here a step reads
 the cache once:
@@ -16,10 +16,10 @@ plain stacked `jaxrl.kv.dense.Dense`, the CPU's per-layer chunks `jaxrl.kv.chunk
 also passes per-layer weight copies, `layers`, or a page pool, `jaxrl.kv.paged`).
 
 Everything else is the training forward's own code: the attention inputs (norm, q/k/v projections
-with LoRA, per-head norms, RoPE: `qwen3.attention_inputs`), the dense or MoE feed-forward with its
-residual (`qwen3.feed_forward`) and the per-layer slicing (`qwen3.unstack_layers`); tests check the
-step against `qwen3.forward` to 1e-4. The figures behind these choices are in docs/benchmarks.md
-(issue 4, 2026-11-23, and issue 13). Letters as in `jaxrl.model.qwen3`.
+with LoRA, per-head norms, RoPE: `blocks.attention_inputs`), the dense or MoE feed-forward with its
+residual (`blocks.feed_forward`) and the per-layer slicing (`decoder.unstack_layers`); tests check the
+step against `decoder.forward` to 1e-4. The figures behind these choices are in docs/benchmarks.md
+(issue 4, 2026-11-23, and issue 13). Letters as in `jaxrl.model.decoder`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxrl.model import qwen3
-from jaxrl.model.qwen3 import KVCache, LayerWeights, ModelConfig, Params, join_layers, unstack_layers
+from jaxrl.model import blocks, decoder
+from jaxrl.model.blocks import Params
+from jaxrl.model.config import ModelConfig
+from jaxrl.model.decoder import KVCache, LayerWeights, join_layers, unstack_layers
 
 
 class CacheLayout(Protocol):
@@ -67,7 +69,7 @@ def _layer(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | None, at
     w, lw = weights.attn, weights.attn_lora or {}
     b, nk, hd = x_BTD.shape[0], cfg.num_kv_heads, cfg.head_dim
     g = cfg.num_heads // nk
-    q_BTNH, k_BTKH, v_BTKH = qwen3.attention_inputs(cfg, lora_scale, x_BTD, positions_B[:, None], w, lw)
+    q_BTNH, k_BTKH, v_BTKH = blocks.attention_inputs(cfg, lora_scale, x_BTD, positions_B[:, None], w, lw)
     k_BKH = k_BTKH[:, 0].astype(cache_dtype)
     v_BKH = v_BTKH[:, 0].astype(cache_dtype)
 
@@ -78,9 +80,9 @@ def _layer(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | None, at
     attn_BTNH = attn_BKGH.reshape(b, 1, cfg.num_heads, hd).astype(x_BTD.dtype)
     # one contraction over N * H: with two contracting axes XLA's CPU backend transposed `wo` to [H, N, D]
     # (a copy of the weight) before every step's matmul
-    out_BTD = qwen3.project(attn_BTNH.reshape(b, 1, -1), w["wo"].reshape(-1, cfg.hidden_size))
-    out_BTD = out_BTD + qwen3.lora_delta(attn_BTNH, lw.get("wo"), lora_scale, (cfg.hidden_size,))
-    return (qwen3.feed_forward(cfg, kind, lora_scale, mesh, x_BTD + out_BTD, w, weights.ffn, weights.ffn_lora),
+    out_BTD = blocks.project(attn_BTNH.reshape(b, 1, -1), w["wo"].reshape(-1, cfg.hidden_size))
+    out_BTD = out_BTD + blocks.lora_delta(attn_BTNH, lw.get("wo"), lora_scale, (cfg.hidden_size,))
+    return (blocks.feed_forward(cfg, kind, lora_scale, mesh, x_BTD + out_BTD, w, weights.ffn, weights.ffn_lora),
             k_BKH, v_BKH, cache)
 
 
@@ -95,7 +97,7 @@ def _attend(layout: CacheLayout, positions_B, cache, layer, k_layer, v_layer):
 def decode_step(cfg: ModelConfig, params: Params, tokens_B: jax.Array, positions_B: jax.Array, cache: KVCache, *,
                 lora: Params | None = None, lora_scale: float = 0.0, mesh: Mesh | None = None,
                 layers: list[LayerWeights] | None = None, layout: CacheLayout) -> tuple[jax.Array, KVCache]:
-    """Advance every row by one token: what `qwen3.forward` returns for `tokens_B[:, None]` at
+    """Advance every row by one token: what `decoder.forward` returns for `tokens_B[:, None]` at
     `positions_B[:, None]` with `cache`, faster.
 
     Args:
@@ -105,7 +107,7 @@ def decode_step(cfg: ModelConfig, params: Params, tokens_B: jax.Array, positions
             head-major chunks (those given are all the step reads and writes). Donate it to update in place.
         layers: per layer `LayerWeights` from `unstack_layers` of `params` and of `lora` (`join_layers`;
             the CPU engine's copies, `jaxrl.inference.cpu.CpuWeights`), run unrolled; None scans the
-            stacked `params` / `lora`, one scan per run of layers of one kind (`qwen3.scan_runs`; a
+            stacked `params` / `lora`, one scan per run of layers of one kind (`decoder.scan_runs`; a
             `per_layer` cache is unrolled).
         layout: how the cache is held (`CacheLayout`).
 
@@ -114,7 +116,7 @@ def decode_step(cfg: ModelConfig, params: Params, tokens_B: jax.Array, positions
         with this step's keys and values written at `positions_B`.
     """
     x_BTD = params["embed"][tokens_B][:, None]
-    kinds = qwen3.layer_kinds(cfg)
+    kinds = cfg.layer_kinds
     indexed = layout.indexed
     cache_dtype = jax.tree.leaves(cache["k"])[0].dtype
     # an indexed layout carries the whole cache through the layers; the others' layers read their slice
@@ -128,8 +130,8 @@ def decode_step(cfg: ModelConfig, params: Params, tokens_B: jax.Array, positions
             return (x, c), (k, v)
 
         per_layer = (None, None) if indexed else (cache["k"], cache["v"])
-        (x_BTD, carried), (k_LBKH, v_LBKH) = qwen3.scan_runs(cfg, layer, (x_BTD, carried), params, lora,
-                                                             (jnp.arange(cfg.num_layers), *per_layer))
+        (x_BTD, carried), (k_LBKH, v_LBKH) = decoder.scan_runs(cfg, layer, (x_BTD, carried), params, lora,
+                                                               (jnp.arange(cfg.num_layers), *per_layer))
     else:
         ks, vs = [], []
         if layers is None:
@@ -148,4 +150,4 @@ def decode_step(cfg: ModelConfig, params: Params, tokens_B: jax.Array, positions
     # XLA copies the whole donated cache to keep the layers' reads from seeing this step's writes
     x_BTD, k_LBKH, v_LBKH = jax.lax.optimization_barrier((x_BTD, k_LBKH, v_LBKH))
     cache = layout.write(cache, k_LBKH, v_LBKH, positions_B)
-    return qwen3.rms_norm(x_BTD, params["final_norm"], cfg.rms_norm_eps), cache
+    return blocks.rms_norm(x_BTD, params["final_norm"], cfg.rms_norm_eps), cache

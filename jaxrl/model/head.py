@@ -37,7 +37,7 @@ Full fine-tuning also differentiates the projection W (`w_grad`): `dW = s * h (o
 over tokens needs each chunk's probabilities again in the backward pass, so that path is the plain one,
 autodiff through a rematerialised chunk (`jax.checkpoint`), still one chunk's logits at a time.
 
-Letters as in `jaxrl.model.qwen3`: M tokens, C tokens per chunk, J chunks, v vocabulary entries per block
+Letters as in `jaxrl.model.decoder`: M tokens, C tokens per chunk, J chunks, v vocabulary entries per block
 (a lowercase letter is a slice of its capital's axis), W rows of the second matmul (C, or 2C with the
 entropy's gradient).
 """
@@ -62,7 +62,7 @@ def token_logprobs(w_DV: jax.Array, h_MD: jax.Array, targets_M: jax.Array, scale
     materialising more than `chunk` x `block` logits at a time (`chunk` x V with `w_grad`).
 
     Args:
-        w_DV: the output projection [D, V] (`qwen3.unembed_matrix`), any float dtype. Frozen unless
+        w_DV: the output projection [D, V] (`decoder.unembed_matrix`), any float dtype. Frozen unless
             `w_grad` (LoRA trains adapters only).
         h_MD: final-norm hidden states [M, D] in w's dtype; differentiable.
         targets_M: int32 token ids [M].

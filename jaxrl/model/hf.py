@@ -1,23 +1,12 @@
-"""Hugging Face Qwen3 and GLM-4.5 MoE checkpoints (`config.json` + safetensors) to and from jaxrl params.
+"""Hugging Face checkpoints (`config.json` + safetensors) of every registered family to and from jaxrl params.
 
 A checkpoint folder holds `config.json` and either one `model.safetensors` or shards listed by
-`model.safetensors.index.json`, with transformers' `Qwen3ForCausalLM` tensor names. HF stores each
-layer separately and each Linear weight as [out, in]; jaxrl stacks layers on a leading `L` axis and
-keeps each weight as [in..., out...] with heads split out (`jaxrl.model.modules.param_specs`):
-
-    model.embed_tokens.weight                [V, D]    -> embed       [V, D]
-    model.layers.{i}.self_attn.q_proj.weight [N*H, D]  -> wq          [L, D, N, H]
-    model.layers.{i}.self_attn.o_proj.weight [D, N*H]  -> wo          [L, N, H, D]
-    model.layers.{i}.mlp.down_proj.weight    [D, F]    -> mlp/w_down  [Q, F, D]  (layers with a dense MLP)
-    model.layers.{i}.mlp.gate.weight         [E, D]    -> moe/router  [U, D, E]  (layers with an MoE block)
-    model.layers.{i}.mlp.experts.{e}.up_proj.weight [I, D] -> moe/w_up [U, E, D, I]
-    lm_head.weight                           [V, D]    -> unembed     [D, V]   (untied models only)
-
-    model.layers.{i}.self_attn.q_proj.bias   [N*H]     -> bq          [L, N, H]  (GLM-4.5, attention_bias)
-    model.layers.{i}.mlp.shared_experts.gate_proj.weight [I, D] -> moe/shared_gate [U, D, I]  (GLM-4.5)
-
-and so on for every weight in the tables below. Checkpoints store each expert separately (as
-transformers 5 still saves them); jaxrl stacks them on an `E` axis.
+`model.safetensors.index.json`. HF stores each layer (and expert) separately and each Linear weight as
+[out, in]; jaxrl stacks layers (and experts) on leading axes and keeps each weight as [in..., out...]
+with heads split out (`jaxrl.model.modules.param_specs`). Which HF tensor holds which weight, and in
+what layout, is the family's declaration (`jaxrl.model.family.WeightNames`: Qwen3's in
+`jaxrl/model/qwen3/weights.py`, GLM-4.5's in `jaxrl/model/glm4_moe/weights.py`); this module reads and
+writes any family's by it.
 """
 
 from __future__ import annotations
@@ -37,55 +26,15 @@ import ml_dtypes
 import numpy as np
 import safetensors.numpy
 
+from jaxrl.model.blocks import Params
+from jaxrl.model.config import ModelConfig
+from jaxrl.model.families import family
+from jaxrl.model.family import FLAT
 from jaxrl.model.modules import param_specs
-from jaxrl.model.qwen3 import ModelConfig, Params
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-
-# our name -> (HF name, letters of our shape that HF stores last, as a Linear's input; "" = same layout;
-# _FLAT: HF stores our [heads, head] as one flat vector, a Linear's bias)
-_FLAT = "*"
-_TOP: dict[str, tuple[str, str]] = {
-    "embed": ("model.embed_tokens.weight", ""),
-    "final_norm": ("model.norm.weight", ""),
-    "unembed": ("lm_head.weight", "D"),
-}
-_GROUPS: dict[str, dict[str, tuple[str, str]]] = {}
-_GROUPS["layers"] = {
-    "attn_norm": ("model.layers.{i}.input_layernorm.weight", ""),
-    "wq": ("model.layers.{i}.self_attn.q_proj.weight", "D"),
-    "wk": ("model.layers.{i}.self_attn.k_proj.weight", "D"),
-    "wv": ("model.layers.{i}.self_attn.v_proj.weight", "D"),
-    "wo": ("model.layers.{i}.self_attn.o_proj.weight", "NH"),
-    "bq": ("model.layers.{i}.self_attn.q_proj.bias", _FLAT),
-    "bk": ("model.layers.{i}.self_attn.k_proj.bias", _FLAT),
-    "bv": ("model.layers.{i}.self_attn.v_proj.bias", _FLAT),
-    "q_norm": ("model.layers.{i}.self_attn.q_norm.weight", ""),
-    "k_norm": ("model.layers.{i}.self_attn.k_norm.weight", ""),
-    "mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", ""),
-}
-_GROUPS["mlp"] = {
-    "w_gate": ("model.layers.{i}.mlp.gate_proj.weight", "D"),
-    "w_up": ("model.layers.{i}.mlp.up_proj.weight", "D"),
-    "w_down": ("model.layers.{i}.mlp.down_proj.weight", "F"),
-}
-_GROUPS["moe"] = {
-    "router": ("model.layers.{i}.mlp.gate.weight", "D"),
-    "e_bias": ("model.layers.{i}.mlp.gate.e_score_correction_bias", ""),
-    "shared_gate": ("model.layers.{i}.mlp.shared_experts.gate_proj.weight", "D"),
-    "shared_up": ("model.layers.{i}.mlp.shared_experts.up_proj.weight", "D"),
-    "shared_down": ("model.layers.{i}.mlp.shared_experts.down_proj.weight", "I"),
-    "w_gate": ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "D"),
-    "w_up": ("model.layers.{i}.mlp.experts.{e}.up_proj.weight", "D"),
-    "w_down": ("model.layers.{i}.mlp.experts.{e}.down_proj.weight", "I"),
-}
-
-# Tensors some Qwen3 checkpoints carry that the model does not use. GLM-4.5 checkpoints also carry their
-# multi-token-prediction layers (`model.layers.{i}` for i >= num_hidden_layers, transformers'
-# `_keys_to_ignore_on_load_unexpected`), which `load_hf` skips too.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 _SAFETENSORS_DTYPES: dict[str, Any] = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -157,21 +106,29 @@ class _Stored(NamedTuple):
 
 
 def _layout(cfg: ModelConfig) -> list[_Tensor]:
-    """Every weight of `param_specs(cfg)` with its HF names and layouts."""
+    """Every weight of `param_specs(cfg)` with its HF names and layouts (the family's `WeightNames`).
+
+    Raises:
+        ValueError: the family declares no HF name for one of the weights `cfg`'s options give.
+    """
     dims = cfg.dims()
+    names = family(cfg.family).weight_names
     layer_ids = {"layers": tuple(range(cfg.num_layers)), "mlp": cfg.mlp_layers, "moe": cfg.moe_layers}
     out = []
     for name, spec in param_specs(cfg).items():
-        if name not in _GROUPS:
-            hf_name, fan_in = _TOP[name]
+        if name not in names.groups:
+            hf_name, fan_in = names.top[name]
             assert spec.letters.startswith(fan_in), (name, spec.letters, fan_in)
             out.append(_Tensor((name,), hf_name, spec.shape(dims), len(fan_in), None))
             continue
         for wname, wspec in spec.items():
-            hf_name, fan_in = _GROUPS[name][wname]
+            if wname not in names.groups[name]:
+                raise ValueError(f"the {cfg.family} family declares no HF name for the weight {name}/{wname} "
+                                 f"(jaxrl/model/{cfg.family}/weights.py)")
+            hf_name, fan_in = names.groups[name][wname]
             n_stack = 2 if "{e}" in hf_name else 1
-            assert fan_in == _FLAT or wspec.letters[n_stack:].startswith(fan_in), (wname, wspec.letters, fan_in)
-            n_in = -1 if fan_in == _FLAT else len(fan_in)
+            assert fan_in == FLAT or wspec.letters[n_stack:].startswith(fan_in), (wname, wspec.letters, fan_in)
+            n_in = -1 if fan_in == FLAT else len(fan_in)
             out.append(_Tensor((name, wname), hf_name, wspec.shape(dims)[n_stack:], n_in, layer_ids[name],
                                cfg.num_experts if n_stack == 2 else 0))
     return out
@@ -245,12 +202,6 @@ def _open_weights(folder: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _layer_index(name: str) -> int:
-    """The layer index of a `model.layers.{i}.` tensor name; -1 for other names."""
-    parts = name.split(".")
-    return int(parts[2]) if parts[:2] == ["model", "layers"] and parts[2].isdigit() else -1
-
-
 def _at(tree: Mapping[str, Any], key: tuple[str, ...]) -> Any:
     for k in key:
         tree = tree[k]
@@ -259,7 +210,7 @@ def _at(tree: Mapping[str, Any], key: tuple[str, ...]) -> Any:
 
 def load_hf(folder: str | Path, dtype: Any = jnp.float32, *,
             shardings: Any | None = None) -> tuple[ModelConfig, Params]:
-    """Read a HF Qwen3 or GLM-4.5 MoE checkpoint into a params pytree with the structure of `param_specs(cfg)`.
+    """Read a HF checkpoint of a registered family into a params pytree with the structure of `param_specs(cfg)`.
 
     Weights are converted one at a time from memory-mapped files, so host memory peaks at the params
     plus one stacked weight.
@@ -290,8 +241,8 @@ def load_hf(folder: str | Path, dtype: Any = jnp.float32, *,
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"checkpoint {folder}: tensor {missing[0]!r} is missing{more}")
-    unused = {n for n in tensors.keys() - expected
-              if not n.endswith(_IGNORED_SUFFIXES) and not (cfg.is_glm and _layer_index(n) >= cfg.num_layers)}
+    unused_tensor = family(cfg.family).unused_tensor
+    unused = {n for n in tensors.keys() - expected if not unused_tensor(n, cfg.num_layers)}
     if cfg.tie_word_embeddings:
         unused.discard("lm_head.weight")  # some tied checkpoints store a copy of the embedding
     if unused:
@@ -329,7 +280,8 @@ def umask_mode(mode: int) -> int:
 
 def save_hf(folder: str | Path, cfg: ModelConfig, params: Params, *, max_shard_bytes: int | None = None,
             dtype: Any | None = None) -> list[Path]:
-    """Write `params` as a HF checkpoint that `Qwen3ForCausalLM` (`Glm4MoeForCausalLM`) `.from_pretrained` loads.
+    """Write `params` as a HF checkpoint that its family's transformers class (`Qwen3ForCausalLM`,
+    `Glm4MoeForCausalLM`, ...) `.from_pretrained` loads.
 
     Writes `config.json` (`cfg.to_hf()`) and `model.safetensors`, or, with `max_shard_bytes`, shards
     `model-0000k-of-0000n.safetensors` of at most that many bytes each (a tensor larger than the limit

@@ -27,8 +27,9 @@ import safetensors.numpy
 from etils import epath
 
 from jaxrl.model import hf
+from jaxrl.model.blocks import LORA_TARGETS, Params
+from jaxrl.model.config import ModelConfig
 from jaxrl.model.modules import lora_specs, lora_stack_axes, param_specs
-from jaxrl.model.qwen3 import LORA_TARGETS, ModelConfig, Params
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -1,9 +1,9 @@
-"""Qwen3, Qwen3-MoE and GLM-4.5 MoE as Flax NNX modules: the one declaration of every weight and LoRA factor.
+"""The decoder of every model family as Flax NNX modules: the one declaration of every weight and LoRA factor.
 
 Each weight is an `nnx.Param` created once, in the `__init__` of the module that holds it, by `_weight`:
 its value (ones for the norms, zeros for LoRA's `b`, else normal std 0.02 as HF's `initializer_range`,
 drawn by `_draw` once the module holds all its variables), and as metadata its shape
-letters (`letters`, the letter table of `jaxrl.model.qwen3`), its logical axes (`out_sharding`, which
+letters (`letters`, the letter table of `jaxrl.model.decoder`), its logical axes (`out_sharding`, which
 `nnx.get_partition_spec` reads) and its initialiser (`init`). Everything else is derived from that:
   * `init_params` / `init_lora`: the values of a module built with a random key (the same values a seed
     gave before the modules existed: one key per weight, split in path order);
@@ -17,20 +17,20 @@ letters (`letters`, the letter table of `jaxrl.model.qwen3`), its logical axes (
 
 Design decisions:
   * The state keeps the nested-dict layout that checkpoints, HF load/save and the engine already use:
-    `Qwen3.base` is `Weights` (`embed`, `layers` [L, ...], `mlp` [Q, ...], `moe` [U, ...], `final_norm`,
-    `unembed` when untied) and `Qwen3.lora` is `LoRA` (group -> weight -> `a` / `b`); their pure dicts
+    `Model.base` is `Weights` (`embed`, `layers` [L, ...], `mlp` [Q, ...], `moe` [U, ...], `final_norm`,
+    `unembed` when untied) and `Model.lora` is `LoRA` (group -> weight -> `a` / `b`); their pure dicts
     (`nnx.to_pure_dict`) are the `base` / `lora` pytrees that cross jit boundaries, are donated,
     checkpointed by Orbax and swapped into the engine in flight.
   * Layers stay stacked ([L, ...] arrays, not one module per layer) so `jax.lax.scan` runs them with a
     compile time flat in depth, and so an expert-parallel MoE block shards one [U, E, ...] array.
-  * The forward math stays the pure functions of `jaxrl.model.qwen3` (training, prefill) and
-    `jaxrl.model.decode` (the decode step), which the methods of `Qwen3` call with the module's arrays:
+  * The forward math stays the pure functions of `jaxrl.model.decoder` (training, prefill) and
+    `jaxrl.model.decode` (the decode step), which the methods of `Model` call with the module's arrays:
     the traced program, hence the logits and the speed, is the one those functions always produced.
   * A jitted step takes the pure dicts and rebuilds the module with `bind` (`nnx.merge` of a cached
     graphdef with the given states): no array is copied, so one set of base weights serves the trainer,
-    the engine and the reference policy (`Qwen3(..., lora=False)`: the same module with its LoRA off).
+    the engine and the reference policy (`Model(..., lora=False)`: the same module with its LoRA off).
 
-Letters as in `jaxrl.model.qwen3`.
+Letters as in `jaxrl.model.decoder`.
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrl.model import decode, moe, qwen3
-from jaxrl.model.qwen3 import LORA_TARGETS, KVCache, ModelConfig, Params
+from jaxrl.model import decode, decoder, moe
+from jaxrl.model.blocks import LORA_TARGETS, Params
+from jaxrl.model.config import ModelConfig
+from jaxrl.model.decoder import KVCache
 from jaxrl.parallel.spec import ParamSpec
 
 
@@ -148,7 +150,7 @@ class MoE(nnx.Module):
 
 
 class Weights(nnx.Module):
-    """Every base weight of a Qwen3 (`mlp` / `moe` None when no layer is of that kind, `unembed` None
+    """Every base weight of a model (`mlp` / `moe` None when no layer is of that kind, `unembed` None
     when the embedding is tied)."""
 
     def __init__(self, cfg: ModelConfig, *, key: jax.Array, dtype: Any = jnp.float32):
@@ -164,7 +166,7 @@ class Weights(nnx.Module):
 
 
 class LoRA(nnx.Module):
-    """LoRA factors (Hu et al. 2021) for `targets` (HF projection names, `qwen3.LORA_TARGETS`) at `rank`,
+    """LoRA factors (Hu et al. 2021) for `targets` (HF projection names, `blocks.LORA_TARGETS`) at `rank`,
     in the groups (`layers`, `mlp`, `moe`) that hold the adapted weight; `gate_proj` / `up_proj` /
     `down_proj` adapt both the dense MLPs and the experts (one adapter per expert).
 
@@ -200,10 +202,10 @@ class LoRA(nnx.Module):
         _draw(self, key)
 
 
-class Qwen3(nnx.Module):
-    """A Qwen3 / Qwen3-MoE: `base` weights, optional `lora` factors scaled by `lora_scale` (alpha / rank).
+class Model(nnx.Module):
+    """A model of any family: `base` weights, optional `lora` factors scaled by `lora_scale` (alpha / rank).
 
-    Methods run the pure functions of `jaxrl.model.qwen3` / `jaxrl.model.decode` over this module's arrays.
+    Methods run the pure functions of `jaxrl.model.decoder` / `jaxrl.model.decode` over this module's arrays.
     """
 
     def __init__(self, cfg: ModelConfig, *, key: jax.Array, dtype: Any = jnp.float32, lora_rank: int = 0,
@@ -224,13 +226,13 @@ class Qwen3(nnx.Module):
                  scan_layers: bool = True, segment_ids: jax.Array | None = None,
                  layers: list[tuple] | None = None,
                  attention_impl: str | None = None) -> tuple[jax.Array, KVCache]:
-        """Final-norm hidden states [B, T, D] and the KV cache: `qwen3.forward` (arguments as there);
+        """Final-norm hidden states [B, T, D] and the KV cache: `decoder.forward` (arguments as there);
         `lora=False` runs the base alone (the reference policy, from the same arrays)."""
         base, factors = self.weights()
-        return qwen3.forward(self.cfg, base, tokens_BT, positions_BT, lora=factors if lora else None,
-                             lora_scale=self.lora_scale, cache=cache, remat=remat, mesh=mesh,
-                             scan_layers=scan_layers, segment_ids=segment_ids, layers=layers,
-                             attention_impl=attention_impl)
+        return decoder.forward(self.cfg, base, tokens_BT, positions_BT, lora=factors if lora else None,
+                               lora_scale=self.lora_scale, cache=cache, remat=remat, mesh=mesh,
+                               scan_layers=scan_layers, segment_ids=segment_ids, layers=layers,
+                               attention_impl=attention_impl)
 
     def decode(self, tokens_B: jax.Array, positions_B: jax.Array, cache: KVCache, *, mesh: Mesh | None = None,
                layers: list[tuple] | None = None,
@@ -241,8 +243,8 @@ class Qwen3(nnx.Module):
                                   lora_scale=self.lora_scale, mesh=mesh, layers=layers, layout=layout)
 
     def unembed_matrix(self) -> jax.Array:
-        """The output projection [D, V] (`qwen3.unembed_matrix`)."""
-        return qwen3.unembed_matrix(self.weights()[0])
+        """The output projection [D, V] (`decoder.unembed_matrix`)."""
+        return decoder.unembed_matrix(self.weights()[0])
 
 
 def _variable_specs(state: Any) -> dict[str, Any]:
@@ -294,7 +296,7 @@ def lora_signature(lora: Params | None) -> tuple[int, tuple[str, ...]]:
 
 
 def variables(params: Params) -> Params:
-    """A `{"base", "lora"}` pytree (`Qwen3.weights`) with each array as the variable of the `Qwen3` it
+    """A `{"base", "lora"}` pytree (`Model.weights`) with each array as the variable of the `Model` it
     belongs to: base leaves as `nnx.Param`, LoRA leaves as `LoRAParam`, as `Weights` and `LoRA` declare
     them, so that an nnx filter (`trained_filter`) selects among them (the optimizer's mask,
     `jaxrl.rl.train`). The same dicts (empty ones too), no copies."""
@@ -303,13 +305,13 @@ def variables(params: Params) -> Params:
 
 @functools.cache
 def _graphdef(cfg: ModelConfig, rank: int, targets: tuple[str, ...], lora_scale: float) -> nnx.GraphDef:
-    model = nnx.eval_shape(lambda: Qwen3(cfg, key=jax.random.key(0), lora_rank=rank, lora_targets=targets,
+    model = nnx.eval_shape(lambda: Model(cfg, key=jax.random.key(0), lora_rank=rank, lora_targets=targets,
                                          lora_scale=lora_scale))
     return nnx.graphdef(model)
 
 
-def bind(cfg: ModelConfig, base: Params, lora: Params | None = None, lora_scale: float = 0.0) -> Qwen3:
-    """The `Qwen3` module over existing weights: `nnx.merge` of its graphdef with the `base` and `lora`
+def bind(cfg: ModelConfig, base: Params, lora: Params | None = None, lora_scale: float = 0.0) -> Model:
+    """The `Model` module over existing weights: `nnx.merge` of its graphdef with the `base` and `lora`
     pytrees as states. No array is copied; under jit this costs nothing at run time.
 
     Raises:

@@ -1,6 +1,6 @@
 """Qwen3-MoE's and GLM-4.5's sparse MLP block: top-k routing and two dispatch paths, both dropless.
 
-Letters as in `jaxrl.model.qwen3`, plus M tokens (B * T flattened), X the top-k slots of a token, and
+Letters as in `jaxrl.model.decoder`, plus M tokens (B * T flattened), X the top-k slots of a token, and
 A = M * X token-expert assignments.
 
 Routing follows transformers' `Qwen3MoeTopKRouter`: probabilities `softmax(h @ router)` in fp32, the

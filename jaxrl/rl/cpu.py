@@ -18,7 +18,7 @@ from pathlib import Path
 from jax.sharding import Mesh
 
 from jaxrl.model import head
-from jaxrl.model.qwen3 import ModelConfig
+from jaxrl.model.config import ModelConfig
 from jaxrl.parallel.sharding import mesh_platform
 
 # The deepest stack a train step on CPU unrolls: faster unrolled at 4 layers (the small shape of the RL step
@@ -33,7 +33,7 @@ HEAD_BLOCK = 2048
 class Tuning:
     """How a train step runs on its platform.
 
-    scan_layers: run the layer stack with `lax.scan` (`qwen3.decoder_stack`); False unrolls it.
+    scan_layers: run the layer stack with `lax.scan` (`decoder.decoder_stack`); False unrolls it.
     head_chunk: tokens per chunk of the output head (`jaxrl.rl.train.sampled_logprobs`).
     head_block: vocabulary entries per block of the head's online softmax (the whole vocabulary: one block).
     """

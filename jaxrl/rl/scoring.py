@@ -9,8 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl.model import head, modules, qwen3
-from jaxrl.model.qwen3 import Params
+from jaxrl.model import decoder, head, modules
+from jaxrl.model.blocks import Params
 from jaxrl.rl import cpu
 
 
@@ -37,7 +37,7 @@ def sampled_logprobs(params: Params, hidden_BTD: jax.Array, targets_BT: jax.Arra
     h_BPD = jnp.take_along_axis(hidden_BTD, positions_BP[:, :, None], axis=1, mode="clip")
     y_BP = jnp.take_along_axis(targets_BT, positions_BP, axis=1, mode="clip")
     inv_t_B = 1.0 / jnp.where(temperature_B > 0, temperature_B, 1.0)
-    logp, entropy = head.token_logprobs(qwen3.unembed_matrix(params), h_BPD.reshape(b * k, d), y_BP.reshape(-1),
+    logp, entropy = head.token_logprobs(decoder.unembed_matrix(params), h_BPD.reshape(b * k, d), y_BP.reshape(-1),
                                         jnp.repeat(inv_t_B, k), entropy_grad=entropy_grad, w_grad=w_grad,
                                         chunk=chunk, block=block)
     rows_B1 = jnp.arange(b)[:, None]
@@ -48,7 +48,7 @@ def sampled_logprobs(params: Params, hidden_BTD: jax.Array, targets_BT: jax.Arra
     return scatter(logp), scatter(entropy)
 
 
-def frozen_logprobs(model: modules.Qwen3, batch: dict[str, jax.Array], positions_BT: jax.Array,
+def frozen_logprobs(model: modules.Model, batch: dict[str, jax.Array], positions_BT: jax.Array,
                     temperature_B: jax.Array, tuning: cpu.Tuning, *, mesh: jax.sharding.Mesh,
                     scan_layers: bool) -> jax.Array:
     """`sampled_logprobs` of `batch`'s targets under `model` run without its LoRA (the KL reference or the

@@ -1,7 +1,7 @@
 """The trainer: an optax optimizer over the trained weights, and the jitted RL train step.
 
 LoRA (`[jax] finetune = "lora"`): the trained tree is `{"base": params, "lora": lora}`, the state of a
-`jaxrl.model.modules.Qwen3`. What trains is the nnx filter `modules.trained_filter`: the `LoRAParam`
+`jaxrl.model.modules.Model`. What trains is the nnx filter `modules.trained_filter`: the `LoRAParam`
 variables. `optax.multi_transform` gives them AdamW (with global-norm clipping) and every other variable
 `optax.set_to_zero()`, which keeps no state (`trainable_labels`); the step splits the module by the same
 filter (`nnx.split`) and differentiates the LoRA state only, so base weights stay bit-identical.
@@ -42,7 +42,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl.config.algorithms import LossConfig
 from jaxrl.config.schema import RunConfig
 from jaxrl.model import modules
-from jaxrl.model.qwen3 import ModelConfig, Params
+from jaxrl.model.blocks import Params
+from jaxrl.model.config import ModelConfig
 from jaxrl.parallel.sharding import array_sharding, batch_shards
 from jaxrl.rl import cpu, losses
 from jaxrl.rl.batch import Batch, loss_positions, loss_width, make_batch  # noqa: F401 - also imported from here
@@ -290,8 +291,8 @@ class Trainer:
         model = modules.bind(self.cfg, params["base"], params["lora"], self.lora_scale)
         return self.model_loss(model, batch, None if reference is None else modules.bind(self.cfg, reference))
 
-    def model_loss(self, model: modules.Qwen3, batch: dict[str, jax.Array], reference: modules.Qwen3 | None = None,
-                   teacher: modules.Qwen3 | None = None) -> tuple[jax.Array, dict]:
+    def model_loss(self, model: modules.Model, batch: dict[str, jax.Array], reference: modules.Model | None = None,
+                   teacher: modules.Model | None = None) -> tuple[jax.Array, dict]:
         """The objective of one (micro-)batch under `model` and its metrics: `[jax.loss]`'s policy loss,
         or with `objective = "sft"` the token-mean negative log-likelihood of the loss tokens
         (`losses.sft_loss`). `reference`: the KL reference, run without LoRA; None: `model` with its LoRA

@@ -9,8 +9,9 @@ import jax
 from etils import epath
 
 from jaxrl.config.schema import AdaptersConfig, ConfigError, RunConfig
+from jaxrl.model.blocks import Params
+from jaxrl.model.config import ModelConfig
 from jaxrl.model.hf_lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, check_peft_targets, save_adapter
-from jaxrl.model.qwen3 import ModelConfig, Params
 from jaxrl.run import gcs
 
 

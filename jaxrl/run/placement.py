@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from jaxrl.compile import report
 from jaxrl.compile.programs import ProgramTooLarge
 from jaxrl.config.schema import ConfigError, RunConfig
-from jaxrl.model.qwen3 import ModelConfig
+from jaxrl.model.config import ModelConfig
 from jaxrl.parallel import distributed
 from jaxrl.parallel.sharding import make_mesh
 

@@ -29,7 +29,7 @@ from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
 from jaxrl.inference.server import start_server
 from jaxrl.inference.template import ChatTemplate
-from jaxrl.model.qwen3 import ModelConfig
+from jaxrl.model.config import ModelConfig
 from jaxrl.parallel import distributed
 from jaxrl.rl import rollouts
 from jaxrl.rl.producer import VersionLog

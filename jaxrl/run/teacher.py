@@ -19,8 +19,9 @@ from jaxrl.config.model_path import ModelNotFoundError
 from jaxrl.config.schema import ConfigError, RunConfig
 from jaxrl.config.teacher import vocabulary_mismatch
 from jaxrl.model import hf
+from jaxrl.model.blocks import Params
+from jaxrl.model.config import ModelConfig
 from jaxrl.model.modules import param_specs
-from jaxrl.model.qwen3 import ModelConfig, Params
 from jaxrl.parallel.sharding import spec_shardings
 
 KEY = "jax.teacher.model"
