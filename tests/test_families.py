@@ -63,9 +63,16 @@ def test_every_registered_family_reads_back_what_it_writes():
     assert set(catalog.ARCHITECTURES) == {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM"}
     with pytest.raises(ValueError, match="model_type 'llama' is not supported"):
         ModelConfig.from_hf({"model_type": "llama"})
+    tiny = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=1, num_kv_heads=1,
+                head_dim=8, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8)
     with pytest.raises(ValueError, match="family 'qwen3_moe' is not one of"):  # a model type, not a family
-        ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
-                    head_dim=8, family="qwen3_moe")
+        ModelConfig(**tiny, family="qwen3_moe")
+    with pytest.raises(ValueError, match="first_k_dense_replace = 1: the qwen3 family's layer kinds do not read it"):
+        ModelConfig(**tiny, first_k_dense_replace=1)
+    with pytest.raises(ValueError, match=r"mlp_only_layers = \(0,\): the glm4_moe family's layer kinds"):
+        ModelConfig(**tiny, family="glm4_moe", mlp_only_layers=(0,))
+    assert ModelConfig(**tiny, family="glm4_moe", first_k_dense_replace=1).layer_kinds == ("mlp", "moe")
+    assert ModelConfig(**tiny, mlp_only_layers=(1,)).layer_kinds == ("moe", "mlp")
 
 
 @pytest.mark.numerics

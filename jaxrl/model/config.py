@@ -21,7 +21,8 @@ class ModelConfig:
     `config.json` by the family's config mapping (`from_hf`).
 
     Raises (at construction):
-        ValueError: a family that is not registered, or an option the shared blocks do not run
+        ValueError: a family that is not registered, a layer option another family's layer kinds read set
+            away from its default (`Family.layer_options`), or an option the shared blocks do not run
             (`n_shared_experts` above 1, experts not a multiple of `n_group`, `topk_group` above
             `n_group`, an odd rotary width).
     """
@@ -55,7 +56,7 @@ class ModelConfig:
     n_shared_experts: int = 0  # always-on experts of width moe_intermediate_size (0 or 1)
 
     def __post_init__(self):
-        family(self.family)
+        self._check_layer_options()
         if self.n_shared_experts not in (0, 1):
             raise ValueError(f"n_shared_experts = {self.n_shared_experts}: jaxrl runs 0 or 1 shared expert "
                              "(GLM-4.5 and GLM-4.5-Air have 1)")
@@ -66,6 +67,16 @@ class ModelConfig:
         if self.rotary_dim % 2 or self.rotary_dim == 0:
             raise ValueError(f"partial_rotary_factor = {self.partial_rotary_factor} of head_dim "
                              f"{self.head_dim} gives {self.rotary_dim} rotary dims; it must be even and > 0")
+
+    def _check_layer_options(self) -> None:
+        """Refuse a layer option (any family's `layer_options`) that this family's layer kinds do not read,
+        set away from its default: it would change nothing."""
+        mine = family(self.family).layer_options
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in sorted({o for f in FAMILIES.values() for o in f.layer_options} - set(mine)):
+            if getattr(self, name) != defaults[name]:
+                raise ValueError(f"{name} = {getattr(self, name)!r}: the {self.family} family's layer kinds do not "
+                                 f"read it (they read {', '.join(mine) or 'no option'})")
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:

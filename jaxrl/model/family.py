@@ -58,6 +58,9 @@ class Family:
     layer_kind: (c) `(config, layer index) -> "mlp" | "moe"`: the feed-forward block that layer runs.
     unused_tensor: `(HF tensor name, config's layer count) -> bool`: a tensor its checkpoints may carry that
         the model does not run (load skips it; any other unknown tensor is an error).
+    layer_options: (c) the `ModelConfig` fields its `layer_kind` reads (Qwen3-MoE's `decoder_sparse_step`,
+        `mlp_only_layers`; GLM-4.5's `first_k_dense_replace`); a config of this family with another
+        family's layer option away from its default is refused, not silently run otherwise.
     """
 
     name: str
@@ -68,6 +71,7 @@ class Family:
     weight_names: WeightNames
     layer_kind: Callable[[Any, int], LayerKind]
     unused_tensor: Callable[[str, int], bool]
+    layer_options: tuple[str, ...] = ()
 
 
 def common_fields(hf: dict[str, Any], *, rms_norm_eps: float, max_position_embeddings: int) -> dict[str, Any]:

@@ -27,4 +27,5 @@ FAMILY = Family(
     weight_names=weights.NAMES,
     layer_kind=layers.kind,
     unused_tensor=weights.unused,
+    layer_options=("first_k_dense_replace",),
 )

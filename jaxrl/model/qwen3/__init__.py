@@ -21,4 +21,5 @@ FAMILY = Family(
     weight_names=weights.NAMES,
     layer_kind=layers.kind,
     unused_tensor=weights.unused,
+    layer_options=("decoder_sparse_step", "mlp_only_layers"),
 )
