@@ -55,7 +55,7 @@ import numpy as np  # noqa: E402
 
 from jaxrl.inference.engine import Engine  # noqa: E402
 from jaxrl.kv.dense import Dense  # noqa: E402
-from jaxrl.model import attention, modules  # noqa: E402
+from jaxrl.model import attention, kernels, modules  # noqa: E402
 from jaxrl.model.config import ModelConfig  # noqa: E402
 from jaxrl.parallel.sharding import make_mesh, spec_shardings  # noqa: E402
 from jaxrl.rl.train import Trainer, make_batch, make_optimizer  # noqa: E402
@@ -155,7 +155,7 @@ def train_step(name: str, cfg: ModelConfig, b: int, t: int, full: bool, peak: fl
     first = time.perf_counter() - t0
     s = _best(one, reps)
     flops = train_flops(cfg, b * t, t, full)
-    impl = attention.implementation(jax.devices()[0].platform, t, jnp.bfloat16, cfg.head_dim, False)
+    impl = kernels.attention_kernel(kernels.platform_of(mesh), t, jnp.bfloat16, cfg.head_dim, False)
     return {"section": "train", "shape": name, "kind": "full" if full else "lora r16", "rows": b, "seq": t,
             "attention": impl,
             "first_step_s": first, "step_s": s, "tokens_per_s": b * t / s, "tflops": flops / s / 1e12,
@@ -340,15 +340,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="every slot's position in the timed decode steps, comma-separated (cache: twice it)")
     p.add_argument("--json", type=Path, help="write every figure here as JSON")
     p.add_argument("--only", help="run only the sections whose label matches this regular expression")
-    p.add_argument("--attention-impl", choices=attention.IMPLEMENTATIONS,
+    p.add_argument("--attention-impl", choices=kernels.IMPLEMENTATIONS,
                    help="force the model's attention implementation (the before/after of a kernel)")
     p.add_argument("--rows", type=int, default=8, help="sequences of each train step")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     info = chip(args.smoke)
     print(json.dumps(info), flush=True)
-    if args.attention_impl:  # `attention.attention` asks `implementation` when no impl is forced
-        attention.implementation = lambda *_, **__: args.attention_impl
+    if args.attention_impl:  # the model asks `kernels.attention_kernel` when no impl is forced
+        kernels.attention_kernel = lambda *_, **__: args.attention_impl
     results = [info]
     with tempfile.TemporaryDirectory(prefix="device-check-") as workdir:
         for label, job in jobs_for(args, info["peak_flops"], info["peak_hbm_bytes_per_s"], Path(workdir)):

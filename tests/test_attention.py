@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.model import attention, blocks, decoder, modules
+from jaxrl.model import attention, blocks, decoder, kernels, modules
 from jaxrl.model.config import ModelConfig
 from jaxrl.parallel.sharding import make_mesh
 
@@ -98,7 +98,7 @@ def test_implementation_is_chosen_from_platform_shape_and_dtype():
     """One table: splash on TPU from 128 tokens (T padded to a multiple of 128) with heads a multiple of
     128; cuDNN on GPU for unsegmented
     bf16/fp16 rows, XLA's otherwise; the einsum on CPU and for short or odd rows."""
-    choose = attention.implementation
+    choose = kernels.attention_kernel
     assert choose("tpu", 32768, jnp.bfloat16, 128, True) == "splash"
     assert attention.kernel_block(32768) == 512 and attention.kernel_block(384) == 128
     assert attention.kernel_block(32767) == 512 and attention.kernel_block(3968) == 128  # T padded to 128s

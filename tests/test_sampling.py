@@ -19,9 +19,9 @@ from jaxrl.inference.sampling import (
     mark_seen,
     sample,
     sample_with_top,
-    search_for,
     stop_ban,
 )
+from jaxrl.model import kernels
 
 LOGITS = jnp.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 N = 40_000
@@ -353,7 +353,8 @@ def test_top_k_search_keeps_exactly_the_bisections_tokens(scale, nucleus):
     within = s.replace(top_k=jnp.where(s.top_k > TOP_K_CAP, 5, s.top_k), top_p=jnp.minimum(s.top_p, nucleus))
     assert not np.asarray(beyond(p_BV, within)).any()  # every row by the top-k search
     np.testing.assert_array_equal(np.asarray(top_k(p_BV, within)), np.asarray(bisect(p_BV, within)))
-    assert search_for("cpu") is Search.BISECT and search_for("gpu") is search_for("tpu") is Search.TOP_K
+    choose = kernels.sampler_search
+    assert choose("cpu") is Search.BISECT and choose("gpu") is choose("tpu") is Search.TOP_K
 
 
 @pytest.mark.numerics

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -274,3 +275,24 @@ def test_no_class_in_run_with_too_many_attributes():
            for path in sorted((PACKAGE / "run").glob("*.py")) for name in _classes(_name(path))
            if len(attrs := attributes(_name(path), name)) > MAX_CLASS_ATTRIBUTES]
     assert not big, "too many attributes:\n" + "\n".join(big)
+
+
+PLATFORM_NAMES = re.compile(r"""["'](cpu|gpu|cuda|rocm|tpu)["']|default_backend|\.platform\b|mesh_platform""")
+"""What deciding by platform looks like in code: a platform's name as a string, JAX's default backend, a
+device's `.platform` or `jaxrl.parallel.sharding.mesh_platform`."""
+DECIDES = PACKAGE / "model" / "kernels.py"
+"""The one module that reads the platform for the model, the KV cache's picker and the sampler."""
+
+
+def test_one_module_decides_the_kernels_by_platform():
+    """Issue 40's done-when: the model, the engine and the sampler (jaxrl/model, jaxrl/inference) and the KV
+    cache's picker (`jaxrl.kv.pick`) ask `jaxrl.model.kernels` which kernel and cache kind run where; a
+    platform name appears in none of them but that module (the cache kinds of jaxrl/kv, each one kernel's
+    code, may name the platform they run on). Docstrings count: an example that names a platform names the
+    module that decides."""
+    paths = [*sorted((PACKAGE / "model").rglob("*.py")), *sorted((PACKAGE / "inference").rglob("*.py")),
+             PACKAGE / "kv" / "pick.py"]
+    found = [f"{path.relative_to(PACKAGE.parent)}:{n}: {line.strip()}" for path in paths if path != DECIDES
+             for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if PLATFORM_NAMES.search(line)]
+    assert not found, "decided by platform outside jaxrl/model/kernels.py:\n" + "\n".join(found)
+    assert PLATFORM_NAMES.search(DECIDES.read_text(encoding="utf-8")), "the pattern finds nothing where it must"

@@ -6,7 +6,7 @@ at two depths (`jaxrl.compile.depths.cost_depths`: 2 and 3 for a Qwen3 and INTEL
 and decode's the same way (`jaxrl.compile.engine_cost`).
 
 `cost_analysis()` counts nothing inside a Pallas kernel (a custom call): under splash attention (on TPU,
-`jaxrl.model.attention.implementation`) the causal attention's FLOPs are not in the compiler's counts at
+`jaxrl.model.kernels.attention_kernel`) the causal attention's FLOPs are not in the compiler's counts at
 all, so the ratio to the ideal can fall below 1. The lines then give that attention apart, as what the
 compiler cannot see, and compare the compiler's counts with the rest of the ideal (docs/tpu.md 7.2:
 Qwen3-4B at 32,768 tokens, ratio 0.47, 0.95 outside the kernel).
@@ -19,9 +19,9 @@ from typing import Any
 
 from jaxrl.compile import depths, programs, slices
 from jaxrl.compile.programs import Shapes
-from jaxrl.model.attention import implementation
+from jaxrl.model import kernels
 from jaxrl.model.config import ModelConfig
-from jaxrl.parallel.sharding import batch_shards, mesh_platform
+from jaxrl.parallel.sharding import batch_shards
 
 
 def flops_text(x: float) -> str:
@@ -188,7 +188,8 @@ def train_cost(shapes: Shapes, mesh: Any) -> Cost:
     shards = batch_shards(mesh)
     k = -(-shapes.batch_rows // shapes.micro_batch_size)
     rows = -(-shapes.batch_rows // (k * shards)) * shards  # `Trainer.micro_rows`
-    kernel = implementation(mesh_platform(mesh), shapes.seq_len, shapes.dtype, m.head_dim, False) == "splash"
+    impl = kernels.attention_kernel(kernels.platform_of(mesh), shapes.seq_len, shapes.dtype, m.head_dim, False)
+    kernel = impl == "splash"
     ideal, remat, attention = ideal_layer_flops(m, shapes, rows * shapes.seq_len, rows, kernel)
     chips = mesh.devices.size
     return Cost(layer_flops, layer_bytes, a.flops - da * layer_flops, a.bytes_accessed - da * layer_bytes,

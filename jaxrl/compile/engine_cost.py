@@ -39,9 +39,7 @@ from jaxrl.compile.cost import LayerCost, active_layer_weights
 from jaxrl.compile.programs import Program, Shapes
 from jaxrl.kv.paged import Paged
 from jaxrl.kv.pallas import PagedPallas
-from jaxrl.model import decode, decoder, modules
-from jaxrl.model.attention import implementation
-from jaxrl.parallel.sharding import mesh_platform
+from jaxrl.model import decode, decoder, kernels, modules
 
 
 def _difference(a: Program, b: Program, da: int, db: int) -> tuple[float, float]:
@@ -76,7 +74,7 @@ def prefill_cost(shapes: Shapes, mesh: Mesh) -> LayerCost:
     flops, nbytes = _difference(*compiled, da, db)
     chips = mesh.devices.size
     attention = 2 * bucket**2 * m.num_heads * m.head_dim
-    kernel = implementation(mesh_platform(mesh), bucket, shapes.dtype, m.head_dim, False) == "splash"
+    kernel = kernels.attention_kernel(kernels.platform_of(mesh), bucket, shapes.dtype, m.head_dim, False) == "splash"
     ideal = (2 * active_layer_weights(m) * bucket + attention) / chips
     ideal_bytes = (weights[1] - weights[0] + kv[1] - kv[0]) / (db - da)
     return LayerCost(f"prefill {bucket} tokens", flops, nbytes, ideal, ideal_bytes,

@@ -77,7 +77,7 @@ class CpuWeights:
         """Through the prepared `OutMajor` unembedding (the base's where `prepare` did not run)."""
         return decoder.logits(_unembedding(params), hidden_BTD)
 
-    def sample(self, params, hidden_BD, sampling, keys_B, *, truncate, seen_BV, ban_BV):
+    def sample(self, params, hidden_BD, sampling, keys_B, *, truncate, seen_BV, ban_BV, search=None):
         """`sample_unembedded` with `blocked_sampling` when the step only applies a temperature, else
         `sample` of the logits."""
         if self.blocked_sampling and not truncate and seen_BV is None and ban_BV is None:
@@ -85,7 +85,7 @@ class CpuWeights:
             rows_VD = w.w_OI if isinstance(w, cpu.OutMajor) else w.T  # tied: XLA cancels the two transposes
             return sample_unembedded(hidden_BD, rows_VD, sampling, keys_B, blocks=params.unembed_blocks)
         return sample(self.logits(params, hidden_BD[:, None])[:, 0], sampling, keys_B, truncate=truncate,
-                      seen_BV=seen_BV, ban_BV=ban_BV)
+                      seen_BV=seen_BV, ban_BV=ban_BV, search=search)
 
 
 def _unembedding(params: EngineParams) -> Params:

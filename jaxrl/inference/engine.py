@@ -43,7 +43,7 @@ from jaxrl.inference.protocol import MAX_TOP_LOGPROBS, SamplingParams
 from jaxrl.inference.sampling import SlotSampling, mark_seen, sample_with_top, stop_ban
 from jaxrl.kv.kind import CacheKind
 from jaxrl.kv.pick import pick
-from jaxrl.model import modules
+from jaxrl.model import kernels, modules
 from jaxrl.model.blocks import Params
 from jaxrl.model.config import ModelConfig
 from jaxrl.model.decoder import KVCache
@@ -151,6 +151,7 @@ class Engine:
             self.weights = (PlainWeights(self.cfg) if self.kv.reads_training_weights
                             else CpuWeights(self.cfg, self.max_concurrent_decodes))
         self.pages = self.kv.allocator()  # the host side of a paged cache (`jaxrl.kv.pages`); None: dense
+        self.search = kernels.sampler_search(kernels.platform_of(self.mesh))  # the sampler's thresholds' search
         self.max_prefill_length = self.max_seq_len - 1
         self.buckets = prefill_buckets(self.max_prefill_length)
         self._prefill_forward = jax.jit(self._prefill_forward_impl)
@@ -413,7 +414,7 @@ class Engine:
         stop_BV = stop_V[None]
         token, logprob, top_ids, top_lps = sample_with_top(
             logits_BV, sampling, sub[None], truncate=truncate, seen_BV=seen_BV,
-            ban_BV=stop_ban(stop_BV, jnp.zeros((1,), jnp.int32), sampling.min_tokens), top=top)
+            ban_BV=stop_ban(stop_BV, jnp.zeros((1,), jnp.int32), sampling.min_tokens), top=top, search=self.search)
         token, logprob, top_ids, top_lps = (self._replicated(x) for x in (token, logprob, top_ids, top_lps))
         return token, logprob, key, mark_seen(seen_BV, token), stop_BV, top_ids, top_lps
 
@@ -457,7 +458,8 @@ class Engine:
                                            self.mesh)
         split = jax.vmap(jax.random.split)(state.keys)
         rules = {"truncate": truncate, "seen_BV": state.seen if penalize else None,
-                 "ban_BV": stop_ban(state.stop, state.generated, state.sampling.min_tokens) if ban else None}
+                 "ban_BV": stop_ban(state.stop, state.generated, state.sampling.min_tokens) if ban else None,
+                 "search": self.search}
         if top:  # the alternatives need the [B, V] logits: every `weights.sample` samples from these
             tokens, logprobs, top_ids, top_lps = sample_with_top(
                 self.weights.logits(params, hidden_BTD)[:, 0], state.sampling, split[:, 1], top=top, **rules)

@@ -19,6 +19,7 @@ from jaxrl.model.blocks import Params
 from jaxrl.model.config import ModelConfig
 from jaxrl.model.cpu import OutMajor
 from jaxrl.model.decoder import LayerWeights
+from jaxrl.model.kernels import Search
 
 
 @struct.dataclass
@@ -66,8 +67,9 @@ class EngineWeights(Protocol):
     reads_training_weights: the engine reads the trainer's weights in place (no copy of its own).
     prepare(params): the `EngineParams` of `{"base", "lora"}` (outside jit, at each policy update).
     logits(params, hidden_BTD): float32 [B, T, V] (`decoder.logits`).
-    sample(params, hidden_BD, sampling, keys_B, *, truncate, seen_BV, ban_BV): (tokens int32 [B],
-        logprobs float32 [B]) as `jaxrl.inference.sampling.sample` of the logits.
+    sample(params, hidden_BD, sampling, keys_B, *, truncate, seen_BV, ban_BV, search): (tokens int32 [B],
+        logprobs float32 [B]) as `jaxrl.inference.sampling.sample` of the logits (`search` its threshold
+        search, `jaxrl.model.kernels.sampler_search`'s for the engine's mesh).
     """
 
     reads_training_weights: bool
@@ -77,8 +79,8 @@ class EngineWeights(Protocol):
     def logits(self, params: EngineParams, hidden_BTD: jax.Array) -> jax.Array: ...
 
     def sample(self, params: EngineParams, hidden_BD: jax.Array, sampling: SlotSampling, keys_B: jax.Array, *,
-               truncate: bool, seen_BV: jax.Array | None,
-               ban_BV: jax.Array | None) -> tuple[jax.Array, jax.Array]: ...
+               truncate: bool, seen_BV: jax.Array | None, ban_BV: jax.Array | None,
+               search: Search | None = None) -> tuple[jax.Array, jax.Array]: ...
 
 
 @dataclasses.dataclass
@@ -95,6 +97,6 @@ class PlainWeights:
     def logits(self, params: EngineParams, hidden_BTD: jax.Array) -> jax.Array:
         return decoder.logits(params.base, hidden_BTD)
 
-    def sample(self, params, hidden_BD, sampling, keys_B, *, truncate, seen_BV, ban_BV):
+    def sample(self, params, hidden_BD, sampling, keys_B, *, truncate, seen_BV, ban_BV, search=None):
         return sample(self.logits(params, hidden_BD[:, None])[:, 0], sampling, keys_B, truncate=truncate,
-                      seen_BV=seen_BV, ban_BV=ban_BV)
+                      seen_BV=seen_BV, ban_BV=ban_BV, search=search)

@@ -6,7 +6,8 @@ truncations (min_p, top_k, top_p over the top-k set renormalised, in vLLM's orde
 inverse CDF. Each truncation keeps the tokens whose probability is at least a threshold: top_k's is the
 k-th largest probability, top_p's the smallest probability of the smallest set of most likely tokens
 (top-k and min_p applied) whose mass reaches `top_p` of theirs. Two searches find the same thresholds
-(`Search`; `search_for` picks one by platform, the one place that does):
+(`Search`; `jaxrl.model.kernels.sampler_search` picks one by platform, the one place that does, and the
+engine passes it: `search`):
 
 * `Search.BISECT` (CPU): bisection over the bit patterns of float32 probabilities (monotone for
   non-negative floats): 31 fused compare-and-reduce passes over [B, V] per threshold, no sort (a sort of
@@ -44,13 +45,13 @@ The rollout engine on CPU may draw without the [B, V] logits where only a temper
 
 from __future__ import annotations
 
-import enum
-
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from jaxrl.inference.protocol import SamplingParams
+from jaxrl.model import kernels
+from jaxrl.model.kernels import Search
 
 CHUNK = 256  # tokens per chunk of the two-level cumulative sum
 TOP_K_CAP = 256
@@ -103,23 +104,11 @@ def _largest_threshold(ok, b: int) -> jax.Array:
     return jax.lax.bitcast_convert_type(lo, jnp.float32)
 
 
-class Search(enum.Enum):
-    """How `_truncate` finds the top_k and top_p thresholds (module docstring): the same thresholds either way."""
-
-    BISECT = "bisect"
-    TOP_K = "top_k"
-
-
-def search_for(platform: str) -> Search:
-    """The threshold search for a JAX platform ("cpu", "gpu", "cuda", "rocm", "tpu"): the bisection on CPU,
-    where `lax.top_k` sorts and won no clear margin, `lax.top_k` on accelerators (module docstring)."""
-    return Search.BISECT if platform == "cpu" else Search.TOP_K
-
-
 def _truncate(p_BV: jax.Array, s: SlotSampling, search: Search | None = None) -> jax.Array:
     """Zero every token that min_p, top_k or top_p drops. `p_BV`: unnormalised probabilities with
-    each row's maximum equal to 1. `search`: the thresholds' search (None: `search_for` this platform)."""
-    match search or search_for(jax.default_backend()):
+    each row's maximum equal to 1. `search`: the thresholds' search (None: `kernels.sampler_search` of the
+    default backend's platform)."""
+    match search or kernels.sampler_search(kernels.default_platform()):
         case Search.BISECT:
             return _truncate_bisect(p_BV, s)
         case Search.TOP_K:
@@ -232,8 +221,9 @@ def sample(logits_BV: jax.Array, s: SlotSampling, keys_B: jax.Array, *, truncate
         seen_BV: bool, tokens already in each row's prompt or output; None: no repetition penalty.
         ban_BV: bool, tokens each row may not sample (`min_tokens`: `stop_ban`); a row that bans every
             token bans none. None: no ban.
-        search: (static) how the truncations' thresholds are found (`Search`); None: `search_for` this
-            platform. Either gives the same tokens.
+        search: (static) how the truncations' thresholds are found (`Search`, the engine's
+            `kernels.sampler_search` of its mesh); None: that of the default backend. Either gives the same
+            tokens.
     """
     tokens_B, logprobs_B, _, _ = sample_with_top(logits_BV, s, keys_B, truncate=truncate, seen_BV=seen_BV,
                                                  ban_BV=ban_BV, top=0, search=search)

@@ -20,8 +20,9 @@ from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl.kv.paged import POOL_AXES, Paged
+from jaxrl.model import kernels
 from jaxrl.model.decoder import KVCache
-from jaxrl.parallel.sharding import RULES, logical_spec, mesh_platform
+from jaxrl.parallel.sharding import RULES, logical_spec
 
 KERNEL_BLOCK = 128  # positions the kernel reads per compute block (pages_per_compute_block x page)
 
@@ -81,7 +82,7 @@ def kernel_attention(q_BNH: jax.Array, k_KLPCH: jax.Array, v_KLPCH: jax.Array, l
     heads split as the pool is (`POOL_AXES`: `tensor`, then the batch axes, as many as divide K), each chip
     attending every slot over its heads, except over the batch axes the heads leave free, which split the
     slots (where they divide B). Interpret mode on a CPU mesh."""
-    local = functools.partial(_kernel_local, interpret=mesh is None or mesh_platform(mesh) == "cpu")
+    local = functools.partial(_kernel_local, interpret=kernels.interpret(mesh))
     layer = jnp.asarray(layer, jnp.int32)
     if mesh is None or mesh.size == 1:
         return local(q_BNH, k_KLPCH, v_KLPCH, lengths_B, table_BN, layer)

@@ -1,11 +1,11 @@
 """Causal self-attention for training and prefill, one function over several implementations.
 
-`attention(q, k, v, ...)` is what the model calls (`jaxrl.model.decoder`); `implementation(...)` picks how
-it runs, in one place, from the platform of the mesh's devices (not `jax.default_backend()`: `jaxrl
-compile` traces TPU programs on a CPU host):
+`attention(q, k, v, ...)` is what the model calls (`jaxrl.model.decoder`); `jaxrl.model.kernels.attention_kernel`
+picks how it runs, from the platform of the mesh's devices (`jaxrl.model.kernels`, the one module that
+reads the platform):
 
   * "einsum": the reference, and the CPU path. float32 scores [B, K, G, T, S] and their softmax,
-    materialised (T x S per head), masked by position (`mask`). Below `MIN_KERNEL_T` tokens every
+    materialised (T x S per head), masked by position (`mask`). Below `kernels.MIN_KERNEL_T` tokens every
     platform runs it.
   * "splash": on TPU (heads of a multiple of 128), JAX's Pallas splash attention
     (`jax.experimental.pallas.ops.tpu.splash_attention`, the kernel MaxText and Tunix train with): blocks of
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -43,12 +42,10 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxrl.model import kernels
+from jaxrl.model.kernels import IMPLEMENTATIONS, MIN_KERNEL_T, Implementation
 from jaxrl.parallel.sharding import RULES, logical_spec
 
-Implementation = Literal["einsum", "splash", "cudnn", "xla"]
-IMPLEMENTATIONS: tuple[str, ...] = ("einsum", "splash", "cudnn", "xla")
-
-MIN_KERNEL_T = 128  # shorter rows run the einsum: splash's key blocks are multiples of 128 with segment ids
 KERNEL_BLOCKS = (512, 256, 128)  # splash's block sizes, the largest dividing T first (MaxText uses 512)
 LANE = 128  # splash runs T padded up to a multiple of this (`padded_length`)
 RESIDUALS = "attention_residuals"  # the checkpoint name of splash's saved output and logsumexp (`remat_policy`)
@@ -66,23 +63,6 @@ def kernel_block(t: int) -> int | None:
     if t < MIN_KERNEL_T:
         return None
     return next(b for b in KERNEL_BLOCKS if padded_length(t) % b == 0)
-
-
-def implementation(platform: str, t: int, dtype, head_dim: int, segmented: bool) -> Implementation:
-    """The attention implementation for T = `t` tokens of `dtype` with heads of `head_dim` on `platform`
-    (`jaxrl.parallel.sharding.mesh_platform`; "cpu" for no mesh): "splash" on TPU where `kernel_block` finds a
-    block and `head_dim` is a multiple of 128 (the lanes of a TPU vreg: the kernel's blocks are [block,
-    head_dim]; every Qwen3 has 128); on GPU "cudnn" for unsegmented (`segmented` False) bfloat16/float16 rows
-    with `head_dim` <= 128 and a multiple of 8 (cuDNN flash attention's rule), else "xla"; "einsum"
-    elsewhere."""
-    if platform == "tpu" and kernel_block(t) is not None and head_dim % 128 == 0:
-        return "splash"
-    if platform in ("gpu", "cuda", "rocm"):
-        if (not segmented and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-                and head_dim <= 128 and head_dim % 8 == 0):
-            return "cudnn"
-        return "xla"
-    return "einsum"
 
 
 def mask(positions_BT: jax.Array, key_pos_BS: jax.Array, segment_ids_BT: jax.Array | None = None) -> jax.Array:
@@ -184,8 +164,7 @@ def splash_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array,
 def _splash_sharded(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, mesh, block, interpret) -> jax.Array:
     """`splash_attention` on T a multiple of `block`: one kernel per chip inside `shard_map`."""
     n = q_BTNH.shape[2]
-    platform = "cpu" if mesh is None else mesh.devices.flat[0].platform
-    interpret = platform == "cpu" if interpret is None else interpret
+    interpret = kernels.interpret(mesh) if interpret is None else interpret
     local = functools.partial(_splash_local, block=block, interpret=interpret)
     if mesh is None or mesh.size == 1:
         return local(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
@@ -216,7 +195,8 @@ def attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, positi
             agrees where positions count up by one within each segment: see the module docstring).
         segment_ids_BT: int32 [B, T]: a query attends only to keys of its own segment (rows packing
             several samples). None: one segment a row.
-        mesh: the mesh the arrays live on; its platform picks the implementation (`implementation`).
+        mesh: the mesh the arrays live on; its platform picks the implementation
+            (`jaxrl.model.kernels.attention_kernel`).
             None: the einsum, unless `impl` says otherwise.
         impl: force one of `IMPLEMENTATIONS` (tests, and `jaxrl compile`'s comparisons).
         mask_BTS: the einsum's mask (`mask`), when the caller built it once for all layers.
@@ -226,8 +206,7 @@ def attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, positi
     """
     _, t, _, hd = q_BTNH.shape
     if impl is None:
-        platform = "cpu" if mesh is None else mesh.devices.flat[0].platform
-        impl = implementation(platform, t, q_BTNH.dtype, hd, segment_ids_BT is not None)
+        impl = kernels.attention_kernel(kernels.platform_of(mesh), t, q_BTNH.dtype, hd, segment_ids_BT is not None)
     match impl:
         case "einsum":
             if mask_BTS is None:

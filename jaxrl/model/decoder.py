@@ -38,10 +38,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxrl.model import attention
+from jaxrl.model import attention, kernels
 from jaxrl.model.blocks import Params, attention_inputs, feed_forward, lora_delta, project, rms_norm
 from jaxrl.model.config import ModelConfig
-from jaxrl.parallel.sharding import mesh_platform
 
 KVCache = dict[str, jax.Array]  # {"k": [L,B,S,K,H], "v": [L,B,S,K,H]}
 
@@ -182,9 +181,9 @@ def _decoder_layer(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | 
 
 def _attend_for(cfg: ModelConfig, x_BTD: jax.Array, positions_BT: jax.Array, cache: KVCache | None,
                 mesh: Mesh | None, segment_ids: jax.Array | None,
-                attention_impl: attention.Implementation | None) -> tuple[str, Any]:
+                attention_impl: kernels.Implementation | None) -> tuple[str, Any]:
     """(the attention implementation, `_attention`'s `attend`) of a stack over activations `x_BTD` at
-    `positions_BT`: self-attention by `attention_impl` (None: `attention.implementation`'s pick for
+    `positions_BT`: self-attention by `attention_impl` (None: `kernels.attention_kernel`'s pick for
     the mesh's platform and the shapes), or with a `cache` the einsum over it. The einsum's mask is built
     here, once for every layer.
 
@@ -193,8 +192,8 @@ def _attend_for(cfg: ModelConfig, x_BTD: jax.Array, positions_BT: jax.Array, cac
     """
     b, t = x_BTD.shape[:2]
     if cache is None:
-        impl = attention_impl or attention.implementation(
-            "cpu" if mesh is None else mesh_platform(mesh), t, x_BTD.dtype, cfg.head_dim, segment_ids is not None)
+        impl = attention_impl or kernels.attention_kernel(
+            kernels.platform_of(mesh), t, x_BTD.dtype, cfg.head_dim, segment_ids is not None)
         mask_BTS = attention.mask(positions_BT, positions_BT, segment_ids) if impl in ("einsum", "xla") else None
         return impl, functools.partial(attention.attention, positions_BT=positions_BT, segment_ids_BT=segment_ids,
                                        mesh=mesh, impl=impl, mask_BTS=mask_BTS)
@@ -219,7 +218,7 @@ def decoder_stack(
     scan_layers: bool = True,
     segment_ids: jax.Array | None = None,
     layers: list[LayerWeights] | None = None,
-    attention_impl: attention.Implementation | None = None,
+    attention_impl: kernels.Implementation | None = None,
 ) -> tuple[jax.Array, KVCache, jax.Array]:
     """The decoder stack before the final norm (`forward` adds it), with every layer's output.
 
@@ -244,8 +243,8 @@ def decoder_stack(
             `jaxrl.inference.cpu`: XLA's CPU backend copies each layer's weights out of a stack before
             reading them), run unrolled in place of `params`' and `lora`'s stacks. The same numbers.
             None: the stacks.
-        attention_impl: how self-attention runs (`jaxrl.model.attention.IMPLEMENTATIONS`); None: chosen
-            from the mesh's platform and the shapes (`attention.implementation`; the einsum without a
+        attention_impl: how self-attention runs (`jaxrl.model.kernels.IMPLEMENTATIONS`); None: chosen
+            from the mesh's platform and the shapes (`kernels.attention_kernel`; the einsum without a
             mesh). A decode over a cache always runs the einsum.
 
     Returns:

@@ -1,0 +1,100 @@
+"""Which kernel runs each piece of the model on a placement: the one module that reads the platform.
+
+The model, the KV cache's picker and the sampler ask here and nowhere else (tests/test_structure.py greps
+jaxrl/model, jaxrl/inference and `jaxrl.kv.pick` for platform names and finds them only in this module):
+
+  * `attention_kernel`: the training and prefill attention (`jaxrl.model.attention`): Pallas splash on TPU,
+    cuDNN flash attention or XLA's on GPU, the einsum elsewhere;
+  * `cache_kind`: the engine's KV cache (`jaxrl.kv.pick` makes the `Cache` it names): a paged pool on an
+    accelerator, read by a Pallas kernel on TPU and by the gather reference on GPU; the CPU's chunked cache;
+  * `sampler_search`: how the sampler finds its top_k / top_p thresholds (`jaxrl.inference.sampling`);
+  * `interpret`: whether a Pallas kernel runs in interpret mode (on a CPU mesh: the tests).
+
+The platform is that of the mesh's devices (`platform_of`), not `jax.default_backend()`: `jaxrl compile`
+traces TPU programs on a CPU host, over a TPU topology's devices.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxrl.parallel.sharding import mesh_platform
+
+Implementation = Literal["einsum", "splash", "cudnn", "xla"]
+IMPLEMENTATIONS: tuple[str, ...] = ("einsum", "splash", "cudnn", "xla")
+MIN_KERNEL_T = 128  # shorter rows run the einsum: splash's key blocks are multiples of 128 with segment ids
+
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")  # `jax.Device.platform` of a GPU, by backend
+
+
+class Cache(enum.Enum):
+    """The kinds of KV cache `cache_kind` chooses between (the classes of `jaxrl.kv`)."""
+
+    CHUNKED = "chunked"  # `jaxrl.kv.chunked.Chunked`: per-layer, head-major chunks (CPU)
+    PAGED = "paged"  # `jaxrl.kv.paged.Paged`: a page pool read by a gather
+    PAGED_TPU = "paged_tpu"  # `jaxrl.kv.pallas.PagedPallas`: the pool read by Pallas' TPU paged attention
+
+
+class Search(enum.Enum):
+    """How the sampler finds the top_k and top_p thresholds (`jaxrl.inference.sampling`'s module docstring):
+    the same thresholds either way."""
+
+    BISECT = "bisect"
+    TOP_K = "top_k"
+
+
+def platform_of(mesh: Mesh | None) -> str:
+    """The platform of `mesh`'s devices ("cpu", "tpu", "gpu", ...: `jax.Device.platform`); "cpu" for no
+    mesh (a function traced without one runs the reference paths)."""
+    return "cpu" if mesh is None else mesh_platform(mesh)
+
+
+def default_platform() -> str:
+    """The platform of JAX's default backend, for code traced without a mesh to ask of (the sampler's
+    `search` None)."""
+    return jax.default_backend()
+
+
+def interpret(mesh: Mesh | None) -> bool:
+    """Whether a Pallas kernel on `mesh` runs in interpret mode: on a CPU mesh or without one (tests; slow)."""
+    return platform_of(mesh) == "cpu"
+
+
+def attention_kernel(on: str, t: int, dtype, head_dim: int, segmented: bool) -> Implementation:
+    """The attention implementation (`jaxrl.model.attention`) for T = `t` tokens of `dtype` with heads of
+    `head_dim` on platform `on` (`platform_of`): "splash" on TPU from `MIN_KERNEL_T` tokens with `head_dim` a
+    multiple of 128 (the lanes of a TPU vreg: the kernel's blocks are [block, head_dim]; every Qwen3 has
+    128); on GPU "cudnn" for unsegmented (`segmented` False) bfloat16/float16 rows with `head_dim` <= 128
+    and a multiple of 8 (cuDNN flash attention's rule), else "xla"; "einsum" elsewhere."""
+    if on == "tpu" and t >= MIN_KERNEL_T and head_dim % 128 == 0:
+        return "splash"
+    if on in GPU_PLATFORMS:
+        if (not segmented and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+                and head_dim <= 128 and head_dim % 8 == 0):
+            return "cudnn"
+        return "xla"
+    return "einsum"
+
+
+def cache_kind(on: str, head_dim: int, pooled: bool) -> Cache:
+    """The KV cache of an engine on platform `on` (`platform_of`) whose model has heads of `head_dim`; `pooled`:
+    `[jax] kv_cache_tokens` was given. On an accelerator, or `pooled`, a paged pool: read by the TPU's
+    Pallas kernel with heads of a multiple of 128 (its blocks are [page positions, head_dim] in a vreg's 128
+    lanes), else by the gather. Otherwise, on CPU, the chunked cache (faster there: docs/benchmarks.md)."""
+    if not pooled and on == "cpu":
+        return Cache.CHUNKED
+    if on == "tpu" and head_dim % 128 == 0:
+        return Cache.PAGED_TPU
+    return Cache.PAGED
+
+
+def sampler_search(on: str) -> Search:
+    """The sampler's threshold search on platform `on`: the bisection on CPU, where `lax.top_k` sorts and won
+    no clear margin; `lax.top_k` on accelerators, a bounded number of passes over [B, V]
+    (`jaxrl.inference.sampling`'s module docstring counts them)."""
+    return Search.BISECT if on == "cpu" else Search.TOP_K
