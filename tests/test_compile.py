@@ -276,7 +276,7 @@ def test_depths_too_shallow_for_the_stacks_scans_are_refused_before_compiling(tm
     from jaxrl.cli.main import app
     from jaxrl.compile import depths
     from jaxrl.model import catalog
-    from jaxrl.model.qwen3 import ModelConfig
+    from jaxrl.model.config import ModelConfig
 
     config = tmp_path / "rl.toml"
     config.write_text('model = "PrimeIntellect/INTELLECT-3"\nbatch_size = 256\nrollouts_per_example = 8\n'
@@ -423,8 +423,8 @@ def test_cpu_only_choices_follow_the_mesh_not_the_host():
     from jaxrl.kv.chunked import Chunked
     from jaxrl.kv.paged import Paged
     from jaxrl.model import head
+    from jaxrl.model.config import ModelConfig
     from jaxrl.model.kernels import Search
-    from jaxrl.model.qwen3 import ModelConfig
     from jaxrl.parallel.sharding import make_mesh, mesh_platform
     from jaxrl.rl import cpu
 

@@ -272,7 +272,7 @@ def test_per_chip_reads_a_model_config_and_scales_its_terms():
     of state per weight."""
     from jaxrl.launch import memory as mem
     from jaxrl.model import catalog
-    from jaxrl.model.qwen3 import ModelConfig
+    from jaxrl.model.config import ModelConfig
 
     model = ModelConfig.from_hf(catalog.HOSTED_MODELS["Qwen/Qwen3-235B-A22B-Instruct-2507"])
     assert mem.Arch.of(model) == dataclasses.replace(mem.QWEN3_235B_A22B, name="")
