@@ -18,6 +18,7 @@ from helpers import REPO, jaxrl, random_batch, read_metrics, shrink, tiny_model_
 from jaxrl.config.algorithms import LossConfig
 from jaxrl.config.envs import BufferConfig
 from jaxrl.config.schema import ConfigError, load_config
+from jaxrl.config.teacher import vocabulary
 from jaxrl.model import assets, decoder, modules
 from jaxrl.parallel.sharding import make_mesh, spec_shardings
 from jaxrl.rl import losses
@@ -243,3 +244,81 @@ def test_a_distillation_run_logs_the_teacher_kl(tmp_path, tiny_model_dir):
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resuming from checkpoint step 2" in resumed.stdout and f"teacher {teacher}" in resumed.stdout
     assert [r["step"] for r in read_metrics(tmp_path / "runs" / "distil")] == [1, 2, 3]
+    _a_run_teaches(tmp_path, tiny_model_dir, tmp_path / "runs" / "distil")
+
+
+def _a_run_teaches(tmp_path, student, run_dir):
+    """A real run's folder as `[jax.teacher] model` (found as `jaxrl serve` takes it): its latest checkpoint
+    (step 3), its LoRA folded into its base weights, scores as the run's own forward pass with the LoRA
+    does; a folder that is neither a model nor a run is one line."""
+    from jaxrl.export import exporter
+    from jaxrl.run.teacher import check_vocabulary, find_teacher, load_teacher
+
+    cfg = load_config(_toml(tmp_path, student, f'model = "{run_dir}"'))
+    files = find_teacher(cfg)
+    assert (files.where, files.run.step, files.tokenizer_path) == (str(run_dir), 3, str(student))
+    assert files.describe() == f"{run_dir} (checkpoint step 3: LoRA r4 folded into {student})"
+    check_vocabulary(cfg, str(student), files.tokenizer_path)
+    mesh = make_mesh({})
+    teacher = load_teacher(cfg, mesh, jnp.float32, files)
+    mcfg, base = teacher.config, qwen3_hf_weights(student)
+    lora = exporter.restore_trained(files.run, mcfg).lora
+    ids = jnp.asarray([[9707, 1879, 11, 1246, 151644]])
+    positions = jnp.arange(5)[None]
+    scale = files.run.lora_alpha / files.run.lora_rank
+    want = decoder.logits(base, decoder.forward(mcfg, base, ids, positions, lora=lora, lora_scale=scale)[0])
+    got = decoder.logits(teacher.weights, decoder.forward(mcfg, teacher.weights, ids, positions)[0])
+    assert float(jnp.abs(want - decoder.logits(base, decoder.forward(mcfg, base, ids, positions)[0])).max()) > 1e-3
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
+    (tmp_path / "neither").mkdir()
+    with pytest.raises(ConfigError) as err:
+        find_teacher(load_config(_toml(tmp_path, student, 'model = "neither"')))
+    assert str(err.value).count("\n") == 0 and "jax.teacher.model: the teacher " in str(err.value)
+    assert "is neither a model folder (config.json + safetensors) nor a jaxrl run or checkpoint" in str(err.value)
+
+
+def qwen3_hf_weights(folder):
+    from jaxrl.model import hf
+
+    return hf.load_hf(str(folder))[1]
+
+
+def _other_tokenizer(tmp_path, tiny_model_dir):
+    """The tiny model's tokenizer files with the ids of "Hello" and " world" swapped: it loads and encodes,
+    into other ids."""
+    other = tmp_path / "other-tokenizer"
+    other.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, other / name)
+    data = json.loads((other / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    vocab["Hello"], vocab["Ġworld"] = vocab["Ġworld"], vocab["Hello"]
+    (other / "tokenizer.json").write_text(json.dumps(data))
+    return other
+
+
+def test_a_gcs_teachers_tokenizer_is_compared(tmp_path, tiny_model_dir, gcs):
+    """A `gs://` teacher's tokenizer, read through the real GCS emulator before any weight loads: the same
+    files pass, another vocabulary is one line naming both folders and the first id they differ on."""
+    from etils import epath
+
+    from jaxrl.run.teacher import check_vocabulary
+
+    other = _other_tokenizer(tmp_path, tiny_model_dir)
+    for url, folder in (("gs://jaxrl-test/teacher-same", tiny_model_dir), ("gs://jaxrl-test/teacher-other", other)):
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (epath.Path(url) / name).write_text((folder / name).read_text())
+    cfg = load_config(_toml(tmp_path, tiny_model_dir, 'model = "gs://jaxrl-test/teacher-other"'))
+    check_vocabulary(cfg, str(tiny_model_dir), "gs://jaxrl-test/teacher-same")
+    with pytest.raises(ConfigError) as err:
+        check_vocabulary(cfg, str(tiny_model_dir), "gs://jaxrl-test/teacher-other")
+    vocab, size = vocabulary(tiny_model_dir), len(vocabulary(tiny_model_dir))
+    first = min(vocab["Hello"], vocab["Ġworld"])
+    assert str(err.value).splitlines() == [
+        f"{tmp_path / 'distill.toml'}: jax.teacher.model: the teacher's tokenizer (gs://jaxrl-test/teacher-other, "
+        f"{size} tokens) is not the student's ({tiny_model_dir}, {size} tokens): token id "
+        f"{first} is {'Ġworld' if first == vocab['Hello'] else 'Hello'!r} there, "
+        f"{'Hello' if first == vocab['Hello'] else 'Ġworld'!r} here; distillation scores the student's token ids, "
+        "so the teacher must share its vocabulary"]
+    with pytest.raises(ConfigError, match="no tokenizer in gs://jaxrl-test/nothing-here"):
+        check_vocabulary(cfg, str(tiny_model_dir), "gs://jaxrl-test/nothing-here")

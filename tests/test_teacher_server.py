@@ -108,13 +108,13 @@ def test_a_server_that_cannot_teach_is_one_line():
     port = free_port()
     with pytest.raises(TeacherUnavailable, match=f"the teacher's server http://127.0.0.1:{port}/v1/models cannot be "
                                                  "reached: ConnectError"):
-        asyncio.run(check_server(_cfg(f"http://127.0.0.1:{port}/v1")))
+        asyncio.run(check_server(_cfg(f"http://127.0.0.1:{port}/v1"), list, "student"))
     server = VllmStandIn(prompt_logprobs=False)
     try:
         with pytest.raises(TeacherUnavailable, match="does not serve 'other' \\(it serves 'teacher'\\)"):
-            asyncio.run(check_server(TeacherConfig(base_url=server.base_url, model_name="other")))
+            asyncio.run(check_server(TeacherConfig(base_url=server.base_url, model_name="other"), list, "student"))
         with pytest.raises(TeacherUnavailable, match="refuses a prompt_logprobs request: HTTP 400: .*unknown field"):
-            asyncio.run(check_server(_cfg(server.base_url)))
+            asyncio.run(check_server(_cfg(server.base_url), list, "student"))
     finally:
         server.shutdown()
 
@@ -131,22 +131,47 @@ def test_jaxrl_run_with_a_server_down_is_one_line(tmp_path, tiny_model_dir):
         "All connection attempts failed"]
 
 
-def test_jaxrl_serve_teaches_with_the_models_own_logprobs(tiny_model_dir):
+def _encoder(folder):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    return lambda text: tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_jaxrl_serve_teaches_with_the_models_own_logprobs(tmp_path, tiny_model_dir):
     """`jaxrl serve`'s `/v1/completions` answers `prompt_logprobs: 0` as vLLM does: each token's logprob given
     the tokens before it, the raw logits' log-softmax (here against the whole vocabulary's, from the model's
-    forward), so the client reads the same numbers; alternatives (a count above 0) are refused by name."""
+    forward), so the client reads the same numbers; alternatives (a count above 0) are refused by name.
+    Its tokenizer is probed against the student's (`check_server`): the same passes; a student of another
+    vocabulary is refused in one line, by `check_server` and by `jaxrl run` (exit 2, before anything loads)."""
     import httpx
     import jax.numpy as jnp
+    from test_teacher import _other_tokenizer
 
     from jaxrl.cli import serve
     from jaxrl.inference.server import start_server
     from jaxrl.model import decoder, hf
 
-    loaded = serve.load(str(tiny_model_dir), name="teacher", decode_slots=2, seq_len=32)
+    loaded = serve.load(str(tiny_model_dir), name="teacher", decode_slots=2, seq_len=128)
     handle = start_server(loaded.scheduler, chat_template=loaded.chat_template)
     try:
         cfg = _cfg(handle.base_url)
-        asyncio.run(check_server(cfg))
+        asyncio.run(check_server(cfg, _encoder(tiny_model_dir), str(tiny_model_dir)))
+        other = _other_tokenizer(tmp_path, tiny_model_dir)
+        with pytest.raises(TeacherUnavailable) as err:
+            asyncio.run(check_server(cfg, _encoder(other), str(other)))
+        mismatch = ("the teacher's server tokenizes a probe text otherwise than the student's tokenizer "
+                    f"({other}): 76 tokens there, 76 here, token 1 is 9707 there, 1879 here; distillation scores "
+                    "the student's token ids, so the teacher must share its vocabulary")
+        assert str(err.value) == mismatch
+        distil = (f'\n[jax.loss]\nteacher_tau = 1.0\nadv_tau = 0.0\n\n[jax.teacher]\nbase_url = "{handle.base_url}"\n'
+                  f'model_name = "teacher"\n')
+        run_cfg = write_run_config(tmp_path / "other.toml", tiny_model_dir, name="other",
+                                   jax_extra=f'tokenizer_path = "{other}"\n' + distil)
+        done = jaxrl("run", run_cfg)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert done.stderr.strip().splitlines() == [f"{run_cfg}: jax.teacher.base_url: {mismatch}"]
+        assert not (tmp_path / "runs" / "other" / "checkpoints").exists()
         samples = [[9707, 1879, 11, 1246], [151644, 872, 198]]
         logprobs, errors = asyncio.run(score(cfg, samples))
         assert errors == []

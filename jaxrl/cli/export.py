@@ -40,7 +40,7 @@ def export(
     try:
         source = exporting.find_source(ref, step, config)
         exporting.export(source, out_dir, adapter=adapter, force=force)
-    except exporting.ExportError as exc:
+    except exporting.SourceError as exc:  # ExportError is one
         raise fail(f"jaxrl export: {exc}") from None
     kind = "PEFT adapter" if adapter else "merged model"
     out.print(f"wrote the {kind} of checkpoint step {source.step} ({source.checkpoint_dir}) to {out_dir}",

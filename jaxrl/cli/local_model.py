@@ -43,7 +43,7 @@ def tokenizer_path(ref: str) -> str:
         return str(Path(ref).expanduser().resolve())
     try:
         return str(exporter.find_source(ref).tokenizer_path)
-    except exporter.ExportError as exc:
+    except exporter.SourceError as exc:
         raise EndpointError(f"-m {ref}: not a model folder (config.json + safetensors) nor a run's checkpoint: "
                             f"{exc}") from None
 

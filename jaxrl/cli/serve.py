@@ -90,7 +90,7 @@ def load(ref: str, *, name: str | None = None, decode_slots: int = 32, seq_len: 
     else:
         try:
             source = export.find_source(ref, step, config)
-        except export.ExportError as exc:
+        except export.SourceError as exc:
             raise ServeError(f"{ref} is not a model folder (config.json + safetensors), a Hugging Face id nor a "
                              f"run's checkpoint: {exc}") from None
         model_path, tokenizer_path = source.model_path, source.tokenizer_path
@@ -108,7 +108,7 @@ def load(ref: str, *, name: str | None = None, decode_slots: int = 32, seq_len: 
     if source is not None:
         try:
             restored = export.restore_trained(source, mcfg)
-        except export.ExportError as exc:
+        except export.SourceError as exc:
             raise ServeError(str(exc)) from None
         if restored.base is not None:  # full fine-tuning: the checkpoint's weights replace the base
             base = jax.device_put(jax.tree.map(lambda x, b: x.astype(b.dtype), restored.base, base),

@@ -6,19 +6,25 @@ the student on its own rollouts with a dense per-token signal: for every sampled
 teacher_tau` and added to `adv_tau` times the reward advantage (`jaxrl.rl.losses.policy_loss`). The teacher
 is a frozen model scored in the train step (`model`), or an OpenAI-compatible server asked for the
 logprobs of the sampled tokens (`base_url` + `model_name`). Its tokenizer must be the student's: the
-logprobs are of the student's token ids, so a teacher of another vocabulary is refused here, at load
-(`vocabulary_mismatch`), not mid-run. No JAX import here.
+logprobs are of the student's token ids, so a teacher of another vocabulary is refused before the run
+trains: a local model folder here, at load (`vocabulary_mismatch`); a `gs://` one, a Hub id not yet
+downloaded and a jaxrl run when the run finds them (`jaxrl.run.teacher`); a server by a probe
+(`jaxrl.rl.teacher_client.check_server`). No JAX import here.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import Field, model_validator
 
 from jaxrl.config.base import BrokenRules, PathStr, Table
 from jaxrl.config.model_path import ModelNotFoundError, locate_model
+
+Reader = Callable[[str, str], "str | None"]
+"""`read(folder, name)`: the text of a tokenizer folder's file `name`, None when it has none."""
 
 
 class TeacherConfig(Table):
@@ -29,8 +35,10 @@ class TeacherConfig(Table):
     reference is), its weights placed and sharded on the run's mesh by the student's rules, in `[jax]
     dtype`: a Hugging Face folder (relative to the config file), `gs://` URL or Hub id
     (`owner/name[@revision]`, downloaded into the HF cache), found as `model` is
-    (`jaxrl.config.model_path`). Its architecture may differ from the student's (a larger Qwen3, dense or
-    MoE); its vocabulary may not. Not saved in checkpoints. Default None."""
+    (`jaxrl.config.model_path`); or, as `jaxrl serve` takes one, a local jaxrl run folder, its checkpoints
+    folder or one step's folder (`jaxrl.run.trained`: the latest step, or that step; its LoRA folded into
+    its run's base model, or its full fine-tuning weights). Its architecture may differ from the student's
+    (a larger Qwen3, dense or MoE); its vocabulary may not. Not saved in checkpoints. Default None."""
     base_url: str | None = None
     """An OpenAI-compatible server's base URL (`http://host:port/v1`) asked for the logprobs of each
     trained sample's tokens while the batch is assembled: vLLM (`prompt_logprobs` on `/v1/completions`) or
@@ -83,41 +91,49 @@ def teacher_rules(teacher: TeacherConfig | None, teacher_tau: float, adv_tau: fl
     return problems
 
 
-def vocabulary(folder: str | Path) -> dict[str, int]:
+def _read_local(folder: str, name: str) -> str | None:
+    """The text of the local file `folder/name`, None when there is none."""
+    path = Path(folder) / name
+    return path.read_text(encoding="utf-8") if path.is_file() else None
+
+
+def vocabulary(folder: str | Path, read: Reader = _read_local) -> dict[str, int]:
     """A tokenizer folder's vocabulary, token string -> id, read from its `tokenizer.json` (the model's
     vocabulary plus `added_tokens`), else `vocab.json` plus `added_tokens.json`: the files, no tokenizer
-    library (this runs at config load).
+    library (this runs at config load). `read(folder, name)` gives a file's text or None (default: a local
+    folder; the run reads `gs://` ones through `etils.epath`).
 
     Raises:
         ValueError: neither file exists, or it is not a tokenizer's JSON (naming the file).
     """
-    folder = Path(folder)
-    path = folder / "tokenizer.json"
+    folder = str(folder)
+    name, text = "tokenizer.json", read(folder, "tokenizer.json")
+    if text is None:
+        name, text = "vocab.json", read(folder, "vocab.json")
+    if text is None:
+        raise ValueError(f"no tokenizer in {folder} (neither tokenizer.json nor vocab.json)")
     try:
-        if path.is_file():
-            data = json.loads(path.read_text(encoding="utf-8"))
-            vocab = data["model"]["vocab"]
-            if isinstance(vocab, list):  # Unigram: [piece, score] pairs in id order
-                vocab = {piece: i for i, (piece, _) in enumerate(vocab)}
-            return {**vocab, **{t["content"]: t["id"] for t in data.get("added_tokens", [])}}
-        path = folder / "vocab.json"
-        vocab = json.loads(path.read_text(encoding="utf-8"))
-        added = folder / "added_tokens.json"
-        return {**vocab, **(json.loads(added.read_text(encoding="utf-8")) if added.is_file() else {})}
-    except FileNotFoundError:
-        raise ValueError(f"no tokenizer in {folder} (neither tokenizer.json nor vocab.json)") from None
+        if name == "vocab.json":
+            added = read(folder, "added_tokens.json")
+            return {**json.loads(text), **(json.loads(added) if added is not None else {})}
+        data = json.loads(text)
+        vocab = data["model"]["vocab"]
+        if isinstance(vocab, list):  # Unigram: [piece, score] pairs in id order
+            vocab = {piece: i for i, (piece, _) in enumerate(vocab)}
+        return {**vocab, **{t["content"]: t["id"] for t in data.get("added_tokens", [])}}
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path} is not a tokenizer's JSON ({type(exc).__name__}: {exc})") from None
+        raise ValueError(f"{folder}/{name} is not a tokenizer's JSON ({type(exc).__name__}: {exc})") from None
 
 
-def vocabulary_mismatch(student: str | Path, teacher: str | Path) -> str | None:
+def vocabulary_mismatch(student: str | Path, teacher: str | Path, read: Reader = _read_local) -> str | None:
     """Why the tokenizer folder `teacher` cannot teach a student whose tokenizer folder is `student` (one
     line: the sizes and the first token id they disagree on), or None when their vocabularies are equal.
+    `read` as `vocabulary`'s.
 
     Raises:
         ValueError: either folder holds no readable tokenizer (`vocabulary`).
     """
-    mine, theirs = vocabulary(student), vocabulary(teacher)
+    mine, theirs = vocabulary(student, read), vocabulary(teacher, read)
     if mine == theirs:
         return None
     by_id, their_by_id = {i: t for t, i in mine.items()}, {i: t for t, i in theirs.items()}
@@ -130,16 +146,18 @@ def vocabulary_mismatch(student: str | Path, teacher: str | Path) -> str | None:
 def teacher_file_problems(teacher: TeacherConfig | None, config_dir: Path,
                           student_tokenizer: str | None) -> list[tuple[str, str]]:
     """At load, without the network: `[jax.teacher] model` must be found (`locate_model`: a folder, `gs://`
-    URL or Hub id), and when it and the student's tokenizer folder (`student_tokenizer`, None when not
-    on this machine yet) are both local folders, their vocabularies must be equal (`vocabulary_mismatch`).
-    A Hub teacher not yet downloaded is compared when the run has it (`jaxrl.run.teacher`)."""
+    URL or Hub id), and when it is a local model folder (a `config.json`) and the student's tokenizer
+    folder (`student_tokenizer`, None when not on this machine yet) is local too, their vocabularies must
+    be equal (`vocabulary_mismatch`). A Hub teacher not yet downloaded, a `gs://` one and a jaxrl run or
+    checkpoint (whose tokenizer its run config names) are compared when the run finds them, before any
+    weight loads (`jaxrl.run.teacher`)."""
     if teacher is None or teacher.model is None:
         return []
     try:
         found = locate_model(teacher.model, config_dir)
     except ModelNotFoundError as exc:
         return [("jax.teacher.model", str(exc))]
-    if not isinstance(found, str) or found.startswith("gs://") or student_tokenizer is None:
+    if not isinstance(found, str) or not (Path(found) / "config.json").is_file() or student_tokenizer is None:
         return []
     try:
         reason = vocabulary_mismatch(student_tokenizer, found)

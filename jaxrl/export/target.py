@@ -21,12 +21,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from jaxrl.model.hf import umask_mode
+from jaxrl.run.trained import SourceError
 
 MANIFEST = ".jaxrl-export.json"
 KINDS = {"merged": "a merged model", "adapter": "a PEFT adapter"}
 
 
-class ExportError(Exception):
+class ExportError(SourceError):
     """An export that cannot be done: no such run or checkpoint, no config to read, a LoRA that the
     target format cannot hold, or a target folder it must not or cannot write. The message says which
     and what to do."""

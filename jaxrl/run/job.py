@@ -42,7 +42,7 @@ from jaxrl.run.metrics import MetricsLogger, trim_metrics
 from jaxrl.run.placement import Placement, trainer_mesh
 from jaxrl.run.serving import RunEnvs, Serving, params_dtype
 from jaxrl.run.signals import StopRequest, stop_on_signals
-from jaxrl.run.teacher import Teacher, check_vocabulary, load_teacher, teacher_path
+from jaxrl.run.teacher import Teacher, check_vocabulary, find_teacher, load_teacher
 
 
 @dataclasses.dataclass
@@ -179,8 +179,8 @@ class Job:
         model_path, tokenizer_path = resolve_model_path(cfg), resolve_tokenizer_path(cfg)
         in_process_teacher = jcfg.teacher is not None and jcfg.teacher.model is not None
         if in_process_teacher:
-            teacher_at = teacher_path(cfg)
-            check_vocabulary(cfg, tokenizer_path, teacher_at)
+            teacher_files = find_teacher(cfg)
+            check_vocabulary(cfg, tokenizer_path, teacher_files.tokenizer_path)
         t0 = time.perf_counter()
         try:
             self.model = ModelFiles(model_path, tokenizer_path, hf.load_config(model_path))
@@ -198,9 +198,9 @@ class Job:
                            f"({sum(x.size for x in jax.tree.leaves(self.base)) / 1e6:.1f}M params, {jcfg.dtype}), "
                            f"mesh {dict(mesh.shape)}, loaded in {time.perf_counter() - t0:.1f}s")
         if in_process_teacher:
-            self.teacher = load_teacher(cfg, mesh, self.dtype, teacher_at)
-            self.console.print(f"teacher {teacher_at} ({self.teacher.parameters / 1e6:.1f}M params, {jcfg.dtype}), "
-                               f"frozen on the trainer's mesh")
+            self.teacher = load_teacher(cfg, mesh, self.dtype, teacher_files)
+            self.console.print(f"teacher {teacher_files.describe()} ({self.teacher.parameters / 1e6:.1f}M params, "
+                               f"{jcfg.dtype}), frozen on the trainer's mesh", markup=False)
 
     def init_training(self) -> None:
         """The trainer (`[jax.loss]`, `[jax.optim]`, this job's `objective`), a fresh train state (a new

@@ -42,7 +42,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from jaxrl.config.env_file import load_env_file
-from jaxrl.config.schema import ConfigError, RunConfig
+from jaxrl.config.schema import ConfigError, RunConfig, resolve_tokenizer_path
 from jaxrl.envs import loader
 from jaxrl.parallel import distributed
 from jaxrl.rl import rollouts
@@ -54,6 +54,7 @@ from jaxrl.rl.train import make_batch
 from jaxrl.run.errors import RunError
 from jaxrl.run.job import Job
 from jaxrl.run.redaction import redact, secret_values
+from jaxrl.run.teacher import student_encoder
 
 PREFLIGHT_TIMEOUT_S = 300.0
 """Least time the pre-flight rollout gets: it loads the client's tokenizer, which a step's do not."""
@@ -144,12 +145,14 @@ class Run(Job):
     # -- setup and start ------------------------------------------------------------------------------------
 
     def setup(self) -> None:
-        """A server teacher's check (`check_server`; ConfigError, key `jax.teacher.base_url`, when it cannot
-        be used), `Job.setup`, then the example buffer over the environments and its state (the
-        checkpoint's, or fresh)."""
+        """A server teacher's check (`check_server`, its tokenizer probed against the student's; ConfigError,
+        key `jax.teacher.base_url`, when it cannot be used), `Job.setup`, then the example buffer over the
+        environments and its state (the checkpoint's, or fresh)."""
         if self.server_teacher:
+            tokenizer = resolve_tokenizer_path(self.cfg)
+            encode = student_encoder(self.cfg, tokenizer)
             try:  # before anything loads: a server that is down is one line, not a failed first step
-                asyncio.run(check_server(self.cfg.jax.teacher))
+                asyncio.run(check_server(self.cfg.jax.teacher, encode, tokenizer))
             except TeacherUnavailable as exc:
                 raise ConfigError(self.cfg.source, [("jax.teacher.base_url", str(exc))]) from None
         super().setup()
