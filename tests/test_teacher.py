@@ -275,6 +275,15 @@ def _a_run_teaches(tmp_path, student, run_dir):
         find_teacher(load_config(_toml(tmp_path, student, 'model = "neither"')))
     assert str(err.value).count("\n") == 0 and "jax.teacher.model: the teacher " in str(err.value)
     assert "is neither a model folder (config.json + safetensors) nor a jaxrl run or checkpoint" in str(err.value)
+    other = _other_tokenizer(tmp_path, student)  # `jaxrl validate` compares a run teacher's tokenizer
+    path = tmp_path / "other-student.toml"
+    path.write_text(f'model = "{student}"\n[[env]]\nid = "jaxrl/lowercase"\n[jax]\ntokenizer_path = "{other}"\n'
+                    f'[jax.loss]\nteacher_tau = 1.0\nadv_tau = 0.0\n[jax.teacher]\nmodel = "{run_dir}/checkpoints/2"\n')
+    done = jaxrl("validate", path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    line, = done.stderr.strip().splitlines()
+    assert line.startswith(f"{path}: jax.teacher.model: the teacher's tokenizer ({student}, ")
+    assert f"is not the student's ({other}, " in line
 
 
 def qwen3_hf_weights(folder):

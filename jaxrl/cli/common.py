@@ -13,8 +13,10 @@ import typer
 from rich.console import Console
 
 from jaxrl.config.env_file import load_env_file
-from jaxrl.config.model_path import HubModel
+from jaxrl.config.model_path import HubModel, locate_model
 from jaxrl.config.schema import ConfigError, RunConfig, load_config, locate_model_path, no_effect_notes
+from jaxrl.config.teacher import vocabulary_mismatch
+from jaxrl.run.layout import run_tokenizer_path
 
 out = Console(soft_wrap=True, highlight=False)
 err = Console(stderr=True, soft_wrap=True, highlight=False)
@@ -57,6 +59,29 @@ def check_model(cfg: RunConfig) -> str | HubModel:
         return locate_model_path(cfg)
     except ConfigError as exc:
         raise fail(str(exc)) from None
+
+
+def check_run_teacher(cfg: RunConfig, model: str | HubModel) -> None:
+    """A `[jax.teacher] model` that is a local jaxrl run, checkpoints or step folder: its run's tokenizer
+    (as its run config recorded it) must be the student's (`vocabulary_mismatch`; the student's folder:
+    `[jax] tokenizer_path`, else `model`, the weights `check_model` found); exit 2 with one line where it
+    is not. Model folders are compared when the config loads; `gs://`, Hub and server teachers when
+    `jaxrl run` starts."""
+    teacher = cfg.jax.teacher
+    if teacher is None or teacher.model is None:
+        return
+    found = locate_model(teacher.model, cfg.config_dir)
+    if not isinstance(found, str) or found.startswith("gs://") or (Path(found) / "config.json").is_file():
+        return
+    student = str(cfg.config_dir / cfg.jax.tokenizer_path) if cfg.jax.tokenizer_path else model
+    if not isinstance(student, str) or student.startswith("gs://"):
+        return
+    try:
+        reason = vocabulary_mismatch(student, run_tokenizer_path(Path(found)))
+    except ValueError as exc:
+        reason = f"{found} is neither a model folder (config.json + safetensors) nor a jaxrl run or checkpoint: {exc}"
+    if reason:
+        raise fail(f"{cfg.source}: jax.teacher.model: {reason}")
 
 
 def parse_mesh(text: str) -> dict[str, int]:

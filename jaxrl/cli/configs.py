@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from jaxrl.cli.common import ConfigPath, check_model, err, fail, load_run_config, out, parse_mesh
+from jaxrl.cli.common import ConfigPath, check_model, check_run_teacher, err, fail, load_run_config, out, parse_mesh
 from jaxrl.config.model_path import hf_cache_dir, hub_endpoint
 from jaxrl.config.starter import STARTER_TOML
 from jaxrl.model import catalog
@@ -29,6 +29,7 @@ def validate(path: ConfigPath) -> None:
     cfg = load_run_config(path)
     out.print_json(data=cfg.model_dump(mode="json"))
     found = check_model(cfg)
+    check_run_teacher(cfg, found)
     err.print(f"model weights: {found if isinstance(found, str) else found.describe()}", markup=False)
 
 

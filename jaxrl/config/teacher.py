@@ -7,8 +7,9 @@ teacher_tau` and added to `adv_tau` times the reward advantage (`jaxrl.rl.losses
 is a frozen model scored in the train step (`model`), or an OpenAI-compatible server asked for the
 logprobs of the sampled tokens (`base_url` + `model_name`). Its tokenizer must be the student's: the
 logprobs are of the student's token ids, so a teacher of another vocabulary is refused before the run
-trains: a local model folder here, at load (`vocabulary_mismatch`); a `gs://` one, a Hub id not yet
-downloaded and a jaxrl run when the run finds them (`jaxrl.run.teacher`); a server by a probe
+trains: a local model folder here, at load (`vocabulary_mismatch`); a jaxrl run by `jaxrl validate`
+(`jaxrl.cli.common.check_run_teacher`); a `gs://` folder, a Hub id not yet downloaded and a jaxrl run
+when the run finds them (`jaxrl.run.teacher`); a server by a probe
 (`jaxrl.rl.teacher_client.check_server`). No JAX import here.
 """
 

@@ -101,3 +101,29 @@ def read_run_config(run_dir: Path) -> dict[str, Any]:
         ValueError: it is not JSON (json.JSONDecodeError).
     """
     return json.loads(run_config_path(run_dir).read_text(encoding="utf-8"))
+
+
+def split_run_folder(folder: Path) -> tuple[Path, str | None, int | None]:
+    """`(run folder, checkpoints folder or None for the run's own, step or None for the latest)` of a local
+    run folder (it holds the run config or `checkpoints/`), one step's folder (`<run>/checkpoints/12`) or a
+    checkpoints folder (`<run>/checkpoints`). Reads no file but the two it tests for."""
+    if run_config_path(folder).is_file() or (folder / CHECKPOINTS).is_dir():
+        return folder, None, None
+    if folder.name.isdigit():
+        return folder.parent.parent, str(folder.parent), int(folder.name)
+    return folder.parent, str(folder), None
+
+
+def run_tokenizer_path(folder: Path) -> str:
+    """The tokenizer folder of the run that a run, checkpoints or step folder (`split_run_folder`) belongs
+    to, as its run config recorded it (`resolved.tokenizer_path`).
+
+    Raises:
+        ValueError: the run has no readable run config (naming the file).
+    """
+    run_dir = split_run_folder(folder)[0]
+    try:
+        return str(read_run_config(run_dir)["resolved"]["tokenizer_path"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"no run config for {folder}: {run_config_path(run_dir)} cannot be read "
+                         f"({type(exc).__name__}); `jaxrl run` writes it") from None

@@ -23,7 +23,7 @@ from jaxrl.rl.train import TrainState, make_optimizer
 from jaxrl.run import gcs
 from jaxrl.run.checkpoint import Checkpointer, CheckpointError
 from jaxrl.run.identity import identity_mismatch, model_identity
-from jaxrl.run.layout import CHECKPOINTS, checkpoint_dir_of, read_run_config, run_config_path
+from jaxrl.run.layout import checkpoint_dir_of, read_run_config, run_config_path, split_run_folder
 
 
 class SourceError(Exception):
@@ -93,12 +93,7 @@ def find_source(ref: str, step: int | None = None, config: str | Path | None = N
         p = Path(ref).expanduser().resolve()
         if not p.is_dir():
             raise SourceError(f"{ref} is not a folder (expected a run folder, a checkpoint folder or a step's)")
-        if run_config_path(p).is_file() or (p / CHECKPOINTS).is_dir():  # a run folder
-            run_dir, ckpt_dir, path_step = p, None, None
-        elif p.name.isdigit():  # one step of `<run>/checkpoints`
-            run_dir, ckpt_dir, path_step = p.parent.parent, str(p.parent), int(p.name)
-        else:  # `<run>/checkpoints`
-            run_dir, ckpt_dir, path_step = p.parent, str(p), None
+        run_dir, ckpt_dir, path_step = split_run_folder(p)
         if run_cfg is None:
             if (found := _run_source(run_dir)) is None:
                 raise SourceError(f"no run config for {ref}: {run_config_path(run_dir)} does not exist (`jaxrl run` "
