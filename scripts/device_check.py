@@ -15,9 +15,10 @@ fails, out of memory say, is reported and the next runs):
   * train steps, random weights, bf16, remat, one micro-batch: Qwen3-0.6B and Qwen3-4B shapes, LoRA r16 on
     the 7 projections and full fine-tuning (float32 master weights, AdamW), tokens/s and MFU;
   * decode steps (`Engine.generate`, greedy, LoRA on) at 8 / 64 / 256 slots with every slot at each of
-    `--decode-positions` (512 and 4,096) of a cache twice as long, dense and paged (`decode_step`: the
-    paged pool sized to the positions in use), Qwen3-0.6B then Qwen3-4B: tokens/s and the step's bytes
-    over the chip's HBM bandwidth (a dense cache that cannot fit the device is reported, not tried);
+    `--decode-positions` (512 and 4,096) of a cache twice as long, dense, paged read by the gather and
+    paged read by the platform's Pallas kernel (`CACHES`; `decode_step`: the paged pool sized to the
+    positions in use), Qwen3-0.6B then Qwen3-4B: tokens/s and the step's bytes over the chip's HBM
+    bandwidth (a dense cache that cannot fit the device is reported, not tried);
   * an RL run end to end (`rl_step`): a Qwen3-0.6B-shaped random checkpoint, the shipped `jaxrl/lowercase`
     environment, 64 rollouts of up to 512 tokens a step, synchronous: each step's generation, train,
     weight-update and environment seconds from its metrics, and generation's share of the step;
@@ -55,6 +56,9 @@ import numpy as np  # noqa: E402
 
 from jaxrl.inference.engine import Engine  # noqa: E402
 from jaxrl.kv.dense import Dense  # noqa: E402
+from jaxrl.kv.paged import Paged  # noqa: E402
+from jaxrl.kv.pallas import PagedPallas  # noqa: E402
+from jaxrl.kv.triton import PagedTriton  # noqa: E402
 from jaxrl.model import attention, kernels, modules  # noqa: E402
 from jaxrl.model.config import ModelConfig  # noqa: E402
 from jaxrl.parallel.sharding import make_mesh, spec_shardings  # noqa: E402
@@ -162,22 +166,40 @@ def train_step(name: str, cfg: ModelConfig, b: int, t: int, full: bool, peak: fl
             "mfu": flops / s / peak}
 
 
+CACHES = ("dense", "paged", "paged-kernel")
+"""The decode rows' caches: `Dense`; the paged pool read by the gather reference (`Paged`); the same pool read
+by the platform's Pallas kernel (`PagedPallas` on TPU, else `PagedTriton`: on CPU in interpret mode, --smoke).
+`jaxrl.model.kernels.PAGED_KERNEL_ON_GPU` waits for the two paged rows' figures on a GPU."""
+
+
+def cache_kind(cache: str, cfg: ModelConfig, slots: int, seq: int, pool: int):
+    """The `jaxrl.kv` kind of decode row `cache` (`CACHES`), `slots` x `seq` positions, a pool of `pool`."""
+    match cache:
+        case "dense":
+            return Dense(cfg, slots, seq)
+        case "paged":
+            return Paged(cfg, slots, seq, pool)
+        case "paged-kernel":
+            return (PagedPallas if jax.devices()[0].platform == "tpu" else PagedTriton)(cfg, slots, seq, pool)
+    raise ValueError(f"unknown decode cache {cache!r}; expected one of {CACHES}")
+
+
 def decode_step(name: str, cfg: ModelConfig, slots: int, pos: int, bw: float, reps: int,
-                paged: bool = False) -> dict:
+                cache_name: str = "dense") -> dict:
     """Tokens/s of one decode step with every slot at position `pos` of a cache of 2 * `pos` positions, and
-    its bytes over HBM bandwidth; `paged`: over the paged cache, a pool sized to the positions in use
-    (`slots` x (`pos` + 128): each slot's pages of positions [0, pos) assigned, their contents zeros as the
-    dense cache's). A dense cache that would not fit the device's memory is not tried (`too_big`)."""
+    its bytes over HBM bandwidth, over the cache `cache_name` (`CACHES`): a paged one holds a pool sized to
+    the positions in use (`slots` x (`pos` + 128): each slot's pages of positions [0, pos) assigned, their
+    contents zeros as the dense cache's). A dense cache that would not fit the device's memory is not tried
+    (`too_big`)."""
     seq = 2 * pos
+    paged = cache_name != "dense"
     cache = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # bytes a position holds, bf16
     if not paged and (reason := too_big(cache * seq * slots + 2 * matmul_weights(cfg))):
         return {"section": "decode", "cache": "dense", "shape": name, "slots": slots, "position": pos,
                 "skipped": reason}
     mesh, base, lora = build(cfg, jnp.bfloat16)
-    # the dense rows ask for the dense cache: with no kv_cache_tokens an accelerator's engine is paged
     engine = Engine(cfg, mesh, max_concurrent_decodes=slots, max_seq_len=seq, lora_scale=1.0,
-                    cache_dtype=jnp.bfloat16, kv_cache_tokens=slots * (pos + 128) if paged else None,
-                    kv=None if paged else Dense(cfg, slots, seq))
+                    cache_dtype=jnp.bfloat16, kv=cache_kind(cache_name, cfg, slots, seq, slots * (pos + 128)))
     params = engine.prepare({"base": base, "lora": lora})
     for slot in range(slots if paged else 0):
         engine.pages.assign(slot, pos, pos)
@@ -195,7 +217,7 @@ def decode_step(name: str, cfg: ModelConfig, slots: int, pos: int, bw: float, re
     s = _best(one, reps)
     weights = 2 * (matmul_weights(cfg) + sum(int(np.prod(x.shape)) for x in jax.tree.leaves(lora)))
     in_use = cache * pos * slots
-    return {"section": "decode", "cache": "paged" if paged else "dense", "shape": name, "slots": slots,
+    return {"section": "decode", "cache": cache_name, "kv": type(engine.kv).__name__, "shape": name, "slots": slots,
             "position": pos, "cache_positions": seq, "first_step_s": first,
             "step_s": s, "tokens_per_s": slots / s, "bytes_per_step": weights + in_use,
             "hbm_share": (weights + in_use) / s / bw}
@@ -310,23 +332,23 @@ def jobs_for(args: argparse.Namespace, peak: float, bw: float, workdir: Path) ->
         return (f"train {name} {'full' if full else 'lora'} {b}x{t}",
                 lambda: train_step(shape(name), SHAPES[shape(name)], b, t, full, peak, args.reps))
 
-    def decode(name, paged):
-        return [(f"decode {'paged' if paged else 'dense'} {name} {s} slots position {p}",
-                 functools.partial(decode_step, shape(name), SHAPES[shape(name)], s, p, bw, args.reps, paged))
-                for p in positions for s in slots]
+    def decode(name):
+        return [(f"decode {cache} {name} {s} slots position {p}",
+                 functools.partial(decode_step, shape(name), SHAPES[shape(name)], s, p, bw, args.reps, cache))
+                for cache in CACHES for p in positions for s in slots]
 
     def attn(t, impl):
         return f"attention {impl} {t}", lambda: attention_alone(t, impl, peak, args.reps, args.smoke)
 
     first, second = names
-    jobs = [train(first, rows, seq, False), *decode(first, False), *decode(first, True),
+    jobs = [train(first, rows, seq, False), *decode(first),
             (f"rl {first}", lambda: rl_step(shape(first), SHAPES[shape(first)], workdir, args.smoke))]
     # the kernels against the [N, T, S] scores (xla, einsum: 8 GiB of float32 scores at 8k, 128 at 32k)
     jobs += [attn(t, i) for t in dict.fromkeys(lengths) for i in impls if i == impls[0] or t <= lengths[1]]
     if args.smoke:  # the second shape's rows run the same code: one of each kind is enough
         return [*jobs, train(first, 1, lengths[-1], False), train(first, rows, seq, True)]
     jobs += [train(second, rows, seq, False), train(second, 1, lengths[-1], False)]  # one 32k-token sequence
-    jobs += [*decode(second, False), *decode(second, True)]
+    jobs += decode(second)
     return jobs + [train(n, rows, seq, True) for n in names]
 
 

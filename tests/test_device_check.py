@@ -1,6 +1,8 @@
-"""`scripts/device_check.py --smoke`: every kind of row the GPU check runs (train LoRA and full, dense and paged
-decode, attention, an RL run end to end with a shipped environment), each once at a tiny shape on CPU, so the
-script a device session runs cannot rot while no device is at hand. No figure is judged (CPU timings)."""
+"""`scripts/device_check.py --smoke`: every kind of row the GPU check runs (train LoRA and full, decode over
+the dense cache, the paged pool read by the gather and by the Pallas kernel (the GPU's Triton kernel, here in
+interpret mode), attention, an RL run end to end with a shipped environment), each once at a tiny shape on
+CPU, so the script a device session runs cannot rot while no device is at hand. No figure is judged (CPU
+timings)."""
 
 import json
 import subprocess
@@ -18,7 +20,9 @@ def test_device_check_smoke_runs_every_kind_of_row(tmp_path):
     assert not [r for r in rows if "failed" in r or "skipped" in r], done.stdout + done.stderr
     kinds = {(r["section"], r.get("kind") or r.get("cache") or r.get("impl")) for r in rows[1:]}
     assert kinds == {("train", "lora r16"), ("train", "full"), ("decode", "dense"), ("decode", "paged"),
-                     ("attention", "xla"), ("attention", "einsum"), ("rl", None)}
+                     ("decode", "paged-kernel"), ("attention", "xla"), ("attention", "einsum"), ("rl", None)}
+    assert {r["cache"]: r["kv"] for r in rows[1:] if r["section"] == "decode"} == \
+        {"dense": "Dense", "paged": "Paged", "paged-kernel": "PagedTriton"}
     for r in rows[1:]:
         if r["section"] == "decode":
             assert r["tokens_per_s"] > 0 and r["hbm_share"] > 0 and r["bytes_per_step"] > 0

@@ -1,6 +1,7 @@
 """What the engine, its decode step and its scheduler ask of a KV cache: `CacheKind`, the interface each
 kind in this package implements (`jaxrl.kv.dense.Dense`, `jaxrl.kv.chunked.Chunked`, `jaxrl.kv.paged.Paged`,
-`jaxrl.kv.pallas.PagedPallas`), of which `jaxrl.kv.pick.pick` chooses one from the placement.
+`jaxrl.kv.pallas.PagedPallas`, `jaxrl.kv.triton.PagedTriton`), of which `jaxrl.kv.pick.pick` makes the one
+`jaxrl.model.kernels.cache_kind` names for the placement.
 
 A kind is a value (a frozen dataclass): its shapes follow from the model, the slots and the positions it
 was made for; what changes per compiled step (the chunks a step reads, the mesh its kernel runs on) is

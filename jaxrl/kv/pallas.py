@@ -33,7 +33,11 @@ class PagedPallas(Paged):
     attention the Pallas kernel inside `shard_map` on the step's mesh (`kernel_attention`: heads split as
     the pool is; the pool is never split by slot, so slots share pages). The kernel reads pages in bfloat16
     (it casts what it loads), so a float32 pool attends at bfloat16 precision. It reads each slot's own
-    length: one compiled step (`chunks` None)."""
+    length: one compiled step (`chunks` None). `interpret`: Pallas interpret mode (None: on a CPU mesh,
+    `jaxrl.model.kernels.interpret`; False lowers the kernel itself from any host, for its accelerator).
+    A subclass runs another kernel over the same pool by its own `page_attention` (`jaxrl.kv.triton`)."""
+
+    interpret: bool | None = None
 
     def chunks(self, positions: int) -> None:
         return None
@@ -50,39 +54,55 @@ class PagedPallas(Paged):
                  for n, x in (("k", k_BKH), ("v", v_BKH))}
         b, k, g, h = q_BKGH.shape
         out_BNH = kernel_attention(q_BKGH.reshape(b, k * g, h), pools["k"], pools["v"], positions_B + 1,
-                                   table_BN, layer, self.mesh)
+                                   table_BN, layer, self.mesh, kernel=self.page_attention, interpret=self.interpret)
         return out_BNH.reshape(b, k, g, h), {**cache, **pools}
 
     def write(self, cache: KVCache, k_LBKH, v_LBKH, positions_B) -> KVCache:
         """Nothing: every layer wrote its own (`attend_layer`)."""
         return cache
 
+    @staticmethod
+    def page_attention(q_BNH, k_KXCH, v_KXCH, lengths_B, table_BN, *, interpret: bool) -> jax.Array:
+        """The kernel each chip runs over the pool's pages (`tpu_page_attention`)."""
+        return tpu_page_attention(q_BNH, k_KXCH, v_KXCH, lengths_B, table_BN, interpret=interpret)
 
-def _kernel_local(q_BNH, k_KLPCH, v_KLPCH, lengths_B, table_BN, layer, *, interpret: bool) -> jax.Array:
-    """The kernel over the arrays one chip holds: the pool seen as [K, L * P, page, H], layer `layer`'s pages
-    by index, the table padded with scratch entries to whole compute blocks."""
-    k, layers, p, page, h = k_KLPCH.shape
-    block = max(1, KERNEL_BLOCK // page)
+
+def tpu_page_attention(q_BNH: jax.Array, k_KXCH: jax.Array, v_KXCH: jax.Array, lengths_B: jax.Array,
+                       table_BN: jax.Array, *, interpret: bool) -> jax.Array:
+    """JAX's Pallas TPU paged attention of each slot's query (q [B, N, H], pre-scaled) over positions
+    0 .. `lengths_B` - 1 (int32 [B]) of its pages `table_BN` (int32 [B, N], indices into X) of the pools
+    [K, X, page, H]: [B, N, H]. The table is padded with entries of page 0 to whole compute blocks of
+    `KERNEL_BLOCK` positions (past every length: never read)."""
+    block = max(1, KERNEL_BLOCK // k_KXCH.shape[2])
     n = table_BN.shape[1]
-    table_BN = jnp.pad(table_BN, ((0, 0), (0, -n % block))) + layer * p
-    run = functools.partial(paged_attention, pages_per_compute_block=block)
-    args = (q_BNH, k_KLPCH.reshape(k, layers * p, page, h), v_KLPCH.reshape(k, layers * p, page, h),
-            lengths_B.astype(jnp.int32), table_BN)
+    run = functools.partial(paged_attention, q_BNH, k_KXCH, v_KXCH, lengths_B,
+                            jnp.pad(table_BN, ((0, 0), (0, -n % block))), pages_per_compute_block=block)
     if interpret:
         with pltpu.force_tpu_interpret_mode():
-            return run(*args)
-    return run(*args)
+            return run()
+    return run()
+
+
+def _kernel_local(q_BNH, k_KLPCH, v_KLPCH, lengths_B, table_BN, layer, *, kernel, interpret: bool) -> jax.Array:
+    """`kernel` over the arrays one chip holds: the pool seen as [K, L * P, page, H], layer `layer`'s pages
+    by index."""
+    k, layers, p, page, h = k_KLPCH.shape
+    return kernel(q_BNH, k_KLPCH.reshape(k, layers * p, page, h), v_KLPCH.reshape(k, layers * p, page, h),
+                  lengths_B.astype(jnp.int32), table_BN + layer * p, interpret=interpret)
 
 
 def kernel_attention(q_BNH: jax.Array, k_KLPCH: jax.Array, v_KLPCH: jax.Array, lengths_B: jax.Array,
-                     table_BN: jax.Array, layer, mesh: Mesh | None) -> jax.Array:
+                     table_BN: jax.Array, layer, mesh: Mesh | None, *, kernel=tpu_page_attention,
+                     interpret: bool | None = None) -> jax.Array:
     """Attention of each slot's query (q [B, N, H], pre-scaled: the kernel has no scale) over positions
     0 .. `lengths_B` - 1 of its pages `table_BN` at layer `layer` (int32 scalar) of the pools [K, L, P,
     page, H]: [B, N, H] in q's dtype. On `mesh` (None: one device) inside `shard_map`: the kv and query
     heads split as the pool is (`POOL_AXES`: `tensor`, then the batch axes, as many as divide K), each chip
     attending every slot over its heads, except over the batch axes the heads leave free, which split the
-    slots (where they divide B). Interpret mode on a CPU mesh."""
-    local = functools.partial(_kernel_local, interpret=kernels.interpret(mesh))
+    slots (where they divide B). `kernel`: the paged attention each chip runs (`tpu_page_attention`'s
+    signature); `interpret`: in Pallas interpret mode (None: on a CPU mesh)."""
+    interpret = kernels.interpret(mesh) if interpret is None else interpret
+    local = functools.partial(_kernel_local, kernel=kernel, interpret=interpret)
     layer = jnp.asarray(layer, jnp.int32)
     if mesh is None or mesh.size == 1:
         return local(q_BNH, k_KLPCH, v_KLPCH, lengths_B, table_BN, layer)
