@@ -251,6 +251,7 @@ def _a_run_teaches(tmp_path, student, run_dir):
     """A real run's folder as `[jax.teacher] model` (found as `jaxrl serve` takes it): its latest checkpoint
     (step 3), its LoRA folded into its base weights, scores as the run's own forward pass with the LoRA
     does; a folder that is neither a model nor a run is one line."""
+    from jaxrl.compile.architecture import teacher_model_of
     from jaxrl.export import exporter
     from jaxrl.run.teacher import check_vocabulary, find_teacher, load_teacher
 
@@ -259,6 +260,8 @@ def _a_run_teaches(tmp_path, student, run_dir):
     assert (files.where, files.run.step, files.tokenizer_path) == (str(run_dir), 3, str(student))
     assert files.describe() == f"{run_dir} (checkpoint step 3: LoRA r4 folded into {student})"
     check_vocabulary(cfg, str(student), files.tokenizer_path)
+    with pytest.raises(ConfigError, match="jaxrl compile` reads a teacher's architecture from a model folder"):
+        teacher_model_of(cfg)  # a run has no config.json of its own: one line, not a traceback
     mesh = make_mesh({})
     teacher = load_teacher(cfg, mesh, jnp.float32, files)
     mcfg, base = teacher.config, qwen3_hf_weights(student)

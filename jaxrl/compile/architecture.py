@@ -49,7 +49,8 @@ def model_of(cfg: RunConfig) -> ModelConfig:
 def teacher_model_of(cfg: RunConfig) -> ModelConfig | None:
     """An in-process teacher's architecture (`[jax.teacher] model`), found as `model_of` finds the student's
     (its folder, the HF cache, the catalogue, the Hub's `config.json`); None without one or with a server
-    teacher. Raises ConfigError as `model_of` does, under the key `jax.teacher.model`."""
+    teacher. Raises ConfigError as `model_of` does, under the key `jax.teacher.model`, and for a jaxrl run
+    named as the teacher (no `config.json` of its own)."""
     teacher = cfg.jax.teacher
     if teacher is None or teacher.model is None:
         return None
@@ -60,3 +61,8 @@ def teacher_model_of(cfg: RunConfig) -> ModelConfig | None:
         return model_of(as_model)
     except ConfigError as exc:
         raise ConfigError(cfg.source, [("jax.teacher.model", reason) for _, reason in exc.problems]) from None
+    except FileNotFoundError as exc:  # a jaxrl run's folder: its architecture is its base model's
+        raise ConfigError(cfg.source, [("jax.teacher.model", f"{exc}: `jaxrl compile` reads a teacher's "
+                                        "architecture from a model folder, gs:// URL or Hub id; for a jaxrl run "
+                                        "as the teacher, compile with its base model (or its export) named")]) \
+            from None
