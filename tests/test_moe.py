@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.model import blocks, decoder, hf, modules, moe
+from jaxrl.model import blocks, decoder, hf, modules, moe, moe_all_to_all
 from jaxrl.model.config import ModelConfig
 from jaxrl.parallel.sharding import make_mesh, spec_shardings
 from jaxrl.parallel.spec import is_spec
@@ -194,8 +194,11 @@ MESHES = [{"fsdp": 8}, {"data": 2, "fsdp": 4}, {"data": 2, "fsdp": 2, "tensor": 
 
 @pytest.mark.parametrize("moe_model", [False, True], ids=["dense", "moe"])
 def test_same_logits_and_gradients_on_every_mesh(moe_model):
-    """LoRA on every projection (experts included); expert parallelism where the mesh has an expert axis."""
+    """LoRA on every projection (experts included); expert parallelism where the mesh has an expert axis, by
+    either dispatcher (the model's own choice: all-gather on expert 2, all-to-all on expert 4)."""
     cfg = _tiny_cfg(moe_model)
+    chosen = {moe.choose_dispatch(make_mesh(s), 2, tokens_split=True) for s in MESHES if "expert" in s}
+    assert chosen == set(moe.Dispatch)
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     params = modules.init_params(cfg, jax.random.key(0))
     params = jax.tree.map(lambda x: x * 5 if x.ndim == 3 and x.shape[-1] == cfg.num_experts else x, params)
@@ -245,3 +248,74 @@ def test_from_hf_reads_moe_fields(tmp_path: Path):
     cfg = hf.load_config(tmp_path)
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (4, 2, 24, True)
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+
+
+def test_emulated_ragged_all_to_all_gives_the_documented_example():
+    """`moe_all_to_all.ragged_all_to_all` on a CPU mesh (XLA:CPU has no ragged all-to-all: a dense all-to-all of
+    padded slices) against the worked example of `jax.lax.ragged_all_to_all`'s docstring (an axis of 2), with
+    rows of two values; and its gradient: each sent row gets the cotangent of the row it landed on, an unsent
+    row none."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("expert",))
+    operand = jnp.array([[1, 2, 2], [3, 4, 0]], jnp.float32)[..., None] * jnp.array([[[1.0, 10.0]]])  # [device, 3, 2]
+    offsets = {"input": [[0, 1], [0, 1]], "send": [[1, 2], [1, 1]], "output": [[0, 0], [1, 2]],
+               "recv": [[1, 1], [2, 1]]}
+    ints = [jnp.array(offsets[k], jnp.int32) for k in ("input", "send", "output", "recv")]
+    cotangent = jnp.arange(16, dtype=jnp.float32).reshape(2, 4, 2)
+
+    def one(operand, input_offsets, send_sizes, output_offsets, recv_sizes):
+        got = moe_all_to_all.ragged_all_to_all(operand[0], jnp.zeros((4, 2)), input_offsets[0], send_sizes[0],
+                                               output_offsets[0], recv_sizes[0], axis_name="expert", emulate=True)
+        return got[None]
+
+    spec = jax.sharding.PartitionSpec("expert")
+    exchange = jax.jit(jax.shard_map(one, mesh=mesh, in_specs=spec, out_specs=spec))
+    got = exchange(operand, *ints)
+    want = jnp.array([[1, 3, 0, 0], [2, 2, 4, 0]], jnp.float32)[..., None] * jnp.array([[[1.0, 10.0]]])
+    np.testing.assert_array_equal(got, want)
+    grad = jax.grad(lambda x: jnp.sum(exchange(x, *ints) * cotangent))(operand)
+    # device 0 sent its row 0 to device 0's row 0, rows 1-2 to device 1's rows 0-1; device 1 its row 0 to
+    # device 0's row 1 and its row 1 to device 1's row 2; device 1's row 2 stayed home
+    np.testing.assert_array_equal(grad, jnp.stack([cotangent[0, 0], cotangent[1, 0], cotangent[1, 1], cotangent[0, 1],
+                                                   cotangent[1, 2], jnp.zeros(2)]).reshape(2, 3, 2))
+
+
+@pytest.mark.parametrize("mesh_shape", [{"data": 2, "expert": 4}, {"fsdp": 2, "tensor": 2, "expert": 2},
+                                        {"expert": 8}], ids=["data2-expert4", "fsdp2-tensor2-expert2", "expert8"])
+def test_all_to_all_dispatch_gives_the_all_gather_outputs_and_gradients(mesh_shape):
+    """The ragged all-to-all dispatcher against the all-gather one on the same expert mesh: outputs and the LoRA
+    and input gradients, in one chunk and in several (each chunk its own exchange)."""
+    we, lwe, router = _random_experts()
+    h_BTD = jax.random.normal(jax.random.key(3), (8, 8, 16))
+    mesh = make_mesh(mesh_shape)
+
+    def loss(h, lwe, dispatch, per_chunk):
+        out = moe.moe_block(h, router, we, lwe, top_k=3, norm_topk_prob=True, lora_scale=0.5, mesh=mesh,
+                            assignments_per_chunk=per_chunk, expert_dispatch=dispatch)
+        return jnp.sum(out ** 2), out
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=(2, 3))
+    (_, want), want_grads = step(h_BTD, lwe, moe.Dispatch.ALL_GATHER, 10**6)
+    ep, tokens = mesh_shape["expert"], 64 // (mesh.size // mesh.shape["tensor"])  # a device's tokens
+    assert moe.chunk_count(tokens, ep * min(8 // ep, 3), 16) > 1
+    for per_chunk in (10**6, 16):
+        (_, got), grads = step(h_BTD, lwe, moe.Dispatch.ALL_TO_ALL, per_chunk)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_choose_dispatch():
+    """The all-to-all where a token's X rows cost less than the all-gather's ep - 1 copies (X < ep), only for
+    tokens split over the expert axis, and only where XLA compiles it (not on v5e slices over 16 chips)."""
+    from jaxrl.compile import slices
+
+    def mesh(slice_name, **shape):
+        return make_mesh(shape, slices.topology_devices(slices.parse_slice(slice_name)))
+
+    v5p_8, v5e_16, v5e_32 = mesh("v5p-8", expert=4), mesh("v5litepod-16", expert=16), mesh("v5litepod-32", expert=32)
+    assert moe.choose_dispatch(v5p_8, 8, tokens_split=True) is moe.Dispatch.ALL_GATHER  # Qwen3-30B-A3B
+    assert moe.choose_dispatch(v5p_8, 2, tokens_split=True) is moe.Dispatch.ALL_TO_ALL
+    assert moe.choose_dispatch(v5e_16, 8, tokens_split=True) is moe.Dispatch.ALL_TO_ALL
+    assert moe.choose_dispatch(v5e_16, 8, tokens_split=False) is moe.Dispatch.ALL_GATHER
+    assert moe.choose_dispatch(v5e_32, 8, tokens_split=True) is moe.Dispatch.ALL_GATHER  # refused by XLA there
+    assert moe.choose_dispatch(make_mesh({"data": 2, "expert": 4}), 2, tokens_split=True) is moe.Dispatch.ALL_TO_ALL

@@ -9,7 +9,9 @@ jaxrl/model, jaxrl/inference and `jaxrl.kv.pick` for platform names and finds th
     accelerator, read by a Pallas kernel on TPU, by the gather reference on GPU (its Pallas Triton kernel
     behind `PAGED_KERNEL_ON_GPU`); the CPU's chunked cache;
   * `sampler_search`: how the sampler finds its top_k / top_p thresholds (`jaxrl.inference.sampling`);
-  * `interpret`: whether a Pallas kernel runs in interpret mode (on a CPU mesh: the tests).
+  * `interpret`: whether a Pallas kernel runs in interpret mode (on a CPU mesh: the tests);
+  * `ragged_all_to_all`: how the MoE block's ragged all-to-all runs (`jaxrl.model.moe_all_to_all`): XLA's
+    collective, the CPU's emulation, or not at all where XLA's TPU compiler refuses it.
 
 The platform is that of the mesh's devices (`platform_of`), not `jax.default_backend()`: `jaxrl compile`
 traces TPU programs on a CPU host, over a TPU topology's devices.
@@ -55,6 +57,21 @@ class Search(enum.Enum):
     TOP_K = "top_k"
 
 
+class Ragged(enum.Enum):
+    """How a ragged all-to-all runs on a mesh (`ragged_all_to_all`)."""
+
+    NATIVE = "native"  # `jax.lax.ragged_all_to_all`
+    EMULATED = "emulated"  # a dense all-to-all of padded slices (XLA:CPU has no ragged all-to-all)
+    REFUSED = "refused"  # XLA's TPU compiler refuses it on this slice
+
+
+# XLA's TPU compiler refuses a ragged all-to-all on v5e slices of more than 16 chips ("Ragged all-to-all is
+# currently not supported in limited ICI routing settings"; libtpu of jax 0.10.2, a one-op program over
+# every device compiled from a CPU host, 2026-11-27: v5litepod-32, -64 and -256 refused; v5litepod-8 and -16,
+# v6e-8 to -256, v5p-8 to -64, v4-16 and -32 compiled): the most devices it compiles for, by device kind
+RAGGED_ALL_TO_ALL_MOST = {"TPU v5 lite": 16}
+
+
 def platform_of(mesh: Mesh | None) -> str:
     """The platform of `mesh`'s devices ("cpu", "tpu", "gpu", ...: `jax.Device.platform`); "cpu" for no
     mesh (a function traced without one runs the reference paths)."""
@@ -70,6 +87,16 @@ def default_platform() -> str:
 def interpret(mesh: Mesh | None) -> bool:
     """Whether a Pallas kernel on `mesh` runs in interpret mode: on a CPU mesh or without one (tests; slow)."""
     return platform_of(mesh) == "cpu"
+
+
+def ragged_all_to_all(mesh: Mesh) -> Ragged:
+    """How `jaxrl.model.moe_all_to_all.ragged_all_to_all` runs on `mesh`: emulated on a CPU mesh (XLA:CPU has
+    no ragged all-to-all: "HLO opcode `ragged-all-to-all` is not supported", jax 0.10.2), refused on the TPU
+    slices `RAGGED_ALL_TO_ALL_MOST` lists, XLA's collective elsewhere."""
+    if platform_of(mesh) == "cpu":
+        return Ragged.EMULATED
+    most = RAGGED_ALL_TO_ALL_MOST.get(mesh.devices.flat[0].device_kind)
+    return Ragged.REFUSED if most is not None and mesh.devices.size > most else Ragged.NATIVE
 
 
 def attention_kernel(on: str, t: int, dtype, head_dim: int, segmented: bool) -> Implementation:
