@@ -18,7 +18,9 @@ fails, out of memory say, is reported and the next runs):
     `--decode-positions` (512 and 4,096) of a cache twice as long, dense, paged read by the gather and
     paged read by the platform's Pallas kernel (`CACHES`; `decode_step`: the paged pool sized to the
     positions in use), Qwen3-0.6B then Qwen3-4B: tokens/s and the step's bytes over the chip's HBM
-    bandwidth (a dense cache that cannot fit the device is reported, not tried);
+    bandwidth (a dense cache that cannot fit the device is reported, not tried); and Qwen3-0.6B's paged
+    rows (the gather) at 64 and 256 slots again as the engine's programs of several steps
+    (`Engine.generate_steps`, `DECODE_STEPS_PER_DISPATCH` a program), per step;
   * an RL run end to end (`rl_step`): a Qwen3-0.6B-shaped random checkpoint, the shipped `jaxrl/lowercase`
     environment, 64 rollouts of up to 512 tokens a step, synchronous: each step's generation, train,
     weight-update and environment seconds from its metrics, and generation's share of the step;
@@ -54,7 +56,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxrl.inference.engine import Engine  # noqa: E402
+from jaxrl.inference.engine import DECODE_STEPS_PER_DISPATCH, Engine  # noqa: E402
 from jaxrl.kv.dense import Dense  # noqa: E402
 from jaxrl.kv.paged import Paged  # noqa: E402
 from jaxrl.kv.pallas import PagedPallas  # noqa: E402
@@ -185,12 +187,13 @@ def cache_kind(cache: str, cfg: ModelConfig, slots: int, seq: int, pool: int):
 
 
 def decode_step(name: str, cfg: ModelConfig, slots: int, pos: int, bw: float, reps: int,
-                cache_name: str = "dense") -> dict:
+                cache_name: str = "dense", steps: int = 1) -> dict:
     """Tokens/s of one decode step with every slot at position `pos` of a cache of 2 * `pos` positions, and
     its bytes over HBM bandwidth, over the cache `cache_name` (`CACHES`): a paged one holds a pool sized to
     the positions in use (`slots` x (`pos` + 128): each slot's pages of positions [0, pos) assigned, their
-    contents zeros as the dense cache's). A dense cache that would not fit the device's memory is not tried
-    (`too_big`)."""
+    contents zeros as the dense cache's). `steps` > 1: a program of that many decode steps
+    (`Engine.generate_steps`, every slot at positions `pos` to `pos + steps - 1`), timed per step. A dense
+    cache that would not fit the device's memory is not tried (`too_big`)."""
     seq = 2 * pos
     paged = cache_name != "dense"
     cache = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # bytes a position holds, bf16
@@ -199,26 +202,31 @@ def decode_step(name: str, cfg: ModelConfig, slots: int, pos: int, bw: float, re
                 "skipped": reason}
     mesh, base, lora = build(cfg, jnp.bfloat16)
     engine = Engine(cfg, mesh, max_concurrent_decodes=slots, max_seq_len=seq, lora_scale=1.0,
-                    cache_dtype=jnp.bfloat16, kv=cache_kind(cache_name, cfg, slots, seq, slots * (pos + 128)))
+                    cache_dtype=jnp.bfloat16, kv=cache_kind(cache_name, cfg, slots, seq, slots * (pos + 128)),
+                    decode_steps_per_dispatch=steps)
     params = engine.prepare({"base": base, "lora": lora})
     for slot in range(slots if paged else 0):
         engine.pages.assign(slot, pos, pos)
     holder = {"state": engine.init_decode_state()}
     holder["state"] = holder["state"].replace(positions=jnp.full((slots,), pos, jnp.int32))
 
+    budget = np.full((slots,), steps, np.int32)
+
     def one():
-        holder["state"], out = engine.generate(params, holder["state"], truncate=False, penalize=False, ban=False)
+        rules = {"truncate": False, "penalize": False, "ban": False}
+        holder["state"], out = (engine.generate(params, holder["state"], **rules) if steps == 1 else
+                                engine.generate_steps(params, holder["state"], budget, **rules))
         holder["state"] = holder["state"].replace(positions=jnp.full((slots,), pos, jnp.int32))
         jax.block_until_ready(out.tokens)
 
     t0 = time.perf_counter()
     one()
     first = time.perf_counter() - t0
-    s = _best(one, reps)
+    s = _best(one, reps) / steps
     weights = 2 * (matmul_weights(cfg) + sum(int(np.prod(x.shape)) for x in jax.tree.leaves(lora)))
     in_use = cache * pos * slots
     return {"section": "decode", "cache": cache_name, "kv": type(engine.kv).__name__, "shape": name, "slots": slots,
-            "position": pos, "cache_positions": seq, "first_step_s": first,
+            "position": pos, "cache_positions": seq, "steps_per_dispatch": steps, "first_step_s": first,
             "step_s": s, "tokens_per_s": slots / s, "bytes_per_step": weights + in_use,
             "hbm_share": (weights + in_use) / s / bw}
 
@@ -332,16 +340,18 @@ def jobs_for(args: argparse.Namespace, peak: float, bw: float, workdir: Path) ->
         return (f"train {name} {'full' if full else 'lora'} {b}x{t}",
                 lambda: train_step(shape(name), SHAPES[shape(name)], b, t, full, peak, args.reps))
 
-    def decode(name):
-        return [(f"decode {cache} {name} {s} slots position {p}",
-                 functools.partial(decode_step, shape(name), SHAPES[shape(name)], s, p, bw, args.reps, cache))
-                for cache in CACHES for p in positions for s in slots]
+    def decode(name, caches=CACHES, slots=slots, steps=1):
+        return [(f"decode {cache} {name} {s} slots position {p}" + (f" {steps} steps a dispatch" if steps > 1 else ""),
+                 functools.partial(decode_step, shape(name), SHAPES[shape(name)], s, p, bw, args.reps, cache, steps))
+                for cache in caches for p in positions for s in slots]
 
     def attn(t, impl):
         return f"attention {impl} {t}", lambda: attention_alone(t, impl, peak, args.reps, args.smoke)
 
     first, second = names
-    jobs = [train(first, rows, seq, False), *decode(first),
+    # the engine's programs of several decode steps (`Engine.generate_steps`), paged, beside the single step's
+    several = decode(first, ("paged",), slots[1:] or slots, DECODE_STEPS_PER_DISPATCH)
+    jobs = [train(first, rows, seq, False), *decode(first), *several,
             (f"rl {first}", lambda: rl_step(shape(first), SHAPES[shape(first)], workdir, args.smoke))]
     # the kernels against the [N, T, S] scores (xla, einsum: 8 GiB of float32 scores at 8k, 128 at 32k)
     jobs += [attn(t, i) for t in dict.fromkeys(lengths) for i in impls if i == impls[0] or t <= lengths[1]]

@@ -174,7 +174,7 @@ def test_the_kv_pool_that_fits_is_whole_pages_beside_its_table_capped_at_what_th
 def test_decode_bytes_are_the_step_buffers_against_weights_once_and_the_kv_in_use():
     """`decode_bytes.of` on hand-made byte counts: 4 slots at position 300 of 1,024 with 1 KiB a cached
     position; weights 100 MiB + LoRA 1 MiB; the compiled arguments 200 MiB (the cache 64 MiB + the slot
-    state), outputs 65 MiB of which 64 MiB in place, temporaries 3 MiB."""
+    state), outputs 65 MiB of which 64 MiB in place, temporaries 3 MiB; as one step, and as a program of 8."""
     from jaxrl.compile import decode_bytes
 
     mib = 2**20
@@ -189,6 +189,11 @@ def test_decode_bytes_are_the_step_buffers_against_weights_once_and_the_kv_in_us
     lines = decode_bytes.of(decode, 64 * mib, 1024.0, "dense", 4, 300, 1024).lines()
     assert "KV read 4.00 MiB (the whole dense cache, masked)" in lines[0] and "4.7% of the KV cache" in lines[1]
     assert decode_bytes.positions_read("gather", 300, 1024) == 512  # chunks 256, 256, 512 (jaxrl.kv.chunks.chunk_sizes)
+    # a program of 8 decode steps (`[jax] decode_steps_per_dispatch`): per step, the slot state read and the
+    # outputs written once a program count an eighth; the weights, KV and temporaries are each step's
+    eighth = decode_bytes.of(decode, 64 * mib, 1024.0, "kernel", 4, 300, 1024, steps=8)
+    assert (eighth.weights, eighth.kv_read, eighth.temp) == (step.weights, step.kv_read, step.temp)
+    assert (eighth.state, eighth.outputs) == (35 * mib // 8, mib // 8) and "of a program of 8" in eighth.lines()[0]
 
 
 def test_a_run_on_an_accelerator_sizes_its_kv_pool_to_what_fits(tiny_model_dir, monkeypatch):

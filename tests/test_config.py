@@ -85,7 +85,7 @@ def test_defaults_follow_the_reference(tmp_path):
         "seq_len": 4096, "finetune": "lora", "lora_rank": 16,
         "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         "dtype": "float32", "output_dir": "runs", "checkpoint_dir": None, "rollout_timeout": 600.0, "seed": 0,
-        "decode_slots": 32, "kv_cache_tokens": None, "kv_reuse_turns": False,
+        "decode_slots": 32, "kv_cache_tokens": None, "decode_steps_per_dispatch": None, "kv_reuse_turns": False,
         "remat": False, "micro_batch_size": None, "engine_hosts": 0, "host": "127.0.0.1", "port": 0,
         "teacher": None, "sft": None}
 

@@ -245,30 +245,31 @@ def test_scheduler_keeps_each_requests_settings_in_a_shared_batch():
 
 @pytest.mark.numerics
 def test_ban_only_while_a_slot_is_short_of_min_tokens():
-    """The scheduler asks for the `min_tokens` ban only in steps where some slot still needs it; the other
-    steps take the blocked sampler (`sample_unembedded`): greedy tokens and logprobs as the full forward."""
+    """The scheduler asks for the `min_tokens` ban only in dispatches where some slot still needs it (two
+    decode steps a dispatch here); the other dispatches take the blocked sampler (`sample_unembedded`):
+    greedy tokens and logprobs as the full forward."""
     params = _params(lora_seed=1)
     engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=2, max_seq_len=32, lora_scale=0.5,
-                    weights=CpuWeights(CFG, 2, blocked_sampling=True))
+                    weights=CpuWeights(CFG, 2, blocked_sampling=True), decode_steps_per_dispatch=2)
     prompt = [5, 7, 9, 11, 3]
     greedy = _greedy_reference(params, prompt, 6)
-    bans, generate = [], engine.generate
+    bans, generate = [], engine.generate_steps
 
-    def spy(*args, **kwargs):  # the real step, its `ban` flag recorded
+    def spy(*args, **kwargs):  # the real steps, their `ban` flag recorded
         bans.append(kwargs["ban"])
         return generate(*args, **kwargs)
 
-    engine.generate = spy
+    engine.generate_steps = spy
     sched = Scheduler(engine, params, "tiny")
     held = SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=(greedy[0],), min_tokens=3)
     try:
         plain = _run(sched.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6)))
-        assert bans == [False] * 5
+        assert bans == [False] * 3  # 5 decode steps: 2, 2, 1
         bans.clear()
         got = _run(sched.generate(prompt, held))
     finally:
         sched.stop()
-    assert bans[:2] == [True, True] and not any(bans[2:])  # draws 2 and 3 of 3 banned (1: prefill)
+    assert bans[:1] == [True] and not any(bans[1:])  # draws 2 and 3 of 3 banned (1: prefill), in the first
     _check_min_tokens(params, prompt, got, greedy[0], 3)
     assert plain.token_ids == greedy
     ref = _reference_logprobs(params, prompt + greedy)[len(prompt) - 1:-1]

@@ -31,19 +31,22 @@ def _params():
     return {"base": base, "lora": lora}
 
 
-def _serve(kv, reqs, slots, seq_len):
-    engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), slots, seq_len, lora_scale=0.5, kv=kv)
+def _serve(kv, reqs, slots, seq_len, steps=None):
+    """`reqs` through a scheduler over an engine of cache `kv` (`steps` decode steps a dispatch; None: the
+    default): the completions, the engine and its peak of pages in use."""
+    more = {} if steps is None else {"decode_steps_per_dispatch": steps}
+    engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), slots, seq_len, lora_scale=0.5, kv=kv, **more)
     sched = Scheduler(engine, _params(), "tiny")
     peak = []
-    if engine.pages is not None:  # the pages in use after each decode step
-        generate = engine.generate
+    if engine.pages is not None:  # the pages in use after each dispatch of decode steps
+        generate = engine.generate_steps
 
-        def spy(*args, **kwargs):  # the real step
+        def spy(*args, **kwargs):  # the real steps
             out = generate(*args, **kwargs)
             peak.append(engine.pages.in_use)
             return out
 
-        engine.generate = spy
+        engine.generate_steps = spy
 
     async def go():
         return await asyncio.gather(*[sched.generate(p, s) for p, s in reqs])
@@ -70,9 +73,12 @@ def test_paged_engine_matches_the_dense_cache_bit_for_bit():
             for i, n in enumerate((3, 16, 32, 17, 40, 1))]
     reqs += [(group, SamplingParams(temperature=1.0, max_tokens=10 + 3 * i, seed=100 + i)) for i in range(8)]
     reqs += [(rng.integers(1, 96, size=130).tolist(), SamplingParams(temperature=1.0, max_tokens=12, seed=9))]
-    dense, dense_engine, _ = _serve(Dense(CFG, 3, 160), reqs, 3, 160)  # chunks of 128 and 32 positions
+    # one decode step a dispatch, so that a slot frees and the next request takes it while another rollout of
+    # the group still holds its prompt's pages (with 8 a dispatch the three finish in one dispatch, and the
+    # next ones prefill the prompt again); several steps a dispatch on the paged cache: test_decode_steps.py
+    dense, dense_engine, _ = _serve(Dense(CFG, 3, 160), reqs, 3, 160, steps=1)  # chunks of 128 and 32 positions
     # a pool of 224 positions (14 pages), not 3 x 160: requests wait for pages (the 130-token prompt needs 9)
-    paged, engine, peak = _serve(Paged(CFG, 3, 160, kv_cache_tokens=224), reqs, 3, 160)
+    paged, engine, peak = _serve(Paged(CFG, 3, 160, kv_cache_tokens=224), reqs, 3, 160, steps=1)
     for d, p in zip(dense, paged, strict=True):
         assert (p.token_ids, p.logprobs, p.finish_reason) == (d.token_ids, d.logprobs, d.finish_reason)
     assert engine.pages.in_use == 0 and 9 <= peak <= 14

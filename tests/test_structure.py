@@ -174,8 +174,7 @@ def test_function_level_imports_have_a_reason():
 
 
 
-PRIVATE_FOR_NOW = {"jaxrl.inference.scheduler._Request": "issue 40's KV-cache refactor rewrites the scheduler "
-                                                         "(lockstep.py reads it); it names it there"}
+PRIVATE_FOR_NOW: dict[str, str] = {}
 """Private names another module still uses, each with why it is left for now."""
 
 

@@ -10,7 +10,10 @@ accessed, which sums every operation's operands and results (each layer's slice 
 again, docs/tpu.md 7.2) and sees nothing inside a Pallas kernel. Each argument is read once (the KV cache:
 what the step's attention reads of it, below), each output not written in place is written once, the KV
 written is this step's key and value a slot, and the temporaries are written once and read once: a lower
-bound on the program's traffic when each buffer is touched once, and what it cannot do with less.
+bound on the program's traffic when each buffer is touched once, and what it cannot do with less. The
+program runs `[jax] decode_steps_per_dispatch` steps in a loop (`jaxrl.inference.engine.Engine.generate_steps`):
+the line is per step, each step reading the weights and its KV and writing and reading the loop body's
+temporaries, the slot state read and the outputs written once a program, their share a step.
 The attention reads, per slot: with JAX's Pallas paged-attention kernel (TPU) its pages up to its position,
 in the kernel's compute blocks (`jaxrl.kv.pallas.KERNEL_BLOCK` positions); with the dense stacked cache
 every position of it (masked); with the paged gather reference (GPU, CPU) the chunks that hold its
@@ -31,7 +34,8 @@ from jaxrl.kv.chunks import chunk_sizes
 @dataclasses.dataclass(frozen=True)
 class DecodeBytes:
     """One decode step of `slots` slots, each at `position` (positions in its cache) of `seq_len`, per chip,
-    in bytes: what it moves (`moved`, from its compiled buffers) and the ideal (`ideal`)."""
+    in bytes, of a program of `steps` steps: what it moves (`moved`, from its compiled buffers) and the
+    ideal (`ideal`)."""
 
     slots: int
     position: int
@@ -40,11 +44,12 @@ class DecodeBytes:
     weights: int  # the engine's base weights and LoRA, read once
     kv_read: int  # what the attention reads of the KV cache
     kv_written: int  # this step's key and value of every slot
-    state: int  # the step's other arguments (tokens, positions, sampling state, [B, V] masks), read once
-    outputs: int  # outputs not written in place (compiled output less aliased bytes)
+    state: int  # the step's share of the program's other arguments (tokens, positions, sampling state, [B, V] masks)
+    outputs: int  # the step's share of the outputs not written in place (compiled output less aliased bytes)
     temp: int  # the compiled temporaries, written once and read once
     kv_in_use: int  # every slot's keys and values up to `position`: the ideal's KV
     cache: int  # the whole KV cache a chip (the report's kv_cache term)
+    steps: int = 1  # decode steps a program (`[jax] decode_steps_per_dispatch`)
 
     @property
     def moved(self) -> int:
@@ -62,7 +67,8 @@ class DecodeBytes:
                "dense": "the whole dense cache, masked",
                "gather": "the chunks that hold each slot's position"}[self.reads]
         return [f"decode step bytes ({self.slots} slots at position {self.position:,} of {self.seq_len:,}, per chip, "
-                f"from the compiled step's buffers): moves {bytes_text(self.moved)} = weights and LoRA "
+                f"per step of a program of {self.steps}, from its compiled buffers): moves {bytes_text(self.moved)} = "
+                f"weights and LoRA "
                 f"{bytes_text(self.weights)} + KV read {bytes_text(self.kv_read)} ({how}) + KV written "
                 f"{bytes_text(self.kv_written)} + slot state {bytes_text(self.state)} + outputs "
                 f"{bytes_text(self.outputs)} + temporaries {bytes_text(self.temp)} written and read; ideal "
@@ -82,14 +88,16 @@ def positions_read(reads: str, position: int, seq_len: int) -> int:
 
 
 def of(decode: dict[str, int], cache: int, bytes_per_token: float, reads: str, slots: int, position: int,
-       seq_len: int) -> DecodeBytes:
-    """`DecodeBytes` of the compiled decode step's byte counts `decode` (`jaxrl.compile.report`'s, at full
-    depth: argument, output, alias, temp and the declared weights, lora and kv_cache), its cache of `cache`
-    bytes a chip and `bytes_per_token` a cached position, every one of its `slots` at `position`."""
+       seq_len: int, steps: int = 1) -> DecodeBytes:
+    """`DecodeBytes` of the compiled decode program's byte counts `decode` (`jaxrl.compile.report`'s, at full
+    depth: argument, output, alias, temp and the declared weights, lora and kv_cache), `steps` decode steps
+    a program, its cache of `cache` bytes a chip and `bytes_per_token` a cached position, every one of its
+    `slots` at `position`."""
     weights = decode["declared_weights"] + decode["declared_lora"]
     position = min(position, seq_len)
     return DecodeBytes(slots, position, seq_len, reads, weights,
                        int(slots * positions_read(reads, position, seq_len) * bytes_per_token),
-                       int(slots * bytes_per_token), decode["argument"] - weights - decode["declared_kv_cache"],
-                       decode["output"] - decode["alias"], decode["temp"], int(slots * position * bytes_per_token),
-                       cache)
+                       int(slots * bytes_per_token),
+                       (decode["argument"] - weights - decode["declared_kv_cache"]) // steps,
+                       (decode["output"] - decode["alias"]) // steps, decode["temp"],
+                       int(slots * position * bytes_per_token), cache, steps)

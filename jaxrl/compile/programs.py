@@ -3,7 +3,7 @@ a prefill bucket and the decode step, each on its mesh; per-chip memory from the
 
 Every argument is a `jax.ShapeDtypeStruct` carrying the `NamedSharding` the run would give it (the
 logical-axis rules of `jaxrl.parallel.sharding`), so the compiled programs are the run's own:
-`Trainer._step`, `Engine._prefill_forward` then `_prefill_sample`, and `Engine._generate`, lowered with
+`Trainer._step`, `Engine._prefill_forward` then `_prefill_sample`, and `Engine._generate_steps`, lowered with
 `.lower(...)` and compiled by the backend of the mesh's devices (libtpu for a TPU topology).
 """
 
@@ -20,7 +20,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.config.algorithms import LossConfig
-from jaxrl.inference.engine import DecodeState, Engine
+from jaxrl.inference.decode_state import DecodeState
+from jaxrl.inference.engine import Engine
 from jaxrl.inference.engine_params import EngineParams
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.sampling import SlotSampling
@@ -51,6 +52,7 @@ class Shapes:
     unroll: bool = False  # the train step's layers unrolled, not scanned: `cost_analysis()` then counts each
     kv_cache_tokens: int | None = None  # `[jax] kv_cache_tokens`: the engine's paged pool; None, the dense cache
     teacher: ModelConfig | None = None  # `[jax.teacher] model` (teacher_tau > 0): a frozen model run in the step
+    decode_steps_per_dispatch: int | None = None  # `[jax] decode_steps_per_dispatch`; None: the engine's default
 
     @property
     def kl_copy(self) -> bool:
@@ -219,8 +221,9 @@ def abstract_engine(s: Shapes, mesh: Mesh, dense: bool = False) -> tuple[Engine,
     """The engine of `s` on `mesh` (`dense`: with the dense cache, `jaxrl.kv.dense.Dense`, whatever the
     platform) and its abstract params."""
     kv = Dense(s.model, s.decode_slots, s.seq_len) if dense else None
+    steps = {} if s.decode_steps_per_dispatch is None else {"decode_steps_per_dispatch": s.decode_steps_per_dispatch}
     engine = Engine(s.model, mesh, s.decode_slots, s.seq_len, lora_scale=s.lora_scale, cache_dtype=s.dtype,
-                    kv=kv, kv_cache_tokens=s.kv_cache_tokens)
+                    kv=kv, kv_cache_tokens=s.kv_cache_tokens, **steps)
     base, lora = abstract_weights(s, mesh)
     return engine, EngineParams(base=base, lora=lora)
 
@@ -279,17 +282,25 @@ def abstract_decode_state(engine: Engine) -> DecodeState:
     )
 
 
+def lower_decode(engine: Engine, params: EngineParams, state: DecodeState) -> Any:
+    """`Engine._generate_steps` lowered for `state` (`abstract_decode_state`): the engine's
+    `decode_steps_per_dispatch` decode steps in one program (`Engine.generate_steps`), truncating sampling and
+    the repetition penalty on (the largest variant)."""
+    budget = jax.ShapeDtypeStruct((engine.max_concurrent_decodes,), jnp.int32,
+                                  sharding=NamedSharding(engine.mesh, PartitionSpec()))
+    return engine._generate_steps.lower(params, state, budget, steps=engine.decode_steps_per_dispatch, truncate=True,
+                                        penalize=True)
+
+
 def compile_decode(s: Shapes, mesh: Mesh) -> Program:
-    """`Engine._generate` (truncating sampling and the repetition penalty on: the largest variant) for
-    `decode_slots` slots of `seq_len` tokens on `mesh`."""
+    """The decode program (`lower_decode`) for `decode_slots` slots of `seq_len` tokens on `mesh`."""
     engine, params = abstract_engine(s, mesh)
     if not engine.weights.reads_training_weights:  # the CPU's: weight copies made from real arrays
         raise ValueError(f"decode is compiled for an accelerator mesh, not {mesh_platform(mesh)}")
     state = abstract_decode_state(engine)
-    lowered = engine._generate.lower(params, state, truncate=True, penalize=True)
     declared = {"weights": shard_bytes(params.base), "lora": shard_bytes(params.lora),
                 "kv_cache": shard_bytes(state.cache), "slots": shard_bytes(dataclasses.replace(state, cache={}))}
-    return measure("decode", lowered, declared)
+    return measure("decode", lower_decode(engine, params, state), declared)
 
 
 def engine_declared_bytes(s: Shapes, mesh: Mesh, own_weights: bool) -> int:

@@ -352,8 +352,9 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
     free = int(FIT_SHARE * slice_.chip.hbm_bytes) - sum(terms.values()) + terms["kv_cache"]  # the cache's room
     kv = pool.of(shapes, emesh, hosts // g, free, rollout_tokens or shapes.seq_len // 2,
                  auto and shapes.kv_cache_tokens is not None)
+    steps = programs.abstract_engine(shapes, emesh)[0].decode_steps_per_dispatch  # the decode program's loop
     step = decode_bytes.of(decode, terms["kv_cache"], kv.bytes_per_token, _reads(shapes, emesh), shapes.decode_slots,
-                           kv.mean_tokens, shapes.seq_len)
+                           kv.mean_tokens, shapes.seq_len, steps)
     raw = {f"{n}@{d}": dataclasses.asdict(p) for n, ps in compiled.items() for d, p in sorted(ps.items())}
     full = {"train": train, "prefill": prefill, "decode": decode}
     return Report(slice_, hosts, dict(mesh.shape), g, dict(emesh.shape), shapes, depths, terms,
@@ -445,7 +446,7 @@ def shapes_of(cfg: RunConfig, model: ModelConfig) -> Shapes:
     return Shapes(model, jnp.bfloat16 if j.dtype == "bfloat16" else jnp.float32, j.lora_rank, tuple(j.lora_targets),
                   cfg.lora_alpha / j.lora_rank, j.remat, cfg.batch_size, j.seq_len, j.micro_batch_size,
                   j.decode_slots, full=j.finetune == "full", loss=loss_config(cfg), kv_cache_tokens=j.kv_cache_tokens,
-                  teacher=teacher_model_of(cfg))
+                  teacher=teacher_model_of(cfg), decode_steps_per_dispatch=j.decode_steps_per_dispatch)
 
 
 def compile_run(cfg: RunConfig, slice_name: str, depths: tuple[int, ...] | None = None,

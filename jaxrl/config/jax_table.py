@@ -90,6 +90,12 @@ class JaxConfig(Table):
     learn their scratch (`jaxrl.compile.run_pool`), as `jaxrl compile` does for a slice (it prints the value,
     `kv_pool_tokens`; setting it skips those compiles); on CPU the dense cache of `decode_slots` x `seq_len`
     positions (faster there)."""
+    decode_steps_per_dispatch: int | None = Field(None, ge=1)
+    """Decode steps the rollout engine runs per program it dispatches (an on-device loop: the host reads the
+    sampled tokens, admits requests and applies weight updates once per this many tokens a slot; a slot
+    stops on the device at its stop token or its length), as tpu-inference's multi-step decode. Larger
+    spends less host time a token; each weight update, streamed chunk and freed slot waits up to this
+    many steps. Default None: 8 (`jaxrl.inference.engine.DECODE_STEPS_PER_DISPATCH`; docs/benchmarks.md)."""
     kv_reuse_turns: bool = False
     """With `kv_cache_tokens`: keep a finished rollout's pages for a multi-turn conversation's next turn,
     which then prefills only its new tokens (`Scheduler`'s `keep_turns`; dropped at each weight update; not

@@ -101,6 +101,7 @@ id = "primeintellect/reverse-text"  # Environments Hub id: owner/name[@version]
 # seed = 0
 # decode_slots = 32            # concurrent decodes in the rollout engine
 # kv_cache_tokens = 131072     # paged KV cache positions (>= seq_len); default: TPU/GPU what fits, CPU dense
+# decode_steps_per_dispatch = 8  # decode steps per engine program (tokens read, weights swapped between them)
 # kv_reuse_turns = false       # paged: a multi-turn rollout's next turn shares its last turn's pages (not bit-exact)
 # remat = false                # recompute activations in the backward pass
 # micro_batch_size = 64        # most sequences per train pass (gradients accumulated); default: largest that fits

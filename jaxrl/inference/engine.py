@@ -2,12 +2,13 @@
 
 A decode state holds `B = max_concurrent_decodes` slots. `prefill` runs one prompt (right-padded to a length
 bucket) through the model, keeps its key/value cache as a `Prefix` and samples the first token; `insert`
-copies a prefix into a free slot; `generate` advances every slot by one token. Sampling runs on device
-(`jaxrl.inference.sampling`: temperature, top_p, top_k, min_p, repetition penalty, `min_tokens`, per-slot
-PRNG keys), and every sampled token comes with its logprob under the sampling distribution after
-temperature, `log_softmax(logits / T)` of the logits as the penalty and `min_tokens`' ban left them (the
-trainer recomputes the same quantity from the raw logits; with T = 0, greedy, T = 1 is used for the
-logprob), and, for a request that asks for `top_logprobs`, the most likely tokens of that same distribution
+copies a prefix into a free slot; `generate` advances every slot by one token, `generate_steps` by up to
+`decode_steps_per_dispatch` in one program (an on-device loop; each slot stops at its stop token or budget).
+Sampling runs on device (`jaxrl.inference.sampling`: temperature, top_p, top_k, min_p, repetition penalty,
+`min_tokens`, per-slot PRNG keys), and every sampled token comes with its logprob under the sampling
+distribution after temperature, `log_softmax(logits / T)` of the logits as the penalty and `min_tokens`' ban
+left them (the trainer recomputes the same quantity from the raw logits; with T = 0, greedy, T = 1 is used
+for the logprob), and, for a request that asks for `top_logprobs`, the most likely tokens of that same distribution
 (`sampling.sample_with_top`, in a variant of each step compiled with `top`; ordinary steps neither compile
 nor run it). The truncations cut the distribution that is sampled from but not the reported logprob, as in
 vLLM's default. `min_tokens` is counted per slot on device (`DecodeState.generated`): while a slot has
@@ -34,13 +35,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.inference.cpu import CpuWeights
+from jaxrl.inference.decode_state import DecodeState, Prefix, ResultSteps, ResultTokens
 from jaxrl.inference.engine_params import EngineParams, EngineWeights, PlainWeights
 from jaxrl.inference.protocol import MAX_TOP_LOGPROBS, SamplingParams
 from jaxrl.inference.sampling import SlotSampling, mark_seen, sample_with_top, stop_ban
+from jaxrl.inference.steps import run_steps
 from jaxrl.kv.kind import CacheKind
 from jaxrl.kv.pick import pick
 from jaxrl.model import kernels, modules
@@ -49,60 +51,10 @@ from jaxrl.model.config import ModelConfig
 from jaxrl.model.decoder import KVCache
 from jaxrl.parallel.sharding import array_sharding
 
-
-@struct.dataclass
-class Prefix:
-    """A prefilled prompt: its cache {"k","v"} [L, 1, T_bucket, K, H] (None: a paged engine's pool holds
-    the prompt's pages already, `Engine.prefill_shared`), the first sampled token and its logprob ([1]
-    each), the prompt's true length, the slot's sampling settings and PRNG key, the tokens seen so far
-    (prompt and first token; bool [1, V]) for the repetition penalty, the request's stop tokens (bool
-    [1, V]) for `min_tokens`, and the first token's alternatives (`top_ids` int32 and `top_logprobs`
-    float32 [1, top]; top 0 unless the request asked, `Engine.top_for`). `logits` (float32 [1, V]) are
-    those after the prompt and `prompt` its token ids (host only: not a leaf), which a paged engine keeps
-    with the prompt's pages."""
-
-    cache: KVCache
-    token: jax.Array
-    logprob: jax.Array
-    length: jax.Array
-    sampling: SlotSampling
-    key: jax.Array
-    seen: jax.Array
-    stop: jax.Array
-    top_ids: jax.Array
-    top_logprobs: jax.Array
-    logits: jax.Array | None = None
-    prompt: tuple[int, ...] = struct.field(pytree_node=False, default=())
-
-
-@struct.dataclass
-class DecodeState:
-    """All decode slots: the KV cache as the engine's kind declares it (`CacheKind.cache`: [L, B, S, K,
-    H] per k and v on TPU and GPU, per-layer chunks on CPU); the next input token [B] and its position [B];
-    sampling settings; one PRNG key per slot [B]; tokens seen per slot, bool [B, V] (kept up to date only
-    while some slot has a repetition penalty: a slot's settings are fixed at insert); each slot's stop
-    tokens, bool [B, V], and the tokens it has sampled, int32 [B] (the prefill's first one included), for
-    `min_tokens`."""
-
-    cache: KVCache
-    tokens: jax.Array
-    positions: jax.Array
-    sampling: SlotSampling
-    keys: jax.Array
-    seen: jax.Array
-    stop: jax.Array
-    generated: jax.Array
-
-
-@struct.dataclass
-class ResultTokens:
-    """One decode step's output: sampled token ids int32 [B], their logprobs float32 [B], and each slot's
-    most likely tokens int32 [B, top] with their logprobs float32 [B, top] (top 0: none asked)."""
-
-    tokens: jax.Array
-    logprobs: jax.Array
-    top_ids: jax.Array
-    top_logprobs: jax.Array
+# decode steps an engine's scheduler dispatches as one program (`Engine.generate_steps`; `[jax]
+# decode_steps_per_dispatch`): the host's work between steps (reading tokens, admitting, dispatching) is paid
+# once per this many tokens a slot; figures and the choice: docs/benchmarks.md (2026-11-27)
+DECODE_STEPS_PER_DISPATCH = 8
 
 
 def prefill_buckets(max_prefill_length: int, smallest: int = 16) -> tuple[int, ...]:
@@ -124,10 +76,11 @@ class Engine:
     sampled tokens. `kv` (None: `jaxrl.kv.pick.pick`, from the mesh's platform and `kv_cache_tokens`: given,
     a paged cache of that many positions, `jaxrl.kv.paged`) is the KV cache's kind (`jaxrl.kv.kind.CacheKind`);
     `weights` (None: `PlainWeights` where the kind reads the trainer's weights, else `CpuWeights`) holds the
-    weights and samples (`EngineWeights`).
+    weights and samples (`EngineWeights`). `decode_steps_per_dispatch` (k, `[jax] decode_steps_per_dispatch`)
+    is the decode steps of one `generate_steps` program.
 
     Raises:
-        ValueError: a given `kv` is for another model, slot count or cache length.
+        ValueError: a given `kv` is for another model, slot count or cache length; k below 1.
     """
 
     cfg: ModelConfig
@@ -139,8 +92,11 @@ class Engine:
     kv: CacheKind | None = None
     kv_cache_tokens: int | None = None
     weights: EngineWeights | None = None
+    decode_steps_per_dispatch: int = DECODE_STEPS_PER_DISPATCH
 
     def __post_init__(self) -> None:
+        if self.decode_steps_per_dispatch < 1:
+            raise ValueError(f"decode_steps_per_dispatch {self.decode_steps_per_dispatch}: must be >= 1")
         if self.kv is None:
             self.kv = pick(self.cfg, self.mesh, self.max_concurrent_decodes, self.max_seq_len, self.kv_cache_tokens)
         got = (self.kv.cfg, self.kv.slots, self.kv.max_seq_len)
@@ -164,6 +120,8 @@ class Engine:
         self.prefill_tokens = 0  # positions they ran (a conversation's next turn: those after its kept pages)
         self._generate = jax.jit(self._generate_impl, donate_argnums=(1,),
                                  static_argnames=("truncate", "penalize", "ban", "chunks", "top"))
+        self._generate_steps = jax.jit(self._generate_steps_impl, donate_argnums=(1,),
+                                       static_argnames=("steps", "truncate", "penalize", "ban", "chunks", "top"))
 
     def prepare(self, params: Params) -> EngineParams:
         """Engine params for `prefill` / `generate` from `{"base", "lora"}` (`EngineWeights.prepare`)."""
@@ -362,19 +320,50 @@ class Engine:
         come back in the result, all slots sampling from the [B, V] logits (the CPU's blocked sampler,
         `cpu.blocked_sampling_pays`, then sits the step out: the same distribution, its tokens the same up to
         float rounding at a chunk boundary). Each combination compiles once."""
-        if (alloc := self.pages) is not None:
-            # each held slot's page for the position this step writes; a shared one copied first
-            if copies := alloc.step():
-                src, dst = np.zeros((2, self.max_concurrent_decodes), np.int32)  # padding: scratch to scratch
-                src[:len(copies)], dst[:len(copies)] = zip(*copies, strict=True)
-                decode_state = self._copy_pages(decode_state, jnp.asarray(src), jnp.asarray(dst))
-            if alloc.dirty:
-                # a copy: on CPU device_put may alias the host array, which later inserts change
-                table = jax.device_put(alloc.table.copy(), decode_state.cache["pages"].sharding)
-                decode_state = decode_state.replace(cache={**decode_state.cache, "pages": table})
-                alloc.dirty = False
+        decode_state = self._pages_for(decode_state, None)
         return self._generate(params, decode_state, truncate=truncate, penalize=penalize, ban=ban, chunks=chunks,
                               top=top)
+
+    def generate_steps(self, params: EngineParams, decode_state: DecodeState, budget_B: np.ndarray,
+                       truncate: bool = True, penalize: bool = True, ban: bool = True, chunks: int | None = None,
+                       top: int = 0) -> tuple[DecodeState, ResultSteps]:
+        """Up to `decode_steps_per_dispatch` (k) decode steps for every slot in one program, an on-device loop
+        (`lax.while_loop`), as tpu-inference's multi-step decode: the host sees the engine once per k steps.
+        Slot b runs at most `budget_B[b]` (int [B], host; 0: a free slot) of them and none after it samples
+        one of its stop tokens (`DecodeState.stop`; a slot whose input token already is one runs none): a
+        stopped slot keeps its state (`_step`'s mask) and its step's numbers are those of `generate`'s, step
+        for step, bit for bit up to XLA's fusion of the loop's body. The loop ends once no slot runs. A paged
+        cache first gives each held slot the pages of the `budget_B` positions it may write
+        (`PageAllocator.step`). `chunks` must hold every position a slot may feed (its position +
+        budget - 1); the other arguments as `generate`'s. Each combination compiles once.
+
+        Returns:
+            The decode state (the input's buffers donated) and the steps' tokens (`ResultSteps`).
+        """
+        budget_B = np.asarray(budget_B, np.int32)
+        decode_state = self._pages_for(decode_state, budget_B)
+        return self._generate_steps(params, decode_state, jnp.asarray(budget_B), steps=self.decode_steps_per_dispatch,
+                                    truncate=truncate, penalize=penalize, ban=ban, chunks=chunks, top=top)
+
+    def _pages_for(self, decode_state: DecodeState, ahead_B: np.ndarray | None) -> DecodeState:
+        """With a paged cache, `decode_state` with each held slot given the pages of its next `ahead_B[slot]`
+        positions (None: one; `PageAllocator.step`), shared ones copied first, and the page table put on the
+        device if it changed; a dense cache's as it is."""
+        if (alloc := self.pages) is None:
+            return decode_state
+        b = self.max_concurrent_decodes
+        copies = alloc.step(ahead_B)
+        for i in range(0, len(copies), b):  # a slot copies at most its prompt's partial page: one batch
+            src, dst = np.zeros((2, b), np.int32)  # padding: scratch to scratch
+            part = copies[i:i + b]
+            src[:len(part)], dst[:len(part)] = zip(*part, strict=True)
+            decode_state = self._copy_pages(decode_state, jnp.asarray(src), jnp.asarray(dst))
+        if alloc.dirty:
+            # a copy: on CPU device_put may alias the host array, which later inserts change
+            table = jax.device_put(alloc.table.copy(), decode_state.cache["pages"].sharding)
+            decode_state = decode_state.replace(cache={**decode_state.cache, "pages": table})
+            alloc.dirty = False
+        return decode_state
 
     def cache_chunks(self, positions: int) -> int | None:
         """`generate`'s `chunks` for slots at positions below `positions` (`CacheKind.chunks`: on CPU the
@@ -453,6 +442,26 @@ class Engine:
         return state.replace(cache=self.kv.copy_pages(state.cache, src_B, dst_B))
 
     def _generate_impl(self, params, state: DecodeState, *, truncate, penalize, ban=True, chunks=None, top=0):
+        new, result = self._step(params, state, None, truncate=truncate, penalize=penalize, ban=ban, chunks=chunks,
+                                 top=top)
+        return new, ResultTokens(*(self._replicated(x) for x in result))
+
+    def _generate_steps_impl(self, params, state: DecodeState, budget_B, *, steps, truncate, penalize, ban=True,
+                             chunks=None, top=0):
+        """`steps` masked `_step`s in one program (`jaxrl.inference.steps.run_steps`; `generate_steps`)."""
+
+        def step(s: DecodeState, live_B: jax.Array):
+            return self._step(params, s, live_B, truncate=truncate, penalize=penalize, ban=ban, chunks=chunks, top=top)
+
+        state, out, counts_B = run_steps(step, state, budget_B, steps=steps, top=top)
+        return state, ResultSteps(*(self._replicated(x) for x in (*out, counts_B)))
+
+    def _step(self, params, state: DecodeState, live_B, *, truncate, penalize, ban, chunks, top):
+        """One decode step of every slot: the next state and (tokens int32 [B], logprobs float32 [B], top ids
+        int32 [B, top], top logprobs float32 [B, top]). `live_B` (bool [B]; None: all) masks the slots that
+        do not advance: their token, position, key, seen tokens and count stay as they were. Their step
+        still runs and writes its key and value, those of their input token at their position, past the
+        last position they hold (so their cache holds the same numbers; no kind needs a masked write)."""
         model = modules.bind(self.cfg, params.base, params.lora, self.lora_scale)
         hidden_BTD, cache = self.kv.decode(model, params.layers, state.tokens, state.positions, state.cache, chunks,
                                            self.mesh)
@@ -466,11 +475,14 @@ class Engine:
         else:
             tokens, logprobs = self.weights.sample(params, hidden_BTD[:, 0], state.sampling, split[:, 1], **rules)
             top_ids, top_lps = jnp.zeros((tokens.shape[0], 0), jnp.int32), jnp.zeros((tokens.shape[0], 0), jnp.float32)
-        positions = jnp.minimum(state.positions + 1, self.max_seq_len - 1)
+        positions, keys, step_B = jnp.minimum(state.positions + 1, self.max_seq_len - 1), split[:, 0], 1
+        if live_B is not None:  # the input token is marked seen already: a masked slot marks it again
+            tokens, positions = jnp.where(live_B, tokens, state.tokens), jnp.where(live_B, positions, state.positions)
+            keys, step_B = jnp.where(live_B, keys, state.keys), live_B.astype(jnp.int32)
         seen = mark_seen(state.seen, tokens) if penalize else state.seen
         new = DecodeState(cache=cache, tokens=tokens, positions=positions, sampling=state.sampling,
-                          keys=split[:, 0], seen=seen, stop=state.stop, generated=state.generated + 1)
-        return new, ResultTokens(*(self._replicated(x) for x in (tokens, logprobs, top_ids, top_lps)))
+                          keys=keys, seen=seen, stop=state.stop, generated=state.generated + step_B)
+        return new, (tokens, logprobs, top_ids, top_lps)
 
     def _replicated(self, x: jax.Array) -> jax.Array:
         """`x` (sampled tokens or logprobs) on every device of the mesh: each host reads them from its own

@@ -64,7 +64,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxrl.inference.engine import DecodeState, Engine, Prefix, pad_prompt
+from jaxrl.inference.decode_state import DecodeState, Prefix
+from jaxrl.inference.engine import Engine, pad_prompt
 from jaxrl.inference.engine_params import EngineParams
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.model.blocks import Params

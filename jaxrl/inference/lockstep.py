@@ -36,7 +36,8 @@ from typing import Any
 
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.protocol import SamplingParams
-from jaxrl.inference.scheduler import Scheduler, _Request
+from jaxrl.inference.request import Request
+from jaxrl.inference.scheduler import Scheduler
 from jaxrl.model.blocks import Params
 from jaxrl.parallel.distributed import Exchange
 
@@ -63,7 +64,7 @@ class GroupScheduler(Scheduler):
                  idle_s: float = 0.01) -> None:
         self._exchange, self.idle_s = exchange, idle_s
         self._queue: collections.deque[list] = collections.deque()  # the leader's: [owner, id, prompt, params, n]
-        self._mine: dict[int, _Request] = {}  # this process's requests posted and not finished, by id
+        self._mine: dict[int, Request] = {}  # this process's requests posted and not finished, by id
         self._next_id = 0
         self._cancelled: set[tuple[int, int]] = set()
         self._reported: set[int] = set()  # ids of own given-up requests already posted
@@ -149,7 +150,7 @@ class GroupScheduler(Scheduler):
         return {"admit": admit, "cancel": cancel, "version": version, "pause": pause,
                 "stop": all(p["stop"] for p in posts), "idle": idle}
 
-    def _next(self) -> list[_Request] | None:
+    def _next(self) -> list[Request] | None:
         """One round: post, receive the leader's plan, apply it; the requests to admit (None: stop)."""
         plan = self._exchange.gather(self._post(), decide=self._decide)
         if plan["stop"]:
@@ -169,16 +170,16 @@ class GroupScheduler(Scheduler):
             self._park()
         return [self._request(owner, rid, prompt, params, n) for owner, rid, prompt, params, n in plan["admit"]]
 
-    def _request(self, owner: int, rid: int, prompt: list[int], params: dict, max_tokens: int) -> _Request:
+    def _request(self, owner: int, rid: int, prompt: list[int], params: dict, max_tokens: int) -> Request:
         if owner == self._exchange.me:
             req = self._mine[rid]
         else:
             params = SamplingParams(**params | {"stop_token_ids": tuple(params["stop_token_ids"])})
-            req = _Request(prompt, params, max_tokens, None, None)
+            req = Request(prompt, params, max_tokens, None, None)
         req.origin = (owner, rid)
         return req
 
-    def _dropped(self, req: _Request) -> bool:
+    def _dropped(self, req: Request) -> bool:
         return req.origin in self._cancelled
 
     def _park(self) -> None:

@@ -1,18 +1,22 @@
 """Continuous batching over the engine's decode slots, in a background thread.
 
-Between two decode steps the scheduler admits waiting requests into free slots (prefill in a length
-bucket, then insert), so a batch is never padded to its longest request; a slot is freed the moment
-its request stops. The only host/device synchronisation in the loop is reading sampled tokens, which
-must be handed out anyway, and it runs one step behind the device: each iteration dispatches its
-prefills and the next decode step before it reads what the previous step sampled, so the device always
-has a step queued while the host hands out tokens (nanodo reads its metrics one step late for the same
-reason). The price is one discarded token: a slot whose request samples a stop token at step N has
-already been given step N + 1. A request's length is known at dispatch, so the step that samples its
-last token frees its slot for the next prefill at once. `update_params` swaps the weights between two
-decode steps; requests in flight keep their KV cache and go on under the new weights, and every sampled token
-records the policy version that produced it. A request may pass `on_token`, called on its event loop
-with each token as it is sampled (for streaming); a request whose future is cancelled (its caller gave
-up) is skipped before prefill or dropped from its slot at the next step.
+The engine's decode steps run `decode_steps_per_dispatch` (k) at a time, in one program
+(`Engine.generate_steps`, an on-device loop, as tpu-inference's multi-step decode): the host sees the engine
+once per k tokens a slot, and each slot stops on the device at its stop token or its length (the host gives
+each slot its budget of steps, `max_tokens` less what it dispatched). Between two dispatches the scheduler
+admits waiting requests into free slots (prefill in a length bucket, then insert), so a batch is never padded
+to its longest request. The only host/device synchronisation in the loop is reading sampled tokens, which
+must be handed out anyway, and it runs one dispatch behind the device: each iteration dispatches its
+prefills and the next k steps before it reads what the previous dispatch sampled, so the device always has
+work queued while the host hands out tokens (nanodo reads its metrics one step late for the same reason).
+A request's length is known at dispatch, so the dispatch that samples its last token frees its slot for the
+next prefill at once; a slot whose request samples a stop token is masked on the device from then on (it
+keeps its state) and refilled at the first admission after its tokens are read: one dispatch after the one
+that sampled it. `update_params` swaps the weights between two dispatches; requests in flight keep their KV
+cache and go on under the new weights, and every sampled token records the policy version that produced it
+(a dispatch's k steps all run one version). A request may pass `on_token`, called on its event loop with each
+token as it is read (for streaming: up to k at a time); a request whose future is cancelled (its caller gave
+up) is skipped before prefill or dropped from its slot at the next dispatch.
 
 Prefills run one request at a time, not batched per bucket: a batch's matmuls round differently with
 its size (hidden states 4e-6 apart between a batch of 4 and of 1 on the Qwen3-0.6B shape), so a seeded
@@ -43,102 +47,19 @@ import dataclasses
 import logging
 import math
 import threading
-import time
 from collections.abc import Callable, Iterator
 
 import jax
 import numpy as np
 
-from jaxrl.inference.engine import DecodeState, Engine, pad_prompt
+from jaxrl.inference.decode_state import DecodeState
+from jaxrl.inference.engine import Engine, pad_prompt
 from jaxrl.inference.engine_params import EngineParams
 from jaxrl.inference.protocol import BackendStopped, Completion, SamplingParams
+from jaxrl.inference.request import Request, Sampled
 from jaxrl.model.blocks import Params
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _Request:
-    """One request. `loop` and `future` are None for a request that another process of an engine group
-    queued (`jaxrl.inference.lockstep`): this process steps it, but only its owner hands it out."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    max_tokens: int
-    loop: asyncio.AbstractEventLoop | None
-    future: asyncio.Future | None
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    top: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
-    queued_at: float = dataclasses.field(default_factory=time.perf_counter)
-    ttft_s: float | None = None
-    on_token: Callable[..., None] | None = None
-    slot: int | None = None  # the decode slot it holds, None once its last token is dispatched
-    dispatched: int = 0  # tokens dispatched to the device, read or not
-    done: bool = False  # finished or cancelled: tokens still in flight for it are discarded
-    origin: tuple[int, int] | None = None  # (process, number) in an engine group
-    key: jax.Array | None = None  # its PRNG key, kept for a recompute after preemption
-    admitted: int = 0  # the scheduler's count of admissions when it took its slot
-    streamed: int = 0  # tokens given to `on_token` (a recompute after preemption does not give them again)
-    epoch: int = 0  # the scheduler's weights (`Scheduler._epoch`) when it was prefilled
-
-    def add(self, token: int, logprob: float, version: int, top: list[tuple[int, float]] | None = None) -> bool:
-        """Record a sampled token (and its alternatives, for a request that asked for `top_logprobs`); True
-        when the request is finished."""
-        if self.ttft_s is None:
-            self.ttft_s = time.perf_counter() - self.queued_at
-        self.tokens.append(token)
-        self.logprobs.append(logprob)
-        self.versions.append(version)
-        if top is not None:
-            self.top.append(top)
-        if self.on_token is not None and len(self.tokens) > self.streamed:
-            self.streamed += 1
-            args = (token, logprob) if top is None else (token, logprob, top)
-            self.loop.call_soon_threadsafe(self.on_token, *args)
-        return token in self.params.stop_token_ids or len(self.tokens) >= self.max_tokens
-
-    def restart(self) -> None:
-        """Forget what was sampled: the request is preempted and will be computed again from its prompt."""
-        self.tokens, self.logprobs, self.versions, self.top = [], [], [], []
-        self.dispatched = 0
-
-    def finish(self) -> None:
-        if self.future is None:
-            return
-        stopped = bool(self.tokens) and self.tokens[-1] in self.params.stop_token_ids
-        done = Completion(self.tokens, self.logprobs, "stop" if stopped else "length", self.versions, self.ttft_s,
-                          self.top if self.params.top_logprobs else None)
-        self.loop.call_soon_threadsafe(_resolve, self.future, done)
-
-    def fail(self, exc: BaseException) -> None:
-        if self.future is not None:
-            self.loop.call_soon_threadsafe(_reject, self.future, exc)
-
-
-@dataclasses.dataclass
-class _Sampled:
-    """What a dispatched prefill or decode step samples, not read yet: token ids int32 [R] and logprobs
-    float32 [R] (device arrays), the request of each row (None: a free slot), the policy version, and each
-    row's most likely tokens and their logprobs [R, top] (top 0: no request asked)."""
-
-    tokens: jax.Array
-    logprobs: jax.Array
-    rows: list[_Request | None]
-    version: int
-    top_ids: jax.Array
-    top_logprobs: jax.Array
-
-
-def _resolve(fut: asyncio.Future, value: Completion) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _reject(fut: asyncio.Future, exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
 
 
 class Scheduler:
@@ -165,15 +86,16 @@ class Scheduler:
         self.policy_version = 0
         self._params = engine.prepare(params)
         self._pending: tuple[Params, int] | None = None
-        self._waiting: collections.deque[_Request] = collections.deque()
-        self._slots: list[_Request | None] = [None] * engine.max_concurrent_decodes
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._slots: list[Request | None] = [None] * engine.max_concurrent_decodes
         self._state: DecodeState | None = None
-        self._unread: collections.deque[_Sampled] = collections.deque()  # dispatched, in device order
+        self._unread: collections.deque[Sampled] = collections.deque()  # dispatched, in device order
         self._cv = threading.Condition()
         self._stop = False
         self._base_key = jax.random.key(seed)
         self._n_requests = 0
-        self.decode_steps = 0
+        self.decode_steps = 0  # decode steps dispatched (a dispatch counts the most its slots may run)
+        self.dispatches = 0  # decode programs dispatched (`Engine.generate_steps`)
         self.preemptions = 0  # requests put back to wait for pages, to be computed again (a paged cache)
         self._admitted = 0  # admissions so far: a running request's order, the last admitted preempted first
         self._epoch = 0  # weight sets served so far, less one (`_use_weights`)
@@ -200,7 +122,7 @@ class Scheduler:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in max_model_len "
                              f"{self.engine.max_seq_len}")
         loop = asyncio.get_running_loop()
-        req = _Request(list(prompt_ids), params, min(params.max_tokens, room), loop, loop.create_future(),
+        req = Request(list(prompt_ids), params, min(params.max_tokens, room), loop, loop.create_future(),
                        on_token=on_token)
         with self._cv:
             if self._stop:
@@ -290,7 +212,7 @@ class Scheduler:
             return
         self._fail_all(BackendStopped("the scheduler is stopped"))
 
-    def _next(self) -> list[_Request] | None:
+    def _next(self) -> list[Request] | None:
         """Wait for work, apply a pending weight update, and return the requests to admit now (None: stop)."""
         with self._cv:
             while (not self._stop and not self._waiting and not self.active and self._pending is None
@@ -346,13 +268,13 @@ class Scheduler:
         return len(entries)
 
     def _make_room(self) -> None:
-        """Before a decode step over a paged cache: while the step needs more pages than are free, preempt
-        the running request admitted last (vLLM's recompute preemption): its slot and pages are returned,
-        what it sampled is forgotten (tokens still in flight for it discarded) and it waits again at the
-        head of the queue, with its PRNG key, to be computed again: with the same weights the same tokens
+        """Before a dispatch of decode steps over a paged cache: while the steps need more pages than are free,
+        preempt the running request admitted last (vLLM's recompute preemption): its slot and pages are
+        returned, what it sampled is forgotten (tokens still in flight for it discarded) and it waits again at
+        the head of the queue, with its PRNG key, to be computed again: with the same weights the same tokens
         (a slot's numbers do not depend on the others'); `on_token` is not given again the tokens it had."""
         pages = self.engine.pages
-        while pages is not None and pages.needed() > pages.free:
+        while pages is not None and pages.needed(self._budget()) > pages.free:
             victim = max((r for r in self._slots if r is not None), key=lambda r: r.admitted)
             self._release(victim)
             for sampled in self._unread:
@@ -362,22 +284,31 @@ class Scheduler:
             with self._cv:
                 self._waiting.appendleft(victim)
 
-    def _dropped(self, req: _Request) -> bool:
+    def _budget(self) -> np.ndarray:
+        """The decode steps each slot may run in the next dispatch, int32 [B]: the engine's
+        `decode_steps_per_dispatch`, fewer where a request has fewer tokens left to dispatch, 0 for a free slot."""
+        budget_B = np.zeros((len(self._slots),), np.int32)
+        for slot, req in enumerate(self._slots):
+            if req is not None:
+                budget_B[slot] = min(self.engine.decode_steps_per_dispatch, req.max_tokens - req.dispatched)
+        return budget_B
+
+    def _dropped(self, req: Request) -> bool:
         """Whether `req`'s caller gave up (its future is cancelled)."""
         return req.future.cancelled()
 
-    def _key(self, req: _Request) -> jax.Array:
+    def _key(self, req: Request) -> jax.Array:
         if req.key is None:
             self._n_requests += 1
             req.key = (jax.random.key(req.params.seed) if req.params.seed is not None else
                        jax.random.fold_in(self._base_key, self._n_requests))
         return req.key
 
-    def _admit(self, admit: list[_Request]) -> None:
+    def _admit(self, admit: list[Request]) -> None:
         """Dispatch the prefills of `admit` (one per distinct prompt: `Engine.prefill_shared`) and, for
         each request whose prefill does not sample its last token, its insert into a free slot, in order."""
         live = [(req, self._key(req)) for req in admit if not self._dropped(req)]
-        groups: dict[tuple[int, ...], list[tuple[_Request, jax.Array]]] = {}
+        groups: dict[tuple[int, ...], list[tuple[Request, jax.Array]]] = {}
         for req, key in live:
             groups.setdefault(tuple(req.prompt_ids), []).append((req, key))
         prefixes = {}
@@ -396,7 +327,7 @@ class Scheduler:
             if (prefix := prefixes.get(id(req))) is None:
                 continue
             req.dispatched = 1
-            self._unread.append(_Sampled(prefix.token, prefix.logprob, [req], self.policy_version, prefix.top_ids,
+            self._unread.append(Sampled(prefix.token, prefix.logprob, [req], self.policy_version, prefix.top_ids,
                                          prefix.top_logprobs))
             if req.dispatched < req.max_tokens:
                 req.slot = self._slots.index(None)
@@ -408,7 +339,8 @@ class Scheduler:
             self.engine.pages.unpin()  # kept pages matched for prompts not inserted (finished at their first token)
 
     def _step(self) -> None:
-        """Dispatch one decode step over the occupied slots, if any."""
+        """Dispatch up to `decode_steps_per_dispatch` decode steps over the occupied slots, if any, as one
+        program (`Engine.generate_steps`): each slot runs its budget (`_budget`) or stops at a stop token."""
         for req in self._slots:
             if req is not None and self._dropped(req):
                 req.done = True
@@ -419,42 +351,50 @@ class Scheduler:
         active = [r for r in rows if r is not None]
         if not active:
             return
-        # the cache chunks that hold every busy slot's next position (it feeds position len + dispatched - 1)
-        chunks = self.engine.cache_chunks(max(len(r.prompt_ids) + r.dispatched for r in active))
-        self._state, result = self.engine.generate(self._params, self._state,
-                                                   truncate=any(r.params.truncates for r in active),
-                                                   penalize=any(r.params.penalizes for r in active),
-                                                   ban=any(r.dispatched < r.params.min_tokens for r in active),
-                                                   chunks=chunks, top=self.engine.top_for([r.params for r in active]))
-        self.decode_steps += 1
-        self._unread.append(_Sampled(result.tokens, result.logprobs, rows, self.policy_version, result.top_ids,
-                                     result.top_logprobs))
+        budget_B = self._budget()
+        # the cache chunks that hold every position a busy slot may feed (len + dispatched - 1 onwards)
+        chunks = self.engine.cache_chunks(max(len(r.prompt_ids) + r.dispatched + int(budget_B[r.slot]) - 1
+                                              for r in active))
+        self._state, result = self.engine.generate_steps(
+            self._params, self._state, budget_B, truncate=any(r.params.truncates for r in active),
+            penalize=any(r.params.penalizes for r in active),
+            ban=any(r.dispatched < r.params.min_tokens for r in active), chunks=chunks,
+            top=self.engine.top_for([r.params for r in active]))
+        self.decode_steps += int(budget_B.max())
+        self.dispatches += 1
+        self._unread.append(Sampled(result.tokens, result.logprobs, rows, self.policy_version, result.top_ids,
+                                     result.top_logprobs, result.counts))
         for req in active:
-            req.dispatched += 1
+            req.dispatched += int(budget_B[req.slot])
             if req.dispatched >= req.max_tokens:
                 self._release(req, keep=True)  # its tokens come with `_hand_out`
 
-    def _hand_out(self, sampled: _Sampled) -> None:
-        """Read `sampled` (waits for the device) and give each live request its token."""
-        tokens, logprobs = np.asarray(sampled.tokens), np.asarray(sampled.logprobs)
-        top_ids, top_lps = (np.asarray(sampled.top_ids), np.asarray(sampled.top_logprobs)) \
-            if sampled.top_ids.shape[1] else (None, None)
+    def _hand_out(self, sampled: Sampled) -> None:
+        """Read `sampled` (waits for the device) and give each live request its tokens, in order."""
+        r = len(sampled.rows)
+        tokens, logprobs = np.asarray(sampled.tokens).reshape(-1, r), np.asarray(sampled.logprobs).reshape(-1, r)
+        counts = np.full((r,), tokens.shape[0]) if sampled.counts is None else np.asarray(sampled.counts)
+        top_ids = np.asarray(sampled.top_ids).reshape(tokens.shape[0], r, sampled.top_ids.shape[-1])
+        top_lps = np.asarray(sampled.top_logprobs).reshape(top_ids.shape)
         for row, req in enumerate(sampled.rows):
             if req is None or req.done:
                 continue
-            k = req.params.top_logprobs
-            top = list(zip(top_ids[row, :k].tolist(), top_lps[row, :k].tolist(), strict=True)) if k else None
             if self._dropped(req):
                 req.done = True
                 self._release(req)
                 self._remember(req, None)
-            elif req.add(int(tokens[row]), float(logprobs[row]), sampled.version, top):
-                req.done = True
-                self._release(req, keep=True)
-                self._remember(req, req.prompt_ids + req.tokens)
-                req.finish()
+                continue
+            k = req.params.top_logprobs
+            for i in range(int(counts[row])):
+                top = list(zip(top_ids[i, row, :k].tolist(), top_lps[i, row, :k].tolist(), strict=True)) if k else None
+                if req.add(int(tokens[i, row]), float(logprobs[i, row]), sampled.version, top):
+                    req.done = True
+                    self._release(req, keep=True)
+                    self._remember(req, req.prompt_ids + req.tokens)
+                    req.finish()
+                    break
 
-    def _release(self, req: _Request, keep: bool = False) -> None:
+    def _release(self, req: Request, keep: bool = False) -> None:
         """Free `req`'s slot; a paged cache's pages go back to the pool, or with `keep` (a finished
         request, where `keeps`) are kept under its admission number until `_remember` says what they hold."""
         if req.slot is not None:
@@ -465,16 +405,17 @@ class Scheduler:
                 self.engine.release(req.slot)
             req.slot = None
 
-    def _remember(self, req: _Request, tokens: list[int] | None) -> None:
+    def _remember(self, req: Request, tokens: list[int] | None) -> None:
         """The kept pages of finished `req` hold `tokens`' keys and values up to the last token a decode
-        step ran (its prompt and `dispatched - 1` sampled tokens), if all of them were computed with the
-        weights in use now; else (None, or new weights since its prefill) they go back to the pool."""
+        step fed (its prompt and its sampled tokens but the last: a stopped slot feeds nothing more), if all
+        of them were computed with the weights in use now; else (None, or new weights since its prefill)
+        they go back to the pool."""
         if not self.keeps:
             return
         if tokens is None or req.epoch != self._epoch:
             self.engine.pages.remember(req.admitted, [])
             return
-        self.engine.pages.remember(req.admitted, tokens[:len(req.prompt_ids) + req.dispatched - 1])
+        self.engine.pages.remember(req.admitted, tokens[:len(req.prompt_ids) + len(req.tokens) - 1])
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._cv:

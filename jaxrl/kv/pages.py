@@ -261,34 +261,48 @@ class PageAllocator:
         self.dirty = True
         return dest
 
-    def needed(self) -> int:
-        """Pages the next `step` takes: a new one for each held slot whose position falls past its pages
-        or into a page it shares."""
-        return sum(int(self.table[slot, pos // self.page] == 0 or self.refs[self.table[slot, pos // self.page]] > 1)
-                   for slot, pos in self._positions.items())
+    def _ahead(self, ahead_B: np.ndarray | None) -> list[tuple[int, int, range]]:
+        """(slot, its position after its next `ahead_B[slot]` positions (None: one), the page indices they
+        fall in) for each held slot (positions clipped to `max_seq_len - 1`, as the engine's)."""
+        out = []
+        for slot, pos in self._positions.items():
+            n = 1 if ahead_B is None else int(ahead_B[slot])
+            last = min(pos + n - 1, self.max_seq_len - 1)
+            pages = range(pos // self.page, last // self.page + 1) if n > 0 else range(0)
+            out.append((slot, min(pos + n, self.max_seq_len - 1), pages))
+        return out
 
-    def step(self) -> list[tuple[int, int]]:
-        """Before a decode step: give each held slot the page its next position falls in (a new one past
-        its pages; a copy of a page it shares with another slot: copy on write), then advance it (as the
-        engine, up to `max_seq_len - 1`).
+    def needed(self, ahead_B: np.ndarray | None = None) -> int:
+        """Pages the next `step(ahead_B)` takes: a new one for each page a held slot's next positions fall
+        in past its pages or into a page it shares."""
+        return sum(int(self.table[slot, i] == 0 or self.refs[self.table[slot, i]] > 1)
+                   for slot, _, pages in self._ahead(ahead_B) for i in pages)
+
+    def step(self, ahead_B: np.ndarray | None = None) -> list[tuple[int, int]]:
+        """Before a dispatch of decode steps: give each held slot the pages its next `ahead_B[slot]` positions
+        fall in (int [slots]; None: one position each, one step; `Engine.generate_steps`): a new one past its
+        pages, a copy of a page it shares with another slot (copy on write), then advance it by as many (as
+        the engine, up to `max_seq_len - 1`; a slot that stops sooner on the device is released before it
+        matters).
 
         Returns:
-            The copies the engine makes before the step, (from page, to page).
+            The copies the engine makes before the steps, (from page, to page): at most one a slot (only
+            a prompt's partial last page is shared and written).
 
         Raises:
             PoolExhausted: no page is left for some slot's position.
         """
         copies = []
-        for slot, pos in self._positions.items():
-            i = pos // self.page
-            if (p := int(self.table[slot, i])) == 0:
-                self.table[slot, i] = self._take()
-                self.dirty = True
-            elif self.refs[p] > 1:
-                self.table[slot, i] = new = self._take()
-                self.refs[p] -= 1  # others still hold it
-                copies.append((p, new))
-                self.copies += 1
-                self.dirty = True
-            self._positions[slot] = min(pos + 1, self.max_seq_len - 1)
+        for slot, after, pages in self._ahead(ahead_B):
+            for i in pages:
+                if (p := int(self.table[slot, i])) == 0:
+                    self.table[slot, i] = self._take()
+                    self.dirty = True
+                elif self.refs[p] > 1:
+                    self.table[slot, i] = new = self._take()
+                    self.refs[p] -= 1  # others still hold it
+                    copies.append((p, new))
+                    self.copies += 1
+                    self.dirty = True
+            self._positions[slot] = after
         return copies

@@ -54,13 +54,16 @@ def run_engine(cfg: RunConfig, mcfg: ModelConfig, placement: Placement, say: Any
     """The run's rollout engine on `placement.engine_mesh`: `[jax] decode_slots` slots of `seq_len`
     positions, `kv_cache_tokens` (unset on an accelerator: the pool that fits, sized now, saying so with
     `say`: `jaxrl.compile.run_pool.startup_kv_cache_tokens`), the cache in `[jax] dtype`, LoRA at
-    `lora_alpha / lora_rank`. Raises ConfigError (key `jax.kv_cache_tokens`) when sizing the pool fails."""
+    `lora_alpha / lora_rank`, `decode_steps_per_dispatch` (unset: the engine's default). Raises ConfigError
+    (key `jax.kv_cache_tokens`) when sizing the pool fails."""
     jcfg = cfg.jax
     kv_tokens = run_pool.startup_kv_cache_tokens(cfg, mcfg, placement.mesh, placement.engine_mesh,
                                                  placement.micro_batch, say)
+    steps = jcfg.decode_steps_per_dispatch
+    steps = {} if steps is None else {"decode_steps_per_dispatch": steps}
     return Engine(mcfg, placement.engine_mesh, jcfg.decode_slots, jcfg.seq_len,
                   lora_scale=cfg.lora_alpha / jcfg.lora_rank, cache_dtype=params_dtype(cfg),
-                  kv_cache_tokens=kv_tokens)
+                  kv_cache_tokens=kv_tokens, **steps)
 
 
 @dataclasses.dataclass(frozen=True)

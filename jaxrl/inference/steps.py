@@ -1,0 +1,49 @@
+"""Several decode steps in one program (`jaxrl.inference.engine.Engine.generate_steps`): an on-device loop
+over the engine's masked decode step, as tpu-inference's multi-step decode ("continue_decode"), so that the
+host sees the engine once per k steps and not after every token. Letters as in `jaxrl.model.decoder`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.inference.decode_state import DecodeState
+
+# (state, live_B) -> (the next state, (tokens int32 [B], logprobs float32 [B], top ids int32 [B, top], top
+# logprobs float32 [B, top])): one decode step in which the slots not `live_B` keep their state
+MaskedStep = Callable[[DecodeState, jax.Array], tuple[DecodeState, tuple[jax.Array, ...]]]
+
+
+def run_steps(step: MaskedStep, state: DecodeState, budget_B: jax.Array, *, steps: int,
+              top: int) -> tuple[DecodeState, tuple[jax.Array, ...], jax.Array]:
+    """Up to `steps` calls of `step` in a `lax.while_loop`, slot b live in a step while it has run fewer than
+    `budget_B[b]` (int32 [B]) and its input token (the last it sampled) is not one of its stop tokens
+    (`DecodeState.stop`); the loop ends once no slot is live.
+
+    Returns:
+        The state after the loop, each step's outputs stacked (tokens int32 [steps, B], logprobs float32
+        [steps, B], top ids int32 [steps, B, top], top logprobs float32 [steps, B, top]; rows past a slot's
+        count are not its tokens, and zeros past the last step run) and how many steps each slot ran,
+        int32 [B].
+    """
+    b = budget_B.shape[0]
+    rows_B = jnp.arange(b)
+
+    def live(i, s: DecodeState):
+        return (i < budget_B) & ~s.stop[rows_B, s.tokens]
+
+    def body(carry):
+        i, s, out, counts_B = carry
+        live_B = live(i, s)
+        s, result = step(s, live_B)
+        out = tuple(jax.lax.dynamic_update_index_in_dim(o, r, i, 0) for o, r in zip(out, result, strict=True))
+        return i + 1, s, out, counts_B + live_B
+
+    out = (jnp.zeros((steps, b), jnp.int32), jnp.zeros((steps, b), jnp.float32),
+           jnp.zeros((steps, b, top), jnp.int32), jnp.zeros((steps, b, top), jnp.float32))
+    _, state, out, counts_B = jax.lax.while_loop(lambda c: (c[0] < steps) & jnp.any(live(c[0], c[1])), body,
+                                                 (jnp.int32(0), state, out, jnp.zeros((b,), jnp.int32)))
+    return state, out, counts_B
