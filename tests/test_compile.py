@@ -38,7 +38,7 @@ def test_cli_compiles_a_checkpoint_config_for_a_slice(tmp_path, tiny_model_dir):
     config = tmp_path / "rl.toml"
     config.write_text(f'model = "tiny"\nbatch_size = 16\nrollouts_per_example = 4\n[[env]]\nid = "a/b"\n'
                       f'[jax]\nmodel_path = "{tiny_model_dir}"\nseq_len = 128\ndecode_slots = 8\n'
-                      f'dtype = "bfloat16"\nmesh = {{ fsdp = 4 }}\n')
+                      f'dtype = "bfloat16"\nmesh = {{ fsdp = 4 }}\ndecode_steps_per_dispatch = 1\n')
     runner = CliRunner()
     # --no-context: the context search is tested on its own (test_context_is_the_longest_length_that_fits)
     result = runner.invoke(app, ["compile", str(config), "--topology", "v5litepod-4", "--no-context",
@@ -101,7 +101,9 @@ def _check_decode_bytes(data: dict, output: str):
     slots at position 64), this step's key and value, and its ideal the weights once + 8 x 64 positions;
     its temporaries under 10% of its KV cache (no copy of the pool) beside the sampler's: TPU's `lax.top_k`
     search (`jaxrl.model.kernels.sampler_search`) keeps the [8, V] float32 probabilities it reads twice
-    (5.1 MB here, 19x this tiny cache; one such buffer is 0.15 GiB at 256 slots)."""
+    (5.1 MB here, 19x this tiny cache; one such buffer is 0.15 GiB at 256 slots). One step a program (the
+    config's: a loop of steps over this tiny model's 16-wide heads, the gather's pool, carries the pool in a
+    layout of its own, copied in before the loop: docs/benchmarks-log.md, 2026-11-27)."""
     step, decode = data["decode_bytes"], data["programs"][f"decode@{data['model_layers']}"]
     per_token = data["kv_bytes_per_token"]
     assert step["weights"] == decode["declared"]["weights"] + decode["declared"]["lora"] > 0
@@ -112,6 +114,7 @@ def _check_decode_bytes(data: dict, output: str):
     sampler = 2 * 8 * VOCAB_ROWS * 4  # at most two [B, V] float32 buffers
     assert step["cache"] == data["bytes_per_chip"]["kv_cache"] and step["temp"] < 0.1 * step["cache"] + sampler, step
     assert f"ratio {step['moved'] / step['ideal']:.2f}" in output.split("decode step bytes (8 slots at position 64")[1]
+    assert step["steps"] == 1 and "per step of a program of 1," in output
     assert "decode temporaries: " in output and "of the KV cache" in output
 
 

@@ -211,12 +211,15 @@ def test_intellect_3_decode_reads_each_layers_cache_in_place():
     Unrolled (before 2026-11-26) the compiler kept each layer's cache slices beside the cache: 5.62 GiB
     of temporaries a chip at 3 layers, growing 1.08 GB a layer (2x a layer's 0.54 GB of k and v); scanned,
     1.19 GiB at 3 layers and at 4. Since the paged pool became TPU's default (2026-11-27) the step reads the
-    pool in place through JAX's Pallas kernel. The whole model's report is docs/tpu.md's INTELLECT-3 row."""
+    pool in place through JAX's Pallas kernel. The whole model's report is docs/tpu.md's INTELLECT-3 row.
+    One decode step a program (`[jax] decode_steps_per_dispatch = 1`): a program of 8 (the default) keeps
+    relayouted copies of the stacked attention weights beside its loop, 2.07 GiB of temporaries here
+    (docs/benchmarks-log.md, 2026-11-27)."""
     cfg = RunConfig.model_validate({
         "model": "PrimeIntellect/INTELLECT-3", "batch_size": 256, "rollouts_per_example": 8, "lora_alpha": 32,
         "env": [{"id": "a/b"}], "sampling": {"max_tokens": 2048},
         "jax": {"mesh": {"fsdp": 2, "expert": 4}, "dtype": "bfloat16", "seq_len": 4096, "lora_rank": 16,
-                "decode_slots": 256, "micro_batch_size": 8}})
+                "decode_slots": 256, "micro_batch_size": 8, "decode_steps_per_dispatch": 1}})
     model = report.model_of(cfg)
     assert [(kind, stop - start) for kind, start, stop, _ in decoder.layer_runs(model)] == [("mlp", 1), ("moe", 45)]
     shapes = report.shapes_of(cfg, model).at_depth(3)

@@ -21,7 +21,9 @@ def run_steps(step: MaskedStep, state: DecodeState, budget_B: jax.Array, *, step
               top: int) -> tuple[DecodeState, tuple[jax.Array, ...], jax.Array]:
     """Up to `steps` calls of `step` in a `lax.while_loop`, slot b live in a step while it has run fewer than
     `budget_B[b]` (int32 [B]) and its input token (the last it sampled) is not one of its stop tokens
-    (`DecodeState.stop`); the loop ends once no slot is live.
+    (`DecodeState.stop`); the loop ends once no slot is live. One step (`steps` 1) is the step alone, no
+    loop: the program a single step compiled to before (a TPU's layout assignment may give a loop's state
+    layouts of its own, with copies into them before the loop; docs/benchmarks.md, 2026-11-27).
 
     Returns:
         The state after the loop, each step's outputs stacked (tokens int32 [steps, B], logprobs float32
@@ -34,6 +36,11 @@ def run_steps(step: MaskedStep, state: DecodeState, budget_B: jax.Array, *, step
 
     def live(i, s: DecodeState):
         return (i < budget_B) & ~s.stop[rows_B, s.tokens]
+
+    if steps == 1:
+        live_B = live(0, state)
+        state, result = step(state, live_B)
+        return state, tuple(r[None] for r in result), live_B.astype(jnp.int32)
 
     def body(carry):
         i, s, out, counts_B = carry
