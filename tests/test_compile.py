@@ -229,10 +229,14 @@ def test_a_run_on_an_accelerator_sizes_its_kv_pool_to_what_fits(tiny_model_dir, 
 
 
 def test_overflow_advice_leaves_out_what_the_run_already_does():
-    """Temporaries over HBM: the advice names `remat = true` only when remat is off, and a smaller
-    micro-batch only while it holds more than one sequence per batch shard (data x fsdp x expert chips);
-    the 2026-11-24 compile of Qwen3-235B-A22B on v5p-64 (remat on, 16-sequence micro-batches over 16
-    shards) had been told to try both. No compiling."""
+    """Over HBM: the advice names `remat = true` (for temporaries) only when remat is off, and a smaller
+    micro-batch, first and whatever the term, only while the run sets one ([jax] micro_batch_size) of more
+    than one sequence per batch shard (data x fsdp x expert chips): the 2026-11-24 compile of
+    Qwen3-235B-A22B on v5p-64 (remat on, 16-sequence micro-batches over 16 shards) had been told to try
+    both. A micro-batch chosen by compiling is never named: the search judged the whole program set, so no
+    smaller one fits when it does not (issue 43: Qwen3-30B-A3B at 32,768 on v5p-16 had been told "fewer
+    decode_slots, or a larger slice" beside a micro-batch the search had sized without the engine's
+    programs). No compiling."""
     from jaxrl.compile import report
     from jaxrl.config.schema import RunConfig
 
@@ -241,10 +245,18 @@ def test_overflow_advice_leaves_out_what_the_run_already_does():
                                     "jax": {"remat": True, "micro_batch_size": 16}})
     on = report.shapes_of(cfg, report.model_of(cfg))
     off = dataclasses.replace(on, remat=False)
-    assert report.advice("temporaries", off, {"fsdp": 4}) == report.ADVICE["temporaries"]
-    assert report.advice("temporaries", on, {"fsdp": 4}).startswith("a smaller [jax] micro_batch_size, fewer")
+    smaller = report.SMALLER_MICRO_BATCH
+    assert smaller.startswith("a smaller [jax] micro_batch_size")
+    assert report.advice("temporaries", off, {"fsdp": 4}) == \
+        f"[jax] remat = true, {smaller}, fewer decode_slots, or a larger slice"
+    assert report.advice("temporaries", on, {"fsdp": 4}) == f"{smaller}, fewer decode_slots, or a larger slice"
     assert report.advice("temporaries", on, {"fsdp": 2, "expert": 8}) == "fewer decode_slots, or a larger slice"
-    assert report.advice("kv_cache", on, {}) == report.ADVICE["kv_cache"]
+    assert report.advice("kv_cache", on, {"fsdp": 4}) == f"{smaller}; {report.ADVICE['kv_cache']}"
+    assert report.advice("kv_cache", on, {"fsdp": 16}) == report.ADVICE["kv_cache"]
+    # chosen by compiling: not named, whatever the term
+    assert report.advice("temporaries", on, {"fsdp": 4}, micro_batch_set=False) == \
+        "fewer decode_slots, or a larger slice"
+    assert report.advice("kv_cache", on, {"fsdp": 4}, micro_batch_set=False) == report.ADVICE["kv_cache"]
 
 
 def test_cost_lines_under_splash_give_attention_apart_and_no_negative_waste():
@@ -356,8 +368,10 @@ def test_the_runs_engine_group_is_chosen_beside_its_compiled_train_step(tiny_mod
     engine fits beside it (`report.run_engine_hosts`), as `jaxrl compile` does. The tiny Qwen3 on v5p-16
     (2 hosts, fsdp 8): with a chip just large enough for the compiled train step (scratch included) plus an
     engine on one host (its own copy of the weights), one host; a byte less, both hosts (the engine reads
-    the trainer's weights in place). One process, or no accelerator memory (CPU): one host, nothing
-    compiled."""
+    the trainer's weights in place). The run's micro-batch is the whole batch, as chosen at its startup
+    (`report.startup_micro_batch`, passed on by `placement.engine_group`): on a chip this tight the search
+    (`jaxrl.compile.micro_batch`) takes a smaller one, since the engine's own programs do not fit beside it
+    either. One process, or no accelerator memory (CPU): one host, nothing compiled."""
     import math
 
     from jaxrl.compile import programs, report
@@ -375,7 +389,7 @@ def test_the_runs_engine_group_is_chosen_beside_its_compiled_train_step(tiny_mod
     hbm = math.ceil(one / FIT_SHARE)
 
     def fit(chip_bytes: int) -> int:
-        return report.run_engine_hosts(cfg, mcfg, mesh, chip_bytes)
+        return report.run_engine_hosts(cfg, mcfg, mesh, chip_bytes, micro_batch_size=16)
 
     assert distributed.engine_hosts(0, 2, hbm, fit) == 1
     assert distributed.engine_hosts(0, 2, hbm - 1, fit) == 2
@@ -383,6 +397,51 @@ def test_the_runs_engine_group_is_chosen_beside_its_compiled_train_step(tiny_mod
     assert distributed.engine_hosts(2, 2, None, fit) == 2
     with pytest.raises(ValueError, match="engine_hosts = 3 does not divide the 2 processes"):
         distributed.engine_hosts(3, 2, None, fit)
+
+
+def test_the_micro_batch_search_judges_the_whole_program_set(tiny_model_dir):
+    """With no [jax] micro_batch_size, `jaxrl compile` (and a run on accelerators) takes the largest
+    micro-batch whose whole program set fits (`jaxrl.compile.micro_batch`): the train step beside the engine's
+    compiled prefill and decode step (their scratch, the prefill's outputs, the decode's slot state) and its
+    KV cache, the report's total. Until 2026-11-27 the train step was set beside the KV cache alone (issue 43:
+    Qwen3-30B-A3B at 32,768 on v5p-16 was then over). The tiny Qwen3 on v5litepod-4 (fsdp 4), 16 rows of 128
+    tokens, 256 decode slots (the decode step's [slots, vocabulary] logits and masks: 97 MB a chip of scratch
+    and slot state before the TPU sampler's top_k of 75c0662, more since), on a chip whose usable HBM is
+    exactly the whole program set at one sequence a chip (4): the old rule, beside the KV cache alone, takes
+    the whole batch (16 in one pass), whose report (its micro-batch set) is over and names the micro-batch
+    as the cure; the search takes 4 (8 is over too), whose report fits. Twelve compiles of the tiny programs."""
+    import math
+
+    from jaxrl.compile import fit, micro_batch, programs, report
+    from jaxrl.config.schema import RunConfig
+    from jaxrl.model import hf
+    from jaxrl.parallel.sharding import make_mesh
+
+    cfg = RunConfig.model_validate({"model": "tiny", "batch_size": 16, "rollouts_per_example": 4,
+                                    "env": [{"id": "a/b"}], "jax": {"model_path": str(tiny_model_dir), "seq_len": 128,
+                                                                    "decode_slots": 256, "dtype": "bfloat16",
+                                                                    "mesh": {"fsdp": 4}}})
+    mcfg = hf.load_config(str(tiny_model_dir))
+    shapes, layers = report.shapes_of(cfg, mcfg), mcfg.num_layers
+    v5e = slices.parse_slice("v5litepod-4")
+    mesh = make_mesh({"fsdp": 4}, slices.topology_devices(v5e))
+    train = {m: fit.at_depth({layers: programs.compile_train(dataclasses.replace(shapes, micro_batch_size=m), mesh)},
+                             (layers,), layers) for m in (4, 16)}
+    usable = micro_batch.engine_side(shapes, mesh, (layers,)).total(train[4])
+    # the old rule: the train step, scratch included, beside the engine's KV cache on every host (the dense
+    # cache's bytes, what it set aside for the pool), the whole batch tried first: it takes 16
+    assert fit.trainer_bytes(train[16]) + programs.engine_declared_bytes(shapes, mesh, own_weights=False) <= usable
+    tight = dataclasses.replace(v5e, chip=dataclasses.replace(v5e.chip, hbm_bytes=math.ceil(usable / fit.FIT_SHARE)))
+
+    old = report.compile_report(mcfg, {"fsdp": 4}, tight, dataclasses.replace(shapes, micro_batch_size=16))
+    print(old.text(), "\n")  # the reports, for `pytest -s`
+    verdict = next(line for line in old.text().splitlines() if line.lstrip().startswith("total"))
+    assert not old.fits and old.total > usable, old.text()
+    assert "does NOT fit" in verdict and report.SMALLER_MICRO_BATCH in verdict  # set above one a chip: the cure
+    new = report.compile_report(mcfg, {"fsdp": 4}, tight, shapes)
+    print(new.text())
+    assert (new.shapes.micro_batch_size, new.micro_batch_from) == (4, "the largest that fits (compiled)")
+    assert new.fits and new.total <= fit.FIT_SHARE * tight.chip.hbm_bytes, new.text()
 
 
 def test_compile_picks_the_fewest_engine_hosts_that_fit_beside_the_compiled_train_step():

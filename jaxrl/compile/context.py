@@ -4,12 +4,12 @@ A run's sequences can be as long as the train step at one sequence per batch sha
 micro-batch) fits on a chip beside the engine's KV cache at that length. Both grow with the length: the
 KV cache exactly (`decode_slots` x length positions a layer), the train step's arguments (the batch) and
 its scratch (the layer inputs remat keeps, splash attention's per-block statistics, the logit chunks)
-about linearly. So the lengths tried are powers of two, bisected as `report.compiled_micro_batch`
+about linearly. So the lengths tried are powers of two, bisected as `micro_batch.compiled_micro_batch`
 bisects micro-batches, each one's train step compiled (at the report's depths, extrapolated) and judged
-by the same rule: its bytes a chip, scratch included, plus the least an engine adds (its KV cache at that
-length, on all the hosts) at most `fit.FIT_SHARE` of HBM. Prefill's and decode's scratch are left out,
-as they are from the micro-batch rule: the report of a run at that length (`jaxrl compile` with
-`[jax] seq_len` set to it) adds them.
+by the fit rule: its bytes a chip, scratch included, plus the least an engine adds (its KV cache at that
+length, on all the hosts) at most `fit.FIT_SHARE` of HBM. Prefill's and decode's scratch are left out
+(two more compiles a length; the micro-batch rule, `micro_batch`, compiles them once for its one length):
+the report of a run at that length (`jaxrl compile` with `[jax] seq_len` set to it) adds them.
 """
 
 from __future__ import annotations

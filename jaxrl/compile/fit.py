@@ -1,9 +1,10 @@
-"""The fit rule that `jaxrl compile`'s report, its micro-batch and engine-group choices (`report`) and its
-longest-context search (`context`) share: a run fits a chip when its compiled bytes a chip, scratch
-included, are at most `FIT_SHARE` of the chip's HBM; the byte counts a compiled program gives at the
-model's full depth (compiled there, or extrapolated from two reduced depths: the layers are one scanned
-stack, so memory is affine in depth); what of the train step stays on a chip beside the engine; and
-whether the engine holds its own copy of the weights.
+"""The fit rule that `jaxrl compile`'s report, its micro-batch search (`micro_batch`), engine-group choice
+(`report`) and longest-context search (`context`) share: a run fits a chip when its compiled bytes a
+chip, scratch included, are at most `FIT_SHARE` of the chip's HBM; the byte counts a compiled program
+gives at the model's full depth (compiled there, or extrapolated from two reduced depths: the layers are
+one scanned stack, so memory is affine in depth); the memory terms a run's three programs add up to
+(`memory_terms`); what of the train step stays on a chip beside the engine; and whether the engine
+holds its own copy of the weights.
 """
 
 from __future__ import annotations
@@ -61,3 +62,26 @@ def engine_owns_weights(shapes: Shapes, emesh: Any, mesh: Any) -> bool:
     them: the train step donates them, `jaxrl.run.job.Job.engine_params`). Otherwise it reads the
     trainer's frozen base in place."""
     return emesh.devices.size < mesh.devices.size or shapes.full
+
+
+def memory_terms(train: dict[str, int], prefill: dict[str, int], decode: dict[str, int],
+                 engine_owns_weights: bool) -> dict[str, int]:
+    """`jaxrl compile`'s memory terms (`jaxrl.compile.report.TERMS`), bytes a chip, from the three programs'
+    byte counts at full depth (`at_depth`); the engine's weights count only where it holds its own copy
+    (`engine_owns_weights`). Their sum is what a run holds at once: the micro-batch search
+    (`jaxrl.compile.micro_batch`) judges each candidate by it, the report prints it."""
+    return {
+        "weights": train["declared_weights"],  # full fine-tuning: the float32 master weights
+        # the state (donated: its update is written in place, the compiler's aliased bytes) and the step's
+        # other outputs (its metrics)
+        "lora_optimizer": train["declared_lora"] + train["declared_optimizer"] + train["output"] - train["alias"],
+        # full fine-tuning with kl_coef > 0: the frozen starting weights (in `dtype`) the KL reference runs
+        "kl_reference": train["declared_reference"],
+        # `[jax.teacher] model`: the teacher's frozen weights (in `dtype`), run in the train step
+        "teacher": train["declared_teacher"],
+        "engine_weights": decode["declared_weights"] + decode["declared_lora"] if engine_owns_weights else 0,
+        "kv_cache": decode["declared_kv_cache"],
+        # the train step runs in a thread while the engine decodes: both programs' scratch at once
+        "temporaries": train["temp"] + max(prefill["temp"], decode["temp"]),
+        "other": train["declared_batch"] + decode["declared_slots"] + prefill["output"],
+    }

@@ -45,7 +45,7 @@ class Shapes:
     remat: bool
     batch_rows: int  # sequences per train step
     seq_len: int
-    micro_batch_size: int | None  # None: the largest that fits, found by compiling (`report.compiled_micro_batch`)
+    micro_batch_size: int | None  # None: the largest that fits, found by compiling (`micro_batch.compiled_micro_batch`)
     decode_slots: int
     full: bool = False  # `[jax] finetune = "full"`: every weight trains (float32 master weights, AdamW over them)
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)  # `[jax.loss]`: kl_coef > 0 runs a reference
@@ -186,7 +186,7 @@ def compile_train(s: Shapes, mesh: Mesh) -> Program:
     (`s.teacher`) the teacher's weights in `dtype`, at its own full depth (declared as `teacher`: the same at
     every depth the student is compiled at, so the depth fit keeps it as it is)."""
     if s.micro_batch_size is None:
-        raise ValueError("compile_train needs a micro_batch_size (report.compiled_micro_batch chooses one)")
+        raise ValueError("compile_train needs a micro_batch_size (micro_batch.compiled_micro_batch chooses one)")
     trainer = Trainer(s.model, mesh, make_optimizer(1e-5, full=s.full), lora_scale=s.lora_scale, loss_cfg=s.loss,
                       remat=s.remat, micro_batch_size=s.micro_batch_size, full=s.full, dtype=s.dtype,
                       unroll=s.unroll, teacher_cfg=s.teacher)

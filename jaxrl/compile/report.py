@@ -19,7 +19,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jaxrl.compile import decode_bytes, fit, pool, programs, slices
+from jaxrl.compile import decode_bytes, fit, micro_batch, pool, programs, slices
 from jaxrl.compile import depths as depth_rule
 from jaxrl.compile.architecture import model_of, teacher_model_of
 from jaxrl.compile.context import Context, compiled_context
@@ -33,7 +33,7 @@ from jaxrl.kv.pallas import PagedPallas
 from jaxrl.model import moe
 from jaxrl.model.config import ModelConfig
 from jaxrl.parallel import distributed
-from jaxrl.parallel.sharding import MESH_AXES, RULES, batch_shards, make_mesh
+from jaxrl.parallel.sharding import MESH_AXES, RULES, make_mesh
 from jaxrl.rl.train import loss_config
 
 TERMS = ("weights", "lora_optimizer", "kl_reference", "teacher", "engine_weights", "kv_cache", "temporaries",
@@ -135,8 +135,8 @@ class Report:
                  + f" in {self.compile_s:.0f} s",
                  "per chip, GiB:"]
         lines += [f"  {name:<15}{self.terms[name] / g:8.2f}" for name in TERMS]
-        verdict = "fits" if self.fits else \
-            f"does NOT fit: {self.overflow} is the largest term; try {advice(self.overflow, s, self.mesh)}"
+        verdict = "fits" if self.fits else (f"does NOT fit: {self.overflow} is the largest term; try "
+                                            f"{advice(self.overflow, s, self.mesh, self.micro_batch_from == 'set')}")
         lines.append(f"  {'total':<15}{self.total / g:8.2f}  of {self.hbm / g:.0f} GiB HBM ({FIT_SHARE:.0%} usable): "
                      f"{verdict}")
         lines.append(f"roofline: train step {self.train_step_s:.2f} s, decode step {self.decode_step_s * 1e3:.1f} ms "
@@ -150,15 +150,22 @@ class Report:
         return "\n".join(lines)
 
 
-def advice(term: str, shapes: Shapes, mesh: dict[str, int]) -> str:
+SMALLER_MICRO_BATCH = ("a smaller [jax] micro_batch_size (or none: `jaxrl compile` and a run then take the "
+                       "largest that fits)")
+
+
+def advice(term: str, shapes: Shapes, mesh: dict[str, int], micro_batch_set: bool = True) -> str:
     """What to change when `term` overflows (`ADVICE`), less what the run already does: for temporaries,
-    `remat = true` when remat is on, and a smaller micro-batch when it is one sequence per batch shard
-    (the mesh axes the batch is split over, `RULES["batch"]`)."""
-    if term != "temporaries":
-        return ADVICE[term]
+    `remat = true` when remat is on. First, whatever the term, a smaller micro-batch (`SMALLER_MICRO_BATCH`)
+    when the run sets one (`micro_batch_set`) of more than one sequence per batch shard (the mesh axes the
+    batch is split over, `RULES["batch"]`): the train step's scratch grows with it, and it is the cure
+    whenever a smaller one fits. Chosen by compiling, it is never named: the search
+    (`jaxrl.compile.micro_batch`) judged the whole program set, so no smaller one fits when it does not."""
     shards = math.prod(mesh.get(a, 1) for a in RULES["batch"])
-    fixes = ([] if shapes.remat else ["[jax] remat = true"]) + \
-        ([] if shapes.micro_batch_size <= shards else ["a smaller [jax] micro_batch_size"])
+    micro = [SMALLER_MICRO_BATCH] if micro_batch_set and shapes.micro_batch_size > shards else []
+    if term != "temporaries":
+        return "; ".join(micro + [ADVICE[term]])
+    fixes = ([] if shapes.remat else ["[jax] remat = true"]) + micro
     return ", ".join(fixes + ["fewer decode_slots", "or a larger slice"])
 
 
@@ -199,8 +206,8 @@ def run_engine_hosts(cfg: RunConfig, model: ModelConfig, mesh: Any, hbm_bytes: i
     layers = model.num_layers
     micro = micro_batch_size or shapes.micro_batch_size
     if micro is None:
-        micro, train = compiled_micro_batch(shapes, mesh, hbm_bytes)
-        train = train[layers]
+        chosen = micro_batch.compiled_micro_batch(shapes, mesh, hbm_bytes)
+        micro, train = chosen.micro, chosen.train[layers]
     else:
         train = programs.compile_train(dataclasses.replace(shapes, micro_batch_size=micro), mesh)
     shapes = dataclasses.replace(shapes, micro_batch_size=micro)
@@ -208,70 +215,14 @@ def run_engine_hosts(cfg: RunConfig, model: ModelConfig, mesh: Any, hbm_bytes: i
                                                                                           layers)))
 
 
-def micro_batch_candidates(rows: int, shards: int) -> list[int]:
-    """Sequences per micro-batch to choose among for a batch of `rows` on `shards` batch shards: a power of
-    two per shard, from 1 up to the batch's share (`ceil(rows / shards)`, itself the last), times `shards`."""
-    share = -(-rows // shards)
-    per_shard = [1 << i for i in range(share.bit_length()) if 1 << i < share] + [share]
-    return [p * shards for p in per_shard]
-
-
-def compiled_micro_batch(shapes: Shapes, mesh: Any, hbm_bytes: int,
-                         depths: tuple[int, ...] | None = None) -> tuple[int, dict[int, Program]]:
-    """The largest micro-batch (`micro_batch_candidates`) whose compiled train step fits: its bytes per chip,
-    scratch included (`fit.trainer_bytes`, extrapolated from `depths` when two are given; None: full depth),
-    plus the least an engine adds (its KV cache, on all the hosts, reading the trainer's weights:
-    `programs.engine_declared_bytes`) at most `FIT_SHARE` of `hbm_bytes`. The whole batch in one pass is
-    tried first (it can need less than two halves: accumulating keeps gradient buffers; the tiny Qwen3 on
-    v5p-16, 16 rows: 318 MB a chip in one pass, 363 MB in two), then the rest by bisection (scratch grows
-    with the micro-batch): about 1 + log2(candidates) compiles per depth. Returns it and its compiled
-    train programs by depth; the smallest candidate, and its programs where it compiled, when none fits
-    (the report then says what overflows).
-
-    Raises:
-        programs.ProgramTooLarge: the smallest candidate's train step does not compile (more than a chip's HBM).
-    """
-    layers = shapes.model.num_layers
-    depths = tuple(depths or (layers,))
-    emesh = programs.engine_mesh(mesh, fit.hosts(mesh))
-    engine = programs.engine_declared_bytes(shapes, emesh, fit.engine_owns_weights(shapes, emesh, mesh))
-    candidates = micro_batch_candidates(shapes.batch_rows, batch_shards(mesh))
-    tried: dict[int, dict[int, Program] | None] = {}
-
-    def fits(i: int) -> bool:
-        micro = candidates[i]
-        if micro in tried:
-            return tried[micro] is not None and fit.trainer_bytes(
-                fit.at_depth(tried[micro], depths, layers)) + engine <= FIT_SHARE * hbm_bytes
-        try:
-            tried[micro] = {d: programs.compile_train(dataclasses.replace(shapes.at_depth(d), micro_batch_size=micro),
-                                                      mesh) for d in depths}
-        except programs.ProgramTooLarge:
-            if i == 0:
-                raise
-            tried[micro] = None
-            return False
-        return fit.trainer_bytes(fit.at_depth(tried[micro], depths, layers)) + engine <= FIT_SHARE * hbm_bytes
-
-    last = len(candidates) - 1
-    if fits(last):  # the whole batch in one pass (accumulating costs buffers: it can be smaller than two halves)
-        return candidates[last], tried[candidates[last]]
-    if last == 0 or not fits(0):
-        return candidates[0], tried[candidates[0]]
-    lo, hi = 0, last - 1  # candidates[lo] fits; the answer lies in [lo, hi]
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return candidates[lo], tried[candidates[lo]]
-
-
 def run_micro_batch(cfg: RunConfig, model: ModelConfig, mesh: Any, hbm_bytes: int) -> int:
     """Sequences per micro-batch of a run of `cfg` on `mesh` (its own devices, `hbm_bytes` a chip):
-    `[jax] micro_batch_size` when set, else `compiled_micro_batch` at full depth, the rule `jaxrl compile`
-    applies (there at its depths)."""
+    `[jax] micro_batch_size` when set, else `jaxrl.compile.micro_batch.compiled_micro_batch` at full depth beside
+    the engine on `[jax] engine_hosts` (0: every host), the rule `jaxrl compile` applies (there at its depths)."""
     if cfg.jax.micro_batch_size:
         return cfg.jax.micro_batch_size
-    return compiled_micro_batch(shapes_of(cfg, model), mesh, hbm_bytes)[0]
+    return micro_batch.compiled_micro_batch(shapes_of(cfg, model), mesh, hbm_bytes,
+                                           engine_hosts=cfg.jax.engine_hosts or None).micro
 
 
 def startup_micro_batch(cfg: RunConfig, model: ModelConfig, mesh: Any, say: Any = print) -> int | None:
@@ -318,7 +269,7 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
         rollout_tokens: the mean length of the rollouts counted at once (`pool.PoolSize`; default seq_len / 2).
         context: also find the longest sequences the slice trains (`longest_context`; more compiles).
         name: the model's name, for errors.
-    A `shapes.micro_batch_size` of None is chosen by compiling (`compiled_micro_batch`).
+    A `shapes.micro_batch_size` of None is chosen by compiling (`jaxrl.compile.micro_batch.compiled_micro_batch`).
     Raises:
         ProgramTooLarge: the compiler refused a program (it needs more than a chip's HBM).
         ValueError: `depths` are too shallow for the model's scans (`jaxrl.compile.depths.check`, before
@@ -336,7 +287,7 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
     emesh = programs.engine_mesh(mesh, g)
     train, prefill, decode = (fit.at_depth(compiled[n], depths, model.num_layers)
                               for n in ("train", "prefill", "decode"))
-    terms = memory_terms(train, prefill, decode, fit.engine_owns_weights(shapes, emesh, mesh))
+    terms = fit.memory_terms(train, prefill, decode, fit.engine_owns_weights(shapes, emesh, mesh))
     auto = shapes.kv_cache_tokens is None  # the pool that fits, beside the decode step's scratch and slot state too
     if auto:  # (a pool's size leaves them as they are: the kernel reads its pages in place)
         shapes = pool.sized(shapes, emesh, FIT_SHARE * slice_.chip.hbm_bytes - sum(terms.values()) + terms["kv_cache"])
@@ -376,10 +327,13 @@ def _reads(shapes: Shapes, emesh: Any) -> str:
 def _compile_programs(shapes: Shapes, mesh: Any, hbm_bytes: int, depths: tuple[int, ...],
                       engine_hosts: int | None) -> tuple[Shapes, str, dict[str, dict[int, Program]], int]:
     """`compile_report`'s compiles: the train step at each of `depths` first (the micro-batch, when
-    `shapes` has none, chosen by compiling: `compiled_micro_batch`), then, on the engine's hosts
+    `shapes` has none, chosen by compiling beside the engine's prefill and decode step on `engine_hosts`,
+    else on every host: `jaxrl.compile.micro_batch.compiled_micro_batch`), then, on the engine's hosts
     (`engine_hosts`, else `compiled_engine_hosts` beside the train step's compiled bytes), the largest
     prefill bucket and the decode step (with no `kv_cache_tokens`, over the paged pool that fits beside the
-    train step and prefill: `pool.sized`; `compile_report` then sizes it beside the decode step too).
+    train step and prefill: `pool.sized`; `compile_report` then sizes it beside the decode step too), or
+    the search's own where its engine is on those hosts (its decode step then over the smallest pool: the
+    step's scratch, slot state and outputs do not depend on the pool's size, and `compile_report` sizes it).
     Returns the shapes with their micro-batch, where that micro-batch came from ("set" or the rule), the
     programs by name ("train", "prefill", "decode") and depth, and the hosts per engine.
 
@@ -397,14 +351,19 @@ def _compile_programs(shapes: Shapes, mesh: Any, hbm_bytes: int, depths: tuple[i
                                            f"by heads)") from None
 
     # The train step first: the engine group rule sets its compiled bytes, scratch included, beside the engine.
-    micro_from = "set"
+    micro_from, searched = "set", None
     if shapes.micro_batch_size is None:  # the largest that fits, by compiling
-        micro, compiled["train"] = compiled_micro_batch(shapes, mesh, hbm_bytes, depths)
-        shapes, micro_from = dataclasses.replace(shapes, micro_batch_size=micro), "the largest that fits (compiled)"
+        searched = micro_batch.compiled_micro_batch(shapes, mesh, hbm_bytes, depths, engine_hosts)
+        compiled["train"] = searched.train
+        shapes = dataclasses.replace(shapes, micro_batch_size=searched.micro)
+        micro_from = "the largest that fits (compiled)"
     for depth in (d for d in depths if d not in compiled["train"]):
         run("train", depth, lambda d=depth: programs.compile_train(shapes.at_depth(d), mesh))
     train = fit.at_depth(compiled["train"], depths, shapes.model.num_layers)
     g = engine_hosts or compiled_engine_hosts(shapes, mesh, hbm_bytes, fit.trainer_bytes(train))
+    if searched is not None and searched.engine.hosts == g:
+        compiled.update(prefill=searched.engine.prefill, decode=searched.engine.decode)
+        return shapes, micro_from, compiled, g
     emesh = programs.engine_mesh(mesh, g)
     for depth in depths:
         run("prefill", depth, lambda d=depth: programs.compile_prefill(shapes.at_depth(d), emesh))
@@ -417,31 +376,10 @@ def _compile_programs(shapes: Shapes, mesh: Any, hbm_bytes: int, depths: tuple[i
     return shapes, micro_from, compiled, g
 
 
-def memory_terms(train: dict[str, int], prefill: dict[str, int], decode: dict[str, int],
-                 engine_owns_weights: bool) -> dict[str, int]:
-    """The report's `TERMS`, bytes a chip, from the three programs' byte counts at full depth
-    (`fit.at_depth`); the engine's weights count only where it holds its own copy (`engine_owns_weights`)."""
-    return {
-        "weights": train["declared_weights"],  # full fine-tuning: the float32 master weights
-        # the state (donated: its update is written in place, the compiler's aliased bytes) and the step's
-        # other outputs (its metrics)
-        "lora_optimizer": train["declared_lora"] + train["declared_optimizer"] + train["output"] - train["alias"],
-        # full fine-tuning with kl_coef > 0: the frozen starting weights (in `dtype`) the KL reference runs
-        "kl_reference": train["declared_reference"],
-        # `[jax.teacher] model`: the teacher's frozen weights (in `dtype`), run in the train step
-        "teacher": train["declared_teacher"],
-        "engine_weights": decode["declared_weights"] + decode["declared_lora"] if engine_owns_weights else 0,
-        "kv_cache": decode["declared_kv_cache"],
-        # the train step runs in a thread while the engine decodes: both programs' scratch at once
-        "temporaries": train["temp"] + max(prefill["temp"], decode["temp"]),
-        "other": train["declared_batch"] + decode["declared_slots"] + prefill["output"],
-    }
-
-
 def shapes_of(cfg: RunConfig, model: ModelConfig) -> Shapes:
     """The sizes a run of `cfg` compiles for: `batch_size` sequences of `[jax] seq_len` tokens (one sample
     per rollout, the widest batch), `[jax] micro_batch_size` (None: chosen by compiling,
-    `compiled_micro_batch`)."""
+    `jaxrl.compile.micro_batch.compiled_micro_batch`)."""
     j = cfg.jax
     return Shapes(model, jnp.bfloat16 if j.dtype == "bfloat16" else jnp.float32, j.lora_rank, tuple(j.lora_targets),
                   cfg.lora_alpha / j.lora_rank, j.remat, cfg.batch_size, j.seq_len, j.micro_batch_size,
