@@ -27,7 +27,7 @@ import pytest
 
 from jaxrl.compile import pool, programs, report, slices
 from jaxrl.config.schema import RunConfig
-from jaxrl.kv.pallas import PagedPallas
+from jaxrl.kv.ragged import RaggedPaged
 from jaxrl.model import catalog, decoder
 from jaxrl.model.config import ModelConfig
 from jaxrl.model.modules import param_specs
@@ -183,10 +183,11 @@ def test_qwen3_235b_a22b_fits_v5p_64_with_an_engine_over_hosts(compiled):
 
 def test_paged_decode_compiles_the_pallas_kernel_for_qwen3_30b_a3b_at_8k():
     """Qwen3-30B-A3B on v5p-8 (expert 4), 256 decode slots of 8,192 positions over a paged pool of 256 x 2,048
-    tokens: the decode program (its loop of decode steps) at 2 layers compiles with JAX's Pallas
-    paged-attention kernel (a Mosaic custom call), the pool split by kv heads over the 4 chips (24 KiB a
-    token a chip: 12 GiB at 48 layers, where the dense cache of 256 x 8,192 would be 48 GiB) and not copied
-    per step (temporaries 0.29 GiB, 2026-11-26, under the dense step's 1.08 GB at 4,096). One compile."""
+    tokens: the decode program at 2 layers (since 2026-11-27 TPU's ragged step of chunked prefill, the 256
+    slots and 512 more tokens) compiles with JAX's Pallas ragged paged-attention kernel (a Mosaic custom
+    call), the pool split by kv heads over the 4 chips (24 KiB a token a chip: 12 GiB at 48 layers, where the
+    dense cache of 256 x 8,192 would be 48 GiB) and not copied per step (the decode-only kernel's temporaries
+    0.29 GiB, 2026-11-26, under the dense step's 1.08 GB at 4,096). One compile."""
     cfg = run_config("30b-v5p-8").model_copy(deep=True)
     cfg.jax.seq_len, cfg.jax.kv_cache_tokens = 8192, 256 * 2048
     model = report.model_of(cfg)
@@ -194,13 +195,13 @@ def test_paged_decode_compiles_the_pallas_kernel_for_qwen3_30b_a3b_at_8k():
     mesh = make_mesh(CASES["30b-v5p-8"][2], slices.topology_devices(slices.parse_slice("v5p-8")))
     engine, params = programs.abstract_engine(shapes, mesh)
     state = programs.abstract_decode_state(engine)
-    assert isinstance(engine.kv, PagedPallas) and engine.kv.chunks(100) is None
-    lowered = programs.lower_decode(engine, params, state)  # 8 decode steps in a loop
-    assert "tpu_custom_call" in lowered.as_text() and "while" in lowered.as_text()
+    assert isinstance(engine.kv, RaggedPaged) and engine.kv.chunks(100) is None
+    lowered = programs.lower_decode(engine, params, state)
+    assert "tpu_custom_call" in lowered.as_text()
     p = programs.measure("decode", lowered, {})
     kv = pool.of(dataclasses.replace(shapes, model=model), mesh, 1, 0, 2048)
     assert kv.tokens >= 256 * 2048 and kv.bytes_per_token == 24 * 2**10 and kv.rollouts(kv.tokens) == 256
-    assert programs.shard_bytes({n: state.cache[n] for n in ("k", "v")}) == 2 * (kv.tokens + 16) * 24 * 2**10 / 48
+    assert programs.shard_bytes(state.cache["kv"]) == 2 * (kv.tokens + 16) * 24 * 2**10 / 48
     assert p.temp < 2**30, p.temp / 2**30
 
 

@@ -16,6 +16,7 @@ import pytest
 from jaxrl.kv.paged import Paged, pool_shape
 from jaxrl.kv.pallas import PagedPallas
 from jaxrl.kv.pick import kind_for
+from jaxrl.kv.ragged import RaggedPaged
 from jaxrl.kv.triton import PagedTriton
 from jaxrl.model import modules
 from jaxrl.model.config import ModelConfig
@@ -83,7 +84,8 @@ def test_kernel_matches_the_gather_reference(kind, dtype, mesh_shape):
 
 
 def test_the_kernel_is_the_decode_attention_on_tpu_and_behind_a_setting_on_gpu():
-    """`jaxrl.kv.pick` gives a paged pool the kernel on TPU with heads of 128 lanes, the gather elsewhere; on
+    """`jaxrl.kv.pick` gives a paged pool a kernel on TPU with heads of 128 lanes (the ragged one,
+    `jaxrl.kv.ragged`), the gather elsewhere; on
     GPU the Triton kernel only where `kernels.PAGED_KERNEL_ON_GPU` says (off until a GPU measures it)."""
     import dataclasses
 
@@ -92,7 +94,7 @@ def test_the_kernel_is_the_decode_attention_on_tpu_and_behind_a_setting_on_gpu()
     def kind(platform, head_dim):
         return type(kind_for(platform, dataclasses.replace(CFG, head_dim=head_dim), 4, SEQ, 4 * SEQ))
 
-    assert kind("tpu", 128) is PagedPallas
+    assert kind("tpu", 128) is RaggedPaged
     assert kind("tpu", 64) is kind("cpu", 128) is kind("gpu", 128) is Paged and not kernels.PAGED_KERNEL_ON_GPU
     on_gpu = [kernels.cache_kind(p, 128, True, paged_kernel_on_gpu=True) for p in ("gpu", "cuda", "rocm")]
     assert on_gpu == [kernels.Cache.PAGED_GPU] * 3

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from jaxrl.config.hub import resolve_model
 from jaxrl.config.model_path import HubModel, ModelNotFoundError, locate_model
+from jaxrl.inference.chunked import make_scheduler
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.scheduler import Scheduler
@@ -128,7 +129,7 @@ def load(ref: str, *, name: str | None = None, decode_slots: int = 32, seq_len: 
         raise ServeError(f"--decode-slots must be >= 1, got {decode_slots}")
     engine = Engine(mcfg, mesh, decode_slots, seq_len, lora_scale=lora_scale,
                     cache_dtype=jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
-    scheduler = Scheduler(engine, {"base": base, "lora": lora}, model_name=name or ref, seed=seed)
+    scheduler = make_scheduler(engine, {"base": base, "lora": lora}, model_name=name or ref, seed=seed)
     what = model_path
     if source:
         trained = "full fine-tuning of" if source.finetune == "full" else f"LoRA r{source.lora_rank} on"

@@ -3,9 +3,9 @@
 `cost_analysis()` counts a scanned layer once whatever the depth (`jaxrl.compile.cost`), and the engine's
 programs scan their layers. So each is compiled here with its layers unrolled at the two depths of
 `jaxrl.compile.depths.cost_depths`, through the same model code the engine runs (`decoder.forward` over
-a prompt bucket, as `Engine._prefill_forward`; `decode.decode_step` over the engine's KV cache kind
-(`jaxrl.kv`: on TPU the paged pool read by the Pallas kernel), without the sampling around them: the
-difference is one layer.
+a prompt bucket, as `Engine._prefill_forward`; the decode step of the engine's KV cache kind, its
+`decode` (`jaxrl.kv`: on TPU a ragged step over the paged pool read by the Pallas kernel,
+`jaxrl.kv.ragged`), without the sampling around them: the difference is one layer.
 
 Ideal, per layer, divided evenly over the engine's chips (a prefill of one sequence is not split over the
 batch axes, so its chips repeat each other's work and its ratio shows it):
@@ -27,7 +27,6 @@ step's buffers (`jaxrl.compile.decode_bytes`).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -37,9 +36,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl.compile import depths, programs
 from jaxrl.compile.cost import LayerCost, active_layer_weights
 from jaxrl.compile.programs import Program, Shapes
-from jaxrl.kv.paged import Paged
 from jaxrl.kv.pallas import PagedPallas
-from jaxrl.model import decode, decoder, kernels, modules
+from jaxrl.kv.ragged import RaggedPaged
+from jaxrl.model import decoder, kernels, modules
 
 
 def _difference(a: Program, b: Program, da: int, db: int) -> tuple[float, float]:
@@ -81,17 +80,10 @@ def prefill_cost(shapes: Shapes, mesh: Mesh) -> LayerCost:
                      attention / chips if kernel else 0.0)
 
 
-def _cache_layout(engine: Any, mesh: Mesh) -> decode.CacheLayout:
-    """The `decode.CacheLayout` `engine`'s step runs on `mesh`: its KV cache kind (`jaxrl.kv`), a paged one
-    with the step's mesh (its Pallas kernel's `shard_map` on TPU), as the kind's `decode` gives it."""
-    kind = engine.kv
-    return dataclasses.replace(kind, mesh=mesh) if isinstance(kind, Paged) else kind
-
-
 def decode_cost(shapes: Shapes, mesh: Mesh) -> LayerCost:
     """`LayerCost` of a decode step of `decode_slots` slots over the engine's cache of `seq_len` positions a
     slot on `mesh` (the engine's: a paged pool on TPU, `[jax] kv_cache_tokens` or the pool that fits):
-    `decode.decode_step` with its layers unrolled over the engine's cache layout, the cache donated as the
+    the engine's cache kind's `decode` with its layers unrolled, the cache donated as the
     engine donates it. Under the Pallas paged-attention kernel the attention is not counted by the compiler
     (`kernel_flops`). Its bytes are the decode step bytes line's (`jaxrl.compile.decode_bytes`), not these
     (`bytes_counted`). Two compiles.
@@ -105,13 +97,13 @@ def decode_cost(shapes: Shapes, mesh: Mesh) -> LayerCost:
     for d in (da, db):
         s = shapes.at_depth(d)
         engine, params = programs.abstract_engine(s, mesh)
-        state, kind = programs.abstract_decode_state(engine), _cache_layout(engine, mesh)
+        state = programs.abstract_decode_state(engine)
 
         def step(base: Any, lora: Any, tokens_B: jax.Array, positions_B: jax.Array, cache: Any,
-                 s: Shapes = s, kind: Any = kind) -> Any:
+                 s: Shapes = s, kind: Any = engine.kv) -> Any:
             layers = decoder.join_layers(decoder.unstack_layers(s.model, base), decoder.unstack_layers(s.model, lora))
-            return decode.decode_step(s.model, base, tokens_B, positions_B, cache, lora=lora, lora_scale=s.lora_scale,
-                                      mesh=mesh, layers=layers, layout=kind)
+            model = modules.bind(s.model, base, lora, s.lora_scale)
+            return kind.decode(model, layers, tokens_B, positions_B, cache, None, mesh)
 
         lowered = jax.jit(step, donate_argnums=4).lower(params.base, params.lora, state.tokens,
                                                         state.positions, state.cache)
@@ -122,7 +114,7 @@ def decode_cost(shapes: Shapes, mesh: Mesh) -> LayerCost:
     chips, slots = mesh.devices.size, shapes.decode_slots
     attention = slots * 4 * shapes.seq_len * m.num_heads * m.head_dim / chips
     ideal = slots * 2 * active_layer_weights(m) / chips + attention
-    kernel = isinstance(engine.kv, PagedPallas)
+    kernel = isinstance(engine.kv, PagedPallas | RaggedPaged)
     return LayerCost(f"decode {slots} slots x {shapes.seq_len}", flops, nbytes, ideal, (read[1] - read[0]) / (db - da),
                      attention if kernel else 0.0, bytes_counted=False)
 

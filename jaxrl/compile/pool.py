@@ -91,7 +91,7 @@ def _cache_of(shapes: Shapes, emesh: Any) -> tuple[bool, int, float, int, int]:
     a chip, positions per page: 1 for a dense cache) of the cache `shapes`' engine declares on `emesh`."""
     engine, _ = programs.abstract_engine(shapes, emesh)
     cache = programs.abstract_decode_state(engine).cache
-    pool = {n: cache[n] for n in ("k", "v")}  # the pools (a paged cache's page table is not per token)
+    pool = {n: x for n, x in cache.items() if n != "pages"}  # the pools (a paged cache's page table is not per token)
     paged = engine.pages is not None
     held = engine.pages.num_pages * engine.pages.page if paged else shapes.decode_slots * shapes.seq_len
     table = programs.shard_bytes(cache) - programs.shard_bytes(pool)

@@ -20,12 +20,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.config.algorithms import LossConfig
+from jaxrl.inference.chunked import PREFILL_CHUNK, RaggedSteps
 from jaxrl.inference.decode_state import DecodeState
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.engine_params import EngineParams
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.sampling import SlotSampling
 from jaxrl.kv.dense import Dense
+from jaxrl.kv.ragged import RaggedPaged, pack
 from jaxrl.model.config import ModelConfig
 from jaxrl.model.modules import lora_specs, param_specs
 from jaxrl.parallel.sharding import MESH_AXES, array_sharding, mesh_platform, spec_shardings
@@ -285,11 +287,27 @@ def abstract_decode_state(engine: Engine) -> DecodeState:
 def lower_decode(engine: Engine, params: EngineParams, state: DecodeState) -> Any:
     """`Engine._generate_steps` lowered for `state` (`abstract_decode_state`): the engine's
     `decode_steps_per_dispatch` decode steps in one program (`Engine.generate_steps`), truncating sampling and
-    the repetition penalty on (the largest variant)."""
+    the repetition penalty on (the largest variant). Over a ragged pool (TPU's, `jaxrl.kv.ragged`) the step
+    its scheduler runs instead (`_ragged_step`)."""
+    if isinstance(engine.kv, RaggedPaged):
+        return _ragged_step(engine, params, state)
     budget = jax.ShapeDtypeStruct((engine.max_concurrent_decodes,), jnp.int32,
                                   sharding=NamedSharding(engine.mesh, PartitionSpec()))
     return engine._generate_steps.lower(params, state, budget, steps=engine.decode_steps_per_dispatch, truncate=True,
                                         penalize=True)
+
+
+def _ragged_step(engine: Engine, params: EngineParams, state: DecodeState) -> Any:
+    """`RaggedSteps._step` of chunked prefill (`jaxrl.inference.chunked`: the slots and `PREFILL_CHUNK` more
+    flat tokens) lowered with `state`: its tokens, their `Ragged` placement and the slots' last tokens and
+    flags replicated; truncating sampling, the repetition penalty and the `min_tokens` ban on."""
+    steps = RaggedSteps(engine, engine.max_concurrent_decodes + PREFILL_CHUNK)
+    m, b = steps.tokens, engine.max_concurrent_decodes
+    replicated = NamedSharding(engine.mesh, PartitionSpec())
+    batch = _placed(jax.eval_shape(lambda: pack([], m, b)), lambda x: replicated)
+    tokens, last, emit = _placed(jax.eval_shape(lambda: (jnp.zeros((m,), jnp.int32), jnp.zeros((b,), jnp.int32),
+                                                         jnp.zeros((b,), jnp.bool_))), lambda x: replicated)
+    return steps._step.lower(params, state, tokens, batch, last, emit, truncate=True, penalize=True, ban=True, top=0)
 
 
 def compile_decode(s: Shapes, mesh: Mesh) -> Program:

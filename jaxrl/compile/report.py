@@ -30,6 +30,7 @@ from jaxrl.compile.programs import Program, Shapes
 from jaxrl.compile.roofline import roofline
 from jaxrl.config.schema import ConfigError, RunConfig
 from jaxrl.kv.pallas import PagedPallas
+from jaxrl.kv.ragged import RaggedPaged
 from jaxrl.model import moe
 from jaxrl.model.config import ModelConfig
 from jaxrl.parallel import distributed
@@ -321,7 +322,7 @@ def _reads(shapes: Shapes, emesh: Any) -> str:
     engine = programs.abstract_engine(shapes, emesh)[0]
     if engine.pages is None:
         return "dense"
-    return "kernel" if isinstance(engine.kv, PagedPallas) else "gather"
+    return "kernel" if isinstance(engine.kv, PagedPallas | RaggedPaged) else "gather"
 
 
 def _compile_programs(shapes: Shapes, mesh: Any, hbm_bytes: int, depths: tuple[int, ...],

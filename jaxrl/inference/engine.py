@@ -248,7 +248,7 @@ class Engine:
         tokens = pad_prompt(list(prompt[start:]), self.bucket(new))
         self.prefills += 1
         self.prefill_tokens += new
-        return self._extend_forward(params, {name: pool[name] for name in ("k", "v")}, jnp.asarray(read), tokens,
+        return self._extend_forward(params, {n: x for n, x in pool.items() if n != "pages"}, jnp.asarray(read), tokens,
                                     jnp.int32(start), jnp.int32(new))
 
     @staticmethod
@@ -465,24 +465,29 @@ class Engine:
         model = modules.bind(self.cfg, params.base, params.lora, self.lora_scale)
         hidden_BTD, cache = self.kv.decode(model, params.layers, state.tokens, state.positions, state.cache, chunks,
                                            self.mesh)
-        split = jax.vmap(jax.random.split)(state.keys)
-        rules = {"truncate": truncate, "seen_BV": state.seen if penalize else None,
-                 "ban_BV": stop_ban(state.stop, state.generated, state.sampling.min_tokens) if ban else None,
-                 "search": self.search}
-        if top:  # the alternatives need the [B, V] logits: every `weights.sample` samples from these
-            tokens, logprobs, top_ids, top_lps = sample_with_top(
-                self.weights.logits(params, hidden_BTD)[:, 0], state.sampling, split[:, 1], top=top, **rules)
-        else:
-            tokens, logprobs = self.weights.sample(params, hidden_BTD[:, 0], state.sampling, split[:, 1], **rules)
-            top_ids, top_lps = jnp.zeros((tokens.shape[0], 0), jnp.int32), jnp.zeros((tokens.shape[0], 0), jnp.float32)
-        positions, keys, step_B = jnp.minimum(state.positions + 1, self.max_seq_len - 1), split[:, 0], 1
+        keys, (tokens, lps, *alt) = self.sample_slots(params, state, hidden_BTD[:, 0], truncate, penalize, ban, top)
+        positions, step_B = jnp.minimum(state.positions + 1, self.max_seq_len - 1), 1
         if live_B is not None:  # the input token is marked seen already: a masked slot marks it again
             tokens, positions = jnp.where(live_B, tokens, state.tokens), jnp.where(live_B, positions, state.positions)
             keys, step_B = jnp.where(live_B, keys, state.keys), live_B.astype(jnp.int32)
         seen = mark_seen(state.seen, tokens) if penalize else state.seen
         new = DecodeState(cache=cache, tokens=tokens, positions=positions, sampling=state.sampling,
                           keys=keys, seen=seen, stop=state.stop, generated=state.generated + step_B)
-        return new, (tokens, logprobs, top_ids, top_lps)
+        return new, (tokens, lps, *alt)
+
+    def sample_slots(self, params, state: DecodeState, hidden_BD, truncate, penalize, ban, top):
+        """Each slot's next key and (tokens, logprobs, top ids, top logprobs) from its hidden state [B, D] (traced;
+        `generate`'s flags, `state`'s settings, stop and seen tokens): `_step`'s and the ragged step's."""
+        split = jax.vmap(jax.random.split)(state.keys)
+        rules = {"truncate": truncate, "seen_BV": state.seen if penalize else None,
+                 "ban_BV": stop_ban(state.stop, state.generated, state.sampling.min_tokens) if ban else None,
+                 "search": self.search}
+        if top:  # the alternatives need the [B, V] logits: every `weights.sample` samples from these
+            return split[:, 0], sample_with_top(self.weights.logits(params, hidden_BD[:, None])[:, 0], state.sampling,
+                                                split[:, 1], top=top, **rules)
+        tokens, logprobs = self.weights.sample(params, hidden_BD, state.sampling, split[:, 1], **rules)
+        return split[:, 0], (tokens, logprobs, jnp.zeros((tokens.shape[0], 0), jnp.int32),
+                             jnp.zeros((tokens.shape[0], 0), jnp.float32))
 
     def _replicated(self, x: jax.Array) -> jax.Array:
         """`x` (sampled tokens or logprobs) on every device of the mesh: each host reads them from its own

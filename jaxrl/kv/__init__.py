@@ -5,7 +5,9 @@ kind that `jaxrl.model.kernels.cache_kind`, the one place that reads the platfor
   * `dense.Dense`: one stacked [L, B, S, K, H] per k and v (TPU and GPU without a pool);
   * `chunked.Chunked`: per layer, head-major chunks (CPU);
   * `paged.Paged`: a page pool with a page table per slot, attended by a gather (`paged.gather`; CPU, GPU);
-  * `pallas.PagedPallas`: the same pool attended by JAX's Pallas paged-attention kernel (TPU);
+  * `pallas.PagedPallas`: the same pool attended by JAX's Pallas paged-attention kernel (TPU, given explicitly);
+  * `ragged.RaggedPaged`: a pool in the layout of JAX's Pallas ragged paged-attention kernel, whose step takes
+    any mix of prompt chunks and decode tokens (TPU);
   * `triton.PagedTriton`: the same pool attended by JAX's Pallas Triton paged-attention kernel (GPU, behind
     `jaxrl.model.kernels.PAGED_KERNEL_ON_GPU`).
 

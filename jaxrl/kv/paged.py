@@ -85,14 +85,13 @@ def write_prompt(pool_KLPCH: jax.Array, prompt_LTKH: jax.Array, dest_N: jax.Arra
 
 
 @dataclasses.dataclass(frozen=True)
-class Paged:
-    """The paged `jaxrl.kv.kind.CacheKind` (the gather-based reference) for `cfg`, `slots` slots of
-    `max_seq_len` positions, in a pool of `kv_cache_tokens` positions (None: slots x `max_seq_len`) in pages
-    of `page` positions (a divisor of `jaxrl.kv.chunks.CACHE_CHUNK`). `reads` (the first chunks of
-    `chunk_sizes(max_seq_len)` a step reads; None: all) and `mesh` are set per step by `decode`.
+class PagePool:
+    """What every paged kind shares: `cfg`, `slots` slots of `max_seq_len` positions, in a pool of
+    `kv_cache_tokens` positions (None: slots x `max_seq_len`) in pages of `page` positions, and the host's
+    allocator of its pages.
 
     Raises:
-        ValueError: a `page` that does not divide `CACHE_CHUNK`, or a pool too small for one sequence.
+        ValueError: a pool too small for one sequence (`pool_pages`).
     """
 
     cfg: ModelConfig
@@ -100,15 +99,9 @@ class Paged:
     max_seq_len: int
     kv_cache_tokens: int | None = None
     page: int = PAGE
-    reads: int | None = None
-    mesh: Mesh | None = None
     reads_training_weights = True
-    per_layer = False
-    indexed = True  # `attend_layer` reads the whole pool at a layer index
 
     def __post_init__(self) -> None:
-        if CACHE_CHUNK % self.page:
-            raise ValueError(f"KV pages of {self.page} positions: must divide {CACHE_CHUNK}, the cache's chunk")
         pool_pages(self.slots, self.max_seq_len, self.kv_cache_tokens, self.page)
 
     @property
@@ -118,6 +111,28 @@ class Paged:
 
     def allocator(self) -> PageAllocator:
         return PageAllocator(self.num_pages, self.page, self.slots, self.max_seq_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class Paged(PagePool):
+    """The paged `jaxrl.kv.kind.CacheKind` (the gather-based reference) for `cfg`, `slots` slots of
+    `max_seq_len` positions, in a pool of `kv_cache_tokens` positions (None: slots x `max_seq_len`) in pages
+    of `page` positions (a divisor of `jaxrl.kv.chunks.CACHE_CHUNK`). `reads` (the first chunks of
+    `chunk_sizes(max_seq_len)` a step reads; None: all) and `mesh` are set per step by `decode`.
+
+    Raises:
+        ValueError: a `page` that does not divide `CACHE_CHUNK`, or a pool too small for one sequence.
+    """
+
+    reads: int | None = None
+    mesh: Mesh | None = None
+    per_layer = False
+    indexed = True  # `attend_layer` reads the whole pool at a layer index
+
+    def __post_init__(self) -> None:
+        if CACHE_CHUNK % self.page:
+            raise ValueError(f"KV pages of {self.page} positions: must divide {CACHE_CHUNK}, the cache's chunk")
+        super().__post_init__()
 
     def cache(self, make: MakeBuffer) -> KVCache:
         """{"k", "v": [K, L, P, page, H], "pages": int32 [B, N]}: the pools as the TPU kernel reads them

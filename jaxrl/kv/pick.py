@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 from jaxrl.kv.chunked import Chunked
 from jaxrl.kv.kind import CacheKind
 from jaxrl.kv.paged import Paged
-from jaxrl.kv.pallas import PagedPallas
+from jaxrl.kv.ragged import RaggedPaged
 from jaxrl.kv.triton import PagedTriton
 from jaxrl.model import kernels
 from jaxrl.model.config import ModelConfig
@@ -23,9 +23,11 @@ def kind_for(platform: str, cfg: ModelConfig, slots: int, max_seq_len: int,
     """The cache of an engine of `slots` slots and `max_seq_len` positions on `platform`
     (`jaxrl.model.kernels.platform_of`), the kind `jaxrl.model.kernels.cache_kind` names: on an accelerator or
     with `kv_cache_tokens`, a paged pool of that many positions (None: `slots` x `max_seq_len`, at most what
-    its slots ever hold; a run sizes it to what fits first, `jaxrl.compile.pool.sized`), `PagedPallas`,
+    its slots ever hold; a run sizes it to what fits first, `jaxrl.compile.pool.sized`), `RaggedPaged` (TPU's:
+    JAX's ragged paged-attention kernel, one compiled step for prompt chunks and decode tokens alike),
     `PagedTriton` or the gather-based `Paged`; else `Chunked`. `Dense`, the stacked cache on an accelerator,
-    is given to the engine explicitly (`Engine(kv=...)`).
+    and `PagedPallas` (JAX's decode-only TPU paged-attention kernel) are given to the engine explicitly
+    (`Engine(kv=...)`).
 
     Raises:
         ValueError: a pool too small for one sequence (`jaxrl.kv.paged.pool_pages`).
@@ -33,8 +35,8 @@ def kind_for(platform: str, cfg: ModelConfig, slots: int, max_seq_len: int,
     match kernels.cache_kind(platform, cfg.head_dim, kv_cache_tokens is not None):
         case Cache.CHUNKED:
             return Chunked(cfg, slots, max_seq_len)
-        case Cache.PAGED_TPU:
-            return PagedPallas(cfg, slots, max_seq_len, kv_cache_tokens)
+        case Cache.RAGGED_TPU:
+            return RaggedPaged(cfg, slots, max_seq_len, kv_cache_tokens)
         case Cache.PAGED_GPU:
             return PagedTriton(cfg, slots, max_seq_len, kv_cache_tokens)
         case Cache.PAGED:

@@ -78,12 +78,21 @@ def _layer(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | None, at
     q_BKGH = q_BTNH[:, 0].reshape(b, nk, g, hd).astype(jnp.float32) / math.sqrt(hd)
     attn_BKGH, cache = attend(q_BKGH, k_BKH, v_BKH)
     attn_BTNH = attn_BKGH.reshape(b, 1, cfg.num_heads, hd).astype(x_BTD.dtype)
+    return layer_out(cfg, kind, lora_scale, mesh, x_BTD, attn_BTNH, weights), k_BKH, v_BKH, cache
+
+
+def layer_out(cfg: ModelConfig, kind: str, lora_scale: float, mesh: Mesh | None, x_BTD: jax.Array,
+              attn_BTNH: jax.Array, weights: LayerWeights) -> jax.Array:
+    """The rest of a decoder layer after its attention `attn_BTNH` [B, T, N, H] (in `x_BTD`'s dtype): the
+    output projection `wo` with its LoRA, the residual, and the feed-forward with its residual; [B, T, D].
+    The decode step's and the ragged step's (`jaxrl.model.ragged`)."""
+    w, lw = weights.attn, weights.attn_lora or {}
+    b, t = attn_BTNH.shape[:2]
     # one contraction over N * H: with two contracting axes XLA's CPU backend transposed `wo` to [H, N, D]
     # (a copy of the weight) before every step's matmul
-    out_BTD = blocks.project(attn_BTNH.reshape(b, 1, -1), w["wo"].reshape(-1, cfg.hidden_size))
+    out_BTD = blocks.project(attn_BTNH.reshape(b, t, -1), w["wo"].reshape(-1, cfg.hidden_size))
     out_BTD = out_BTD + blocks.lora_delta(attn_BTNH, lw.get("wo"), lora_scale, (cfg.hidden_size,))
-    return (blocks.feed_forward(cfg, kind, lora_scale, mesh, x_BTD + out_BTD, w, weights.ffn, weights.ffn_lora),
-            k_BKH, v_BKH, cache)
+    return blocks.feed_forward(cfg, kind, lora_scale, mesh, x_BTD + out_BTD, w, weights.ffn, weights.ffn_lora)
 
 
 def _attend(layout: CacheLayout, positions_B, cache, layer, k_layer, v_layer):

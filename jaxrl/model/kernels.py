@@ -6,7 +6,7 @@ jaxrl/model, jaxrl/inference and `jaxrl.kv.pick` for platform names and finds th
   * `attention_kernel`: the training and prefill attention (`jaxrl.model.attention`): Pallas splash on TPU,
     cuDNN flash attention or XLA's on GPU, the einsum elsewhere;
   * `cache_kind`: the engine's KV cache (`jaxrl.kv.pick` makes the `Cache` it names): a paged pool on an
-    accelerator, read by a Pallas kernel on TPU, by the gather reference on GPU (its Pallas Triton kernel
+    accelerator, read by the Pallas ragged kernel on TPU, by the gather reference on GPU (its Pallas Triton kernel
     behind `PAGED_KERNEL_ON_GPU`); the CPU's chunked cache;
   * `sampler_search`: how the sampler finds its top_k / top_p thresholds (`jaxrl.inference.sampling`);
   * `interpret`: whether a Pallas kernel runs in interpret mode (on a CPU mesh: the tests);
@@ -45,7 +45,7 @@ class Cache(enum.Enum):
 
     CHUNKED = "chunked"  # `jaxrl.kv.chunked.Chunked`: per-layer, head-major chunks (CPU)
     PAGED = "paged"  # `jaxrl.kv.paged.Paged`: a page pool read by a gather
-    PAGED_TPU = "paged_tpu"  # `jaxrl.kv.pallas.PagedPallas`: the pool read by Pallas' TPU paged attention
+    RAGGED_TPU = "ragged_tpu"  # `jaxrl.kv.ragged.RaggedPaged`: a pool read by Pallas' TPU ragged paged attention
     PAGED_GPU = "paged_gpu"  # `jaxrl.kv.triton.PagedTriton`: the pool read by Pallas' Triton paged attention
 
 
@@ -118,13 +118,14 @@ def attention_kernel(on: str, t: int, dtype, head_dim: int, segmented: bool) -> 
 def cache_kind(on: str, head_dim: int, pooled: bool, paged_kernel_on_gpu: bool = PAGED_KERNEL_ON_GPU) -> Cache:
     """The KV cache of an engine on platform `on` (`platform_of`) whose model has heads of `head_dim`;
     `pooled`: `[jax] kv_cache_tokens` was given. On an accelerator, or `pooled`, a paged pool: read by the
-    TPU's Pallas kernel with heads of a multiple of 128 (its blocks are [page positions, head_dim] in a
-    vreg's 128 lanes), by the Triton kernel on GPU where `paged_kernel_on_gpu`, else by the gather.
+    TPU's Pallas ragged paged-attention kernel with heads of a multiple of 128 (its blocks are [page
+    positions, head_dim] in a vreg's 128 lanes; one step for prompt chunks and decode tokens), by the
+    Triton kernel on GPU where `paged_kernel_on_gpu`, else by the gather.
     Otherwise, on CPU, the chunked cache (faster there: docs/benchmarks.md)."""
     if not pooled and on == "cpu":
         return Cache.CHUNKED
     if on == "tpu" and head_dim % 128 == 0:
-        return Cache.PAGED_TPU
+        return Cache.RAGGED_TPU
     if on in GPU_PLATFORMS and paged_kernel_on_gpu:
         return Cache.PAGED_GPU
     return Cache.PAGED

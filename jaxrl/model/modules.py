@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrl.model import decode, decoder, moe
+from jaxrl.model import decode, decoder, moe, ragged
 from jaxrl.model.blocks import LORA_TARGETS, Params
 from jaxrl.model.config import ModelConfig
 from jaxrl.model.decoder import KVCache
@@ -241,6 +241,13 @@ class Model(nnx.Module):
         base, factors = self.weights()
         return decode.decode_step(self.cfg, base, tokens_B, positions_B, cache, lora=factors,
                                   lora_scale=self.lora_scale, mesh=mesh, layers=layers, layout=layout)
+
+    def ragged(self, tokens_M: jax.Array, positions_M: jax.Array, cache: KVCache, attend: ragged.Attend, *,
+               mesh: Mesh | None = None, layers: list[tuple] | None = None) -> tuple[jax.Array, KVCache]:
+        """One ragged step over a flat batch of tokens: `jaxrl.model.ragged.ragged_step` (arguments as there)."""
+        base, factors = self.weights()
+        return ragged.ragged_step(self.cfg, base, tokens_M, positions_M, cache, attend, lora=factors,
+                                  lora_scale=self.lora_scale, mesh=mesh, layers=layers)
 
     def unembed_matrix(self) -> jax.Array:
         """The output projection [D, V] (`decoder.unembed_matrix`)."""

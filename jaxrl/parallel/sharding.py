@@ -38,10 +38,15 @@ RULES: Rules = {
     # a paged KV pool's kv heads (`jaxrl.kv.paged`): its pages are shared by every slot, so the pool is
     # split by heads over every axis that divides them, the batch axes too (`PARTIAL`)
     "kv_pool": ("tensor", "expert", "fsdp", "data"),
+    # the same pool's kv heads as JAX's ragged paged-attention kernel holds them, each head's key and value
+    # side by side ([2K], `jaxrl.kv.ragged`): split as `kv_pool`, in whole pairs (`PAIRED`)
+    "kv_pairs": ("tensor", "expert", "fsdp", "data"),
 }
 # logical axes split over the longest prefix of their mesh axes (size > 1) whose product divides the
 # dimension, not all or nothing
-PARTIAL = frozenset({"kv_pool"})
+PARTIAL = frozenset({"kv_pool", "kv_pairs"})
+# PARTIAL axes whose dimension is pairs: the prefix must divide the pairs (half the dimension)
+PAIRED = frozenset({"kv_pairs"})
 
 
 def check_rules(rules: Rules) -> None:
@@ -95,7 +100,7 @@ def logical_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
     """PartitionSpec for an array with logical `axes` and `shape` on `mesh`.
 
     Mesh axes of size 1 are dropped; a dimension they do not divide is replicated (a `PARTIAL` axis: split
-    over the longest prefix of them that divides it).
+    over the longest prefix of them that divides it; a `PAIRED` one, that divides its pairs).
 
     Raises:
         ValueError: two dimensions map to the same mesh axis.
@@ -105,7 +110,8 @@ def logical_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
     for name, dim in zip(axes, shape, strict=True):
         mesh_axes = tuple(a for a in rules.get(name, ()) if name is not None and mesh.shape[a] > 1)
         if name in PARTIAL:
-            while mesh_axes and dim % math.prod(mesh.shape[a] for a in mesh_axes):
+            whole = dim // 2 if name in PAIRED else dim
+            while mesh_axes and whole % math.prod(mesh.shape[a] for a in mesh_axes):
                 mesh_axes = mesh_axes[:-1]
         if used & set(mesh_axes):
             raise ValueError(f"logical axes {tuple(axes)} map mesh axes {sorted(used & set(mesh_axes))} twice")

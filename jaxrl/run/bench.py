@@ -34,8 +34,8 @@ import numpy as np
 from rich.console import Console
 
 from jaxrl.config.schema import ConfigError, RunConfig
+from jaxrl.inference.chunked import make_scheduler
 from jaxrl.inference.protocol import Completion
-from jaxrl.inference.scheduler import Scheduler
 from jaxrl.rl.train import make_batch
 from jaxrl.run.job import Job
 from jaxrl.run.runner import pad_length
@@ -78,7 +78,7 @@ class Bench(Job):
         self.load_model()
         self.init_training()
         engine = run_engine(self.cfg, self.model.config, self.placement, self.console.print)
-        self.scheduler = Scheduler(engine, self.engine_params(), self.cfg.model, seed=self.cfg.sampling_seed)
+        self.scheduler = make_scheduler(engine, self.engine_params(), self.cfg.model, seed=self.cfg.sampling_seed)
         loop = asyncio.new_event_loop()
         try:
             t0 = time.perf_counter()

@@ -23,6 +23,7 @@ from rich.console import Console
 from jaxrl.compile import run_pool
 from jaxrl.config.schema import SEED_MULTIPLIER, ConfigError, RunConfig
 from jaxrl.envs import loader
+from jaxrl.inference.chunked import make_scheduler
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.lockstep import GroupScheduler
 from jaxrl.inference.protocol import SamplingParams
@@ -119,8 +120,8 @@ class Serving:
                 engine, params, cfg.model, distributed.Exchange(placement.engine_group), seed=seed)
             distributed.set_fence(self.scheduler.paused)  # device programs spanning hosts pause it
         else:
-            self.scheduler = Scheduler(engine, params, model_name=cfg.model, seed=seed,
-                                       keep_turns=jcfg.kv_reuse_turns)
+            self.scheduler = make_scheduler(engine, params, model_name=cfg.model, seed=seed,
+                                            keep_turns=jcfg.kv_reuse_turns)
         self.scheduler.policy_version = start_step
         self.versions = VersionLog(self.scheduler)  # each sampled token's policy version
         self.server = start_server(self.versions, host=jcfg.host, port=jcfg.port, chat_template=envs.chat_template,

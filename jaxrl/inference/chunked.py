@@ -1,0 +1,196 @@
+"""Chunked prefill over the ragged paged KV cache (`jaxrl.kv.ragged.RaggedPaged`, TPU's): an admitted prompt
+is fed to the model in chunks, in the same compiled step as every running slot's decode token, one ragged
+step of a fixed number of flat tokens a dispatch (`RaggedSteps`), as vLLM V1 and tpu-inference schedule
+it. A long prompt then never holds the decode slots still while it prefills, and no prefill bucket is
+compiled beside the decode step.
+
+`ChunkedScheduler` is `jaxrl.inference.scheduler.Scheduler` with its admission and its step replaced: a
+request admitted into a free slot gets the pages of its whole prompt (`PageAllocator.assign`) and its
+sampling settings (`RaggedSteps.begin`), nothing runs; each step then takes every decoding slot's one token
+and, in the tokens left, the next chunk of each prompt still being fed (the first admitted first). The step
+that feeds a prompt's last token samples its first token from there. What it leaves out, for now: a
+group's rollouts each feed their own copy of the shared prompt (the bucketed path prefills it once and
+shares its pages), and `keep_turns` (a next turn's prefill over kept pages) is off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl.inference.decode_state import DecodeState, ResultTokens
+from jaxrl.inference.engine import Engine
+from jaxrl.inference.engine_params import EngineParams
+from jaxrl.inference.protocol import SamplingParams
+from jaxrl.inference.request import Request, Sampled
+from jaxrl.inference.sampling import SlotSampling
+from jaxrl.inference.scheduler import Scheduler
+from jaxrl.kv.ragged import QUERY_BLOCK, Ragged, RaggedPaged, pack
+from jaxrl.model import modules
+from jaxrl.model.blocks import Params
+
+PREFILL_CHUNK = 512  # prompt tokens a step feeds beside the decode tokens (vLLM's TPU default batch: 512-2,048)
+
+
+@dataclasses.dataclass
+class RaggedSteps:
+    """The jitted programs of chunked prefill over `engine` (its kind a `RaggedPaged`): `begin` a slot and
+    `step` a flat batch of `tokens` tokens (at least the engine's slots; rounded up to the kernel's query
+    blocks of `jaxrl.kv.ragged.QUERY_BLOCK`). The decode state is donated to both."""
+
+    engine: Engine
+    tokens: int
+
+    def __post_init__(self) -> None:
+        self.tokens = -(-max(self.tokens, self.engine.max_concurrent_decodes) // QUERY_BLOCK) * QUERY_BLOCK
+        self._begin = jax.jit(self._begin_impl, donate_argnums=(0,))
+        self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("truncate", "penalize", "ban",
+                                                                                   "top"))
+
+    def begin(self, state: DecodeState, slot: int, params: SamplingParams, key: jax.Array) -> DecodeState:
+        """`state` with `slot`'s sampling settings, PRNG key and stop tokens, nothing seen or sampled yet."""
+        return self._begin(state, jnp.int32(slot), SlotSampling.of(params), key,
+                           jnp.asarray(self.engine._stop_tokens(params)))
+
+    def step(self, params: EngineParams, state: DecodeState, tokens_M: np.ndarray, batch: Ragged,
+             last_B: np.ndarray, emit_B: np.ndarray, **flags) -> tuple[DecodeState, ResultTokens]:
+        """One ragged step (`_step_impl`; `flags` are `Engine.generate`'s truncate, penalize, ban and top)."""
+        return self._step(params, state, jnp.asarray(tokens_M), jax.tree.map(jnp.asarray, batch),
+                          jnp.asarray(last_B), jnp.asarray(emit_B), **flags)
+
+    def _begin_impl(self, state: DecodeState, slot, sampling: SlotSampling, key, stop_V) -> DecodeState:
+        def put(dst, src):
+            return jax.lax.dynamic_update_slice(dst, src, (slot,) + (0,) * (dst.ndim - 1))
+
+        return state.replace(sampling=jax.tree.map(put, state.sampling, sampling), keys=put(state.keys, key[None]),
+                             seen=put(state.seen, jnp.zeros_like(state.seen[:1])), stop=put(state.stop, stop_V[None]),
+                             generated=put(state.generated, jnp.zeros((1,), jnp.int32)))
+
+    def _step_impl(self, params, state: DecodeState, tokens_M, batch: Ragged, last_B, emit_B, *, truncate, penalize,
+                   ban, top):
+        """The M tokens (`tokens_M` int32 [M]; a token < 0 is its slot's last sampled one, `state.tokens`)
+        through the model (`RaggedPaged.step`), then each slot's next token sampled from the hidden state of
+        its last token this step (`last_B`, int32 [B], indices into M): kept where `emit_B` (bool [B]: a
+        decoding slot, or a prompt fed to its end), the rest of `state` as it was. Fed prompt tokens count as
+        seen for the repetition penalty, as a prefill counts them."""
+        e = self.engine
+        tokens_M = jnp.where(tokens_M < 0, state.tokens[batch.slots], tokens_M)
+        model = modules.bind(e.cfg, params.base, params.lora, e.lora_scale)
+        hidden_MD, cache = e.kv.step(model, tokens_M, batch, state.cache, e.mesh, params.layers)
+        if penalize:
+            state = state.replace(seen=state.seen.at[batch.slots, jnp.where(batch.valid, tokens_M, e.cfg.vocab_size)]
+                                  .set(True, mode="drop"))
+        keys, sampled = e.sample_slots(params, state, hidden_MD[last_B], truncate, penalize, ban, top)
+        tokens = jnp.where(emit_B, sampled[0], state.tokens)
+        keys = jax.random.wrap_key_data(jnp.where(emit_B[:, None], jax.random.key_data(keys),
+                                                  jax.random.key_data(state.keys)))
+        new = DecodeState(cache=cache, tokens=tokens, positions=jnp.where(emit_B, batch.positions[last_B] + 1,
+                                                                          state.positions),
+                          sampling=state.sampling, keys=keys,
+                          seen=state.seen.at[jnp.arange(tokens.shape[0]), jnp.where(emit_B, tokens, e.cfg.vocab_size)]
+                          .set(True, mode="drop") if penalize else state.seen, stop=state.stop,
+                          generated=state.generated + emit_B.astype(jnp.int32))
+        return new, ResultTokens(*(e._replicated(x) for x in sampled))
+
+
+class ChunkedScheduler(Scheduler):
+    """`Scheduler` for an engine over a `RaggedPaged` cache: prompts fed in chunks beside the decode tokens
+    (the module's), in steps of the slots and `prefill_chunk` more tokens (`RaggedSteps.tokens`), all of
+    which a prompt's chunk may use. Arguments as `Scheduler`'s, but `keep_turns`, which is off here.
+
+    Raises:
+        ValueError: the engine's cache is not a `RaggedPaged`.
+    """
+
+    def __init__(self, engine: Engine, params: Params, model_name: str, seed: int = 0,
+                 prefill_chunk: int = PREFILL_CHUNK) -> None:
+        if not isinstance(engine.kv, RaggedPaged):
+            raise ValueError(f"chunked prefill runs over a RaggedPaged cache, not {type(engine.kv).__name__}")
+        self.steps = RaggedSteps(engine, engine.max_concurrent_decodes + prefill_chunk)
+        self._fed: dict[int, int] = {}  # slot -> prompt tokens fed so far
+        super().__init__(engine, params, model_name, seed)  # starts the loop: everything it reads is set
+
+    def _admit(self, admit: list[Request]) -> None:
+        """Each live request into a free slot, in order: the pages of its whole prompt and its settings."""
+        for req in admit:
+            if self._dropped(req):
+                continue
+            key = self._key(req)
+            req.slot = slot = self._slots.index(None)
+            self.engine.pages.assign(slot, len(req.prompt_ids), len(req.prompt_ids))
+            self._state = self.steps.begin(self._state, slot, req.params, key)
+            self._slots[slot], self._fed[slot] = req, 0
+            req.admitted = self._admitted = self._admitted + 1
+            req.epoch = self._epoch
+
+    def _plan(self, active: list[tuple[int, Request]]) -> tuple[list[tuple[int, int, int]], list[int], np.ndarray]:
+        """This step's runs (slot, first position, tokens) and tokens (-1: the slot's last sampled one), and
+        which slots sample a kept token: every decoding slot's one token, then the prompts still fed, first
+        admitted first, in the tokens left."""
+        runs, tokens, emit = [], [], np.zeros((len(self._slots),), bool)
+        for slot, req in active:
+            if self._fed[slot] == len(req.prompt_ids):
+                runs.append((slot, len(req.prompt_ids) + req.dispatched - 1, 1))
+                tokens.append(-1)
+                emit[slot] = True
+        left = self.steps.tokens - len(runs)
+        for slot, req in sorted(active, key=lambda a: a[1].admitted):
+            fed, prompt = self._fed[slot], req.prompt_ids
+            if fed < len(prompt) and left > 0:
+                n = min(left, len(prompt) - fed)
+                runs.append((slot, fed, n))
+                tokens += prompt[fed:fed + n]
+                emit[slot], left = fed + n == len(prompt), left - n
+        return runs, tokens, emit
+
+    def _step(self) -> None:
+        """Dispatch one ragged step over the occupied slots, if any."""
+        for req in self._slots:
+            if req is not None and self._dropped(req):
+                req.done = True
+                self._release(req)
+        self._make_room()
+        rows = list(self._slots)
+        active = [(slot, r) for slot, r in enumerate(rows) if r is not None]
+        if not active:
+            return
+        runs, tokens, emit = self._plan(active)
+        m, b = self.steps.tokens, len(rows)
+        last = np.zeros((b,), np.int32)
+        ends = np.cumsum([n for _, _, n in runs]) - 1
+        for (slot, _, _), end in zip(runs, ends, strict=True):
+            last[slot] = end
+        feeding = frozenset(s for s, r in active if self._fed[s] < len(r.prompt_ids))
+        # a page for each decoding slot's position; none for a prompt being fed (`assign` gave it all its pages)
+        self._state = self.engine._pages_for(self._state, np.array([s not in feeding for s in range(b)], np.int32))
+        reqs = [r for _, r in active]
+        flags = {"truncate": any(r.params.truncates for r in reqs), "penalize": any(r.params.penalizes for r in reqs),
+                 "ban": any(r.dispatched < r.params.min_tokens for r in reqs),
+                 "top": self.engine.top_for([r.params for r in reqs])}
+        tokens_M = np.asarray(tokens + [0] * (m - len(tokens)), np.int32)
+        self._state, result = self.steps.step(self._params, self._state, tokens_M, pack(runs, m, b), last, emit,
+                                              **flags)
+        self.decode_steps, self.dispatches = self.decode_steps + 1, self.dispatches + 1
+        out = [r if emit[s] else None for s, r in enumerate(rows)]
+        self._unread.append(Sampled(result.tokens, result.logprobs, out, self.policy_version, result.top_ids,
+                                    result.top_logprobs))
+        for slot, first, n in runs:
+            req = rows[slot]
+            if slot in feeding:
+                self._fed[slot] = first + n
+            if emit[slot]:
+                req.dispatched += 1
+                if req.dispatched >= req.max_tokens:
+                    self._release(req, keep=True)  # its tokens come with `_hand_out`
+
+
+def make_scheduler(engine: Engine, params: Params, model_name: str, seed: int = 0, keep_turns: bool = False,
+                   prefill_chunk: int = PREFILL_CHUNK) -> Scheduler:
+    """The scheduler for `engine`: `ChunkedScheduler` over a `RaggedPaged` cache (the kind `jaxrl.kv.pick`
+    gives a TPU), else `Scheduler` (arguments as theirs)."""
+    if isinstance(engine.kv, RaggedPaged):
+        return ChunkedScheduler(engine, params, model_name, seed, prefill_chunk)
+    return Scheduler(engine, params, model_name, seed, keep_turns=keep_turns)
