@@ -154,26 +154,34 @@ def test_multiturn_config_trains_with_branching(tmp_path, tiny_model_dir):
     assert row["engine/prefix_tokens"] >= 4 * (TURNS - 1) * 16
 
 
-def test_next_turns_share_the_last_turns_pages_through_the_real_server(tiny_model_dir):
+@pytest.mark.parametrize("ragged", [False, True], ids=["paged", "ragged"])
+def test_next_turns_share_the_last_turns_pages_through_the_real_server(tiny_model_dir, ragged):
     """The follow-rules environment (verifiers' MultiTurnEnv, 2 turns) against a paged engine that keeps
-    finished turns' pages (`[jax] kv_reuse_turns`): each rollout's next prompt extends its last prompt and
+    finished turns' pages (`[jax] kv_reuse_turns`), with the gather-based pool a GPU gets and with the ragged
+    pool a TPU gets (`jaxrl.inference.chunked.make_scheduler` gives both the bucketed `Scheduler` when turns
+    are kept): each rollout's next prompt extends its last prompt and
     completion, so turn 2 of both rollouts shares those pages and prefill only what follows them
     (the environment's reply, and the completion's last token or two: the engine feeds back all but the
     last sampled token, one more when the step after a stop token was already dispatched)."""
     import jax
     from helpers import Recording
 
+    from jaxrl.inference.chunked import make_scheduler
     from jaxrl.inference.engine import Engine
     from jaxrl.inference.scheduler import Scheduler
     from jaxrl.inference.server import start_server
     from jaxrl.inference.template import ChatTemplate
+    from jaxrl.kv.ragged import RaggedPaged
     from jaxrl.model import hf
     from jaxrl.parallel.sharding import make_mesh
 
     turns = 2
     mcfg, base = hf.load_hf(tiny_model_dir)
-    engine = Engine(mcfg, make_mesh({}, jax.devices()[:1]), 4, 160, kv_cache_tokens=640)
-    backend = Recording(Scheduler(engine, {"base": base, "lora": None}, model_name="policy", keep_turns=True))
+    kv = RaggedPaged(mcfg, 4, 160, 640) if ragged else None
+    engine = Engine(mcfg, make_mesh({}, jax.devices()[:1]), 4, 160, kv_cache_tokens=640, kv=kv)
+    scheduler = make_scheduler(engine, {"base": base, "lora": None}, model_name="policy", keep_turns=True)
+    assert type(scheduler) is Scheduler
+    backend = Recording(scheduler)
     server = start_server(backend, chat_template=ChatTemplate.load(tiny_model_dir))
     env = load_env("jaxrl/follow-rules", {"num_train_examples": 4, "num_eval_examples": 1, "num_turns": turns})
 

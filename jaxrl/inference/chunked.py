@@ -190,7 +190,8 @@ class ChunkedScheduler(Scheduler):
 def make_scheduler(engine: Engine, params: Params, model_name: str, seed: int = 0, keep_turns: bool = False,
                    prefill_chunk: int = PREFILL_CHUNK) -> Scheduler:
     """The scheduler for `engine`: `ChunkedScheduler` over a `RaggedPaged` cache (the kind `jaxrl.kv.pick`
-    gives a TPU), else `Scheduler` (arguments as theirs)."""
-    if isinstance(engine.kv, RaggedPaged):
+    gives a TPU) unless `keep_turns` (`[jax] kv_reuse_turns`: only the bucketed `Scheduler` keeps finished
+    turns' pages, and it runs over a `RaggedPaged` cache too), else `Scheduler` (arguments as theirs)."""
+    if isinstance(engine.kv, RaggedPaged) and not keep_turns:
         return ChunkedScheduler(engine, params, model_name, seed, prefill_chunk)
     return Scheduler(engine, params, model_name, seed, keep_turns=keep_turns)
