@@ -29,6 +29,7 @@ import itertools
 import json
 import os
 import random
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,9 +151,17 @@ def sft_rows(num_train: int = 400, num_eval: int = 50, seed: int = 0) -> list[di
             for request, subject in requests()[num_eval:num_eval + num_train]]
 
 
-def write(out: Path) -> None:
-    """Write the environment, the SFT data and both configs into `out`."""
+def write(out: Path, force: bool = False) -> None:
+    """Write the environment, the SFT data and both configs into `out`.
+
+    Raises:
+        FileExistsError: one of the files it writes is already there and not `force`.
+    """
     package = out / "env" / "shout"
+    there = [p for p in (package / "__init__.py", out / "sft.jsonl", out / "teacher.toml", out / "student.toml")
+             if p.exists()]
+    if there and not force:
+        raise FileExistsError(f"{there[0]} exists; pass --force to write over the demo's files in {out}")
     package.mkdir(parents=True, exist_ok=True)
     (package / "__init__.py").write_text(ENV_SOURCE.format(instruction=INSTRUCTION, templates=TEMPLATES,
                                                            subjects=SUBJECTS), encoding="utf-8")
@@ -180,8 +189,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("runs/distill-demo"), help="folder to write (default: "
                         "runs/distill-demo, relative to the working directory)")
+    parser.add_argument("--force", action="store_true", help="write over the demo's own files (the environment, "
+                        "sft.jsonl, teacher.toml, student.toml) where --out already has them")
     args = parser.parse_args()
-    write(args.out)
+    try:
+        write(args.out, args.force)
+    except FileExistsError as e:
+        print(f"distill_demo: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"wrote {args.out}/env/shout, sft.jsonl, teacher.toml and student.toml")
 
 
