@@ -2,15 +2,21 @@
 is fed to the model in chunks, in the same compiled step as every running slot's decode token, one ragged
 step of a fixed number of flat tokens a dispatch (`RaggedSteps`), as vLLM V1 and tpu-inference schedule
 it. A long prompt then never holds the decode slots still while it prefills, and no prefill bucket is
-compiled beside the decode step.
+compiled beside the decode step. While no prompt is being fed (every slot decoding), a dispatch runs the
+engine's `decode_steps_per_dispatch` (k) steps in one program instead (`RaggedSteps.decode`: the on-device
+loop of `jaxrl.inference.steps.run_steps` over the same ragged step, each slot stopping at its stop token
+or its length, as the bucketed `Scheduler`'s `Engine.generate_steps`), so the host sees the engine once per
+k tokens; a prompt admitted meanwhile waits for that dispatch, then is fed beside the decode tokens again.
 
 `ChunkedScheduler` is `jaxrl.inference.scheduler.Scheduler` with its admission and its step replaced: a
 request admitted into a free slot gets the pages of its whole prompt (`PageAllocator.assign`) and its
 sampling settings (`RaggedSteps.begin`), nothing runs; each step then takes every decoding slot's one token
 and, in the tokens left, the next chunk of each prompt still being fed (the first admitted first). The step
-that feeds a prompt's last token samples its first token from there. What it leaves out, for now: a
-group's rollouts each feed their own copy of the shared prompt (the bucketed path prefills it once and
-shares its pages), and `keep_turns` (a next turn's prefill over kept pages) is off.
+that feeds a prompt's last token samples its first token from there. Each of the k steps of a dispatch is
+the flat batch of M tokens that a single step of the same slots would run, so a slot's tokens and logprobs
+are those of one step a dispatch, bit for bit (a slot's row does not depend on the others'). What it leaves
+out, for now: a group's rollouts each feed their own copy of the shared prompt (the bucketed path prefills
+it once and shares its pages), and `keep_turns` (a next turn's prefill over kept pages) is off.
 """
 
 from __future__ import annotations
@@ -21,13 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.inference.decode_state import DecodeState, ResultTokens
+from jaxrl.inference.decode_state import DecodeState, ResultSteps, ResultTokens
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.engine_params import EngineParams
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.request import Request, Sampled
 from jaxrl.inference.sampling import SlotSampling
 from jaxrl.inference.scheduler import Scheduler
+from jaxrl.inference.steps import run_steps
 from jaxrl.kv.ragged import QUERY_BLOCK, Ragged, RaggedPaged, pack
 from jaxrl.model import modules
 from jaxrl.model.blocks import Params
@@ -47,8 +54,9 @@ class RaggedSteps:
     def __post_init__(self) -> None:
         self.tokens = -(-max(self.tokens, self.engine.max_concurrent_decodes) // QUERY_BLOCK) * QUERY_BLOCK
         self._begin = jax.jit(self._begin_impl, donate_argnums=(0,))
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("truncate", "penalize", "ban",
-                                                                                   "top"))
+        flags = ("truncate", "penalize", "ban", "top")
+        self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=flags)
+        self._steps = jax.jit(self._steps_impl, donate_argnums=(1,), static_argnames=("steps", *flags))
 
     def begin(self, state: DecodeState, slot: int, params: SamplingParams, key: jax.Array) -> DecodeState:
         """`state` with `slot`'s sampling settings, PRNG key and stop tokens, nothing seen or sampled yet."""
@@ -69,13 +77,46 @@ class RaggedSteps:
                              seen=put(state.seen, jnp.zeros_like(state.seen[:1])), stop=put(state.stop, stop_V[None]),
                              generated=put(state.generated, jnp.zeros((1,), jnp.int32)))
 
+    def decode(self, params: EngineParams, state: DecodeState, batch: Ragged, last_B: np.ndarray,
+               budget_B: np.ndarray, **flags) -> tuple[DecodeState, ResultSteps]:
+        """Up to the engine's `decode_steps_per_dispatch` (k) decode steps of the slots in `batch` in one
+        program (`_steps_impl`), slot b running at most `budget_B[b]` (int32 [B]) and none after a stop
+        token (`jaxrl.inference.steps.run_steps`, as `Engine.generate_steps`); `flags` as `step`'s."""
+        return self._steps(params, state, jax.tree.map(jnp.asarray, batch), jnp.asarray(last_B),
+                           jnp.asarray(budget_B), steps=self.engine.decode_steps_per_dispatch, **flags)
+
     def _step_impl(self, params, state: DecodeState, tokens_M, batch: Ragged, last_B, emit_B, *, truncate, penalize,
                    ban, top):
+        state, result = self._ragged(params, state, tokens_M, batch, last_B, emit_B, truncate=truncate,
+                                     penalize=penalize, ban=ban, top=top)
+        return state, ResultTokens(*(self.engine._replicated(x) for x in result))
+
+    def _steps_impl(self, params, state: DecodeState, batch: Ragged, last_B, budget_B, *, steps, truncate, penalize,
+                    ban, top):
+        """`steps` masked ragged steps (`_ragged`) in one `run_steps` loop. `batch` holds one token for each
+        decoding slot, placed as `pack` placed it for the first step; each step moves its positions to the
+        slots' positions then, so that every step is the flat batch of M tokens a single step of those
+        slots would run, and a slot's numbers are that step's (a slot's row does not depend on the others')."""
+        seq_S = jnp.arange(batch.kv_lens.shape[0]) < batch.num_seqs[0]
+        tokens_M = jnp.where(batch.valid, -1, 0)  # each slot's last sampled token; padding as `step`'s
+
+        def step(s: DecodeState, live_B: jax.Array):
+            at = batch.replace(positions=jnp.where(batch.valid, s.positions[batch.slots], 0),
+                               kv_lens=jnp.where(seq_S, s.positions[batch.seq_slots] + 1, 0))
+            return self._ragged(params, s, tokens_M, at, last_B, live_B, truncate=truncate, penalize=penalize,
+                                ban=ban, top=top)
+
+        state, out, counts_B = run_steps(step, state, budget_B, steps=steps, top=top)
+        return state, ResultSteps(*(self.engine._replicated(x) for x in (*out, counts_B)))
+
+    def _ragged(self, params, state: DecodeState, tokens_M, batch: Ragged, last_B, emit_B, *, truncate, penalize,
+                ban, top) -> tuple[DecodeState, tuple[jax.Array, ...]]:
         """The M tokens (`tokens_M` int32 [M]; a token < 0 is its slot's last sampled one, `state.tokens`)
         through the model (`RaggedPaged.step`), then each slot's next token sampled from the hidden state of
         its last token this step (`last_B`, int32 [B], indices into M): kept where `emit_B` (bool [B]: a
         decoding slot, or a prompt fed to its end), the rest of `state` as it was. Fed prompt tokens count as
-        seen for the repetition penalty, as a prefill counts them."""
+        seen for the repetition penalty, as a prefill counts them. Returns the state and (tokens int32 [B],
+        logprobs float32 [B], top ids int32 [B, top], top logprobs float32 [B, top])."""
         e = self.engine
         tokens_M = jnp.where(tokens_M < 0, state.tokens[batch.slots], tokens_M)
         model = modules.bind(e.cfg, params.base, params.lora, e.lora_scale)
@@ -93,7 +134,7 @@ class RaggedSteps:
                           seen=state.seen.at[jnp.arange(tokens.shape[0]), jnp.where(emit_B, tokens, e.cfg.vocab_size)]
                           .set(True, mode="drop") if penalize else state.seen, stop=state.stop,
                           generated=state.generated + emit_B.astype(jnp.int32))
-        return new, ResultTokens(*(e._replicated(x) for x in sampled))
+        return new, sampled
 
 
 class ChunkedScheduler(Scheduler):
@@ -147,7 +188,9 @@ class ChunkedScheduler(Scheduler):
         return runs, tokens, emit
 
     def _step(self) -> None:
-        """Dispatch one ragged step over the occupied slots, if any."""
+        """Dispatch over the occupied slots, if any: while every one decodes (no prompt left to feed), up to
+        the engine's `decode_steps_per_dispatch` (k) decode steps in one program (`Scheduler._decode`, over
+        `_steps`), else one ragged step (`_feed`): a prompt waits at most one decode step per slot."""
         for req in self._slots:
             if req is not None and self._dropped(req):
                 req.done = True
@@ -157,22 +200,39 @@ class ChunkedScheduler(Scheduler):
         active = [(slot, r) for slot, r in enumerate(rows) if r is not None]
         if not active:
             return
-        runs, tokens, emit = self._plan(active)
-        m, b = self.steps.tokens, len(rows)
-        last = np.zeros((b,), np.int32)
-        ends = np.cumsum([n for _, _, n in runs]) - 1
-        for (slot, _, _), end in zip(runs, ends, strict=True):
+        if self.engine.decode_steps_per_dispatch > 1 and all(self._fed[s] == len(r.prompt_ids) for s, r in active):
+            self._decode(rows)
+        else:
+            self._feed(rows, active)
+
+    def _steps(self, budget_B: np.ndarray, active: list[Request],
+               flags: dict[str, bool | int]) -> tuple[DecodeState, ResultSteps]:
+        """`Scheduler._steps` over the ragged pool: `RaggedSteps.decode`, each step one token for each slot
+        in the flat batch a ragged step of theirs places them in (`_plan`), pages for their budgets first."""
+        runs, _, _ = self._plan([(r.slot, r) for r in sorted(active, key=lambda r: r.slot)])
+        self._state = self.engine._pages_for(self._state, budget_B)
+        return self.steps.decode(self._params, self._state, pack(runs, self.steps.tokens, len(self._slots)),
+                                 self._lasts(runs), budget_B, **flags)
+
+    def _lasts(self, runs: list[tuple[int, int, int]]) -> np.ndarray:
+        """Each slot's last token in the flat batch of `runs` (`pack`'s order), int32 [B] (0: none)."""
+        last = np.zeros((len(self._slots),), np.int32)
+        for (slot, _, _), end in zip(runs, np.cumsum([n for _, _, n in runs]) - 1, strict=True):
             last[slot] = end
+        return last
+
+    def _feed(self, rows: list[Request | None], active: list[tuple[int, Request]]) -> None:
+        """Dispatch one ragged step (`RaggedSteps.step`) over the `active` (slot, request) of `rows`: each
+        decoding slot's token and the prompt chunks `_plan` gives."""
+        runs, tokens, emit = self._plan(active)
         feeding = frozenset(s for s, r in active if self._fed[s] < len(r.prompt_ids))
         # a page for each decoding slot's position; none for a prompt being fed (`assign` gave it all its pages)
-        self._state = self.engine._pages_for(self._state, np.array([s not in feeding for s in range(b)], np.int32))
-        reqs = [r for _, r in active]
-        flags = {"truncate": any(r.params.truncates for r in reqs), "penalize": any(r.params.penalizes for r in reqs),
-                 "ban": any(r.dispatched < r.params.min_tokens for r in reqs),
-                 "top": self.engine.top_for([r.params for r in reqs])}
-        tokens_M = np.asarray(tokens + [0] * (m - len(tokens)), np.int32)
-        self._state, result = self.steps.step(self._params, self._state, tokens_M, pack(runs, m, b), last, emit,
-                                              **flags)
+        ahead = np.array([s not in feeding for s in range(len(rows))], np.int32)
+        self._state = self.engine._pages_for(self._state, ahead)
+        tokens_M = np.asarray(tokens + [0] * (self.steps.tokens - len(tokens)), np.int32)
+        self._state, result = self.steps.step(self._params, self._state, tokens_M,
+                                              pack(runs, self.steps.tokens, len(rows)), self._lasts(runs), emit,
+                                              **self._flags([r for _, r in active]))
         self.decode_steps, self.dispatches = self.decode_steps + 1, self.dispatches + 1
         out = [r if emit[s] else None for s, r in enumerate(rows)]
         self._unread.append(Sampled(result.tokens, result.logprobs, out, self.policy_version, result.top_ids,

@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterator
 import jax
 import numpy as np
 
-from jaxrl.inference.decode_state import DecodeState
+from jaxrl.inference.decode_state import DecodeState, ResultSteps
 from jaxrl.inference.engine import Engine, pad_prompt
 from jaxrl.inference.engine_params import EngineParams
 from jaxrl.inference.protocol import BackendStopped, Completion, SamplingParams
@@ -339,8 +339,7 @@ class Scheduler:
             self.engine.pages.unpin()  # kept pages matched for prompts not inserted (finished at their first token)
 
     def _step(self) -> None:
-        """Dispatch up to `decode_steps_per_dispatch` decode steps over the occupied slots, if any, as one
-        program (`Engine.generate_steps`): each slot runs its budget (`_budget`) or stops at a stop token."""
+        """Dispatch up to `decode_steps_per_dispatch` decode steps over the occupied slots, if any (`_decode`)."""
         for req in self._slots:
             if req is not None and self._dropped(req):
                 req.done = True
@@ -348,18 +347,15 @@ class Scheduler:
         if self.preempts:
             self._make_room()
         rows = list(self._slots)
+        if any(r is not None for r in rows):
+            self._decode(rows)
+
+    def _decode(self, rows: list[Request | None]) -> None:
+        """Dispatch up to `decode_steps_per_dispatch` decode steps of the requests in `rows` (the slots, None
+        where free) as one program (`_steps`): each slot runs its budget (`_budget`) or stops at a stop token."""
         active = [r for r in rows if r is not None]
-        if not active:
-            return
         budget_B = self._budget()
-        # the cache chunks that hold every position a busy slot may feed (len + dispatched - 1 onwards)
-        chunks = self.engine.cache_chunks(max(len(r.prompt_ids) + r.dispatched + int(budget_B[r.slot]) - 1
-                                              for r in active))
-        self._state, result = self.engine.generate_steps(
-            self._params, self._state, budget_B, truncate=any(r.params.truncates for r in active),
-            penalize=any(r.params.penalizes for r in active),
-            ban=any(r.dispatched < r.params.min_tokens for r in active), chunks=chunks,
-            top=self.engine.top_for([r.params for r in active]))
+        self._state, result = self._steps(budget_B, active, self._flags(active))
         self.decode_steps += int(budget_B.max())
         self.dispatches += 1
         self._unread.append(Sampled(result.tokens, result.logprobs, rows, self.policy_version, result.top_ids,
@@ -368,6 +364,22 @@ class Scheduler:
             req.dispatched += int(budget_B[req.slot])
             if req.dispatched >= req.max_tokens:
                 self._release(req, keep=True)  # its tokens come with `_hand_out`
+
+    def _flags(self, active: list[Request]) -> dict[str, bool | int]:
+        """The variant of the step that `active`'s settings need: `Engine.generate`'s truncate, penalize,
+        ban (a request still short of its `min_tokens`) and top."""
+        return {"truncate": any(r.params.truncates for r in active),
+                "penalize": any(r.params.penalizes for r in active),
+                "ban": any(r.dispatched < r.params.min_tokens for r in active),
+                "top": self.engine.top_for([r.params for r in active])}
+
+    def _steps(self, budget_B: np.ndarray, active: list[Request],
+               flags: dict[str, bool | int]) -> tuple[DecodeState, ResultSteps]:
+        """The decode state after `Engine.generate_steps` of budgets `budget_B` over the occupied slots
+        (`active`), reading the cache chunks that hold every position a slot may feed, and its tokens."""
+        chunks = self.engine.cache_chunks(max(len(r.prompt_ids) + r.dispatched + int(budget_B[r.slot]) - 1
+                                              for r in active))
+        return self.engine.generate_steps(self._params, self._state, budget_B, chunks=chunks, **flags)
 
     def _hand_out(self, sampled: Sampled) -> None:
         """Read `sampled` (waits for the device) and give each live request its tokens, in order."""
