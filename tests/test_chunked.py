@@ -1,8 +1,10 @@
 """Chunked prefill over the ragged paged pool (`jaxrl.inference.chunked.ChunkedScheduler`, a TPU's default
 scheduler, here over the reference attention on a CPU mesh): several decode steps a dispatch while no prompt
-is fed, the tokens of one step a dispatch."""
+is fed, the tokens of one step a dispatch; a group's rollouts share their prompt's whole pages, fed once, and
+sample the tokens of requests alone."""
 
 import asyncio
+import time
 
 import jax
 import numpy as np
@@ -16,10 +18,11 @@ from jaxrl.kv.ragged import RaggedPaged
 from jaxrl.parallel.sharding import make_mesh
 
 
-def _serve(reqs, steps: int, slots: int = 3):
+def _serve(reqs, steps: int, slots: int = 3, alone: bool = False):
     """`reqs` through `make_scheduler`'s scheduler (a `ChunkedScheduler`, chunks of 8: steps of 32 flat tokens)
-    over a ragged pool of `slots` slots x 96, `steps` decode steps a dispatch: the completions, the scheduler,
-    the engine, and each multi-step dispatch's (budgets, counts)."""
+    over a ragged pool of `slots` slots x 96, `steps` decode steps a dispatch, all at once or each `alone`
+    (queued once the one before finished): the completions, the scheduler, the engine (its `peak`: the most
+    pages in use at a dispatch), and each multi-step dispatch's (budgets, counts)."""
     engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), slots, 96, lora_scale=0.5, kv=RaggedPaged(CFG, slots, 96),
                     decode_steps_per_dispatch=steps)
     sched = make_scheduler(engine, _params(), "tiny", prefill_chunk=8)
@@ -32,8 +35,18 @@ def _serve(reqs, steps: int, slots: int = 3):
         return state, result
 
     sched._steps = spy
+    engine.peak, pages_for = 0, engine._pages_for
+
+    def pages_spy(state, ahead_B):  # the real pages, the most in use recorded
+        state = pages_for(state, ahead_B)
+        engine.peak = max(engine.peak, engine.pages.in_use)
+        return state
+
+    engine._pages_for = pages_spy
 
     async def go():
+        if alone:
+            return [await sched.generate(p, s) for p, s in reqs]
         return await asyncio.gather(*[sched.generate(p, s) for p, s in reqs])
 
     try:
@@ -69,4 +82,75 @@ def test_eight_decode_steps_a_dispatch_serve_the_tokens_of_one():
     assert sched_eight.dispatches < sched_one.dispatches / 2, (sched_eight.dispatches, sched_one.dispatches)
     assert any(((counts > 0) & (counts < budget)).any() for budget, counts in programs)
     assert max(int(budget.max()) for budget, _ in programs) == 8
+    assert engine.pages.in_use == 0
+
+
+def _group():
+    """Four seeded rollouts of one 40-token prompt (pages of 16: two whole pages before its last token's,
+    8 tokens after them) through 3 slots, the first finishing first so that the fourth is admitted while
+    the second and third decode over the shared pages; one with a repetition penalty (its prompt's tokens
+    seen, also those it shares and does not feed)."""
+    prompt = np.random.default_rng(3).integers(1, 96, size=40).tolist()
+    return [(prompt, SamplingParams(temperature=1.0, seed=20 + i, max_tokens=6 if i == 0 else 12,
+                                    repetition_penalty=1.3 if i == 2 else 1.0)) for i in range(4)]
+
+
+@pytest.mark.numerics
+def test_a_groups_rollouts_share_their_prompts_whole_pages_and_sample_as_alone():
+    """`_group()` at once against the same four requests each alone (nothing shared: the pages of the one
+    before are back in the pool): the same tokens, logprobs and finish reasons, bit for bit. At once, the
+    prompt's two whole pages are fed once and shared by the three others (`prefix_hits` 3, 6 pages not
+    taken), each feeding its 8 last tokens itself (64 prompt positions fed, not 160), at most 8 pages in use
+    (3 unshared rollouts would hold 12); alone, nothing is shared; every page back in the pool after."""
+    at_once, _, engine, _ = _serve(_group(), 8)
+    alone, _, engine_alone, _ = _serve(_group(), 8, alone=True)
+    for a, b in zip(alone, at_once, strict=True):
+        assert (b.token_ids, b.logprobs, b.finish_reason) == (a.token_ids, a.logprobs, a.finish_reason)
+    assert len({tuple(c.token_ids) for c in at_once}) == 4  # four seeds, four completions
+    alloc = engine.pages
+    assert (alloc.prefix_hits, alloc.shared_pages, alloc.prefix_tokens) == (3, 6, 96)
+    assert (engine.prefill_tokens, engine_alone.prefill_tokens) == (32 + 4 * 8, 4 * 40)
+    assert engine.prefills == engine_alone.prefills == 4
+    assert engine.peak <= 8 and engine_alone.peak == 4, (engine.peak, engine_alone.peak)
+    assert engine_alone.pages.prefix_hits == 0
+    assert alloc.in_use == engine_alone.pages.in_use == 0
+
+
+def test_a_cancelled_feeder_hands_the_shared_pages_to_the_next_rollout():
+    """Three seeded rollouts of a 70-token prompt (four whole pages before its last token's: two steps of
+    32 tokens to feed them): the first is cancelled while it feeds the first 32, so the second, waiting for
+    the shared pages, feeds on from position 32 (its pages hold the first 32 already) and the third waits
+    for it. The two left sample the tokens of the same requests alone, and every page is back after."""
+    prompt = np.random.default_rng(4).integers(1, 96, size=70).tolist()
+    reqs = [(prompt, SamplingParams(temperature=1.0, seed=30 + i, max_tokens=5)) for i in range(3)]
+    engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), 3, 96, lora_scale=0.5, kv=RaggedPaged(CFG, 3, 96))
+    sched = make_scheduler(engine, _params(), "tiny", prefill_chunk=8)
+    plans, plan = [], sched._plan
+
+    def spy(active):  # the real plan, recorded; the first rollout cancelled at its first chunk, before it runs
+        out = plan(active)
+        plans.append([(sched._slots[slot].params.seed, first, n) for slot, first, n in out[0]])
+        first = next(r for _, r in active if r.params.seed == 30) if len(plans) == 1 else None
+        if first is not None:
+            first.loop.call_soon_threadsafe(first.future.cancel)
+            while not first.future.cancelled():
+                time.sleep(0.001)
+        return out
+
+    sched._plan = spy
+
+    async def go():
+        return await asyncio.gather(*[sched.generate(p, s) for p, s in reqs], return_exceptions=True)
+
+    try:
+        out = asyncio.run(go())
+    finally:
+        sched.stop()
+    assert isinstance(out[0], asyncio.CancelledError)
+    assert plans[0] == [(30, 0, 32)]  # the others wait for the pages it feeds
+    assert (31, 32, 32) in plans[1] and not any(seed == 32 and first < 64 for seed, first, _ in plans[1])
+    alone = _serve(reqs[1:], 8, alone=True)[0]
+    for a, b in zip(alone, out[1:], strict=True):
+        assert (b.token_ids, b.logprobs, b.finish_reason) == (a.token_ids, a.logprobs, a.finish_reason)
+    assert engine.pages.prefix_hits == 2 and engine.prefill_tokens == 64 + 2 * 6
     assert engine.pages.in_use == 0

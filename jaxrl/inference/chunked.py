@@ -9,14 +9,22 @@ or its length, as the bucketed `Scheduler`'s `Engine.generate_steps`), so the ho
 k tokens; a prompt admitted meanwhile waits for that dispatch, then is fed beside the decode tokens again.
 
 `ChunkedScheduler` is `jaxrl.inference.scheduler.Scheduler` with its admission and its step replaced: a
-request admitted into a free slot gets the pages of its whole prompt (`PageAllocator.assign`) and its
-sampling settings (`RaggedSteps.begin`), nothing runs; each step then takes every decoding slot's one token
-and, in the tokens left, the next chunk of each prompt still being fed (the first admitted first). The step
-that feeds a prompt's last token samples its first token from there. Each of the k steps of a dispatch is
-the flat batch of M tokens that a single step of the same slots would run, so a slot's tokens and logprobs
-are those of one step a dispatch, bit for bit (a slot's row does not depend on the others'). What it leaves
-out, for now: a group's rollouts each feed their own copy of the shared prompt (the bucketed path prefills
-it once and shares its pages), and `keep_turns` (a next turn's prefill over kept pages) is off.
+request admitted into a free slot gets the pages of its whole prompt and its sampling settings
+(`RaggedSteps.begin`), nothing runs; each step then takes every decoding slot's one token and, in the tokens
+left, the next chunk of each prompt still being fed (the first admitted first). The step that feeds a
+prompt's last token samples its first token from there. Each of the k steps of a dispatch is the flat batch
+of M tokens that a single step of the same slots would run, so a slot's tokens and logprobs are those of one
+step a dispatch, bit for bit (a slot's row does not depend on the others').
+
+A group's rollouts (any requests whose prompts start with the same whole pages) share those pages: the
+whole pages before a prompt's last token's are fed once, by the first of them admitted, the others sharing
+them (`PageAllocator.assign_prefix`, reference counted, as the bucketed path shares a prompt's pages) and
+waiting until they are fed; each then feeds the rest of its prompt itself (under a page of tokens, into a
+page of its own), so each samples its first token from its own last token and its numbers are those of a
+request alone. A rollout admitted after the pages were fed (the group larger than the free slots) shares
+them at once. The bucketed path shares the partial last page too and copies it on the first decode write;
+here it is computed again per rollout instead, which no feeding slot waits on. What it leaves out, for now:
+`keep_turns` (a next turn's prefill over kept pages) is off.
 """
 
 from __future__ import annotations
@@ -58,10 +66,15 @@ class RaggedSteps:
         self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=flags)
         self._steps = jax.jit(self._steps_impl, donate_argnums=(1,), static_argnames=("steps", *flags))
 
-    def begin(self, state: DecodeState, slot: int, params: SamplingParams, key: jax.Array) -> DecodeState:
-        """`state` with `slot`'s sampling settings, PRNG key and stop tokens, nothing seen or sampled yet."""
+    def begin(self, state: DecodeState, slot: int, params: SamplingParams, key: jax.Array,
+              prompt: list[int]) -> DecodeState:
+        """`state` with `slot`'s sampling settings, PRNG key and stop tokens, its `prompt`'s tokens seen (for
+        the repetition penalty, as a prefill counts them: also those it shares, `ChunkedScheduler`, and does
+        not feed), nothing sampled yet."""
+        seen_V = np.zeros((self.engine.cfg.vocab_size,), np.bool_)
+        seen_V[prompt] = True
         return self._begin(state, jnp.int32(slot), SlotSampling.of(params), key,
-                           jnp.asarray(self.engine._stop_tokens(params)))
+                           jnp.asarray(self.engine._stop_tokens(params)), jnp.asarray(seen_V))
 
     def step(self, params: EngineParams, state: DecodeState, tokens_M: np.ndarray, batch: Ragged,
              last_B: np.ndarray, emit_B: np.ndarray, **flags) -> tuple[DecodeState, ResultTokens]:
@@ -69,12 +82,12 @@ class RaggedSteps:
         return self._step(params, state, jnp.asarray(tokens_M), jax.tree.map(jnp.asarray, batch),
                           jnp.asarray(last_B), jnp.asarray(emit_B), **flags)
 
-    def _begin_impl(self, state: DecodeState, slot, sampling: SlotSampling, key, stop_V) -> DecodeState:
+    def _begin_impl(self, state: DecodeState, slot, sampling: SlotSampling, key, stop_V, seen_V) -> DecodeState:
         def put(dst, src):
             return jax.lax.dynamic_update_slice(dst, src, (slot,) + (0,) * (dst.ndim - 1))
 
         return state.replace(sampling=jax.tree.map(put, state.sampling, sampling), keys=put(state.keys, key[None]),
-                             seen=put(state.seen, jnp.zeros_like(state.seen[:1])), stop=put(state.stop, stop_V[None]),
+                             seen=put(state.seen, seen_V[None]), stop=put(state.stop, stop_V[None]),
                              generated=put(state.generated, jnp.zeros((1,), jnp.int32)))
 
     def decode(self, params: EngineParams, state: DecodeState, batch: Ragged, last_B: np.ndarray,
@@ -114,16 +127,13 @@ class RaggedSteps:
         """The M tokens (`tokens_M` int32 [M]; a token < 0 is its slot's last sampled one, `state.tokens`)
         through the model (`RaggedPaged.step`), then each slot's next token sampled from the hidden state of
         its last token this step (`last_B`, int32 [B], indices into M): kept where `emit_B` (bool [B]: a
-        decoding slot, or a prompt fed to its end), the rest of `state` as it was. Fed prompt tokens count as
-        seen for the repetition penalty, as a prefill counts them. Returns the state and (tokens int32 [B],
-        logprobs float32 [B], top ids int32 [B, top], top logprobs float32 [B, top])."""
+        decoding slot, or a prompt fed to its end), the rest of `state` as it was (its prompt's tokens seen
+        since `begin`). Returns the state and (tokens int32 [B], logprobs float32 [B], top ids int32 [B,
+        top], top logprobs float32 [B, top])."""
         e = self.engine
         tokens_M = jnp.where(tokens_M < 0, state.tokens[batch.slots], tokens_M)
         model = modules.bind(e.cfg, params.base, params.lora, e.lora_scale)
         hidden_MD, cache = e.kv.step(model, tokens_M, batch, state.cache, e.mesh, params.layers)
-        if penalize:
-            state = state.replace(seen=state.seen.at[batch.slots, jnp.where(batch.valid, tokens_M, e.cfg.vocab_size)]
-                                  .set(True, mode="drop"))
         keys, sampled = e.sample_slots(params, state, hidden_MD[last_B], truncate, penalize, ban, top)
         tokens = jnp.where(emit_B, sampled[0], state.tokens)
         keys = jax.random.wrap_key_data(jnp.where(emit_B[:, None], jax.random.key_data(keys),
@@ -151,26 +161,69 @@ class ChunkedScheduler(Scheduler):
         if not isinstance(engine.kv, RaggedPaged):
             raise ValueError(f"chunked prefill runs over a RaggedPaged cache, not {type(engine.kv).__name__}")
         self.steps = RaggedSteps(engine, engine.max_concurrent_decodes + prefill_chunk)
-        self._fed: dict[int, int] = {}  # slot -> prompt tokens fed so far
+        self._fed: dict[int, int] = {}  # slot -> prompt positions its pages hold (fed, or shared and fed)
+        self._feeders: dict[tuple[int, ...], int] = {}  # whole pages' tokens -> the slot feeding them, until fed
+        self._waits: dict[int, tuple[int, int]] = {}  # slot -> (the slot feeding its shared pages, positions)
         super().__init__(engine, params, model_name, seed)  # starts the loop: everything it reads is set
 
     def _admit(self, admit: list[Request]) -> None:
-        """Each live request into a free slot, in order: the pages of its whole prompt and its settings."""
+        """Each live request into a free slot, in order: the pages of its whole prompt and its settings. Its
+        prompt's whole pages before its last token's are shared with a slot that holds them
+        (`PageAllocator.assign_prefix`: a group's rollouts, admitted together or not), which may still be
+        feeding them (then it waits, `_waits`, until they are fed); it feeds the rest itself, so that its
+        first token is sampled from its own last token's hidden state."""
+        page = self.engine.pages.page
         for req in admit:
             if self._dropped(req):
                 continue
             key = self._key(req)
             req.slot = slot = self._slots.index(None)
-            self.engine.pages.assign(slot, len(req.prompt_ids), len(req.prompt_ids))
-            self._state = self.steps.begin(self._state, slot, req.params, key)
-            self._slots[slot], self._fed[slot] = req, 0
+            prefix = tuple(req.prompt_ids[:(len(req.prompt_ids) - 1) // page * page])
+            shared = self.engine.pages.assign_prefix(slot, len(req.prompt_ids), prefix)
+            self._state = self.steps.begin(self._state, slot, req.params, key, req.prompt_ids)
+            self._slots[slot], self._fed[slot] = req, shared
+            if shared and (feeder := self._feeders.get(prefix)) is not None:
+                self._fed[slot], self._waits[slot] = 0, (feeder, shared)
+            elif prefix and not shared:
+                self._feeders[prefix] = slot
             req.admitted = self._admitted = self._admitted + 1
             req.epoch = self._epoch
+
+    def _release(self, req: Request, keep: bool = False) -> None:
+        """`Scheduler._release`; where `req`'s slot was feeding whole pages that others wait for, the first
+        admitted of them feeds on from where it stopped (its pages hold those positions too)."""
+        slot = req.slot
+        super()._release(req, keep)
+        if slot is None:
+            return
+        fed = self._fed.pop(slot, 0)
+        self._waits.pop(slot, None)
+        prefixes = [p for p, s in self._feeders.items() if s == slot]
+        waiting = sorted((w for w, (s, _) in self._waits.items() if s == slot), key=lambda w: self._slots[w].admitted)
+        for prefix in prefixes:
+            del self._feeders[prefix]
+        if waiting:
+            heir = waiting.pop(0)
+            self._fed[heir] = fed
+            del self._waits[heir]
+            self._waits.update({w: (heir, self._waits[w][1]) for w in waiting})
+            self._feeders.update(dict.fromkeys(prefixes, heir))
+
+    def _fed_up_to(self, slot: int, fed: int) -> None:
+        """`slot`'s pages hold its prompt's first `fed` positions: the slots waiting for those (`_waits`) go
+        on from their shared positions."""
+        self._fed[slot] = fed
+        for w, (s, shared) in list(self._waits.items()):
+            if s == slot and fed >= shared:
+                self._fed[w] = shared
+                del self._waits[w]
+        for prefix in [p for p, s in self._feeders.items() if s == slot and fed >= len(p)]:
+            del self._feeders[prefix]
 
     def _plan(self, active: list[tuple[int, Request]]) -> tuple[list[tuple[int, int, int]], list[int], np.ndarray]:
         """This step's runs (slot, first position, tokens) and tokens (-1: the slot's last sampled one), and
         which slots sample a kept token: every decoding slot's one token, then the prompts still fed, first
-        admitted first, in the tokens left."""
+        admitted first, in the tokens left (none for a slot waiting for shared pages)."""
         runs, tokens, emit = [], [], np.zeros((len(self._slots),), bool)
         for slot, req in active:
             if self._fed[slot] == len(req.prompt_ids):
@@ -180,7 +233,7 @@ class ChunkedScheduler(Scheduler):
         left = self.steps.tokens - len(runs)
         for slot, req in sorted(active, key=lambda a: a[1].admitted):
             fed, prompt = self._fed[slot], req.prompt_ids
-            if fed < len(prompt) and left > 0:
+            if fed < len(prompt) and left > 0 and slot not in self._waits:
                 n = min(left, len(prompt) - fed)
                 runs.append((slot, fed, n))
                 tokens += prompt[fed:fed + n]
@@ -226,7 +279,7 @@ class ChunkedScheduler(Scheduler):
         decoding slot's token and the prompt chunks `_plan` gives."""
         runs, tokens, emit = self._plan(active)
         feeding = frozenset(s for s, r in active if self._fed[s] < len(r.prompt_ids))
-        # a page for each decoding slot's position; none for a prompt being fed (`assign` gave it all its pages)
+        # a page for each decoding slot's position; none for a prompt being fed (`assign_prefix` gave it all)
         ahead = np.array([s not in feeding for s in range(len(rows))], np.int32)
         self._state = self.engine._pages_for(self._state, ahead)
         tokens_M = np.asarray(tokens + [0] * (self.steps.tokens - len(tokens)), np.int32)
@@ -240,7 +293,9 @@ class ChunkedScheduler(Scheduler):
         for slot, first, n in runs:
             req = rows[slot]
             if slot in feeding:
-                self._fed[slot] = first + n
+                self._fed_up_to(slot, first + n)
+                self.engine.prefill_tokens += n
+                self.engine.prefills += int(emit[slot])
             if emit[slot]:
                 req.dispatched += 1
                 if req.dispatched >= req.max_tokens:

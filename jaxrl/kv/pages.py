@@ -261,6 +261,42 @@ class PageAllocator:
         self.dirty = True
         return dest
 
+    def assign_prefix(self, slot: int, length: int, prefix: tuple[int, ...]) -> int:
+        """Pages for a prompt of `length` positions that `slot` feeds itself (chunked prefill,
+        `jaxrl.inference.chunked`; its old pages released first), whose first tokens are `prefix`, whole
+        pages of them (len(prefix) a multiple of `page`, below `length`). When some slot holds pages under
+        `prefix`, `slot` shares them, reference counted (nothing past them is shared: the rest, the partial
+        last page among it, is new), else all are new and the whole pages of `prefix` kept under it, until
+        no slot holds them or `forget_all`.
+
+        Returns:
+            The positions shared: len(prefix) or 0 (no prefix, or none held).
+
+        Raises:
+            PoolExhausted: too few free pages (the slot then holds none).
+        """
+        self.release(slot)
+        shared = self._prompts.get(prefix)[0] if prefix and prefix in self._prompts else []
+        pages = list(shared)
+        self.refs[pages] += 1
+        try:
+            while len(pages) < math.ceil(length / self.page):
+                pages.append(self._take())
+        except PoolExhausted:
+            for p in pages:
+                self._drop(p)
+            raise
+        if shared:
+            self.prefix_hits += 1
+            self.shared_pages += len(shared)
+            self.prefix_tokens += len(prefix)
+        elif prefix:
+            self._prompts[prefix] = (pages[:len(prefix) // self.page], None)
+        self.table[slot, :len(pages)] = pages
+        self._positions[slot] = length
+        self.dirty = True
+        return len(prefix) if shared else 0
+
     def _ahead(self, ahead_B: np.ndarray | None) -> list[tuple[int, int, range]]:
         """(slot, its position after its next `ahead_B[slot]` positions (None: one), the page indices they
         fall in) for each held slot (positions clipped to `max_seq_len - 1`, as the engine's)."""
