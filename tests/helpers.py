@@ -1,6 +1,6 @@
 """What several test files share: the tiny-run config builder, the one way to start `jaxrl` in a subprocess
-(waited for, or in the background with its output in a log), the metrics reader, and the tiny trainer with
-its random batches. Test files import from here, never from each other."""
+(waited for, or in the background with its output in a log), the metrics reader, a weight update in the middle of a
+request, and the tiny trainer with its random batches. Test files import from here, never from each other."""
 
 from __future__ import annotations
 
@@ -198,6 +198,39 @@ class Scripted:
                 on_token(t, lp)
         return Completion(ids, lps, "stop", [0] * len(ids))
 
+
+# --- new weights in the middle of a request -------------------------------------------------------------------
+
+def generate_with_an_update(sched, prompt: list[int], sampling, new_params, when):
+    """`sched.generate(prompt, sampling)` (a `jaxrl.inference.scheduler.Scheduler`) run to its end, with
+    `sched.update_params(new_params, version=1)` called as soon as `when()` is true (polled every millisecond
+    while the request decodes); the scheduler is stopped after. Returns the request's `Completion`."""
+    import asyncio
+
+    async def go():
+        task = asyncio.ensure_future(sched.generate(prompt, sampling))
+        while not when():
+            await asyncio.sleep(0.001)
+        sched.update_params(new_params, version=1)
+        return await task
+
+    try:
+        return asyncio.run(go())
+    finally:
+        sched.stop()
+
+
+def version_switch(completion, old: np.ndarray) -> int:
+    """The index of `completion`'s first token of policy version 1 (`generate_with_an_update`), once its versions
+    are checked to go from 0 to 1 without going back, and its logprobs against `old` (the old weights' logprob
+    of each of its tokens, from a full forward pass): the same before the switch (atol 1e-4, the old weights
+    scored them), over 90% of them more than 1e-3 off after it (the new weights scored them)."""
+    v = np.array(completion.policy_versions)
+    switch = int(np.argmax(v == 1))
+    assert v[0] == 0 and v[-1] == 1 and (np.diff(v) >= 0).all(), v
+    np.testing.assert_allclose(completion.logprobs[:switch], old[:switch], atol=1e-4)
+    assert np.mean(np.abs(np.array(completion.logprobs[switch:]) - old[switch:]) > 1e-3) > 0.9
+    return switch
 
 # --- the tiny trainer ------------------------------------------------------------------------------------------
 

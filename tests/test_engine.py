@@ -4,8 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import generate_with_an_update, version_switch
 
 from jaxrl.inference.cpu import CpuWeights
+from jaxrl.inference.decode_state import DecodeState
 from jaxrl.inference.engine import Engine, pad_prompt
 from jaxrl.inference.engine_params import EngineParams
 from jaxrl.inference.protocol import SamplingParams
@@ -346,26 +348,27 @@ def test_update_params_in_flight_keeps_request_and_records_versions():
     p0, p1 = _params(lora_seed=1), _params(lora_seed=2)
     engine = Engine(CFG, make_mesh({}, jax.devices()[:1]), max_concurrent_decodes=2, max_seq_len=96, lora_scale=0.5)
     sched = Scheduler(engine, p0, "tiny")
-
-    async def go():
-        task = asyncio.ensure_future(sched.generate([4, 5, 6], SamplingParams(max_tokens=80, seed=3)))
-        while sched.decode_steps < 5:
-            await asyncio.sleep(0.001)
-        sched.update_params(p1, version=1)
-        return await task
-
-    try:
-        c = _run(go())
-    finally:
-        sched.stop()
-    v = np.array(c.policy_versions)
-    switch = int(np.argmax(v == 1))
-    assert v[0] == 0 and v[-1] == 1 and (np.diff(v) >= 0).all() and 0 < switch < len(v)
+    c = generate_with_an_update(sched, [4, 5, 6], SamplingParams(max_tokens=80, seed=3), p1,
+                                when=lambda: sched.decode_steps >= 5)
     # before the switch the old weights scored every token; after it, the new ones (over the kept cache)
     ref0 = _reference_logprobs(p0, [4, 5, 6] + c.token_ids)
-    old = np.array([ref0[2 + i, t] for i, t in enumerate(c.token_ids)])
-    np.testing.assert_allclose(c.logprobs[:switch], old[:switch], atol=1e-4)
-    assert np.mean(np.abs(np.array(c.logprobs[switch:]) - old[switch:]) > 1e-3) > 0.9
+    switch = version_switch(c, np.array([ref0[2 + i, t] for i, t in enumerate(c.token_ids)]))
+    assert 0 < switch < len(c.policy_versions), switch
+
+
+def _six_greedy_steps(engine: Engine, params, slot: int) -> tuple[DecodeState, list[int], list[float]]:
+    """The prompt [3, 1, 4, 1, 5] prefilled greedily into `slot` of a fresh decode state, then 6 decode steps:
+    the state after them, and the slot's 6 tokens and their logprobs."""
+    state = engine.init_decode_state()
+    prefix = engine.prefill(params=params, padded_tokens=pad_prompt([3, 1, 4, 1, 5], 16), true_length=5,
+                            sampling=SamplingParams(temperature=0.0))
+    state = engine.insert(prefix, state, slot)
+    toks, lps = [], []
+    for _ in range(6):
+        state, res = engine.generate(params, state, truncate=False)
+        toks.append(int(res.tokens[slot]))
+        lps.append(float(res.logprobs[slot]))
+    return state, toks, lps
 
 
 @pytest.mark.numerics
@@ -380,15 +383,7 @@ def test_sharded_engine_matches_single_device(plain):
         p = EngineParams(base=base, lora=params["lora"])
         engine = Engine(CFG, mesh, max_concurrent_decodes=4, max_seq_len=32, lora_scale=0.5,
                         kv=Dense(CFG, 4, 32) if plain else None)
-        state = engine.init_decode_state()
-        prefix = engine.prefill(params=p, padded_tokens=pad_prompt([3, 1, 4, 1, 5], 16), true_length=5,
-                                sampling=SamplingParams(temperature=0.0))
-        state = engine.insert(prefix, state, 1)
-        toks, lps = [], []
-        for _ in range(6):
-            state, res = engine.generate(p, state, truncate=False)
-            toks.append(int(res.tokens[1]))
-            lps.append(float(res.logprobs[1]))
+        state, toks, lps = _six_greedy_steps(engine, p, slot=1)
         if shape:
             assert all(len(c.sharding.device_set) == 8 for c in jax.tree.leaves(state.cache))
         outs.append((toks, lps))
@@ -413,16 +408,7 @@ def test_weight_copies_only_on_cpu_and_the_same_tokens_without_them():
             assert (prepared.layers, prepared.unembed, prepared.unembed_blocks) == (None, None, None)
             assert prepared.base is params["base"] and prepared.lora is params["lora"]
             assert engine.init_decode_state().cache["k"].shape == (CFG.num_layers, 2, 32, 2, 8)
-        state = engine.init_decode_state()
-        prefix = engine.prefill(params=prepared, padded_tokens=pad_prompt([3, 1, 4, 1, 5], 16), true_length=5,
-                                sampling=SamplingParams(temperature=0.0))
-        state = engine.insert(prefix, state, 0)
-        toks, lps = [], []
-        for _ in range(6):
-            state, res = engine.generate(prepared, state, truncate=False)
-            toks.append(int(res.tokens[0]))
-            lps.append(float(res.logprobs[0]))
-        outs.append((toks, lps))
+        outs.append(_six_greedy_steps(engine, prepared, slot=0)[1:])
     assert outs[0][0] == outs[1][0]
     np.testing.assert_allclose(outs[0][1], outs[1][1], atol=1e-5)
     with pytest.raises(ValueError, match="KV cache for"):
