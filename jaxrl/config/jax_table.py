@@ -98,7 +98,8 @@ class JaxConfig(Table):
     many steps. Default None: 8 (`jaxrl.inference.engine.DECODE_STEPS_PER_DISPATCH`; docs/benchmarks.md)."""
     kv_reuse_turns: bool = False
     """With `kv_cache_tokens`: keep a finished rollout's pages for a multi-turn conversation's next turn,
-    which then prefills only its new tokens (`Scheduler`'s `keep_turns`; dropped at each weight update; not
+    which then prefills only its new tokens (`Scheduler`'s and `ChunkedScheduler`'s `keep_turns`: the latter
+    shares whole pages only, so it feeds again what a partial last page held; dropped at each weight update; not
     in an engine group over processes). Its logprobs then differ from a whole prefill's by float rounding
     (about 1e-6 in float32; with a bfloat16 cache, whose rounding a whole prefill's own keys skip, up to
     5e-2 on the tiny test model): no longer the dense cache's bit for bit. Default false."""

@@ -23,8 +23,9 @@ waiting until they are fed; each then feeds the rest of its prompt itself (under
 page of its own), so each samples its first token from its own last token and its numbers are those of a
 request alone. A rollout admitted after the pages were fed (the group larger than the free slots) shares
 them at once. The bucketed path shares the partial last page too and copies it on the first decode write;
-here it is computed again per rollout instead, which no feeding slot waits on. What it leaves out, for now:
-`keep_turns` (a next turn's prefill over kept pages) is off.
+here it is computed again per rollout instead, which no feeding slot waits on. With `keep_turns` (`[jax]
+kv_reuse_turns`), a finished request's pages are kept as the bucketed path keeps them, and a prompt that
+extends a kept sequence's tokens (a conversation's next turn) shares its whole pages and feeds the rest.
 """
 
 from __future__ import annotations
@@ -150,13 +151,14 @@ class RaggedSteps:
 class ChunkedScheduler(Scheduler):
     """`Scheduler` for an engine over a `RaggedPaged` cache: prompts fed in chunks beside the decode tokens
     (the module's), in steps of the slots and `prefill_chunk` more tokens (`RaggedSteps.tokens`), all of
-    which a prompt's chunk may use. Arguments as `Scheduler`'s, but `keep_turns`, which is off here.
+    which a prompt's chunk may use. Arguments as `Scheduler`'s: with `keep_turns`, a prompt that extends a
+    kept sequence's tokens shares its whole pages and feeds the rest (`_admit`).
 
     Raises:
         ValueError: the engine's cache is not a `RaggedPaged`.
     """
 
-    def __init__(self, engine: Engine, params: Params, model_name: str, seed: int = 0,
+    def __init__(self, engine: Engine, params: Params, model_name: str, seed: int = 0, keep_turns: bool = False,
                  prefill_chunk: int = PREFILL_CHUNK) -> None:
         if not isinstance(engine.kv, RaggedPaged):
             raise ValueError(f"chunked prefill runs over a RaggedPaged cache, not {type(engine.kv).__name__}")
@@ -164,27 +166,31 @@ class ChunkedScheduler(Scheduler):
         self._fed: dict[int, int] = {}  # slot -> prompt positions its pages hold (fed, or shared and fed)
         self._feeders: dict[tuple[int, ...], int] = {}  # whole pages' tokens -> the slot feeding them, until fed
         self._waits: dict[int, tuple[int, int]] = {}  # slot -> (the slot feeding its shared pages, positions)
-        super().__init__(engine, params, model_name, seed)  # starts the loop: everything it reads is set
+        super().__init__(engine, params, model_name, seed, keep_turns)  # starts the loop: everything it reads is set
 
     def _admit(self, admit: list[Request]) -> None:
         """Each live request into a free slot, in order: the pages of its whole prompt and its settings. Its
         prompt's whole pages before its last token's are shared with a slot that holds them
         (`PageAllocator.assign_prefix`: a group's rollouts, admitted together or not), which may still be
         feeding them (then it waits, `_waits`, until they are fed); it feeds the rest itself, so that its
-        first token is sampled from its own last token's hidden state."""
+        first token is sampled from its own last token's hidden state. With `keep_turns`, a prompt that
+        extends a kept sequence's tokens (`PageAllocator.match`: a conversation's next turn) shares that
+        sequence's whole pages instead, fed already."""
         page = self.engine.pages.page
         for req in admit:
             if self._dropped(req):
                 continue
             key = self._key(req)
             req.slot = slot = self._slots.index(None)
-            prefix = tuple(req.prompt_ids[:(len(req.prompt_ids) - 1) // page * page])
-            shared = self.engine.pages.assign_prefix(slot, len(req.prompt_ids), prefix)
+            prompt = tuple(req.prompt_ids)
+            prefix = prompt[:(len(prompt) - 1) // page * page]
+            kept = prompt if self.keeps and self.engine.pages.match(prompt) else None
+            shared = self.engine.pages.assign_prefix(slot, len(prompt), prefix, kept)
             self._state = self.steps.begin(self._state, slot, req.params, key, req.prompt_ids)
             self._slots[slot], self._fed[slot] = req, shared
-            if shared and (feeder := self._feeders.get(prefix)) is not None:
+            if kept is None and shared and (feeder := self._feeders.get(prefix)) is not None:
                 self._fed[slot], self._waits[slot] = 0, (feeder, shared)
-            elif prefix and not shared:
+            elif kept is None and prefix and not shared:
                 self._feeders[prefix] = slot
             req.admitted = self._admitted = self._admitted + 1
             req.epoch = self._epoch
@@ -243,7 +249,8 @@ class ChunkedScheduler(Scheduler):
     def _step(self) -> None:
         """Dispatch over the occupied slots, if any: while every one decodes (no prompt left to feed), up to
         the engine's `decode_steps_per_dispatch` (k) decode steps in one program (`Scheduler._decode`, over
-        `_steps`), else one ragged step (`_feed`): a prompt waits at most one decode step per slot."""
+        `_steps`), else one ragged step (`_feed`): while a prompt is fed, every decoding slot advances a
+        token a step, and a prompt admitted during a dispatch of k waits for that dispatch only."""
         for req in self._slots:
             if req is not None and self._dropped(req):
                 req.done = True
@@ -305,8 +312,7 @@ class ChunkedScheduler(Scheduler):
 def make_scheduler(engine: Engine, params: Params, model_name: str, seed: int = 0, keep_turns: bool = False,
                    prefill_chunk: int = PREFILL_CHUNK) -> Scheduler:
     """The scheduler for `engine`: `ChunkedScheduler` over a `RaggedPaged` cache (the kind `jaxrl.kv.pick`
-    gives a TPU) unless `keep_turns` (`[jax] kv_reuse_turns`: only the bucketed `Scheduler` keeps finished
-    turns' pages, and it runs over a `RaggedPaged` cache too), else `Scheduler` (arguments as theirs)."""
-    if isinstance(engine.kv, RaggedPaged) and not keep_turns:
-        return ChunkedScheduler(engine, params, model_name, seed, prefill_chunk)
+    gives a TPU), else `Scheduler` (arguments as theirs)."""
+    if isinstance(engine.kv, RaggedPaged):
+        return ChunkedScheduler(engine, params, model_name, seed, keep_turns, prefill_chunk)
     return Scheduler(engine, params, model_name, seed, keep_turns=keep_turns)

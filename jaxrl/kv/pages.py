@@ -261,24 +261,33 @@ class PageAllocator:
         self.dirty = True
         return dest
 
-    def assign_prefix(self, slot: int, length: int, prefix: tuple[int, ...]) -> int:
+    def assign_prefix(self, slot: int, length: int, prefix: tuple[int, ...],
+                      prompt: tuple[int, ...] | None = None) -> int:
         """Pages for a prompt of `length` positions that `slot` feeds itself (chunked prefill,
         `jaxrl.inference.chunked`; its old pages released first), whose first tokens are `prefix`, whole
         pages of them (len(prefix) a multiple of `page`, below `length`). When some slot holds pages under
         `prefix`, `slot` shares them, reference counted (nothing past them is shared: the rest, the partial
         last page among it, is new), else all are new and the whole pages of `prefix` kept under it, until
-        no slot holds them or `forget_all`.
+        no slot holds them or `forget_all`. Where `match` pinned a kept sequence's pages for `prompt` (its
+        token ids: a conversation's next turn), the whole ones are shared instead (the partial one let go:
+        its positions are fed again) and nothing is kept under `prefix`.
 
         Returns:
-            The positions shared: len(prefix) or 0 (no prefix, or none held).
+            The positions shared: len(prefix), the kept whole pages' positions, or 0 (none held).
 
         Raises:
             PoolExhausted: too few free pages (the slot then holds none).
         """
         self.release(slot)
-        shared = self._prompts.get(prefix)[0] if prefix and prefix in self._prompts else []
+        read, m = self._pinned.pop(prompt, ([], 0)) if prompt is not None else ([], 0)
+        if read:  # `match` counted its references
+            shared = read[:m // self.page]
+            for p in read[len(shared):]:
+                self._drop(p)
+        else:
+            shared = self._prompts.get(prefix)[0] if prefix and prefix in self._prompts else []
+            self.refs[shared] += 1
         pages = list(shared)
-        self.refs[pages] += 1
         try:
             while len(pages) < math.ceil(length / self.page):
                 pages.append(self._take())
@@ -289,13 +298,13 @@ class PageAllocator:
         if shared:
             self.prefix_hits += 1
             self.shared_pages += len(shared)
-            self.prefix_tokens += len(prefix)
+            self.prefix_tokens += len(shared) * self.page
         elif prefix:
             self._prompts[prefix] = (pages[:len(prefix) // self.page], None)
         self.table[slot, :len(pages)] = pages
         self._positions[slot] = length
         self.dirty = True
-        return len(prefix) if shared else 0
+        return len(shared) * self.page
 
     def _ahead(self, ahead_B: np.ndarray | None) -> list[tuple[int, int, range]]:
         """(slot, its position after its next `ahead_B[slot]` positions (None: one), the page indices they
