@@ -81,13 +81,16 @@ def _train() -> dict:
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14], [3, 3, 3, 3, 3, 3], [7, 1]]
 MAX_TOKENS = [8, 8, 8, 8, 8, 16]  # process 1's last request outlives process 0's: process 0 asks to stop first
+LAG_S = 2.0  # how much later process 1 hands over the new weights: far longer than a round of the group
 
 
 def _generate() -> dict:
     """Greedy completions of PROMPTS (MAX_TOKENS tokens, 4 decode slots: two requests queue) by one engine over
     every device of every process, each process asking for its own prompts (process p: every P-th from p);
-    then, after gathers and an update to a LoRA of version 1 made while the engine is paused, one more
-    prompt per process, and a stop that process 0 asks for while process 1's request is still decoding.
+    then, after gathers, an update to a LoRA of version 1 that process 1 makes LAG_S seconds after process 0 and
+    one more prompt per process, each sent as soon as its process's update returned (process 0's must wait for
+    process 1's update, as a request sent after `update_params` on one host never samples an older policy), and
+    a stop that process 0 asks for while process 1's request is still decoding.
     Prompt index -> (tokens, policy versions)."""
     mesh = make_mesh(MESH)
     base = jax.jit(lambda k: modules.init_params(CFG, k),
@@ -111,8 +114,8 @@ def _generate() -> dict:
         for _ in range(3):  # device collectives while the group's engine is parked, back to back
             with sched.paused():
                 distributed.any_process(False)
-        with sched.paused():
-            sched.update_params({"base": base, "lora": lora}, version=1)
+        time.sleep(LAG_S * index)  # processes hand a step's weights over at different moments (a run's train step)
+        sched.update_params({"base": base, "lora": lora}, version=1)
         out |= asyncio.run(ask(range(4 + index, 6, count)))
     finally:
         sched.stop()

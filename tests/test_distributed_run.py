@@ -19,7 +19,12 @@ def test_two_processes_train_like_one(tmp_path, tiny_model_dir, gcs):
     """Same metrics every step (rewards exactly; losses to float rounding, the train step's reductions
     being split over other devices), [val]'s included, and the same LoRA in the last checkpoint, with one
     rollout engine over both processes' devices (`engine_hosts = 2`, stepped in lockstep). Only process 0
-    writes metrics and prints progress. The three processes run at once to save wall time."""
+    writes metrics and prints progress. The three processes run at once to save wall time. No group is dropped
+    as stale: one whose requests the group admitted before the slower process had handed over the step's
+    weights would have sampled the old policy and been replaced by another example (`jaxrl.inference.lockstep`
+    holds them; tests/test_distributed.py provokes the lag). Step 2 samples with policies that differ by the
+    train step's rounding (logprobs of its 64 sampled tokens up to 2e-6 apart, their probabilities 3e-6 apart in
+    all, in two runs): a flipped token, at odds of that order a run, would fail it."""
     url = "gs://jaxrl-test/distributed"
     runs = {}
     for name in ("one", "two"):
@@ -46,6 +51,7 @@ def test_two_processes_train_like_one(tmp_path, tiny_model_dir, gcs):
     assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, STEPS + 1))
     for a, b in zip(two, one, strict=True):
         assert a.keys() == b.keys()
+        assert a["async/stale_dropped"] == b["async/stale_dropped"] == 0, a["step"]
         for k in ("reward/mean", "reward/std", "seq_len", "rollouts/failed", "train/samples"):
             assert a[k] == b[k], (a["step"], k)
         assert a["train/samples"] == 8  # each group played once, by one of the two processes

@@ -10,11 +10,16 @@ the coordination service, no device program): each process posts the requests qu
 last round (prompt ids, sampling settings), the requests its callers gave up, the weight version it has
 pending, and whether it wants to stop or to pause. The group's first process, the leader, keeps the
 group's one queue and decides the round's plan: which requests take the free slots (first come, first
-served, in order of round then process), which are dropped, whether to swap weights (once every process
-has the same version pending: in-flight updates take effect at the same decode step everywhere, and each
-token records the version that sampled it, as on one host), pause, or stop (once every process has asked
-to: a process that is done keeps stepping the group's programs for the others' requests still in flight,
-which would otherwise fail or wait forever). Every process applies the
+served, in order of round then process; a request waits at the head of the queue until the group serves
+the newest weight version its process had been handed when it posted it), which are dropped, whether to
+swap weights (once every process has the same version pending: in-flight updates take effect at the same
+decode step everywhere, and each token records the version that sampled it, as on one host), pause, or stop
+(once every process has asked to: a process that is done keeps stepping the group's programs for the
+others' requests still in flight, which would otherwise fail or wait forever). So a request queued after
+`update_params` never samples with an older policy, as on one host (`Scheduler._next` swaps a pending
+update before it admits): the processes hand over a step's weights at different moments, and a request
+sent by the first as soon as its own update returned (a synchronous run's next groups, `[val]`) would
+otherwise sample with the old weights until the last process's update arrived. Every process applies the
 plan, so slots, PRNG keys and sampled tokens are the same on every process; each hands out the tokens
 of its own requests. The sampled tokens come out of the programs replicated, so reading them needs no
 transfer between hosts.
@@ -30,6 +35,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import itertools
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -63,12 +69,14 @@ class GroupScheduler(Scheduler):
     def __init__(self, engine: Engine, params: Params, model_name: str, exchange: Exchange, seed: int = 0,
                  idle_s: float = 0.01) -> None:
         self._exchange, self.idle_s = exchange, idle_s
-        self._queue: collections.deque[list] = collections.deque()  # the leader's: [owner, id, prompt, params, n]
+        # the leader's: [owner, id, prompt, params, n, version its process had been handed (None: none yet)]
+        self._queue: collections.deque[list] = collections.deque()
         self._mine: dict[int, Request] = {}  # this process's requests posted and not finished, by id
         self._next_id = 0
         self._cancelled: set[tuple[int, int]] = set()
         self._reported: set[int] = set()  # ids of own given-up requests already posted
         self._versions: dict[int, Params] = {}  # pending weight updates by version
+        self._handed: int | None = None  # the newest version update_params was given (pending or swapped)
         self._entered = self._exited = 0  # paused() stretches begun and ended
         self._parked_for = 0  # while parked: the stretches begun when it parked (it waits for their end); else 0
         self._holding = threading.local()  # paused() depth of the calling thread
@@ -77,9 +85,12 @@ class GroupScheduler(Scheduler):
         super().__init__(engine, params, model_name, seed)
 
     def update_params(self, params: Params, version: int) -> None:
-        """Use `params` from the decode step at which every process of the group has version `version`."""
+        """Use `params` from the decode step at which every process of the group has version `version`; the
+        requests this process queues from now on wait for that step (the group's first come, first served
+        order kept), so that none samples with an older policy than `version`."""
         with self._cv:
             self._versions[version] = params
+            self._handed = version
             self._cv.notify_all()
 
     @contextlib.contextmanager
@@ -122,7 +133,7 @@ class GroupScheduler(Scheduler):
             while self._waiting:
                 req = self._waiting.popleft()
                 self._mine[self._next_id] = req
-                new.append([self._next_id, req.prompt_ids, _params_json(req.params), req.max_tokens])
+                new.append([self._next_id, req.prompt_ids, _params_json(req.params), req.max_tokens, self._handed])
                 self._next_id += 1
             for rid in [rid for rid, req in self._mine.items() if req.done]:
                 del self._mine[rid]
@@ -144,7 +155,9 @@ class GroupScheduler(Scheduler):
         pause = all(p["pause"] for p in posts)
         versions = {p["version"] for p in posts}
         version = versions.pop() if len(versions) == 1 and not pause else None
-        offer = [] if pause else [(len(q[2]), q[4]) for q in list(self._queue)[:self._slots.count(None)]]
+        serves = self.policy_version if version is None else version  # the group's policy once the plan is applied
+        ready = itertools.takewhile(lambda q: q[5] is None or q[5] <= serves, self._queue)  # first come, first served
+        offer = [] if pause else [(len(q[2]), q[4]) for q in itertools.islice(ready, self._slots.count(None))]
         admit = [self._queue.popleft() for _ in range(self._admissible(offer))]  # a paged cache: what fits
         idle = not self._queue and not admit and not self.active and not self._unread
         return {"admit": admit, "cancel": cancel, "version": version, "pause": pause,
@@ -168,7 +181,7 @@ class GroupScheduler(Scheduler):
         self._idle = plan["idle"]
         if plan["pause"]:
             self._park()
-        return [self._request(owner, rid, prompt, params, n) for owner, rid, prompt, params, n in plan["admit"]]
+        return [self._request(owner, rid, prompt, params, n) for owner, rid, prompt, params, n, _ in plan["admit"]]
 
     def _request(self, owner: int, rid: int, prompt: list[int], params: dict, max_tokens: int) -> Request:
         if owner == self._exchange.me:
