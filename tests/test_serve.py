@@ -69,7 +69,8 @@ def stop(proc: subprocess.Popen, sig: int, log: Path) -> None:
 
 def test_serve_a_model_folder_with_an_api_key(tiny_model_dir, tmp_path):
     log = tmp_path / "serve.log"
-    proc, base = serve([str(tiny_model_dir), "--name", "tiny", "--api-key-env", KEY_VAR], log, **{KEY_VAR: "k3y"})
+    proc, base = serve([str(tiny_model_dir), "--name", "tiny", "--api-key-env", KEY_VAR, "--decode-steps-per-dispatch",
+                        "3"], log, **{KEY_VAR: "k3y"})
     try:
         root = base.removesuffix("/v1")
         assert httpx.get(root + "/health").json() == {"status": "ok", "pending": 0}
@@ -82,6 +83,7 @@ def test_serve_a_model_folder_with_an_api_key(tiny_model_dir, tmp_path):
         assert r.json()["usage"]["completion_tokens"] == 5 or choice["finish_reason"] == "stop"
         models = httpx.get(base + "/models", headers={"Authorization": "Bearer k3y"}).json()
         assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [("tiny", 64)]
+        assert "3 decode steps a dispatch" in log.read_text()
     finally:
         if proc.poll() is None:
             stop(proc, signal.SIGINT, log)
@@ -151,6 +153,7 @@ def test_serve_a_checkpoint_applies_its_lora(run_dir, tmp_path):
     (["{model}", "--api-key-env", "JAXRL_TEST_UNSET_VAR"], "JAXRL_TEST_UNSET_VAR is not set or empty"),
     (["{model}", "--dtype", "int8"], "--dtype: 'int8' is not float32 or bfloat16"),
     (["{model}", "--mesh", "tensor=3"], "--mesh: mesh {'data': 1, 'fsdp': 1, 'tensor': 3"),
+    (["{model}", "--decode-steps-per-dispatch", "0"], "Invalid value for '--decode-steps-per-dispatch'"),
 ])
 def test_errors_are_one_clear_line(tiny_model_dir, tmp_path, args, message):
     args = [a.format(tmp=tmp_path, model=tiny_model_dir) for a in args]

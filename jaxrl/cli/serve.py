@@ -62,7 +62,8 @@ def _hub_id(ref: str) -> bool:
 
 def load(ref: str, *, name: str | None = None, decode_slots: int = 32, seq_len: int = 4096,
          step: int | None = None, config: str | Path | None = None, dtype: str | None = None,
-         mesh_shape: dict[str, int] | None = None, seed: int = 0) -> Loaded:
+         mesh_shape: dict[str, int] | None = None, seed: int = 0,
+         decode_steps_per_dispatch: int | None = None) -> Loaded:
     """Load `ref` (a HF folder, or a run/checkpoint as `jaxrl export` takes it, with `step` and
     `config`) and start a scheduler over it.
 
@@ -73,6 +74,8 @@ def load(ref: str, *, name: str | None = None, decode_slots: int = 32, seq_len: 
         dtype: "float32" or "bfloat16" weights; default: the run's, float32 for a HF folder.
         mesh_shape: mesh axis sizes (`jaxrl.parallel.sharding.MESH_AXES`); default: every device on fsdp.
         seed: base seed of requests that send none.
+        decode_steps_per_dispatch: decode steps a program (`jaxrl.inference.engine.Engine`); default: the
+            engine's (`DECODE_STEPS_PER_DISPATCH`).
 
     Raises:
         ServeError: no such model, checkpoint or tokenizer, a tokenizer without a chat template, a
@@ -127,14 +130,16 @@ def load(ref: str, *, name: str | None = None, decode_slots: int = 32, seq_len: 
         raise ServeError(f"--seq-len must be >= 2, got {seq_len}")
     if decode_slots < 1:
         raise ServeError(f"--decode-slots must be >= 1, got {decode_slots}")
+    steps = {} if decode_steps_per_dispatch is None else {"decode_steps_per_dispatch": decode_steps_per_dispatch}
     engine = Engine(mcfg, mesh, decode_slots, seq_len, lora_scale=lora_scale,
-                    cache_dtype=jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
+                    cache_dtype=jnp.bfloat16 if dtype == "bfloat16" else jnp.float32, **steps)
     scheduler = make_scheduler(engine, {"base": base, "lora": lora}, model_name=name or ref, seed=seed)
     what = model_path
     if source:
         trained = "full fine-tuning of" if source.finetune == "full" else f"LoRA r{source.lora_rank} on"
         what = f"checkpoint step {source.step} of {source.checkpoint_dir} ({trained} {model_path})"
-    return Loaded(scheduler, template, f"{what}, {dtype}, mesh {dict(mesh.shape)}")
+    return Loaded(scheduler, template, f"{what}, {dtype}, mesh {dict(mesh.shape)}, "
+                                       f"{engine.decode_steps_per_dispatch} decode steps a dispatch")
 
 
 def warmup(scheduler: Scheduler) -> int:

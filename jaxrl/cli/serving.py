@@ -28,6 +28,11 @@ def serve(
     port: Annotated[int, typer.Option(help="Port to bind (0: a free one).")] = 8000,
     decode_slots: Annotated[int, typer.Option(help="Sequences decoded at once; more requests wait in the queue.")] = 32,
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence, prompt and completion.")] = 4096,
+    decode_steps_per_dispatch: Annotated[int | None, typer.Option(
+        min=1, show_default=False,
+        help="Decode steps the engine runs in one program between the host's looks at it (each slot stops on "
+             "the device at its stop token or length), as a run's `[jax] decode_steps_per_dispatch`; 1: one "
+             "step a program. Default: the engine's, 8.")] = None,
     api_key_env: Annotated[str | None, typer.Option(help="Environment variable holding the API key clients must "
                                                          "send as `Authorization: Bearer <key>`.",
                                                     show_default=False)] = None,
@@ -57,7 +62,7 @@ def serve(
 
     try:
         loaded = serving.load(ref, name=name, decode_slots=decode_slots, seq_len=seq_len, step=step, config=config,
-                              dtype=dtype, mesh_shape=shape)
+                              dtype=dtype, mesh_shape=shape, decode_steps_per_dispatch=decode_steps_per_dispatch)
     except serving.ServeError as exc:
         raise fail(f"jaxrl serve: {exc}") from None
     err.print(f"serving {loaded.description}", markup=False)
