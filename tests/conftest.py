@@ -26,27 +26,37 @@ import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-# `jaxrl` subprocesses (set after jax is imported here, so this process does not use it) share one
-# persistent compilation cache that keeps every program: the tiny model's train step and engine compile once
-# per session instead of once per run, and a restarted run loads what an earlier one compiled.
+# The session's processes (both xdist workers, which inherit these variables, and the `jaxrl` subprocesses) share
+# one persistent compilation cache that keeps every program: the tiny model's train step and engine compile once
+# per session instead of once per run or test, and a restarted run loads what an earlier one compiled. Set after
+# jax is imported here, so this process turns it on itself (the tests' own programs: test_train.py 169 -> 150
+# CPU-s, test_engine.py 135 -> 120, 2026-11-28), except around the files that compile for a TPU topology
+# (`_no_compile_cache_for_topology_compiles`).
 _COMPILE_CACHE = tempfile.mkdtemp(prefix="jaxrl-tests-jit-")
 atexit.register(shutil.rmtree, _COMPILE_CACHE, ignore_errors=True)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _COMPILE_CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 
-# The files that take minutes, longest first (a 2-core machine, 2026-11-24). `--dist loadfile` hands whole files
-# to the two workers in the order collected (pyproject.toml sets `--no-loadscope-reorder`; pytest-xdist's own
-# order, most tests first, started these last, and the other worker then waited idle for the last of them).
-LONGEST_FIRST = ("test_compile_hosted.py", "test_long_context.py", "test_distributed_run.py",
-                 "test_distributed_async.py", "test_quickstart.py", "test_run.py", "test_distributed.py",
-                 "test_train_parity.py",
-                 "test_engine.py", "test_train.py", "test_teacher.py", "test_moe.py", "test_classic.py",
-                 "test_resume.py",
-                 "test_faults.py", "test_export.py", "test_runs.py", "test_multiturn.py", "test_metrics.py")
+# The files that take minutes, longest first (a 2-core machine; CI's run of 2026-11-27: the compile files about 900
+# and 400 s, the one-test files test_tool_example 101 s, test_device_check 86 s). `--dist loadfile` hands whole
+# files to the two workers in the order collected (pyproject.toml sets `--no-loadscope-reorder`; pytest-xdist's own
+# order, most tests first, started these last, and the other worker then waited idle for the last of them); a
+# worker is handed its next file while the last two tests of its current one run, so a long file left to the end
+# (test_tool_example.py, alphabetically among the last, until 2026-11-28) keeps one worker busy alone.
+LONGEST_FIRST = ("test_compile_hosted.py", "test_compile.py", "test_long_context.py", "test_run.py",
+                 "test_distributed_async.py", "test_distributed_run.py", "test_distributed.py", "test_quickstart.py",
+                 "test_train_parity.py", "test_teacher.py", "test_engine.py", "test_train.py", "test_tool_example.py",
+                 "test_device_check.py", "test_teacher_server.py", "test_resume.py", "test_async.py", "test_moe.py",
+                 "test_classic.py", "test_glm.py", "test_faults.py", "test_export.py", "test_gepa.py", "test_sft.py",
+                 "test_runs.py", "test_multiturn.py", "test_metrics.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -58,6 +68,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         raise pytest.UsageError(f"tests/conftest.py: LONGEST_FIRST: no such test file: {', '.join(missing)}")
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
+
+# The files whose tests compile for a TPU topology (libtpu, no TPU) with the cache off: jax writes those programs
+# (tens of MB each for the Hosted models) but cannot read them back without a TPU attached, so a program compiled
+# twice would be compiled again anyway, after a warning (docs/tpu.md; the cache is looked up once per process).
+TOPOLOGY_COMPILES = ("test_compile_hosted.py", "test_compile.py")
+
+
+def _use_compile_cache(on: bool) -> None:
+    jax.config.update("jax_enable_compilation_cache", on)
+    compilation_cache.reset_cache()  # jax decides once per process whether the cache is used: decide again
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_compile_cache_for_topology_compiles(request):
+    """The persistent compilation cache off for the module's tests when it is one of `TOPOLOGY_COMPILES`."""
+    off = request.path.name in TOPOLOGY_COMPILES
+    if off:
+        _use_compile_cache(False)
+    yield
+    if off:
+        _use_compile_cache(True)
+
 
 # CI's 2 cores are sometimes shared: a property test's draws are not timed (no deadline, no too_slow
 # health check); what they prove does not depend on how fast they come.

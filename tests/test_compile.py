@@ -137,7 +137,7 @@ def _check_kl_reference(runner, app, config, tmp_path, lora: dict, full: dict):
 
     lora_text = config.read_text().replace('finetune = "full"\n', "")
     config.write_text(config.read_text() + "[jax.loss]\nkl_coef = 0.1\n")
-    kl = runner.invoke(app, ["compile", str(config), "--topology", "v5litepod-4", "--no-cost",
+    kl = runner.invoke(app, ["compile", str(config), "--topology", "v5litepod-4", "--no-cost", "--no-context",
                              "--json", str(tmp_path / "k.json")])
     assert kl.exit_code == 0, kl.output
     kl = json.loads((tmp_path / "k.json").read_text())
