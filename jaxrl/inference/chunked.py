@@ -114,13 +114,13 @@ class RaggedSteps:
         seq_S = jnp.arange(batch.kv_lens.shape[0]) < batch.num_seqs[0]
         tokens_M = jnp.where(batch.valid, -1, 0)  # each slot's last sampled token; padding as `step`'s
 
-        def step(s: DecodeState, live_B: jax.Array):
+        def step(p: EngineParams, s: DecodeState, live_B: jax.Array):
             at = batch.replace(positions=jnp.where(batch.valid, s.positions[batch.slots], 0),
                                kv_lens=jnp.where(seq_S, s.positions[batch.seq_slots] + 1, 0))
-            return self._ragged(params, s, tokens_M, at, last_B, live_B, truncate=truncate, penalize=penalize,
+            return self._ragged(p, s, tokens_M, at, last_B, live_B, truncate=truncate, penalize=penalize,
                                 ban=ban, top=top)
 
-        state, out, counts_B = run_steps(step, state, budget_B, steps=steps, top=top)
+        state, out, counts_B = run_steps(step, params, state, budget_B, steps=steps, top=top)
         return state, ResultSteps(*(self.engine._replicated(x) for x in (*out, counts_B)))
 
     def _ragged(self, params, state: DecodeState, tokens_M, batch: Ragged, last_B, emit_B, *, truncate, penalize,

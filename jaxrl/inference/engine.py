@@ -450,10 +450,10 @@ class Engine:
                              chunks=None, top=0):
         """`steps` masked `_step`s in one program (`jaxrl.inference.steps.run_steps`; `generate_steps`)."""
 
-        def step(s: DecodeState, live_B: jax.Array):
-            return self._step(params, s, live_B, truncate=truncate, penalize=penalize, ban=ban, chunks=chunks, top=top)
+        def step(p: EngineParams, s: DecodeState, live_B: jax.Array):
+            return self._step(p, s, live_B, truncate=truncate, penalize=penalize, ban=ban, chunks=chunks, top=top)
 
-        state, out, counts_B = run_steps(step, state, budget_B, steps=steps, top=top)
+        state, out, counts_B = run_steps(step, params, state, budget_B, steps=steps, top=top)
         return state, ResultSteps(*(self._replicated(x) for x in (*out, counts_B)))
 
     def _step(self, params, state: DecodeState, live_B, *, truncate, penalize, ban, chunks, top):

@@ -6,20 +6,23 @@ host sees the engine once per k steps and not after every token. Letters as in `
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxrl.inference.decode_state import DecodeState
 
-# (state, live_B) -> (the next state, (tokens int32 [B], logprobs float32 [B], top ids int32 [B, top], top
-# logprobs float32 [B, top])): one decode step in which the slots not `live_B` keep their state
-MaskedStep = Callable[[DecodeState, jax.Array], tuple[DecodeState, tuple[jax.Array, ...]]]
+# (params, state, live_B) -> (the next state, (tokens int32 [B], logprobs float32 [B], top ids int32 [B, top],
+# top logprobs float32 [B, top])): one decode step with the engine's weights `params` in which the slots not
+# `live_B` keep their state
+MaskedStep = Callable[[Any, DecodeState, jax.Array], tuple[DecodeState, tuple[jax.Array, ...]]]
 
 
-def run_steps(step: MaskedStep, state: DecodeState, budget_B: jax.Array, *, steps: int,
+def run_steps(step: MaskedStep, params: Any, state: DecodeState, budget_B: jax.Array, *, steps: int,
               top: int) -> tuple[DecodeState, tuple[jax.Array, ...], jax.Array]:
-    """Up to `steps` calls of `step` in a `lax.while_loop`, slot b live in a step while it has run fewer than
+    """Up to `steps` calls of `step` with `params` (the engine's weights, a pytree of arrays, read by every
+    step and never changed) in a `lax.while_loop`, slot b live in a step while it has run fewer than
     `budget_B[b]` (int32 [B]) and its input token (the last it sampled) is not one of its stop tokens
     (`DecodeState.stop`); the loop ends once no slot is live. One step (`steps` 1) is the step alone, no
     loop: the program a single step compiled to before (a TPU's layout assignment may give a loop's state
@@ -39,13 +42,20 @@ def run_steps(step: MaskedStep, state: DecodeState, budget_B: jax.Array, *, step
 
     if steps == 1:
         live_B = live(0, state)
-        state, result = step(state, live_B)
+        state, result = step(params, state, live_B)
         return state, tuple(r[None] for r in result), live_B.astype(jnp.int32)
 
     def body(carry):
         i, s, out, counts_B = carry
         live_B = live(i, s)
-        s, result = step(s, live_B)
+        # The weights are loop-invariant, so XLA computes what depends on them alone once, before the loop
+        # (loop-invariant code motion), and holds it for the whole program: on TPU the fsdp-gathered whole
+        # unembedding, 1.16 GiB a chip for INTELLECT-3 (docs/benchmarks-log.md, 2026-11-28). An optimization
+        # barrier that ties them to the step counter makes them the loop's own values each step (it copies
+        # nothing: its outputs are its operands' buffers), so each step gathers them where the single step
+        # does and frees them after use.
+        p, _ = jax.lax.optimization_barrier((params, i))
+        s, result = step(p, s, live_B)
         out = tuple(jax.lax.dynamic_update_index_in_dim(o, r, i, 0) for o, r in zip(out, result, strict=True))
         return i + 1, s, out, counts_B + live_B
 
