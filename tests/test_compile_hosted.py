@@ -1,6 +1,7 @@
 """`jaxrl compile` on the Hosted Training models, at a Hosted batch, compiled for TPU slices by libtpu.
 
-Each case compiles the train step, the largest prefill bucket and the decode step at two reduced depths
+Each case compiles the train step and the engine's programs (on TPU's ragged pool the ragged step of chunked
+prefill, no prefill bucket; until 2026-11-28 the largest prefill bucket beside it) at two reduced depths
 (2 and 3 layers) and extrapolates every per-chip byte count to the model's depth (`jaxrl.compile.report`);
 `test_memory_is_affine_in_depth` compiles a third depth and bounds the extrapolation's error. Compiled
 reports are shared by the module's tests.
@@ -82,12 +83,15 @@ def check(r: report.Report, case: str) -> None:
     report's weights are `bytes_per_device`'s (device-free) count, and each program's compiled argument
     bytes exceed its declared arguments by under 1 MiB at each compiled depth (the per-request vectors
     and scalars, and each layer's small weights, padded to the chip's tiles: measured 3-182 KB, growing
-    by 5.6 KB a layer for Qwen3-4B and 8.7 KB for Qwen3-30B-A3B)."""
+    by 5.6 KB a layer for Qwen3-4B and 8.7 KB for Qwen3-30B-A3B). Every case's engine runs chunked prefill
+    (TPU's ragged pool): the report compiles its ragged step and no prefill bucket."""
     print(r.text())  # the report, for `pytest -s`
     assert r.fits, r.text()
     mcfg = ModelConfig.from_hf(catalog.HOSTED_MODELS[CASES[case][0]])
     assert r.terms["weights"] == bytes_per_device(param_specs(mcfg), mcfg.dims(), r.mesh, 2)
-    for name in ("train", "prefill", "decode"):
+    assert r.engine_programs.startswith("the ragged step of chunked prefill") and not any(
+        n.startswith("prefill") for n in r.programs), r.engine_programs
+    for name in ("train", "decode"):
         for d in DEPTHS:
             p = r.programs[f"{name}@{d}"]
             assert 0 <= p["argument"] - sum(p["declared"].values()) < 2**20, (name, d, p)
@@ -96,7 +100,7 @@ def check(r: report.Report, case: str) -> None:
 
 def test_qwen3_4b_trains_32k_token_rows_on_a_v5p_8(compiled):
     """Qwen3-4B on v5p-8 (one host of 4 chips, tensor 4) trains a Hosted batch of 32,768-token rows beside
-    16 decode slots of 32,768 tokens and a prefill of 32,767 (splash attention; 40.87 of 95 GiB a chip with
+    16 decode slots of 32,768 tokens fed by chunked prefill (splash attention; 40.87 of 95 GiB a chip with
     no [jax] kv_cache_tokens, the paged pool that fits: every slot's 32,768 positions, 18.00 GiB, 2026-11-27;
     40.85 with the dense cache, 2026-11-26); the engine reads the trainer's weights in place. What
     `jaxrl models` says Qwen3-4B trains (catalog.COMPILED_CONTEXT). With a pool of twice that (set), 64 slots
@@ -116,7 +120,7 @@ def test_qwen3_4b_trains_32k_token_rows_on_a_v5p_8(compiled):
     # tokens, 36 GiB a chip, 64 rollouts of 16,384 tokens at once where the dense cache runs 16. Its decode
     # step compiled at 2 layers (one compile: its scratch is flat in depth, 0.039 GiB at 2 and 3; it was the
     # whole pool, 2 GiB here, until the step's keys were written a (head, slot) row at a time); the train
-    # step and prefill are the dense run's. `jaxrl compile` of this config: 58.87 GiB a chip, docs/tpu.md 7.2.
+    # step is the first run's. `jaxrl compile` of this config: 58.87 GiB a chip, docs/tpu.md 7.2.
     cfg = run_config("4b-v5p-8-32k").model_copy(deep=True)
     cfg.jax.decode_slots, cfg.jax.kv_cache_tokens = 64, 2**20
     shapes = report.shapes_of(cfg, r.shapes.model)
@@ -124,10 +128,10 @@ def test_qwen3_4b_trains_32k_token_rows_on_a_v5p_8(compiled):
     decode = programs.compile_decode(shapes.at_depth(2), emesh)
     kv = pool.of(shapes, emesh, 1, 0, seq_len // 2)
     assert decode.temp < 2**28 and kv.paged and kv.rollouts(kv.tokens) == 64 > slots, (decode.temp, kv)
-    full = {n: r.programs[f"{n}@{r.shapes.model.num_layers}"] for n in ("train", "prefill", "decode")}
+    full = {n: r.programs[f"{n}@{r.shapes.model.num_layers}"] for n in ("train", "decode")}
     paged = dataclasses.replace(r, terms={
         **r.terms, "kv_cache": programs.engine_declared_bytes(shapes, emesh, own_weights=False),
-        "temporaries": full["train"]["temp"] + max(full["prefill"]["temp"], decode.temp),
+        "temporaries": full["train"]["temp"] + decode.temp,
         "other": r.terms["other"] - full["decode"]["declared_slots"] + decode.declared["slots"]})
     print(f"with the pool: {paged.total / 2**30:.2f} GiB a chip")  # 58.88 (2026-11-26; the whole report 58.87)
     # the pool: twice the dense cache's tokens and the scratch page, 36 KiB a token a chip; the page table
@@ -147,8 +151,7 @@ def test_memory_is_affine_in_depth(compiled):
     mesh = make_mesh(r.mesh, slices.topology_devices(r.slice))
     emesh = programs.engine_mesh(mesh, r.engine_hosts)
     at4 = r.shapes.at_depth(4)
-    for name, p4 in (("train", programs.compile_train(at4, mesh)), ("prefill", programs.compile_prefill(at4, emesh)),
-                     ("decode", programs.compile_decode(at4, emesh))):
+    for name, p4 in (("train", programs.compile_train(at4, mesh)), ("decode", programs.compile_decode(at4, emesh))):
         p2, p3 = r.programs[f"{name}@2"], r.programs[f"{name}@3"]
         off = {f: getattr(p4, f) - (2 * p3[f] - p2[f]) for f in ("argument", "output", "alias", "temp")}
         assert off["output"] == off["alias"] == 0, (name, off)
@@ -213,14 +216,18 @@ def test_intellect_3_decode_reads_each_layers_cache_in_place():
     of temporaries a chip at 3 layers, growing 1.08 GB a layer (2x a layer's 0.54 GB of k and v); scanned,
     1.19 GiB at 3 layers and at 4. Since the paged pool became TPU's default (2026-11-27) the step reads the
     pool in place through JAX's Pallas kernel. The whole model's report is docs/tpu.md's INTELLECT-3 row.
-    One decode step a program (`[jax] decode_steps_per_dispatch = 1`): a program of 8 (the default) keeps
-    relayouted copies of the stacked attention weights beside its loop, 2.07 GiB of temporaries here
-    (docs/benchmarks-log.md, 2026-11-27)."""
+    The program is the default decode program of chunked prefill, 8 ragged steps (the 256 slots and 512
+    prompt tokens a step) in one loop, whose scratch is flat in depth (1.368 GB at 2 layers, 1.367 at 3,
+    2026-11-28; the largest buffer the fsdp-gathered unembedding, 1.16 GiB), so under 10% of the whole model's
+    pool, what `jaxrl compile`'s decode temporaries line checks at full depth. Until the loop tied its weights
+    to its counter and pinned their layout (`jaxrl.inference.steps.run_steps`) it kept the gathered
+    unembedding and relayouted copies of the stacked weights beside the loop, growing with depth (2.22 GB at
+    3 layers for the bucketed scheduler's program; docs/benchmarks-log.md, 2026-11-28)."""
     cfg = RunConfig.model_validate({
         "model": "PrimeIntellect/INTELLECT-3", "batch_size": 256, "rollouts_per_example": 8, "lora_alpha": 32,
         "env": [{"id": "a/b"}], "sampling": {"max_tokens": 2048},
         "jax": {"mesh": {"fsdp": 2, "expert": 4}, "dtype": "bfloat16", "seq_len": 4096, "lora_rank": 16,
-                "decode_slots": 256, "micro_batch_size": 8, "decode_steps_per_dispatch": 1}})
+                "decode_slots": 256, "micro_batch_size": 8}})
     model = report.model_of(cfg)
     assert [(kind, stop - start) for kind, start, stop, _ in decoder.layer_runs(model)] == [("mlp", 1), ("moe", 45)]
     shapes = report.shapes_of(cfg, model).at_depth(3)
@@ -229,5 +236,7 @@ def test_intellect_3_decode_reads_each_layers_cache_in_place():
     # the paged pool, TPU's default since 5e165b3 (capped at 256 slots x 4,096 positions): 3 layers' k and v in
     # bfloat16 over 8 chips, the scratch page of 16 positions beside them, and the page table (int32 [256, 256])
     # on every chip
-    assert p.declared["kv_cache"] == 3 * 2 * (256 * 4096 + 16) * 8 * 128 * 2 // 8 + 256 * (4096 // 16) * 4
+    layer_kv = 2 * (256 * 4096 + 16) * 8 * 128 * 2 // 8
+    assert p.declared["kv_cache"] == 3 * layer_kv + 256 * (4096 // 16) * 4
     assert p.temp < 2 * 2**30, p  # under 4 layers' cache slices; unrolled, 5.62 GiB
+    assert p.temp < 0.1 * model.num_layers * layer_kv, (p.temp, model.num_layers * layer_kv)

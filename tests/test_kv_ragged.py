@@ -185,3 +185,29 @@ def test_the_ragged_step_compiles_for_a_tpu_slice_with_the_kernel():
     # measured 2.7% (3.6 MB; the one-token decode step's 1.56 MB, as much as the paged kernel's at these
     # shapes): a copy of one layer's pages would be 50%
     assert decode.temp < 0.1 * cache, (decode.temp, cache)
+
+
+def test_jaxrl_compile_compiles_what_the_ragged_engine_runs():
+    """An engine over TPU's ragged pool feeds prompts through its ragged step (`ChunkedScheduler`) and decodes
+    with a loop of those steps: `jaxrl compile` compiles that loop as its decode program (the step alone at
+    `decode_steps_per_dispatch = 1`) and no prefill bucket beside it; a paged pool read by the gather (heads
+    of 64) runs the bucketed scheduler: its prefill bucket and `Engine.generate_steps`. Lowered only."""
+    from jaxrl.compile import programs, slices
+
+    model = dataclasses.replace(CFG, hidden_size=256, num_heads=8, num_kv_heads=4, head_dim=128)
+    mesh = make_mesh({"tensor": 4}, slices.topology_devices(slices.parse_slice("v5p-8")))
+    chunked = programs.Shapes(model, jnp.bfloat16, 4, ("q_proj", "v_proj"), 2.0, False, 8, 2048, 1, 64)
+    one = dataclasses.replace(chunked, decode_steps_per_dispatch=1)
+    gather = dataclasses.replace(chunked, model=dataclasses.replace(model, hidden_size=512, head_dim=64))
+    assert (programs.runs_prefill(chunked, mesh), programs.decode_steps(chunked, mesh)) == (False, 8)
+    assert programs.engine_programs(chunked, mesh) == (
+        "the ragged step of chunked prefill (576 tokens a step: the 64 slots' and prompt chunks) and the decode "
+        "program of 8 of those steps, no prefill bucket")
+    assert (programs.runs_prefill(gather, mesh), programs.decode_steps(gather, mesh)) == (True, 8)
+    assert programs.engine_programs(gather, mesh) == ("the largest prefill bucket (2047 tokens) and the decode "
+                                                      "program of 8 steps")
+    for shapes, name in ((chunked, "jit__steps_impl"), (one, "jit__step_impl"), (gather, "jit__generate_steps_impl")):
+        engine, params = programs.abstract_engine(shapes, mesh)
+        assert isinstance(engine.kv, RaggedPaged) == (shapes is not gather)
+        lowered = programs.lower_decode(engine, params, programs.abstract_decode_state(engine))
+        assert lowered.as_text().startswith(f"module @{name}"), lowered.as_text()[:80]

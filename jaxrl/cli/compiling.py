@@ -37,7 +37,8 @@ def compile_(
                                                "(powers of two, bisected, each train step compiled).")] = True,
 ) -> None:
     """Compile the run's train step, prefill and decode programs for a TPU slice (on any machine: libtpu,
-    no TPU) with abstract weights, and print per chip: weights, LoRA + optimizer, KV cache, temporaries,
+    no TPU) with abstract weights (an engine over TPU's ragged pool runs chunked prefill: its one ragged step,
+    no prefill bucket), and print per chip: weights, LoRA + optimizer, KV cache, temporaries,
     the total against the chip's HBM (fits or not, and what to change), roofline step times, the compiler's
     cost per layer against the ideal, and the longest sequences the slice trains. Without [jax]
     micro_batch_size, the largest micro-batch that fits is found by compiling (as a run on accelerators

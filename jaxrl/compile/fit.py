@@ -14,6 +14,9 @@ from typing import Any
 from jaxrl.compile.programs import Program, Shapes
 
 FIT_SHARE = 0.9  # a run fits when its total is at most this share of HBM (the rest: runtime, fragmentation)
+# the byte counts of a program the run does not run (`at_depth` of none compiled): an engine that runs chunked
+# prefill has no prefill bucket (`jaxrl.compile.programs.runs_prefill`)
+ABSENT = {"argument": 0, "output": 0, "alias": 0, "temp": 0}
 
 
 def extrapolate(a: Program, b: Program, da: int, db: int, depth: int) -> dict[str, int]:
@@ -32,8 +35,10 @@ def extrapolate(a: Program, b: Program, da: int, db: int, depth: int) -> dict[st
 
 def at_depth(by_depth: dict[int, Program], depths: tuple[int, ...], layers: int) -> dict[str, int]:
     """A program's byte counts at `layers`: compiled there (one depth) or extrapolated from two
-    (`extrapolate`). Keys: `argument`, `output`, `alias`, `temp` and `declared_<part>` for each part of
-    `Program.declared` (bytes a chip)."""
+    (`extrapolate`), or `ABSENT` where none was compiled (`by_depth` empty). Keys: `argument`, `output`, `alias`,
+    `temp` and `declared_<part>` for each part of `Program.declared` (bytes a chip)."""
+    if not by_depth:
+        return dict(ABSENT)
     if len(depths) == 1:
         p = by_depth[depths[0]]
         return {**{f: getattr(p, f) for f in ("argument", "output", "alias", "temp")},

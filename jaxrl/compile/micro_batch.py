@@ -31,8 +31,9 @@ from jaxrl.parallel.sharding import batch_shards
 @dataclasses.dataclass(frozen=True)
 class EngineSide:
     """The rollout engine beside the train step: its `hosts`, its prefill and decode step compiled at the
-    search's depths (`prefill`, `decode`: by depth; the decode step over the pool set, or the smallest that
-    runs), whether it owns its weights, and the bytes a chip set aside for its KV cache (`kv_cache`)."""
+    search's depths (`prefill`, `decode`: by depth; no prefill where the engine runs chunked prefill,
+    `programs.runs_prefill`; the decode step over the pool set, or the smallest that runs), whether it owns
+    its weights, and the bytes a chip set aside for its KV cache (`kv_cache`)."""
 
     hosts: int
     prefill: dict[int, Program]
@@ -44,7 +45,7 @@ class EngineSide:
     def total(self, train: dict[str, int]) -> int:
         """Bytes a chip of a run whose train step has `train`'s byte counts (`fit.at_depth`) beside this
         engine: the sum of `fit.memory_terms`, the KV cache as set aside here."""
-        depths = tuple(sorted(self.prefill))
+        depths = tuple(sorted(self.decode))
         terms = fit.memory_terms(train, fit.at_depth(self.prefill, depths, self.layers),
                                  fit.at_depth(self.decode, depths, self.layers), self.owns_weights)
         return sum(terms.values()) - terms["kv_cache"] + self.kv_cache
@@ -61,7 +62,8 @@ def engine_side(shapes: Shapes, mesh: Any, depths: tuple[int, ...], hosts: int |
     hosts = hosts or fit.hosts(mesh)
     emesh = programs.engine_mesh(mesh, hosts)
     least = shapes if shapes.kv_cache_tokens is not None else pool.sized(shapes, emesh, 0)  # one sequence
-    prefill = {d: programs.compile_prefill(shapes.at_depth(d), emesh) for d in depths}
+    prefill = ({d: programs.compile_prefill(shapes.at_depth(d), emesh) for d in depths}
+               if programs.runs_prefill(shapes, emesh) else {})
     decode = {d: programs.compile_decode(least.at_depth(d), emesh) for d in depths}
     kv = fit.at_depth(decode, depths, shapes.model.num_layers)["declared_kv_cache"]
     if shapes.kv_cache_tokens is None:

@@ -1,10 +1,12 @@
 """A run's programs lowered and compiled with abstract arguments (no weights, no TPU): the train step,
-a prefill bucket and the decode step, each on its mesh; per-chip memory from the compiler.
+a prefill bucket and the decode program, each on its mesh; per-chip memory from the compiler.
 
 Every argument is a `jax.ShapeDtypeStruct` carrying the `NamedSharding` the run would give it (the
 logical-axis rules of `jaxrl.parallel.sharding`), so the compiled programs are the run's own:
 `Trainer._step`, `Engine._prefill_forward` then `_prefill_sample`, and `Engine._generate_steps`, lowered with
-`.lower(...)` and compiled by the backend of the mesh's devices (libtpu for a TPU topology).
+`.lower(...)` and compiled by the backend of the mesh's devices (libtpu for a TPU topology). An engine that
+runs chunked prefill (TPU's ragged pool, `jaxrl.inference.chunked.chunked_prefill`) runs no prefill bucket
+(`runs_prefill` is False) and its decode program is the loop of ragged steps (`RaggedSteps._steps`).
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.config.algorithms import LossConfig
-from jaxrl.inference.chunked import PREFILL_CHUNK, RaggedSteps
+from jaxrl.inference.chunked import PREFILL_CHUNK, RaggedSteps, chunked_prefill
 from jaxrl.inference.decode_state import DecodeState
 from jaxrl.inference.engine import Engine
 from jaxrl.inference.engine_params import EngineParams
 from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.sampling import SlotSampling
+from jaxrl.inference.steps import pin_for
 from jaxrl.kv.dense import Dense
-from jaxrl.kv.ragged import RaggedPaged, pack
+from jaxrl.kv.ragged import pack
 from jaxrl.model.config import ModelConfig
 from jaxrl.model.modules import lora_specs, param_specs
 from jaxrl.parallel.sharding import MESH_AXES, array_sharding, mesh_platform, spec_shardings
@@ -230,6 +233,30 @@ def abstract_engine(s: Shapes, mesh: Mesh, dense: bool = False) -> tuple[Engine,
     return engine, EngineParams(base=base, lora=lora)
 
 
+def runs_prefill(s: Shapes, mesh: Mesh) -> bool:
+    """Whether a run of `s` whose engine is on `mesh` runs prefill buckets (`compile_prefill`): not where it
+    feeds prompts through its ragged step (`jaxrl.inference.chunked.chunked_prefill`)."""
+    return not chunked_prefill(abstract_engine(s, mesh)[0])
+
+
+def decode_steps(s: Shapes, mesh: Mesh) -> int:
+    """Decode steps in one of the decode programs (`lower_decode`) of a run of `s` whose engine is on `mesh`:
+    the engine's `decode_steps_per_dispatch`."""
+    return abstract_engine(s, mesh)[0].decode_steps_per_dispatch
+
+
+def engine_programs(s: Shapes, mesh: Mesh) -> str:
+    """The programs a run of `s` whose engine is on `mesh` runs for its rollouts, as `jaxrl compile` names
+    them (the ones it compiles: `runs_prefill`, `lower_decode`)."""
+    engine = abstract_engine(s, mesh)[0]
+    if chunked_prefill(engine):
+        return (f"the ragged step of chunked prefill ({RaggedSteps(engine, s.decode_slots + PREFILL_CHUNK).tokens} "
+                f"tokens a step: the {s.decode_slots} slots' and prompt chunks) and the decode program of "
+                f"{engine.decode_steps_per_dispatch} of those steps, no prefill bucket")
+    return (f"the largest prefill bucket ({engine.buckets[-1]} tokens) and the decode program of "
+            f"{engine.decode_steps_per_dispatch} steps")
+
+
 def compile_prefill(s: Shapes, mesh: Mesh, bucket: int | None = None) -> Program:
     """What a run's prefill of one prompt bucket (default the largest, `seq_len - 1` tokens) runs on `mesh`
     (`Engine.prefill_shared`): `Engine._prefill_forward`, the prompt through the model to its cache and
@@ -287,27 +314,34 @@ def abstract_decode_state(engine: Engine) -> DecodeState:
 def lower_decode(engine: Engine, params: EngineParams, state: DecodeState) -> Any:
     """`Engine._generate_steps` lowered for `state` (`abstract_decode_state`): the engine's
     `decode_steps_per_dispatch` decode steps in one program (`Engine.generate_steps`), truncating sampling and
-    the repetition penalty on (the largest variant). Over a ragged pool (TPU's, `jaxrl.kv.ragged`) the step
-    its scheduler runs instead (`_ragged_step`)."""
-    if isinstance(engine.kv, RaggedPaged):
-        return _ragged_step(engine, params, state)
+    the repetition penalty on (the largest variant). Where its scheduler runs chunked prefill (a ragged pool,
+    TPU's: `chunked_prefill`) the program it decodes with instead (`_ragged_steps`)."""
+    if chunked_prefill(engine):
+        return _ragged_steps(engine, params, state)
     budget = jax.ShapeDtypeStruct((engine.max_concurrent_decodes,), jnp.int32,
                                   sharding=NamedSharding(engine.mesh, PartitionSpec()))
     return engine._generate_steps.lower(params, state, budget, steps=engine.decode_steps_per_dispatch, truncate=True,
-                                        penalize=True)
+                                        penalize=True, pin=pin_for(params, engine.mesh))
 
 
-def _ragged_step(engine: Engine, params: EngineParams, state: DecodeState) -> Any:
-    """`RaggedSteps._step` of chunked prefill (`jaxrl.inference.chunked`: the slots and `PREFILL_CHUNK` more
-    flat tokens) lowered with `state`: its tokens, their `Ragged` placement and the slots' last tokens and
-    flags replicated; truncating sampling, the repetition penalty and the `min_tokens` ban on."""
+def _ragged_steps(engine: Engine, params: EngineParams, state: DecodeState) -> Any:
+    """The decode program of chunked prefill (`jaxrl.inference.chunked`: ragged steps of the slots and
+    `PREFILL_CHUNK` more flat tokens) lowered with `state`: `RaggedSteps._steps`, the engine's
+    `decode_steps_per_dispatch` steps in one loop (what runs while no prompt is fed), or where that is 1
+    `RaggedSteps._step` (every dispatch); their `Ragged` placement, tokens, the slots' last tokens, flags and
+    budgets replicated; truncating sampling, the repetition penalty and the `min_tokens` ban on. A dispatch that
+    feeds a prompt runs `_step`, the loop's body alone."""
     steps = RaggedSteps(engine, engine.max_concurrent_decodes + PREFILL_CHUNK)
-    m, b = steps.tokens, engine.max_concurrent_decodes
+    m, b, k = steps.tokens, engine.max_concurrent_decodes, engine.decode_steps_per_dispatch
     replicated = NamedSharding(engine.mesh, PartitionSpec())
     batch = _placed(jax.eval_shape(lambda: pack([], m, b)), lambda x: replicated)
-    tokens, last, emit = _placed(jax.eval_shape(lambda: (jnp.zeros((m,), jnp.int32), jnp.zeros((b,), jnp.int32),
-                                                         jnp.zeros((b,), jnp.bool_))), lambda x: replicated)
-    return steps._step.lower(params, state, tokens, batch, last, emit, truncate=True, penalize=True, ban=True, top=0)
+    tokens, last, emit, budget = _placed(jax.eval_shape(lambda: (
+        jnp.zeros((m,), jnp.int32), jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.bool_),
+        jnp.zeros((b,), jnp.int32))), lambda x: replicated)
+    flags = {"truncate": True, "penalize": True, "ban": True, "top": 0}
+    if k == 1:
+        return steps._step.lower(params, state, tokens, batch, last, emit, **flags)
+    return steps._steps.lower(params, state, batch, last, budget, steps=k, pin=pin_for(params, engine.mesh), **flags)
 
 
 def compile_decode(s: Shapes, mesh: Mesh) -> Program:
@@ -332,6 +366,13 @@ def engine_declared_bytes(s: Shapes, mesh: Mesh, own_weights: bool) -> int:
     engine, params = abstract_engine(s, mesh, dense=s.kv_cache_tokens is None)
     weights = shard_bytes(params.base) + shard_bytes(params.lora) if own_weights else 0
     return weights + shard_bytes(abstract_decode_state(engine).cache)
+
+
+def engine_weight_bytes(s: Shapes, mesh: Mesh) -> int:
+    """Per chip, the base weights and LoRA of an engine of `s` on `mesh` by their declared shapes and shardings
+    (what a prefill or decode program declares as `weights` and `lora`)."""
+    params = abstract_engine(s, mesh)[1]
+    return shard_bytes(params.base) + shard_bytes(params.lora)
 
 
 def engine_mesh(mesh: Mesh, hosts: int) -> Mesh:

@@ -78,6 +78,7 @@ class Report:
     pool: pool.PoolSize | None = None  # the engine's KV cache in tokens, and the rollouts it runs at once
     context: Context | None = None  # the longest sequences this slice trains
     decode_bytes: decode_bytes.DecodeBytes | None = None  # the decode step's bytes a chip against the ideal
+    engine_programs: str = ""  # the engine's programs compiled (`programs.engine_programs`)
 
     @property
     def total(self) -> int:
@@ -118,6 +119,7 @@ class Report:
             "decode_tokens_per_s_per_engine": self.decode_tokens_per_s, "compile_s": self.compile_s,
             "chip": dataclasses.asdict(self.slice.chip), **(self.pool.to_json() if self.pool else {}),
             "decode_bytes": None if self.decode_bytes is None else self.decode_bytes.to_json(),
+            "engine_programs": self.engine_programs,
         }
 
     def text(self) -> str:
@@ -134,6 +136,7 @@ class Report:
                  f"compiled at depth {', '.join(map(str, self.depths))}"
                  + (" and extrapolated (memory is affine in depth)" if s.model.num_layers not in self.depths else "")
                  + f" in {self.compile_s:.0f} s",
+                 *([f"engine programs: {self.engine_programs}"] if self.engine_programs else []),
                  "per chip, GiB:"]
         lines += [f"  {name:<15}{self.terms[name] / g:8.2f}" for name in TERMS]
         verdict = "fits" if self.fits else (f"does NOT fit: {self.overflow} is the largest term; try "
@@ -256,7 +259,8 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
                    depths: tuple[int, ...] | None = None, engine_hosts: int | None = None,
                    cost: bool = False, rollout_tokens: int | None = None, context: bool = False,
                    name: str = "the model") -> Report:
-    """Compile the train step, the largest prefill bucket and the decode step for `slice_` and report.
+    """Compile the train step and the engine's programs (the largest prefill bucket and the decode program, or
+    the ragged step of chunked prefill alone: `programs.engine_programs`) for `slice_` and report.
 
     Args:
         shapes: the run's sizes; its model is replaced by `model` at each compiled depth.
@@ -304,17 +308,16 @@ def compile_report(model: ModelConfig, mesh_shape: dict[str, int], slice_: slice
     free = int(FIT_SHARE * slice_.chip.hbm_bytes) - sum(terms.values()) + terms["kv_cache"]  # the cache's room
     kv = pool.of(shapes, emesh, hosts // g, free, rollout_tokens or shapes.seq_len // 2,
                  auto and shapes.kv_cache_tokens is not None)
-    steps = programs.abstract_engine(shapes, emesh)[0].decode_steps_per_dispatch  # the decode program's loop
     step = decode_bytes.of(decode, terms["kv_cache"], kv.bytes_per_token, _reads(shapes, emesh), shapes.decode_slots,
-                           kv.mean_tokens, shapes.seq_len, steps)
+                           kv.mean_tokens, shapes.seq_len, programs.decode_steps(shapes, emesh))
     raw = {f"{n}@{d}": dataclasses.asdict(p) for n, ps in compiled.items() for d, p in sorted(ps.items())}
-    full = {"train": train, "prefill": prefill, "decode": decode}
+    full = {n: p for n, p in (("train", train), ("prefill", prefill), ("decode", decode)) if compiled[n]}
     return Report(slice_, hosts, dict(mesh.shape), g, dict(emesh.shape), shapes, depths, terms,
                   {**raw, **({f"{n}@{model.num_layers}": v for n, v in full.items()} if len(depths) > 1 else {})},
                   train_s, decode_s, time.perf_counter() - t0,
                   "set" if engine_hosts else "the fewest that fit beside the compiled train step", micro_from,
                   layer_cost, kv, longest_context(shapes, mesh, slice_.chip.hbm_bytes, depths) if context else None,
-                  step)
+                  step, programs.engine_programs(shapes, emesh))
 
 
 def _reads(shapes: Shapes, emesh: Any) -> str:
@@ -366,10 +369,10 @@ def _compile_programs(shapes: Shapes, mesh: Any, hbm_bytes: int, depths: tuple[i
         compiled.update(prefill=searched.engine.prefill, decode=searched.engine.decode)
         return shapes, micro_from, compiled, g
     emesh = programs.engine_mesh(mesh, g)
-    for depth in depths:
+    for depth in depths if programs.runs_prefill(shapes, emesh) else ():
         run("prefill", depth, lambda d=depth: programs.compile_prefill(shapes.at_depth(d), emesh))
     prefill = fit.at_depth(compiled["prefill"], depths, shapes.model.num_layers)
-    own = prefill["declared_weights"] + prefill["declared_lora"] if fit.engine_owns_weights(shapes, emesh, mesh) else 0
+    own = programs.engine_weight_bytes(shapes, emesh) if fit.engine_owns_weights(shapes, emesh, mesh) else 0
     room = fit.FIT_SHARE * hbm_bytes - fit.trainer_bytes(train) - prefill["temp"] - prefill["output"] - own
     decoded = pool.sized(shapes, emesh, room) if shapes.kv_cache_tokens is None else shapes
     for depth in depths:

@@ -24,31 +24,34 @@ from jaxrl.parallel.sharding import batch_shards
 from jaxrl.rl.train import default_micro_batch
 
 
-def pool_room(chip_bytes: int, in_use: int, train: programs.Program, prefill: programs.Program,
+def pool_room(chip_bytes: int, in_use: int, train: programs.Program, prefill: programs.Program | None,
               decode: programs.Program | None) -> float:
     """Bytes a chip left for the KV pool (k and v pools and page table): `fit.FIT_SHARE` of `chip_bytes`
     less `in_use` (what is allocated) and what the compiled programs add to it: the train step's temporaries,
     outputs not written over its donated state (its metrics) and batch, the larger of the prefill's and decode's
     temporaries, the prefill's outputs and the decode's slot state (`report.compile_report`'s terms;
-    `decode` None: not compiled yet, left out)."""
-    temp, slots = (prefill.temp, 0) if decode is None else (max(prefill.temp, decode.temp), decode.declared["slots"])
+    `decode` None: not compiled yet, left out; `prefill` None: the engine runs none, `programs.runs_prefill`)."""
+    prefill_temp, prefill_out = (0, 0) if prefill is None else (prefill.temp, prefill.output)
+    temp, slots = (prefill_temp, 0) if decode is None else (max(prefill_temp, decode.temp), decode.declared["slots"])
     return (fit.FIT_SHARE * chip_bytes - in_use - train.temp - (train.output - train.alias) - train.declared["batch"]
-            - temp - prefill.output - slots)
+            - temp - prefill_out - slots)
 
 
 def fitted_tokens(cfg: RunConfig, model: ModelConfig, mesh: Any, emesh: Any, micro: int, chip_bytes: int,
                   in_use: int) -> int:
     """The pool's positions (`pool.auto_pool_tokens`) for a run of `cfg` whose trainer is on `mesh` with
     `micro` sequences per micro-batch and whose engine is on `emesh`, with chips of `chip_bytes` of which
-    `in_use` are held: the train step and prefill compiled at full depth, then the decode step with the pool
-    that fits beside them, then the pool that fits beside all three (a pool's size leaves the decode step's
-    scratch as it is: its kernel reads pages in place). Three compiles.
+    `in_use` are held: the train step and prefill (none where the engine runs chunked prefill,
+    `programs.runs_prefill`) compiled at full depth, then the decode step with the pool that fits beside them,
+    then the pool that fits beside all three (a pool's size leaves the decode step's scratch as it is: its
+    kernel reads pages in place). Three compiles (two without a prefill).
 
     Raises:
         programs.ProgramTooLarge: the compiler refused one of the programs.
     """
     shapes = dataclasses.replace(report.shapes_of(cfg, model), micro_batch_size=micro)
-    train, prefill = programs.compile_train(shapes, mesh), programs.compile_prefill(shapes, emesh)
+    train = programs.compile_train(shapes, mesh)
+    prefill = programs.compile_prefill(shapes, emesh) if programs.runs_prefill(shapes, emesh) else None
     first = pool.sized(shapes, emesh, pool_room(chip_bytes, in_use, train, prefill, None))
     decode = programs.compile_decode(first, emesh)
     return pool.sized(shapes, emesh, pool_room(chip_bytes, in_use, train, prefill, decode)).kv_cache_tokens

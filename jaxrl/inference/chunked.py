@@ -43,7 +43,7 @@ from jaxrl.inference.protocol import SamplingParams
 from jaxrl.inference.request import Request, Sampled
 from jaxrl.inference.sampling import SlotSampling
 from jaxrl.inference.scheduler import Scheduler
-from jaxrl.inference.steps import run_steps
+from jaxrl.inference.steps import pin_for, run_steps
 from jaxrl.kv.ragged import QUERY_BLOCK, Ragged, RaggedPaged, pack
 from jaxrl.model import modules
 from jaxrl.model.blocks import Params
@@ -65,7 +65,7 @@ class RaggedSteps:
         self._begin = jax.jit(self._begin_impl, donate_argnums=(0,))
         flags = ("truncate", "penalize", "ban", "top")
         self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=flags)
-        self._steps = jax.jit(self._steps_impl, donate_argnums=(1,), static_argnames=("steps", *flags))
+        self._steps = jax.jit(self._steps_impl, donate_argnums=(1,), static_argnames=("steps", "pin", *flags))
 
     def begin(self, state: DecodeState, slot: int, params: SamplingParams, key: jax.Array,
               prompt: list[int]) -> DecodeState:
@@ -97,7 +97,8 @@ class RaggedSteps:
         program (`_steps_impl`), slot b running at most `budget_B[b]` (int32 [B]) and none after a stop
         token (`jaxrl.inference.steps.run_steps`, as `Engine.generate_steps`); `flags` as `step`'s."""
         return self._steps(params, state, jax.tree.map(jnp.asarray, batch), jnp.asarray(last_B),
-                           jnp.asarray(budget_B), steps=self.engine.decode_steps_per_dispatch, **flags)
+                           jnp.asarray(budget_B), steps=self.engine.decode_steps_per_dispatch,
+                           pin=pin_for(params, self.engine.mesh), **flags)
 
     def _step_impl(self, params, state: DecodeState, tokens_M, batch: Ragged, last_B, emit_B, *, truncate, penalize,
                    ban, top):
@@ -106,11 +107,12 @@ class RaggedSteps:
         return state, ResultTokens(*(self.engine._replicated(x) for x in result))
 
     def _steps_impl(self, params, state: DecodeState, batch: Ragged, last_B, budget_B, *, steps, truncate, penalize,
-                    ban, top):
+                    ban, top, pin=None):
         """`steps` masked ragged steps (`_ragged`) in one `run_steps` loop. `batch` holds one token for each
         decoding slot, placed as `pack` placed it for the first step; each step moves its positions to the
         slots' positions then, so that every step is the flat batch of M tokens a single step of those
-        slots would run, and a slot's numbers are that step's (a slot's row does not depend on the others')."""
+        slots would run, and a slot's numbers are that step's (a slot's row does not depend on the others').
+        `pin`: `run_steps`' (`jaxrl.inference.steps.pin_for` of `params`)."""
         seq_S = jnp.arange(batch.kv_lens.shape[0]) < batch.num_seqs[0]
         tokens_M = jnp.where(batch.valid, -1, 0)  # each slot's last sampled token; padding as `step`'s
 
@@ -120,7 +122,7 @@ class RaggedSteps:
             return self._ragged(p, s, tokens_M, at, last_B, live_B, truncate=truncate, penalize=penalize,
                                 ban=ban, top=top)
 
-        state, out, counts_B = run_steps(step, params, state, budget_B, steps=steps, top=top)
+        state, out, counts_B = run_steps(step, params, state, budget_B, steps=steps, top=top, pin=pin)
         return state, ResultSteps(*(self.engine._replicated(x) for x in (*out, counts_B)))
 
     def _ragged(self, params, state: DecodeState, tokens_M, batch: Ragged, last_B, emit_B, *, truncate, penalize,
@@ -309,10 +311,17 @@ class ChunkedScheduler(Scheduler):
                     self._release(req, keep=True)  # its tokens come with `_hand_out`
 
 
+def chunked_prefill(engine: Engine) -> bool:
+    """Whether `engine`'s scheduler feeds prompts through its ragged step (`ChunkedScheduler`: no prefill
+    bucket; its decode program the loop of ragged steps, `RaggedSteps.decode`): over a `RaggedPaged` cache, the
+    kind `jaxrl.kv.pick` gives a TPU (`keep_turns` or not)."""
+    return isinstance(engine.kv, RaggedPaged)
+
+
 def make_scheduler(engine: Engine, params: Params, model_name: str, seed: int = 0, keep_turns: bool = False,
                    prefill_chunk: int = PREFILL_CHUNK) -> Scheduler:
-    """The scheduler for `engine`: `ChunkedScheduler` over a `RaggedPaged` cache (the kind `jaxrl.kv.pick`
-    gives a TPU), else `Scheduler` (arguments as theirs)."""
-    if isinstance(engine.kv, RaggedPaged):
+    """The scheduler for `engine`: `ChunkedScheduler` where `chunked_prefill`, else `Scheduler` (arguments as
+    theirs)."""
+    if chunked_prefill(engine):
         return ChunkedScheduler(engine, params, model_name, seed, keep_turns, prefill_chunk)
     return Scheduler(engine, params, model_name, seed, keep_turns=keep_turns)

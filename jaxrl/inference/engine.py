@@ -42,7 +42,7 @@ from jaxrl.inference.decode_state import DecodeState, Prefix, ResultSteps, Resul
 from jaxrl.inference.engine_params import EngineParams, EngineWeights, PlainWeights
 from jaxrl.inference.protocol import MAX_TOP_LOGPROBS, SamplingParams
 from jaxrl.inference.sampling import SlotSampling, mark_seen, sample_with_top, stop_ban
-from jaxrl.inference.steps import run_steps
+from jaxrl.inference.steps import pin_for, run_steps
 from jaxrl.kv.kind import CacheKind
 from jaxrl.kv.pick import pick
 from jaxrl.model import kernels, modules
@@ -121,7 +121,7 @@ class Engine:
         self._generate = jax.jit(self._generate_impl, donate_argnums=(1,),
                                  static_argnames=("truncate", "penalize", "ban", "chunks", "top"))
         self._generate_steps = jax.jit(self._generate_steps_impl, donate_argnums=(1,),
-                                       static_argnames=("steps", "truncate", "penalize", "ban", "chunks", "top"))
+                                       static_argnames=("steps", "truncate", "penalize", "ban", "chunks", "top", "pin"))
 
     def prepare(self, params: Params) -> EngineParams:
         """Engine params for `prefill` / `generate` from `{"base", "lora"}` (`EngineWeights.prepare`)."""
@@ -340,10 +340,10 @@ class Engine:
         Returns:
             The decode state (the input's buffers donated) and the steps' tokens (`ResultSteps`).
         """
-        budget_B = np.asarray(budget_B, np.int32)
-        decode_state = self._pages_for(decode_state, budget_B)
+        decode_state = self._pages_for(decode_state, budget_B := np.asarray(budget_B, np.int32))
         return self._generate_steps(params, decode_state, jnp.asarray(budget_B), steps=self.decode_steps_per_dispatch,
-                                    truncate=truncate, penalize=penalize, ban=ban, chunks=chunks, top=top)
+                                    truncate=truncate, penalize=penalize, ban=ban, chunks=chunks, top=top,
+                                    pin=pin_for(params, self.mesh))
 
     def _pages_for(self, decode_state: DecodeState, ahead_B: np.ndarray | None) -> DecodeState:
         """With a paged cache, `decode_state` with each held slot given the pages of its next `ahead_B[slot]`
@@ -447,13 +447,13 @@ class Engine:
         return new, ResultTokens(*(self._replicated(x) for x in result))
 
     def _generate_steps_impl(self, params, state: DecodeState, budget_B, *, steps, truncate, penalize, ban=True,
-                             chunks=None, top=0):
-        """`steps` masked `_step`s in one program (`jaxrl.inference.steps.run_steps`; `generate_steps`)."""
+                             chunks=None, top=0, pin=None):
+        """`steps` masked `_step`s in one program (`jaxrl.inference.steps.run_steps`, with `pin`; `generate_steps`)."""
 
         def step(p: EngineParams, s: DecodeState, live_B: jax.Array):
             return self._step(p, s, live_B, truncate=truncate, penalize=penalize, ban=ban, chunks=chunks, top=top)
 
-        state, out, counts_B = run_steps(step, params, state, budget_B, steps=steps, top=top)
+        state, out, counts_B = run_steps(step, params, state, budget_B, steps=steps, top=top, pin=pin)
         return state, ResultSteps(*(self._replicated(x) for x in (*out, counts_B)))
 
     def _step(self, params, state: DecodeState, live_B, *, truncate, penalize, ban, chunks, top):

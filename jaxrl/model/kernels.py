@@ -9,6 +9,7 @@ jaxrl/model, jaxrl/inference and `jaxrl.kv.pick` for platform names and finds th
     accelerator, read by the Pallas ragged kernel on TPU, by the gather reference on GPU (its Pallas Triton kernel
     behind `PAGED_KERNEL_ON_GPU`); the CPU's chunked cache;
   * `sampler_search`: how the sampler finds its top_k / top_p thresholds (`jaxrl.inference.sampling`);
+  * `pins_loop_layouts`: whether a loop of decode steps pins its weights' layouts (`jaxrl.inference.steps`);
   * `interpret`: whether a Pallas kernel runs in interpret mode (on a CPU mesh: the tests);
   * `ragged_all_to_all`: how the MoE block's ragged all-to-all runs (`jaxrl.model.moe_all_to_all`): XLA's
     collective, the CPU's emulation, or not at all where XLA's TPU compiler refuses it.
@@ -129,6 +130,14 @@ def cache_kind(on: str, head_dim: int, pooled: bool, paged_kernel_on_gpu: bool =
     if on in GPU_PLATFORMS and paged_kernel_on_gpu:
         return Cache.PAGED_GPU
     return Cache.PAGED
+
+
+def pins_loop_layouts(on: str) -> bool:
+    """Whether a loop of decode steps (`jaxrl.inference.steps.run_steps`) on platform `on` pins the weights'
+    layouts inside its body to their arguments': on TPU, where XLA's layout assignment otherwise gives the
+    loop's copy of each stacked weight the tiled layout the layer scan's dots want and relayouts the whole
+    stack into it once before the loop (docs/benchmarks-log.md, 2026-11-28)."""
+    return on == "tpu"
 
 
 def sampler_search(on: str) -> Search:
