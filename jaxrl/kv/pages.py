@@ -232,28 +232,18 @@ class PageAllocator:
         if (entry := self._prompts.get(prompt)) is not None:
             pages = entry[0]
             self.refs[pages] += 1
-            self.prefix_hits += 1
-            self.shared_pages += len(pages)
-            self.prefix_tokens += length
+            self._hit(len(pages), length)
         else:
             read, m = self._pinned.pop(prompt, ([], 0)) if prompt is not None else ([], 0)
             shared = read[:m // self.page]
-            pages = list(shared)
             try:
-                while len(pages) < n:
-                    pages.append(self._take())
-            except PoolExhausted:
-                for p in pages:
-                    self._drop(p)
-                raise
+                pages = self._grow(list(shared), n)
             finally:
                 for p in read[len(shared):]:  # the partial page, read by the prefill: let go
                     self._drop(p)
             dest[len(shared):n] = pages[len(shared):]
             if shared:
-                self.prefix_hits += 1
-                self.shared_pages += len(shared)
-                self.prefix_tokens += m
+                self._hit(len(shared), m)
             if prompt is not None:
                 self._prompts[prompt] = (pages, keep)
         self.table[slot, :n] = pages
@@ -287,24 +277,36 @@ class PageAllocator:
         else:
             shared = self._prompts.get(prefix)[0] if prefix and prefix in self._prompts else []
             self.refs[shared] += 1
-        pages = list(shared)
-        try:
-            while len(pages) < math.ceil(length / self.page):
-                pages.append(self._take())
-        except PoolExhausted:
-            for p in pages:
-                self._drop(p)
-            raise
+        pages = self._grow(list(shared), math.ceil(length / self.page))
         if shared:
-            self.prefix_hits += 1
-            self.shared_pages += len(shared)
-            self.prefix_tokens += len(shared) * self.page
+            self._hit(len(shared), len(shared) * self.page)
         elif prefix:
             self._prompts[prefix] = (pages[:len(prefix) // self.page], None)
         self.table[slot, :len(pages)] = pages
         self._positions[slot] = length
         self.dirty = True
         return len(shared) * self.page
+
+    def _grow(self, pages: list[int], n: int) -> list[int]:
+        """`pages` (held references) with new pages appended up to `n`.
+
+        Raises:
+            PoolExhausted: too few free pages; every page of `pages` is dropped first (references given back).
+        """
+        try:
+            while len(pages) < n:
+                pages.append(self._take())
+        except PoolExhausted:
+            for p in pages:
+                self._drop(p)
+            raise
+        return pages
+
+    def _hit(self, pages: int, tokens: int) -> None:
+        """Count a prompt that shares `pages` held pages, `tokens` positions of them (the prefix counters)."""
+        self.prefix_hits += 1
+        self.shared_pages += pages
+        self.prefix_tokens += tokens
 
     def _ahead(self, ahead_B: np.ndarray | None) -> list[tuple[int, int, range]]:
         """(slot, its position after its next `ahead_B[slot]` positions (None: one), the page indices they
